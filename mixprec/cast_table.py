@@ -1,0 +1,217 @@
+"""The cast table: which ops run in 16-bit, which stay in float32, which promote.
+
+This table is data. The eager engine (``mixprec.autocast``), the graph pass and the generated op
+table in the README all read it, so they cannot drift apart.
+
+Rules (the Apex / torch.autocast / grappler vocabulary, see ``shared/reference/apex.md`` §1.10,
+``torch_amp.md`` §2):
+
+* ``"lower"`` -- compute-bound ops (matmul, conv, linear, attention, RNNs): floating inputs are
+  cast to the 16-bit compute dtype; the kernels accumulate in float32 internally.
+* ``"fp32"`` -- numerically risky ops (softmax, norms, reductions, exp/log/pow, losses): floating
+  inputs are cast to float32. Unlike torch.autocast's CPU list, these are protected on *every*
+  device, and for float16 on CPU too.
+* ``"promote"`` -- ops with several floating inputs run in the widest of them (float32 beats
+  16-bit; a float16/bfloat16 mix goes to float32 instead of raising).
+* anything unlisted runs in the dtype of its inputs.
+
+Ops are keyed by their base name ("mm", "softmax", "layer_norm"), so ``torch.softmax``,
+``Tensor.softmax``, ``F.softmax`` and ``torch.ops.aten.softmax.int`` share one entry; ``add_``
+and ``out=`` variants are in-place and are never downcast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["FP32", "LOWER", "PROMOTE", "RULES", "DEFAULT_TABLE", "cast_rules", "current_table",
+           "op_name", "register_op", "rule_for", "table_markdown"]
+
+LOWER, FP32, PROMOTE = "lower", "fp32", "promote"
+RULES = (LOWER, FP32, PROMOTE)
+
+_CATEGORIES: dict[str, dict[str, tuple[str, ...]]] = {
+    LOWER: {
+        "matmul": ("linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "addmv", "addr",
+                   "mv", "einsum", "chain_matmul", "linalg_multi_dot", "_addmm_activation"),
+        "convolution": ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                        "conv_transpose3d", "conv_tbc", "convolution", "_convolution", "prelu"),
+        "attention": ("scaled_dot_product_attention", "_native_multi_head_attention"),
+        "recurrent": ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell",
+                      "rnn_tanh_cell", "rnn_relu_cell", "mkldnn_rnn_layer"),
+    },
+    FP32: {
+        "softmax": ("softmax", "log_softmax", "softmin", "_softmax", "_log_softmax", "logsumexp"),
+        "normalization": ("layer_norm", "native_layer_norm", "group_norm", "rms_norm",
+                          "local_response_norm", "normalize"),
+        "reduction": ("sum", "nansum", "mean", "nanmean", "prod", "cumsum", "cumprod", "std",
+                      "var", "std_mean", "var_mean", "norm", "linalg_norm", "linalg_vector_norm",
+                      "linalg_matrix_norm", "frobenius_norm", "nuclear_norm", "dist", "pdist",
+                      "cdist", "renorm", "trace", "cosine_similarity"),
+        "pointwise": ("exp", "expm1", "log", "log10", "log2", "log1p", "pow", "float_power",
+                      "reciprocal", "rsqrt", "acos", "asin", "cosh", "sinh", "tan", "erfinv",
+                      "softplus"),
+        "loss": ("cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss2d",
+                 "binary_cross_entropy", "binary_cross_entropy_with_logits", "mse_loss",
+                 "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div", "poisson_nll_loss",
+                 "gaussian_nll_loss", "cosine_embedding_loss", "hinge_embedding_loss",
+                 "margin_ranking_loss", "multilabel_margin_loss",
+                 "multilabel_soft_margin_loss", "multi_margin_loss", "soft_margin_loss",
+                 "triplet_margin_loss", "ctc_loss"),
+        "linear algebra": ("inverse", "pinverse", "cholesky", "linalg_inv", "linalg_solve",
+                           "linalg_cholesky", "linalg_eigh", "linalg_svd", "svd", "qr"),
+        "fft": ("fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "fft_fft2", "fft_rfft2",
+                "fft_fftn", "fft_rfftn", "stft"),
+    },
+    PROMOTE: {
+        "binary": ("add", "sub", "rsub", "mul", "div", "true_divide", "atan2", "maximum",
+                   "minimum", "fmax", "fmin", "lerp", "addcmul", "addcdiv", "where", "dot", "vdot",
+                   "cross", "bilinear", "tensordot", "eq", "ne", "lt", "le", "gt", "ge",
+                   "equal"),
+        "sequence": ("cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack"),
+        "indexing": ("index_put", "index_copy", "scatter_add", "index_add", "masked_scatter"),
+    },
+}
+
+DEFAULT_TABLE: Mapping[str, str] = {
+    name: rule for rule, groups in _CATEGORIES.items() for names in groups.values() for name in names
+}
+
+_DUNDER = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__add__": "add", "__radd__": "add",
+           "__sub__": "sub", "__rsub__": "rsub", "__mul__": "mul", "__rmul__": "mul",
+           "__truediv__": "div", "__rtruediv__": "div", "__div__": "div", "__rdiv__": "div",
+           "__pow__": "pow", "__rpow__": "pow", "__eq__": "eq", "__ne__": "ne", "__lt__": "lt",
+           "__le__": "le", "__gt__": "gt", "__ge__": "ge"}
+_INPLACE_DUNDER = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ipow__",
+                   "__imatmul__", "__setitem__"}
+
+
+def op_name(op: Any) -> tuple[str, bool]:
+    """Return ``(base name, is_inplace)`` for a torch function, Tensor method or ``torch.ops`` op.
+
+    ``torch.ops.aten.mm.default`` -> ``("mm", False)``; ``Tensor.add_`` -> ``("add", True)``;
+    ``Tensor.__matmul__`` -> ``("matmul", False)``; a plain string is taken as a name.
+    """
+    if isinstance(op, str):
+        name = op
+    elif isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        name = op.__name__.split(".")[0] if isinstance(op, torch._ops.OpOverload) else op.__name__
+        name = name.split("::")[-1]
+    else:
+        name = getattr(op, "__name__", None)
+        if not isinstance(name, str):
+            raise TypeError(f"Cannot name op {op!r} (type {type(op).__name__}): expected a torch "
+                            "function, a torch.nn.functional function, a Tensor method, a "
+                            "torch.ops overload or an op name string.")
+    if name in _INPLACE_DUNDER:
+        return name, True
+    if name in _DUNDER:
+        return _DUNDER[name], False
+    if name.endswith("_") and not name.endswith("__") and not name.startswith("_"):
+        return name[:-1], True
+    return name, False
+
+
+class _TableState(threading.local):
+    def __init__(self) -> None:
+        self.scopes: list[dict[str, str | None]] = []
+
+
+_user: dict[str, str | None] = {}
+_scoped = _TableState()
+_version = [0]
+_merged: list[tuple[int, int, dict[str, str]]] = []
+
+
+def _check_rule(rule: Any) -> str | None:
+    if rule is not None and rule not in RULES:
+        raise ValueError(f"Unknown cast rule {rule!r}; expected one of {RULES} (or None to make "
+                         "the op run in its input dtype).")
+    return rule
+
+
+def register_op(op: Any, rule: str | None) -> None:
+    """Set the rule of ``op`` for the rest of the process (all threads).
+
+    Args:
+        op: a torch function, a ``torch.nn.functional`` function, a Tensor method, a
+            ``torch.ops`` overload or an op name. All spellings of the same op share one entry.
+        rule: ``"lower"``, ``"fp32"``, ``"promote"``, or ``None`` (unlisted: input dtype).
+    """
+    name, _ = op_name(op)
+    _user[name] = _check_rule(rule)
+    _version[0] += 1
+
+
+@contextlib.contextmanager
+def cast_rules(overrides: Mapping[Any, str | None]) -> Iterator[None]:
+    """Override rules inside a block (this thread only), e.g. ``{torch.softmax: "lower"}``."""
+    scope = {op_name(op)[0]: _check_rule(rule) for op, rule in overrides.items()}
+    _scoped.scopes.append(scope)
+    _version[0] += 1
+    try:
+        yield
+    finally:
+        _scoped.scopes.remove(scope)
+        _version[0] += 1
+
+
+def current_table() -> dict[str, str]:
+    """The effective ``{op name: rule}`` for this thread: defaults, registrations, scopes."""
+    key = (_version[0], id(_scoped.scopes))
+    if _merged and _merged[0][:2] == key:
+        return _merged[0][2]
+    table: dict[str, str | None] = dict(DEFAULT_TABLE)
+    table.update(_user)
+    for scope in _scoped.scopes:
+        table.update(scope)
+    merged = {k: v for k, v in table.items() if v is not None}
+    _merged[:] = [(key[0], key[1], merged)]
+    return merged
+
+
+def rule_for(op: Any) -> str | None:
+    """The rule that applies to ``op`` now, or None when it runs in its input dtype."""
+    name, inplace = op_name(op)
+    return None if inplace else current_table().get(name)
+
+
+def table_markdown(table: Mapping[str, str] | None = None) -> str:
+    """The op table as Markdown (used to generate the README's table)."""
+    table = DEFAULT_TABLE if table is None else table
+    lines = ["| rule | group | ops |", "|---|---|---|"]
+    for rule, groups in _CATEGORIES.items():
+        for group, names in groups.items():
+            ops = ", ".join(f"`{n}`" for n in names if table.get(n) == rule)
+            if ops:
+                lines.append(f"| {rule} | {group} | {ops} |")
+    return "\n".join(lines)
+
+
+def _resolver() -> Callable[[Any], tuple[str, bool]]:
+    cache: dict[Any, tuple[str, bool]] = {}
+
+    def resolve(func: Any) -> tuple[str, bool]:
+        try:
+            return cache[func]
+        except (KeyError, TypeError):
+            pass
+        try:
+            result = op_name(func)
+        except TypeError:
+            result = ("", False)
+        try:
+            cache[func] = result
+        except TypeError:
+            pass
+        return result
+
+    return resolve
+
+
+resolve_op = _resolver()

@@ -1,0 +1,367 @@
+"""The eager mixed-precision engine: ``with mixprec.autocast(torch.bfloat16): ...``.
+
+Mechanism -- a ``TorchFunctionMode`` on top of ``torch.autocast`` (chosen by measurement, see
+``benchmarks/NOTES.md``):
+
+* The mode sees every torch function, ``torch.nn.functional`` function and Tensor method called
+  from Python and applies the cast table (:mod:`mixprec.cast_table`) to it: ``lower`` ops get
+  16-bit inputs, ``fp32`` ops get float32 inputs and run with torch.autocast switched off,
+  ``promote`` ops get their inputs widened. The casts are ordinary differentiable ``.to()``
+  calls recorded by autograd, so backward needs no help and input gradients come back in the
+  inputs' own dtypes.
+* ``torch.autocast`` stays on underneath, with its own cache off. It only matters inside opaque
+  Python composites (e.g. ``F.multi_head_attention_forward``) whose inner calls a function mode
+  cannot see: their matmuls are still lowered there.
+* Cost: a dict lookup per Python-level op call -- a few microseconds per op, well under 1% of a
+  transformer step -- measured against torch.autocast in ``benchmarks/bench_step.py``.
+
+The cast cache holds the 16-bit copy of each leaf tensor that requires grad (the weights) for
+the lifetime of the outermost region. An entry is keyed by the tensor's identity *and* version
+counter, so an in-place optimizer step inside the region invalidates it (torch.autocast would
+serve the stale copy); an entry built under ``no_grad`` is never handed to a grad-enabled
+forward. There is at most one entry per (weight, dtype): repeated ``no_grad`` forwards do not
+grow it.
+
+fp64 and integer tensors pass through, in-place ops and ``out=`` calls are never downcast, and
+ops given an explicit ``dtype=`` keep it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from mixprec import kernels
+from mixprec.cast_table import FP32, LOWER, PROMOTE, current_table, resolve_op
+from mixprec.policy import Policy, PolicyLike, as_policy, get_policy, global_policy
+
+__all__ = ["autocast", "is_active", "cache_size", "install_boundary", "remove_boundary",
+           "cast_tree"]
+
+_LOW = (torch.float16, torch.bfloat16)
+_ATTENTION = ("auto", "fused", "decomposed")
+
+
+# fp32-rule ops whose 16-bit kernels accumulate in float32 internally (CPU and CUDA): with
+# ``fp32_inside`` they keep 16-bit inputs and outputs -- the seed's "memory-bound ops stay
+# 16-bit in and out, compute in fp32 inside" -- instead of paying for two casts.
+FP32_INSIDE_OPS = frozenset({"layer_norm", "group_norm", "softmax", "log_softmax"})
+
+
+@dataclass(frozen=True)
+class _Frame:
+    dtype: torch.dtype | None  # None: the engine passes everything through
+    attention: str = "auto"
+    fp32_inside: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """How a module boundary runs: its policy and the engine options for its subtree.
+
+    Args:
+        policy: compute dtype for the subtree and output dtype at its exit.
+        cast_inputs: cast floating inputs to the compute dtype on entry.
+        fp32_inside: let :data:`FP32_INSIDE_OPS` keep 16-bit inputs and outputs.
+        attention: see :class:`autocast`.
+        cast_outputs: cast floating outputs to ``policy.output_dtype`` on exit.
+    """
+
+    policy: Policy
+    cast_inputs: bool = True
+    fp32_inside: bool = False
+    attention: str = "auto"
+    cast_outputs: bool = True
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.frames: list[_Frame] = []
+        self.cache: dict[tuple[int, torch.dtype], tuple[Any, int, torch.Tensor, bool]] = {}
+        self.cache_enabled = True
+        self.torch_cache_enabled = True
+        self.mode: _Mode | None = None
+
+
+_state = _State()
+
+
+def _devices() -> list[str]:
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def _cast_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if t.dtype == dtype:
+        return t
+    if not (_state.cache_enabled and _state.frames and t.is_leaf and t.requires_grad
+            and dtype in _LOW):
+        return t.to(dtype)
+    grad = torch.is_grad_enabled()
+    key = (id(t), dtype)
+    entry = _state.cache.get(key)
+    if entry is not None:
+        ref, version, cast, with_grad = entry
+        if ref() is t and version == t._version and (with_grad or not grad):
+            return cast
+    cast = t.to(dtype)
+    _state.cache[key] = (weakref.ref(t), t._version, cast, grad)
+    return cast
+
+
+def cast_tree(obj: Any, dtype: torch.dtype, *, only_low: bool = False) -> Any:
+    """Cast every floating tensor (not fp64) in a nested list/tuple/dict structure to ``dtype``.
+
+    With ``only_low`` only 16-bit tensors are cast (used to widen inputs to float32).
+    """
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() and obj.dtype != torch.float64 and obj.dtype != dtype and (
+                not only_low or obj.dtype in _LOW):
+            return _cast_tensor(obj, dtype)
+        return obj
+    if isinstance(obj, (list, tuple)):
+        items = [cast_tree(x, dtype, only_low=only_low) for x in obj]
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*items)
+        return type(obj)(items) if isinstance(obj, tuple) else items
+    if isinstance(obj, dict):
+        return {k: cast_tree(v, dtype, only_low=only_low) for k, v in obj.items()}
+    return obj
+
+
+def _float_dtypes(obj: Any, found: set[torch.dtype]) -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point():
+            found.add(obj.dtype)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _float_dtypes(x, found)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _float_dtypes(x, found)
+
+
+class _AutocastOff:
+    """Switch torch.autocast off for one call (fp32-rule ops) and restore it after."""
+
+    __slots__ = ("saved",)
+
+    def __enter__(self) -> None:
+        self.saved = [(d, torch.is_autocast_enabled(d)) for d in _devices()]
+        for d, _ in self.saved:
+            torch.set_autocast_enabled(d, False)
+
+    def __exit__(self, *exc: Any) -> None:
+        for d, on in self.saved:
+            torch.set_autocast_enabled(d, on)
+
+
+class _Mode(TorchFunctionMode):
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        frame = _state.frames[-1] if _state.frames else None
+        if frame is None or frame.dtype is None:
+            return func(*args, **kwargs)
+        name, inplace = resolve_op(func)
+        if inplace or kwargs.get("out") is not None:
+            return func(*args, **kwargs)
+        rule = current_table().get(name)
+        if rule is None:
+            return func(*args, **kwargs)
+        if rule == LOWER:
+            args = cast_tree(args, frame.dtype)
+            kwargs = cast_tree(kwargs, frame.dtype) if kwargs else kwargs
+            if name == "scaled_dot_product_attention" and frame.attention != "fused":
+                if kernels.can_decompose_attention(*args, **kwargs):
+                    kw = {k: v for k, v in kwargs.items() if k in ("is_causal", "scale")}
+                    return kernels.decomposed_attention(*args[:3], **kw)
+            return func(*args, **kwargs)
+        if rule == FP32:
+            if kwargs.get("dtype") is not None:
+                return func(*args, **kwargs)
+            if name in frame.fp32_inside and args and isinstance(args[0], torch.Tensor) \
+                    and args[0].dtype in _LOW:
+                args = (args[0], *cast_tree(args[1:], args[0].dtype))
+                with _AutocastOff():
+                    return func(*args, **kwargs)
+            args = cast_tree(args, torch.float32, only_low=True)
+            kwargs = cast_tree(kwargs, torch.float32, only_low=True) if kwargs else kwargs
+            with _AutocastOff():
+                return func(*args, **kwargs)
+        if rule == PROMOTE:
+            found: set[torch.dtype] = set()
+            _float_dtypes(args, found)
+            _float_dtypes(kwargs, found)
+            if len(found) > 1 and torch.float64 not in found:
+                args = cast_tree(args, torch.float32, only_low=True)
+                kwargs = cast_tree(kwargs, torch.float32, only_low=True) if kwargs else kwargs
+        return func(*args, **kwargs)
+
+
+def _push(frame: _Frame) -> list[tuple[str, bool, torch.dtype]]:
+    """Push ``frame``; return the torch.autocast state to restore on pop."""
+    saved = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _devices()]
+    if not _state.frames:
+        _state.torch_cache_enabled = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        _state.mode = _Mode()
+        _state.mode.__enter__()
+    _state.frames.append(frame)
+    torch.autocast_increment_nesting()
+    for d, _, _ in saved:
+        if frame.dtype is None:
+            torch.set_autocast_enabled(d, False)
+        else:
+            torch.set_autocast_dtype(d, frame.dtype)
+            torch.set_autocast_enabled(d, True)
+    return saved
+
+
+def _pop(frame: _Frame, saved: list[tuple[str, bool, torch.dtype]]) -> None:
+    if not _state.frames or _state.frames[-1] is not frame:
+        raise RuntimeError("mixprec.autocast regions were exited out of order.")
+    _state.frames.pop()
+    torch.autocast_decrement_nesting()
+    for d, on, dt in saved:
+        torch.set_autocast_dtype(d, dt)
+        torch.set_autocast_enabled(d, on)
+    if not _state.frames:
+        mode, _state.mode = _state.mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        _state.cache.clear()
+        torch.set_autocast_cache_enabled(_state.torch_cache_enabled)
+
+
+def _frame_for(policy: Policy | None, attention: str, fp32_inside: bool = False) -> _Frame:
+    if policy is None or not policy.is_lower:
+        return _Frame(None, attention)
+    return _Frame(policy.compute_dtype, attention, FP32_INSIDE_OPS if fp32_inside else frozenset())
+
+
+class autocast:
+    """Run the ops in a region under the cast table, in a 16-bit compute dtype.
+
+    Args:
+        dtype_or_policy: ``torch.bfloat16``/``torch.float16``, or any policy spelling; None
+            uses the global policy. A policy whose compute dtype is float32 disables the engine.
+        enabled: False makes the region a no-op (control flow stays the same).
+        cache_enabled: keep one 16-bit copy of each weight for the region (default True).
+        attention: ``"auto"`` uses the faster decomposed attention where it was measured faster
+            (CPU, bfloat16); ``"fused"`` always keeps ``scaled_dot_product_attention``.
+
+    Forward only: call ``backward`` outside the region (autograd replays the recorded casts).
+
+    Example:
+        >>> model = torch.nn.Linear(4, 4)
+        >>> with autocast(torch.bfloat16):
+        ...     y = model(torch.randn(2, 4))
+        >>> y.dtype
+        torch.bfloat16
+    """
+
+    def __init__(self, dtype_or_policy: PolicyLike | None = None, *, enabled: bool = True,
+                 cache_enabled: bool = True, attention: str = "auto"):
+        if attention not in _ATTENTION:
+            raise ValueError(f"attention={attention!r} is not one of {_ATTENTION}.")
+        policy = global_policy() if dtype_or_policy is None else as_policy(dtype_or_policy)
+        if policy.compute_dtype not in _LOW + (torch.float32, torch.float64):
+            raise ValueError(f"autocast needs a floating compute dtype, received {policy}.")
+        self.policy = policy
+        self.enabled = enabled
+        self.cache_enabled = cache_enabled
+        self.attention = attention
+        self._stack: list[tuple[_Frame, list, bool]] = []
+
+    def __enter__(self) -> autocast:
+        if self.enabled:
+            if self.policy.is_lower:
+                from mixprec.hardware import warn_if_slow
+
+                warn_if_slow(self.policy.compute_dtype)
+            frame = _frame_for(self.policy, self.attention)
+            previous_cache = _state.cache_enabled
+            saved = _push(frame)
+            _state.cache_enabled = self.cache_enabled and previous_cache
+            self._stack.append((frame, saved, previous_cache))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled:
+            frame, saved, previous_cache = self._stack.pop()
+            _state.cache_enabled = previous_cache
+            _pop(frame, saved)
+
+
+def is_active() -> bool:
+    """True inside a region where the engine lowers ops (a 16-bit frame is on top)."""
+    return bool(_state.frames) and _state.frames[-1].dtype is not None
+
+
+def cache_size() -> int:
+    """Number of weight casts currently cached (for tests and diagnostics)."""
+    return len(_state.cache)
+
+
+# -- per-module policy boundaries ------------------------------------------------------------
+
+_HOOKS = "_mixprec_boundary_hooks"
+BOUNDARY_ATTR = "_mixprec_boundary"
+
+
+def _boundary(module: nn.Module) -> Boundary | None:
+    spec = module.__dict__.get(BOUNDARY_ATTR)
+    if spec is not None:
+        return spec
+    policy = get_policy(module)
+    if policy is None:
+        return None
+    outer = _state.frames[-1] if _state.frames else None
+    return Boundary(policy, attention=outer.attention if outer else "auto",
+                    fp32_inside=bool(outer and outer.fp32_inside))
+
+
+def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    spec = _boundary(module)
+    if spec is None:
+        return args, kwargs
+    frame = _frame_for(spec.policy, spec.attention, spec.fp32_inside)
+    saved = _push(frame)
+    module.__dict__.setdefault("_mixprec_frames", []).append((frame, saved, spec))
+    if not spec.cast_inputs:
+        return args, kwargs
+    dtype = spec.policy.compute_dtype
+    return cast_tree(args, dtype), cast_tree(kwargs, dtype)
+
+
+def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    stack = module.__dict__.get("_mixprec_frames")
+    if not stack:
+        return output
+    frame, saved, spec = stack.pop()
+    _pop(frame, saved)
+    if output is None or not spec.cast_outputs:
+        return output
+    return cast_tree(output, spec.policy.output_dtype)
+
+
+def install_boundary(module: nn.Module) -> None:
+    """Install the hooks that make ``module`` compute under its own policy (idempotent)."""
+    if _HOOKS in module.__dict__:
+        return
+    handles = (module.register_forward_pre_hook(_pre_hook, with_kwargs=True, prepend=True),
+               module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True))
+    module.__dict__[_HOOKS] = handles
+
+
+def remove_boundary(module: nn.Module) -> None:
+    """Remove the hooks installed by :func:`install_boundary`, if any."""
+    for handle in module.__dict__.pop(_HOOKS, ()):
+        handle.remove()

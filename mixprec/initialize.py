@@ -1,0 +1,250 @@
+"""``mixprec.initialize``: one call that turns a model and optimizer into a mixed-precision pair.
+
+Design (Apex ``amp.initialize`` semantics, ``shared/reference/apex.md`` §1.2-1.5): an opt level is
+a bundle of properties; keyword overrides change single properties and are validated together.
+
+| level | parameters | forward | outputs | masters | loss scaling (fp16 / bf16) |
+|---|---|---|---|---|---|
+| O0 | fp32 | fp32 | fp32 | no | off / off |
+| O1 | fp32 | cast table (eager engine) | fp32 | no (fp32 already) | dynamic / off |
+| O2 | 16-bit, norms fp32 | 16-bit, cast table, inputs cast at entry | fp32 | fp32 | dynamic / off |
+| O3 | 16-bit everywhere | 16-bit, cast table, inputs cast at entry | fp32 | no | dynamic / off |
+
+At O2/O3 memory-bound ops with fp32-accumulating kernels (layer_norm, softmax) keep 16-bit
+inputs and outputs (``fp32_inside``). A non-finite gradient skips the step at every level, with
+or without loss scaling. The model is modified in place (hooks, parameter storage) and returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from mixprec import engine
+from mixprec.hardware import default_dtype, warn_if_slow
+from mixprec.loss_scale import LossScaler
+from mixprec.optimizer import LossSlot, MixedPrecisionOptimizer
+from mixprec.policy import Policy, PolicyLike, as_policy, get_policy
+
+__all__ = ["LEVELS", "initialize", "scale_loss", "fp32_state_dict"]
+
+LEVELS: dict[str, dict[str, Any]] = {
+    "O0": dict(cast_params=False, engine=False, keep_norm_fp32=None, master_weights=False,
+               cast_inputs=False, fp32_inside=False),
+    "O1": dict(cast_params=False, engine=True, keep_norm_fp32=None, master_weights=False,
+               cast_inputs=False, fp32_inside=False),
+    "O2": dict(cast_params=True, engine=True, keep_norm_fp32=True, master_weights=True,
+               cast_inputs=True, fp32_inside=True),
+    "O3": dict(cast_params=True, engine=True, keep_norm_fp32=False, master_weights=False,
+               cast_inputs=True, fp32_inside=True),
+}
+_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
+                "min_scale", "max_scale")
+_OVERRIDES = ("keep_norm_fp32", "master_weights", "loss_scale", "cast_model_outputs",
+              "num_losses", "fp32_inside", "attention", *_SCALER_KEYS)
+_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
+          *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+_MARK = "_mixprec_initialized"
+
+
+def _as_list(obj: Any, kind: type, what: str) -> tuple[list[Any], bool]:
+    many = isinstance(obj, (list, tuple))
+    items = list(obj) if many else [obj]
+    for item in items:
+        if not isinstance(item, kind):
+            raise TypeError(f"initialize expects {what} (or a list of them), received "
+                            f"{type(item).__name__}.")
+    return items, many
+
+
+def _level_from_policy(policy: Policy) -> str:
+    if not policy.is_lower:
+        return "O0"
+    return "O1" if policy.param_dtype == torch.float32 else "O3"
+
+
+def _cast_storage(module: nn.Module, dtype: torch.dtype, keep_norm: bool) -> None:
+    """Store parameters and floating buffers in ``dtype``; Parameter objects keep identity."""
+    own = get_policy(module)
+    if own is not None:
+        dtype = own.param_dtype
+    if not (keep_norm and isinstance(module, _NORMS)):
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != torch.float64:
+                p.data = p.data.to(dtype)
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and b.is_floating_point() and b.dtype != torch.float64:
+                module._buffers[name] = b.to(dtype)
+    for child in module.children():
+        _cast_storage(child, dtype, keep_norm)
+
+
+def _resolve(level: str | None, dtype: Any, policy: PolicyLike | None, device: torch.device,
+             overrides: dict[str, Any]) -> tuple[str, torch.dtype, dict[str, Any]]:
+    unknown = sorted(set(overrides) - set(_OVERRIDES))
+    if unknown:
+        raise TypeError(f"Unknown initialize option(s) {unknown}; allowed: {sorted(_OVERRIDES)}.")
+    if policy is not None:
+        if dtype is not None:
+            raise ValueError("Give policy= or dtype=, not both: the policy carries the dtype.")
+        pol = as_policy(policy)
+        level = level or _level_from_policy(pol)
+        dtype = pol.compute_dtype
+        overrides.setdefault("cast_model_outputs", pol.output_dtype)
+    level = level or "O1"
+    if level not in LEVELS:
+        raise ValueError(f"Unknown level {level!r}; expected one of {sorted(LEVELS)}.")
+    if dtype is None:
+        dtype = torch.float32 if level == "O0" else default_dtype(device)
+    elif isinstance(dtype, str):
+        dtype = as_policy(dtype).compute_dtype
+    if level != "O0" and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"Level {level} needs a 16-bit dtype (torch.bfloat16 or torch.float16), "
+                         f"received {dtype}. Use level='O0' for float32 training.")
+    props = dict(LEVELS[level])
+    if "keep_norm_fp32" in overrides and not props["cast_params"]:
+        raise ValueError(f"keep_norm_fp32 only applies where parameters are cast (O2, O3); "
+                         f"level {level} keeps every parameter in float32.")
+    if overrides.get("master_weights") and not props["cast_params"]:
+        raise ValueError(f"master_weights=True needs 16-bit parameters (O2, O3); at level {level} "
+                         "the parameters are already float32.")
+    if overrides.get("fp32_inside") and not props["engine"]:
+        raise ValueError("fp32_inside only applies with the eager engine (O1-O3).")
+    for key in ("keep_norm_fp32", "master_weights", "fp32_inside", "attention",
+                "cast_model_outputs"):
+        if key in overrides:
+            props[key] = overrides.pop(key)
+    props.setdefault("attention", "auto")
+    props.setdefault("cast_model_outputs", torch.float32)
+    spec = overrides.pop("loss_scale", "dynamic" if dtype == torch.float16 else None)
+    num_losses = overrides.pop("num_losses", 1)
+    if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
+        raise ValueError(f"num_losses must be an int >= 1, received {num_losses!r}.")
+    props["scalers"] = [LossScaler.from_spec(spec, **overrides) for _ in range(num_losses)]
+    return level, dtype, props
+
+
+def initialize(models: nn.Module | Sequence[nn.Module],
+               optimizers: Optimizer | Sequence[Optimizer] | None = None,
+               level: str | None = None, dtype: torch.dtype | str | None = None, *,
+               policy: PolicyLike | None = None, **overrides: Any) -> Any:
+    """Prepare models and optimizers for mixed-precision training.
+
+    Args:
+        models: a module or a list of modules (modified in place and returned).
+        optimizers: an optimizer, a list of them, or None (inference / custom loops).
+        level: "O0", "O1" (default), "O2" or "O3" -- see the module docstring's table.
+        dtype: the 16-bit dtype; None picks :func:`mixprec.default_dtype` for the device.
+        policy: any policy spelling, instead of ``level`` + ``dtype``.
+        **overrides: ``keep_norm_fp32``, ``master_weights``, ``loss_scale`` ("dynamic" | float |
+            None), ``cast_model_outputs`` (dtype or None), ``num_losses``, ``fp32_inside``,
+            ``attention`` and the :class:`LossScaler` settings (``init_scale``,
+            ``growth_interval``, ``hysteresis``, ``min_scale``, ...).
+
+    Returns:
+        ``model`` or ``(model, optimizer)``, with lists where lists were given.
+
+    Example:
+        >>> model, opt = initialize(torch.nn.Linear(4, 4), torch.optim.SGD(
+        ...     torch.nn.Linear(4, 4).parameters(), lr=0.1))  # doctest: +SKIP
+    """
+    model_list, many_models = _as_list(models, nn.Module, "an nn.Module")
+    opt_list, many_opts = ([], False) if optimizers is None else _as_list(
+        optimizers, Optimizer, "a torch.optim.Optimizer")
+    for m in model_list:
+        if m.__dict__.get(_MARK):
+            raise RuntimeError(f"initialize was already called on this {type(m).__name__}; call it "
+                               "once per model (build a fresh model to change the level).")
+    for o in opt_list:
+        if isinstance(o, MixedPrecisionOptimizer):
+            raise RuntimeError("This optimizer was already returned by initialize; pass the "
+                               "original torch optimizer once.")
+    owned = {id(p) for m in model_list for p in m.parameters()}
+    for i, o in enumerate(opt_list):
+        foreign = [tuple(p.shape) for g in o.param_groups for p in g["params"] if id(p) not in owned]
+        if foreign:
+            raise ValueError(f"Optimizer {i} holds {len(foreign)} parameter(s) that none of the "
+                             f"given models own (shapes {foreign[:4]}...): pass every model whose "
+                             "parameters it optimizes.")
+        if o.state:
+            raise RuntimeError(f"Optimizer {i} already has state: call initialize before the "
+                               "first optimizer step.")
+    first = next((p for m in model_list for p in m.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    level, dtype, props = _resolve(level, dtype, policy, device, dict(overrides))
+    if level != "O0":
+        warn_if_slow(dtype, device, stacklevel=3)
+
+    for m in model_list:
+        if props["cast_params"]:
+            _cast_storage(m, dtype, bool(props["keep_norm_fp32"]))
+        elif level == "O0":
+            _cast_storage(m, torch.float32, False)
+        if props["engine"] or props["cast_model_outputs"] is not None:
+            outputs = props["cast_model_outputs"]
+            root = get_policy(m) or Policy(
+                param_dtype=dtype if props["cast_params"] else torch.float32,
+                compute_dtype=dtype if props["engine"] else torch.float32,
+                output_dtype=outputs or torch.float32)
+            spec = engine.Boundary(root, cast_inputs=props["cast_inputs"],
+                                   fp32_inside=props["fp32_inside"], attention=props["attention"],
+                                   cast_outputs=outputs is not None)
+            m.__dict__[engine.BOUNDARY_ATTR] = spec
+            engine.install_boundary(m)
+        m.__dict__[_MARK] = level
+
+    slots = [LossSlot(s) for s in props["scalers"]]
+    wrapped = [MixedPrecisionOptimizer(o, slots, master_weights=props["master_weights"])
+               for o in opt_list]
+    out_models = model_list if many_models else model_list[0]
+    if optimizers is None:
+        return out_models
+    return out_models, (wrapped if many_opts else wrapped[0])
+
+
+@contextlib.contextmanager
+def scale_loss(loss: Tensor, optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer],
+               loss_id: int = 0) -> Iterator[Tensor]:
+    """Yield ``loss`` times the current scale of loss ``loss_id``; call ``.backward()`` on it.
+
+    On exit the gradients of every given optimizer are unscaled into fp32 master gradients and
+    checked for inf/NaN (one fused pass, no host sync); the next ``step()`` acts on the verdict.
+    """
+    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if not opts or not all(isinstance(o, MixedPrecisionOptimizer) for o in opts):
+        raise TypeError("scale_loss expects the optimizer(s) returned by mixprec.initialize, "
+                        f"received {[type(o).__name__ for o in opts]}.")
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"scale_loss expects a loss tensor, received {type(loss).__name__}.")
+    slot = opts[0].slot(loss_id)
+    for o in opts:
+        o.prepare_backward()
+    yield slot.scaler.scale_loss(loss)
+    for o in opts:
+        o.record_backward(loss_id)
+
+
+@torch.no_grad()
+def fp32_state_dict(model: nn.Module, optimizer: MixedPrecisionOptimizer | None = None
+                    ) -> dict[str, Tensor]:
+    """The model's state dict in float32 under its own keys, from the masters where they exist.
+
+    It loads into a plain fp32 copy of the model (``load_state_dict``), as the seed asks:
+    the model is saved in fp32 whatever it trained in.
+    """
+    masters = {} if optimizer is None else {id(p): m for p, m in optimizer._pairs}
+    by_id = {id(p): p for p in model.parameters()}
+    out: dict[str, Tensor] = {}
+    named = dict(model.named_parameters(remove_duplicate=False))
+    for key, value in model.state_dict(keep_vars=True).items():
+        source = named.get(key, value)
+        source = masters.get(id(by_id.get(id(source), source)), source)
+        t = source.detach()
+        out[key] = t.to(torch.float32).clone() if t.is_floating_point() and \
+            t.dtype != torch.float64 else t.clone()
+    return out

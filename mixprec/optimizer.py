@@ -1,0 +1,311 @@
+"""The mixed-precision optimizer: fp32 master weights, unscaling, and skipped steps.
+
+Design (``shared/reference/apex.md`` §1.5-1.6, §2; ``torch_amp.md`` §3):
+
+* It wraps any ``torch.optim.Optimizer``. Where a model parameter is 16-bit it keeps an fp32
+  *master* copy, puts the master into the inner optimizer's ``param_groups`` (so the optimizer
+  state is fp32 too), steps it, then writes the 16-bit copy back. fp32 parameters are their own
+  masters.
+* After each backward (``scale_loss`` exit, ``backward()``), 16-bit gradients are moved into fp32
+  master gradients and everything is unscaled and checked for inf/NaN in one fused pass
+  (``loss_scale.unscale_and_check_``) that leaves the verdict on the device. ``step()`` reads it
+  with a single host sync, updates the loss scalers, and on a non-finite gradient skips the
+  update entirely: parameters, masters and optimizer state stay bitwise unchanged, the
+  gradients are dropped, ``step_skipped`` is True and ``skipped_steps`` counts up.
+* Gradient accumulation: gradients already unscaled are stashed before the next backward and
+  added back after it, so each micro-batch is unscaled with the scale it was scaled with.
+* One loss scaler per loss (``num_losses``), shared by every optimizer the loss touches; an
+  overflow in one loss skips only the optimizers whose gradients it produced.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from mixprec.loss_scale import LossScaler, unscale_and_check_
+
+__all__ = ["MixedPrecisionOptimizer"]
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def read_flags(flags: list[Tensor]) -> list[float]:
+    """Read 1-element verdict tensors to the host with one sync per device involved."""
+    if not flags:
+        return []
+    if len({f.device for f in flags}) == 1:
+        return torch.cat([f.reshape(1) for f in flags]).tolist()
+    return [float(f) for f in flags]
+
+
+class LossSlot:
+    """A loss scaler plus the device-side verdicts recorded since its last update."""
+
+    def __init__(self, scaler: LossScaler):
+        self.scaler = scaler
+        self.pending: list[Tensor] = []
+
+    def flush(self, values: list[float] | None = None) -> None:
+        """Apply the pending verdicts (reading them from the device unless given)."""
+        if not self.pending:
+            return
+        if values is None:
+            values = read_flags(self.pending)
+        self.scaler.update(any(v != 0 for v in values))
+        self.pending.clear()
+
+
+class MixedPrecisionOptimizer(Optimizer):
+    """Wraps an optimizer with fp32 master weights, loss-scale handling and overflow skips.
+
+    Built by :func:`mixprec.initialize`; use it like the optimizer it wraps. Extra API:
+    ``backward(loss, loss_id=0)``, ``loss_scale``, ``step_skipped``, ``skipped_steps``,
+    ``clip_grad_norm_(max_norm)`` and ``master_params()``.
+
+    Hold an LR scheduler on skipped steps with ``if not opt.step_skipped: sched.step()``.
+    """
+
+    def __init__(self, optimizer: Optimizer, slots: list[LossSlot], *,
+                 master_weights: bool = True, master_dtype: torch.dtype = torch.float32):
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError("MixedPrecisionOptimizer wraps a torch.optim.Optimizer, received "
+                            f"{type(optimizer).__name__}.")
+        self.optimizer = optimizer
+        self.slots = slots
+        self.master_weights = master_weights
+        self.master_dtype = master_dtype
+        self.step_skipped = False
+        self.skipped_steps = 0
+        self._model_to_master: dict[Tensor, Tensor] = {}
+        self._pairs: list[tuple[Tensor, Tensor]] = []  # (model param, master) for 16-bit params
+        self._found: dict[torch.device, Tensor] = {}
+        self._touched: set[int] = set()  # loss ids recorded since the last step
+        self._stash: dict[Tensor, Tensor] = {}
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        for group in optimizer.param_groups:
+            group["params"] = [self._master_for(p) for p in group["params"]]
+
+    # -- delegation: schedulers and user code see the inner optimizer's groups and state -------
+    param_groups = property(lambda self: self.optimizer.param_groups,
+                            lambda self, v: setattr(self.optimizer, "param_groups", v))
+    state = property(lambda self: self.optimizer.state)
+    defaults = property(lambda self: self.optimizer.defaults)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return (f"MixedPrecisionOptimizer({self.optimizer!r}, masters={len(self._pairs)}, "
+                f"loss_scale={self.loss_scale})")
+
+    def _master_for(self, p: Tensor) -> Tensor:
+        if not (self.master_weights and p.dtype in _LOW):
+            return p
+        master = self._model_to_master.get(p)
+        if master is None:
+            master = p.detach().to(self.master_dtype).requires_grad_(p.requires_grad)
+            self._model_to_master[p] = master
+            self._pairs.append((p, master))
+        return master
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        self.optimizer.add_param_group({**param_group, "params": [self._master_for(p) for p in params]})
+
+    def master_params(self) -> list[Tensor]:
+        """The tensors the inner optimizer steps (fp32 masters or fp32 model parameters)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def model_params(self) -> list[Tensor]:
+        """The model's own parameters managed by this optimizer."""
+        back = {id(m): p for p, m in self._pairs}
+        return [back.get(id(m), m) for m in self.master_params()]
+
+    @property
+    def loss_scale(self) -> float:
+        """The current scale of loss 0."""
+        return self.slot(0).scaler.scale
+
+    def slot(self, loss_id: int) -> LossSlot:
+        if not 0 <= loss_id < len(self.slots):
+            raise ValueError(f"loss_id={loss_id} is out of range: this optimizer was initialized "
+                             f"with num_losses={len(self.slots)}; pass num_losses to initialize.")
+        return self.slots[loss_id]
+
+    # -- gradients ------------------------------------------------------------------------------
+    def _found_for(self, device: torch.device) -> Tensor:
+        flag = self._found.get(device)
+        if flag is None:
+            flag = self._found[device] = torch.zeros(1, device=device)
+        return flag
+
+    def _stash_grads(self) -> None:
+        """Before a backward: move already-unscaled grads of fp32 parameters out of the way."""
+        masters = {id(m) for _, m in self._pairs}
+        for p in self.master_params():
+            if id(p) not in masters and p.grad is not None and p not in self._stash:
+                self._stash[p] = p.grad
+                p.grad = None
+
+    def _unscale(self, scale: float) -> Tensor | None:
+        """After a backward: unscale fresh grads into master grads; return the verdict flag."""
+        fresh: dict[torch.device, list[Tensor]] = {}
+        targets: list[tuple[Tensor, Tensor]] = []
+        master_ids = {id(m) for _, m in self._pairs}
+        for p, master in self._pairs:
+            if p.grad is not None:
+                g = p.grad.to(self.master_dtype)
+                p.grad = None
+                fresh.setdefault(g.device, []).append(g)
+                targets.append((master, g))
+        for p in self.master_params():
+            if id(p) not in master_ids and p.grad is not None:
+                fresh.setdefault(p.grad.device, []).append(p.grad)
+                targets.append((p, p.grad))
+        if not targets:
+            return None
+        flags = []
+        for device, grads in fresh.items():
+            flag = torch.zeros(1, device=device)
+            unscale_and_check_(grads, 1.0 / scale, flag)
+            self._found_for(device).add_(flag)
+            flags.append(flag)
+        for target, g in targets:
+            stashed = self._stash.pop(target, None)
+            if target.grad is None or target.grad is g:
+                target.grad = g if stashed is None else g.add_(stashed)
+            else:
+                target.grad.add_(g)
+        if len(flags) == 1:
+            return flags[0]
+        return torch.tensor([sum(read_flags(flags))])  # several devices: rare, one sync each
+
+    def record_backward(self, loss_id: int) -> None:
+        """Called after ``backward`` of a loss scaled by ``loss_id``'s scaler."""
+        slot = self.slot(loss_id)
+        flag = self._unscale(slot.scaler.scale)
+        if flag is not None:
+            slot.pending.append(flag)
+            self._touched.add(loss_id)
+
+    def prepare_backward(self) -> None:
+        """Called before ``backward``: stash unscaled grads for accumulation."""
+        self._stash_grads()
+
+    def backward(self, loss: Tensor, loss_id: int = 0, **kwargs: Any) -> None:
+        """``scale_loss(loss, self, loss_id)`` then ``backward()`` in one call."""
+        from mixprec.initialize import scale_loss
+
+        with scale_loss(loss, self, loss_id=loss_id) as scaled:
+            scaled.backward(**kwargs)
+
+    def _has_raw_grads(self) -> bool:
+        return any(p.grad is not None for p, _ in self._pairs) or (
+            not self._touched and any(p.grad is not None for p in self.master_params()))
+
+    def _settle(self) -> bool:
+        """Process raw grads, read every verdict with one host sync, update the scalers."""
+        if not self._touched and self._has_raw_grads():
+            self._unscale(1.0)  # plain loss.backward(): nothing was scaled
+        slots = [self.slots[i] for i in sorted(self._touched)]
+        flags = list(self._found.values())
+        values = read_flags(flags + [p for s in slots for p in s.pending])
+        found = any(v != 0 for v in values[:len(flags)])
+        offset = len(flags)
+        for s in slots:
+            n = len(s.pending)
+            s.flush(values[offset:offset + n])
+            offset += n
+        self._found.clear()
+        self._touched.clear()
+        return found
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the *unscaled* master gradients to ``max_norm``; return their total norm."""
+        if not self._touched and self._has_raw_grads():
+            self._unscale(1.0)
+        grads = [p for p in self.master_params() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type,
+                                              foreach=True)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Step the masters and copy them back, or skip the step on a non-finite gradient."""
+        if closure is not None:
+            raise NotImplementedError("MixedPrecisionOptimizer.step does not take a closure: "
+                                      "compute the loss, call backward(loss), then step().")
+        found = self._settle()
+        self.step_skipped = found
+        if found:
+            self.skipped_steps += 1
+            self._drop_grads()
+            return None
+        for hook in self._optimizer_step_pre_hooks.values():
+            hook(self, (), {})
+        result = self.optimizer.step()
+        if self._pairs:
+            torch._foreach_copy_([p for p, _ in self._pairs], [m for _, m in self._pairs])
+        for hook in self._optimizer_step_post_hooks.values():
+            hook(self, (), {})
+        return result
+
+    def _drop_grads(self) -> None:
+        for p in self.master_params():
+            p.grad = None
+        for p, _ in self._pairs:
+            p.grad = None
+        self._stash.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._stash.clear()
+        params: Iterable[Tensor] = [*self.master_params(), *(p for p, _ in self._pairs)]
+        for p in params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().requires_grad_(False).zero_()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "masters": [m.detach().clone() for _, m in self._pairs],
+            "scalers": [s.scaler.state_dict() for s in self.slots],
+            "skipped_steps": self.skipped_steps,
+            "step_skipped": self.step_skipped,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        missing = {"optimizer", "masters", "scalers", "skipped_steps"} - set(state_dict)
+        if missing:
+            raise KeyError(f"Not a MixedPrecisionOptimizer state dict: missing {sorted(missing)}.")
+        masters = state_dict["masters"]
+        if len(masters) != len(self._pairs):
+            raise ValueError(f"The checkpoint has {len(masters)} master weights, this optimizer "
+                             f"has {len(self._pairs)}: was it saved at another level or model?")
+        for (p, m), saved in zip(self._pairs, masters):
+            m.copy_(saved)
+            p.copy_(saved)
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if len(state_dict["scalers"]) != len(self.slots):
+            raise ValueError(f"The checkpoint has {len(state_dict['scalers'])} loss scalers, this "
+                             f"optimizer has {len(self.slots)} (num_losses).")
+        for slot, sd in zip(self.slots, state_dict["scalers"]):
+            slot.scaler.load_state_dict(sd)
+            slot.pending.clear()
+        self.skipped_steps = int(state_dict["skipped_steps"])
+        self.step_skipped = bool(state_dict.get("step_skipped", False))
