@@ -157,7 +157,9 @@ def cast_rules(overrides: Mapping[Any, str | None]) -> Iterator[None]:
     try:
         yield
     finally:
-        _scoped.scopes.remove(scope)
+        # by identity: list.remove() would drop the first *equal* scope, maybe an outer one
+        scopes = _scoped.scopes
+        del scopes[next(i for i in range(len(scopes) - 1, -1, -1) if scopes[i] is scope)]
         _version[0] += 1
 
 

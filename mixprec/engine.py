@@ -47,6 +47,8 @@ __all__ = ["autocast", "is_active", "cache_size", "install_boundary", "remove_bo
 
 _LOW = (torch.float16, torch.bfloat16)
 _ATTENTION = ("auto", "fused", "decomposed")
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                "enable_gqa")
 
 
 # fp32-rule ops whose 16-bit kernels accumulate in float32 internally (CPU and CUDA): with
@@ -179,9 +181,14 @@ class _Mode(TorchFunctionMode):
             args = cast_tree(args, frame.dtype)
             kwargs = cast_tree(kwargs, frame.dtype) if kwargs else kwargs
             if name == "scaled_dot_product_attention" and frame.attention != "fused":
-                if kernels.can_decompose_attention(*args, **kwargs):
-                    kw = {k: v for k, v in kwargs.items() if k in ("is_causal", "scale")}
-                    return kernels.decomposed_attention(*args[:3], **kw)
+                # bind positional *and* keyword arguments by name (is_causal may be positional)
+                bound = dict(zip(_SDPA_PARAMS, args), **kwargs)
+                if bound.keys() <= set(_SDPA_PARAMS) and bound.keys() >= set(_SDPA_PARAMS[:3]):
+                    q, k, v = (bound[n] for n in _SDPA_PARAMS[:3])
+                    opts = {n: bound[n] for n in _SDPA_PARAMS[3:] if n in bound}
+                    if kernels.can_decompose_attention(q, k, v, **opts):
+                        kw = {n: opts[n] for n in ("is_causal", "scale") if n in opts}
+                        return kernels.decomposed_attention(q, k, v, **kw)
             return func(*args, **kwargs)
         if rule == FP32:
             if kwargs.get("dtype") is not None:

@@ -121,7 +121,8 @@ def _resolve(level: str | None, dtype: Any, policy: PolicyLike | None, device: t
             props[key] = overrides.pop(key)
     props.setdefault("attention", "auto")
     props.setdefault("cast_model_outputs", torch.float32)
-    spec = overrides.pop("loss_scale", "dynamic" if dtype == torch.float16 else None)
+    spec = overrides.pop("loss_scale",
+                         "dynamic" if dtype == torch.float16 and level != "O0" else None)
     num_losses = overrides.pop("num_losses", 1)
     if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
         raise ValueError(f"num_losses must be an int >= 1, received {num_losses!r}.")
@@ -225,8 +226,14 @@ def scale_loss(loss: Tensor, optimizers: MixedPrecisionOptimizer | Sequence[Mixe
     for o in opts:
         o.prepare_backward()
     yield slot.scaler.scale_loss(loss)
-    for o in opts:
-        o.record_backward(loss_id)
+    flags = [o.record_backward(loss_id) for o in opts]
+    # One loss, one verdict: a non-finite gradient anywhere in this loss's gradients skips every
+    # optimizer it produced gradients for (Apex semantics), not only the one holding it.
+    for o, own in zip(opts, flags):
+        if own is not None:
+            for f in flags:
+                if f is not None and f is not own:
+                    o.share_verdict(f)
 
 
 @torch.no_grad()

@@ -191,13 +191,28 @@ class MixedPrecisionOptimizer(Optimizer):
             return flags[0]
         return torch.tensor([sum(read_flags(flags))])  # several devices: rare, one sync each
 
-    def record_backward(self, loss_id: int) -> None:
-        """Called after ``backward`` of a loss scaled by ``loss_id``'s scaler."""
+    def record_backward(self, loss_id: int) -> Tensor | None:
+        """Called after ``backward`` of a loss scaled by ``loss_id``'s scaler.
+
+        Returns this optimizer's verdict flag for the backward (None: it produced no gradients).
+        """
         slot = self.slot(loss_id)
         flag = self._unscale(slot.scaler.scale)
+        self._restore_stash()
         if flag is not None:
             slot.pending.append(flag)
             self._touched.add(loss_id)
+        return flag
+
+    def share_verdict(self, flag: Tensor) -> None:
+        """Also skip the next step on ``flag``: another optimizer's verdict for the same loss."""
+        self._found_for(flag.device).add_(flag)
+
+    def _restore_stash(self) -> None:
+        """Give back stashed grads of parameters the last backward did not reach."""
+        for p, stashed in self._stash.items():
+            p.grad = stashed if p.grad is None else p.grad.add_(stashed)
+        self._stash.clear()
 
     def prepare_backward(self) -> None:
         """Called before ``backward``: stash unscaled grads for accumulation."""
@@ -269,6 +284,7 @@ class MixedPrecisionOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._stash.clear()
+        self._found.clear()  # the verdicts were about the gradients dropped here
         params: Iterable[Tensor] = [*self.master_params(), *(p for p, _ in self._pairs)]
         for p in params:
             if p.grad is None:

@@ -69,6 +69,7 @@ _NAMED: dict[str, tuple[torch.dtype, torch.dtype, torch.dtype]] = {
     "full": (_F32, _F32, _F32),
     "32": (_F32, _F32, _F32),
     "16": (_F32, _F16, _F32),
+    "64": (_F64, _F64, _F64),
 }
 _JMP_KEYS = {"params": "param", "p": "param", "compute": "compute", "c": "compute",
              "output": "output", "o": "output"}
@@ -86,8 +87,9 @@ PolicyLike = Union["Policy", str, torch.dtype, int]
 
 def _dtype(value: Any, role: str) -> torch.dtype:
     if isinstance(value, torch.dtype):
-        if not value.is_floating_point:
-            raise ValueError(f"{role} must be a floating dtype, received {value}. {_HELP}")
+        if value not in _CANONICAL:  # also float8 etc.: floating for torch, not a policy dtype
+            raise ValueError(f"{role} must be a floating dtype (float32, bfloat16, float16 or "
+                             f"float64), received {value}. {_HELP}")
         return value
     if isinstance(value, str) and value.strip().lower() in _DTYPE_NAMES:
         return _DTYPE_NAMES[value.strip().lower()]
