@@ -125,7 +125,7 @@ class _TableState(threading.local):
 _user: dict[str, str | None] = {}
 _scoped = _TableState()
 _version = [0]
-_merged: list[tuple[int, int, dict[str, str]]] = []
+_merged: list[tuple[int, int, dict[str, str], frozenset[str]]] = []
 
 
 def _check_rule(rule: Any) -> str | None:
@@ -163,18 +163,25 @@ def cast_rules(overrides: Mapping[Any, str | None]) -> Iterator[None]:
         _version[0] += 1
 
 
-def current_table() -> dict[str, str]:
-    """The effective ``{op name: rule}`` for this thread: defaults, registrations, scopes."""
+def _effective() -> tuple[dict[str, str], frozenset[str]]:
+    """``(current_table(), names explicitly set to None by register_op / cast_rules)``."""
     key = (_version[0], id(_scoped.scopes))
-    if _merged and _merged[0][:2] == key:
-        return _merged[0][2]
+    entry = _merged[0] if _merged else None  # read once: another thread may replace it
+    if entry is not None and entry[:2] == key:
+        return entry[2], entry[3]
     table: dict[str, str | None] = dict(DEFAULT_TABLE)
     table.update(_user)
     for scope in _scoped.scopes:
         table.update(scope)
     merged = {k: v for k, v in table.items() if v is not None}
-    _merged[:] = [(key[0], key[1], merged)]
-    return merged
+    opted_out = frozenset(k for k, v in table.items() if v is None)
+    _merged[:] = [(key[0], key[1], merged, opted_out)]
+    return merged, opted_out
+
+
+def current_table() -> dict[str, str]:
+    """The effective ``{op name: rule}`` for this thread: defaults, registrations, scopes."""
+    return _effective()[0]
 
 
 def rule_for(op: Any) -> str | None:

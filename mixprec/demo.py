@@ -72,7 +72,7 @@ def train_one(data: dict[str, torch.Tensor], level: str, dtype: torch.dtype | No
     with PeakMemory() as mem:
         torch.manual_seed(seed)
         model = SeedMLP(x.shape[1], 4096, 10)
-        opt: Any = torch.optim.AdamW(model.parameters(), lr=lr)
+        opt: Any = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
         model, opt = mixprec.initialize(model, opt, level=level, dtype=dtype)
         for idx in _batches(len(x), batch, steps, seed):
             t0 = time.perf_counter()
@@ -93,7 +93,7 @@ def train_one(data: dict[str, torch.Tensor], level: str, dtype: torch.dtype | No
                       mem.peak_bytes, opt.skipped_steps)
 
 
-def run_demo(steps: int = 150, levels: tuple[str, ...] | None = None, batch: int = 512,
+def run_demo(steps: int = 100, levels: tuple[str, ...] | None = None, batch: int = 512,
              seed: int = 0, progress: bool = True) -> list[DemoResult]:
     """Train in fp32 and the best mixed levels for this machine; return one result per mode."""
     dtype = mixprec.default_dtype("cpu")

@@ -28,6 +28,7 @@ ops given an explicit ``dtype=`` keep it.
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from mixprec import kernels
-from mixprec.cast_table import FP32, LOWER, PROMOTE, current_table, resolve_op
+from mixprec.cast_table import FP32, LOWER, PROMOTE, _effective, resolve_op
 from mixprec.policy import Policy, PolicyLike, as_policy, get_policy, global_policy
 
 __all__ = ["autocast", "is_active", "cache_size", "install_boundary", "remove_boundary",
@@ -90,6 +91,9 @@ class _State(threading.local):
         self.cache_enabled = True
         self.torch_cache_enabled = True
         self.mode: _Mode | None = None
+        # module boundaries entered by this thread: id(module) -> [(frame, saved, spec)]; kept
+        # per thread so that threads sharing a model do not pop each other's frames
+        self.boundaries: dict[int, list[tuple[_Frame, list, Boundary]]] = {}
 
 
 _state = _State()
@@ -133,7 +137,13 @@ def cast_tree(obj: Any, dtype: torch.dtype, *, only_low: bool = False) -> Any:
             return type(obj)(*items)
         return type(obj)(items) if isinstance(obj, tuple) else items
     if isinstance(obj, dict):
-        return {k: cast_tree(v, dtype, only_low=only_low) for k, v in obj.items()}
+        items = {k: cast_tree(v, dtype, only_low=only_low) for k, v in obj.items()}
+        if type(obj) is dict:
+            return items
+        out = copy.copy(obj)  # keep dict subclasses (OrderedDict, HF ModelOutput, defaultdict)
+        for k, v in items.items():
+            out[k] = v
+        return out
     return obj
 
 
@@ -174,8 +184,12 @@ class _Mode(TorchFunctionMode):
         name, inplace = resolve_op(func)
         if inplace or kwargs.get("out") is not None:
             return func(*args, **kwargs)
-        rule = current_table().get(name)
+        table, opted_out = _effective()
+        rule = table.get(name)
         if rule is None:
+            if name in opted_out:  # register_op(op, None): input dtype, torch.autocast too
+                with _AutocastOff():
+                    return func(*args, **kwargs)
             return func(*args, **kwargs)
         if rule == LOWER:
             args = cast_tree(args, frame.dtype)
@@ -341,7 +355,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
         return args, kwargs
     frame = _frame_for(spec.policy, spec.attention, spec.fp32_inside)
     saved = _push(frame)
-    module.__dict__.setdefault("_mixprec_frames", []).append((frame, saved, spec))
+    _state.boundaries.setdefault(id(module), []).append((frame, saved, spec))
     if not spec.cast_inputs:
         return args, kwargs
     dtype = spec.policy.compute_dtype
@@ -349,10 +363,12 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
 
 
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    stack = module.__dict__.get("_mixprec_frames")
+    stack = _state.boundaries.get(id(module))
     if not stack:
         return output
     frame, saved, spec = stack.pop()
+    if not stack:
+        del _state.boundaries[id(module)]
     _pop(frame, saved)
     if output is None or not spec.cast_outputs:
         return output

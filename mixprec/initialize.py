@@ -18,6 +18,7 @@ or without loss scaling. The model is modified in place (hooks, parameter storag
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -102,7 +103,10 @@ def _resolve(level: str | None, dtype: Any, policy: PolicyLike | None, device: t
     if dtype is None:
         dtype = torch.float32 if level == "O0" else default_dtype(device)
     elif isinstance(dtype, str):
-        dtype = as_policy(dtype).compute_dtype
+        try:  # a dtype name ("fp32", "f16", "bfloat16", ...), else a policy's compute dtype
+            dtype = Policy(compute_dtype=dtype).compute_dtype
+        except ValueError:
+            dtype = as_policy(dtype).compute_dtype
     if level != "O0" and dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"Level {level} needs a 16-bit dtype (torch.bfloat16 or torch.float16), "
                          f"received {dtype}. Use level='O0' for float32 training.")
@@ -126,7 +130,10 @@ def _resolve(level: str | None, dtype: Any, policy: PolicyLike | None, device: t
     num_losses = overrides.pop("num_losses", 1)
     if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
         raise ValueError(f"num_losses must be an int >= 1, received {num_losses!r}.")
-    props["scalers"] = [LossScaler.from_spec(spec, **overrides) for _ in range(num_losses)]
+    first = LossScaler.from_spec(spec, **overrides)
+    # One scaler per loss: a LossScaler instance given as the spec serves loss 0 and the other
+    # losses get independent copies (sharing it would update it once per loss per step).
+    props["scalers"] = [first] + [copy.deepcopy(first) for _ in range(num_losses - 1)]
     return level, dtype, props
 
 
@@ -222,6 +229,10 @@ def scale_loss(loss: Tensor, optimizers: MixedPrecisionOptimizer | Sequence[Mixe
                         f"received {[type(o).__name__ for o in opts]}.")
     if not isinstance(loss, Tensor):
         raise TypeError(f"scale_loss expects a loss tensor, received {type(loss).__name__}.")
+    if any(o.slots is not opts[0].slots for o in opts[1:]):
+        raise ValueError("scale_loss got optimizers from different initialize calls, which have "
+                         "different loss scalers; initialize every model and optimizer a loss "
+                         "touches in one call (lists of models and optimizers).")
     slot = opts[0].slot(loss_id)
     for o in opts:
         o.prepare_backward()

@@ -215,7 +215,9 @@ class MixedPrecisionOptimizer(Optimizer):
         self._stash.clear()
 
     def prepare_backward(self) -> None:
-        """Called before ``backward``: stash unscaled grads for accumulation."""
+        """Called before ``backward``: take in raw grads, stash unscaled grads for accumulation."""
+        if any(p.grad is not None for p, _ in self._pairs):
+            self._unscale(1.0)  # 16-bit grads of a plain loss.backward(): not to be unscaled
         self._stash_grads()
 
     def backward(self, loss: Tensor, loss_id: int = 0, **kwargs: Any) -> None:
@@ -231,8 +233,8 @@ class MixedPrecisionOptimizer(Optimizer):
 
     def _settle(self) -> bool:
         """Process raw grads, read every verdict with one host sync, update the scalers."""
-        if not self._touched and self._has_raw_grads():
-            self._unscale(1.0)  # plain loss.backward(): nothing was scaled
+        if self._has_raw_grads():
+            self._unscale(1.0)  # plain loss.backward() (alone or after scaled ones): unscaled
         slots = [self.slots[i] for i in sorted(self._touched)]
         flags = list(self._found.values())
         values = read_flags(flags + [p for s in slots for p in s.pending])
@@ -248,7 +250,7 @@ class MixedPrecisionOptimizer(Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the *unscaled* master gradients to ``max_norm``; return their total norm."""
-        if not self._touched and self._has_raw_grads():
+        if self._has_raw_grads():
             self._unscale(1.0)
         grads = [p for p in self.master_params() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type,

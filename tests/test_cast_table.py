@@ -221,7 +221,8 @@ def test_promote_16bit_with_fp32(dtype, name, fn, args):
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("name,fn,args", PROMOTE_CASES[::2], ids=[c[0] for c in PROMOTE_CASES[::2]])
+@pytest.mark.parametrize("name,fn,args", PROMOTE_CASES[::2],
+                         ids=[c[0] for c in PROMOTE_CASES[::2]])
 def test_promote_same_dtype_stays(dtype, name, fn, args):
     a, b = cast(args, dtype)
     with mixprec.autocast(dtype):
@@ -314,7 +315,7 @@ def test_integer_tensors_pass_through(dtype):
         assert not out.is_floating_point()
 
 
-# --------------------------------------------------------------------------- in-place, out=, dtype=
+# ------------------------------------------------------------------------ in-place, out=, dtype=
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_inplace_on_fp32_never_downcast(dtype):
@@ -451,6 +452,24 @@ def test_register_op_fp32_then_none(dtype):
     assert rule_for(torch.relu) is None
     with mixprec.autocast(dtype):
         assert_same(torch.relu(x), torch.relu(x))
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_opting_out_of_a_lowered_op_runs_it_in_input_dtype(dtype):
+    """None means "input dtype" even for ops torch.autocast (kept on underneath) would lower."""
+    a, m, w = rn(3, 4), rn(4, 5), rn(5, 4)
+    with cast_rules({torch.mm: None}):
+        with mixprec.autocast(dtype):
+            mm32, mm16 = torch.mm(a, m), torch.mm(a.to(dtype), m.to(dtype))
+            lin = F.linear(a, w)  # other lowered ops are unaffected
+    assert_same(mm32, torch.mm(a, m))
+    assert_same(mm16, torch.mm(a.to(dtype), m.to(dtype)))
+    assert_same(lin, F.linear(a.to(dtype), w.to(dtype)))
+    register_op(F.linear, None)
+    with mixprec.autocast(dtype):
+        assert_same(F.linear(a, w), F.linear(a, w))
+        assert_same(nn.functional.linear(a.to(dtype), w.to(dtype)),
+                    F.linear(a.to(dtype), w.to(dtype)))
 
 
 def test_register_op_takes_effect_inside_an_open_region():

@@ -348,3 +348,13 @@ def test_model_is_modified_in_place_and_params_keep_identity():
     assert m2 is m
     assert all(a is b for a, b in zip(params, m.parameters()))
     assert all(a is b for a, b in zip(w.model_params(), params))
+
+
+@pytest.mark.parametrize("spelling,expected", [("bf16", BF16), ("bfloat16", BF16), ("f16", FP16),
+                                               ("fp16", FP16), ("half", FP16),
+                                               ("float16", FP16), ("bf16-mixed", BF16)])
+def test_dtype_strings(spelling, expected):
+    m, o = model_and_opt()
+    m, o = initialize(m, o, "O3", spelling)
+    assert {p.dtype for p in m.parameters()} == {expected}
+    assert o.loss_scale == (2.0**16 if expected == FP16 else 1.0)

@@ -1,0 +1,226 @@
+"""Checkpoints: bitwise resume at every level (with the loss-scaler state), fp32_state_dict, and
+MixedPrecisionOptimizer.load_state_dict validation."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from mixprec import fp32_state_dict, initialize
+
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+INF = float("inf")
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+def mse(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    return (model(x).float() - y).pow(2).mean()
+
+
+_g = torch.Generator().manual_seed(123)
+DATA = [(torch.randn(8, 8, generator=_g), torch.randn(8, 4, generator=_g)) for _ in range(12)]
+POISON_AT = {1, 6}  # steps whose gradient gets an inf (one before and one after the checkpoint)
+K = 5  # checkpoint after this many steps
+
+
+@contextlib.contextmanager
+def poisoned(param: Tensor | None):
+    if param is None:
+        yield
+        return
+
+    def hook(g: Tensor) -> Tensor:
+        g = g.clone()
+        g.view(-1)[0] = INF
+        return g
+
+    handle = param.register_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+_INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def assert_bitwise(a: Tensor, b: Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    if a.dtype in _INT:
+        a, b = a.view(_INT[a.dtype]), b.view(_INT[b.dtype])
+    assert torch.equal(a, b)
+
+
+def assert_tree_bitwise(a, b) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, Tensor):
+        assert_bitwise(a, b)
+    elif isinstance(a, dict):
+        assert set(a) == set(b)
+        for k in a:
+            assert_tree_bitwise(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_tree_bitwise(x, y)
+    else:
+        assert a == b
+
+
+def build(level: str, dtype):
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)  # eps: see test_optimizer
+    scaling = dict(loss_scale="dynamic", init_scale=2.0**4, growth_interval=2)
+    return initialize(model, opt, level, dtype, **scaling)
+
+
+def train(model, opt, steps) -> list[bool]:
+    skipped = []
+    for t in steps:
+        x, y = DATA[t]
+        with poisoned(model[0].weight if t in POISON_AT else None):
+            opt.backward(mse(model, x, y))
+        opt.step()
+        opt.zero_grad()
+        skipped.append(opt.step_skipped)
+    return skipped
+
+
+@pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
+@pytest.mark.parametrize("level,dtype", [("O0", None), ("O1", FP16), ("O2", FP16), ("O3", FP16),
+                                         ("O1", BF16), ("O2", BF16), ("O3", BF16)])
+def test_resume_is_bitwise_identical(level, dtype, how):
+    n = len(DATA)
+    straight_model, straight_opt = build(level, dtype)
+    straight_skips = train(straight_model, straight_opt, range(n))
+    assert straight_skips == [t in POISON_AT for t in range(n)]
+
+    model, opt = build(level, dtype)
+    train(model, opt, range(K))
+    # the scaler moved before the checkpoint: 16 -> 8 (overflow at step 1) -> 16 (2 clean), and
+    # is mid-way to the next growth (growth_tracker 1): resuming must keep that too
+    assert opt.loss_scale == 16.0 and opt.slots[0].scaler.steps == K
+    assert opt.slots[0].scaler.growth_tracker == 1 and opt.skipped_steps == 1
+    ckpt = {"model": model.state_dict(), "opt": opt.state_dict()}
+    if how == "torch.save":
+        buf = io.BytesIO()
+        torch.save(ckpt, buf)
+        buf.seek(0)
+        ckpt = torch.load(buf, weights_only=True)
+    else:
+        ckpt = copy.deepcopy(ckpt)
+    del model, opt
+
+    model, opt = build(level, dtype)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    assert opt.loss_scale == 16.0 and opt.skipped_steps == 1
+    skips = train(model, opt, range(K, n))
+    assert skips == straight_skips[K:]
+
+    for (name, a), b in zip(model.named_parameters(), straight_model.parameters()):
+        assert_bitwise(a.detach(), b.detach()), name
+    for (_, a), (_, b) in zip(opt._pairs, straight_opt._pairs):
+        assert_bitwise(a, b)
+    assert_tree_bitwise(opt.state_dict(), straight_opt.state_dict())
+    assert opt.slots[0].scaler.state_dict() == straight_opt.slots[0].scaler.state_dict()
+    x, _ = DATA[0]
+    with torch.no_grad():
+        assert_bitwise(model(x), straight_model(x))
+
+
+def test_load_order_does_not_matter_at_o2():
+    model, opt = build("O2", FP16)
+    train(model, opt, range(K))
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    a_model, a_opt = build("O2", FP16)
+    a_model.load_state_dict(ckpt["model"])
+    a_opt.load_state_dict(ckpt["opt"])
+    b_model, b_opt = build("O2", FP16)
+    b_opt.load_state_dict(ckpt["opt"])
+    b_model.load_state_dict(ckpt["model"])
+    for p, q, r in zip(a_model.parameters(), b_model.parameters(), model.parameters()):
+        assert_bitwise(p.detach(), r.detach())
+        assert_bitwise(q.detach(), r.detach())
+
+
+def test_load_state_dict_rejects_mismatched_checkpoints():
+    model, opt = build("O2", FP16)
+    train(model, opt, range(2))
+    sd = copy.deepcopy(opt.state_dict())
+    _, o3 = build("O3", FP16)
+    with pytest.raises(ValueError, match="The checkpoint has 4 master weights, this optimizer has "
+                                         "0: was it saved at another level or model"):
+        o3.load_state_dict(sd)
+    _, plain = build("O2", FP16)
+    with pytest.raises(KeyError, match=r"Not a MixedPrecisionOptimizer state dict: missing "
+                                       r"\['masters', 'optimizer', 'scalers', 'skipped_steps'\]"):
+        plain.load_state_dict(sd["optimizer"])
+    model2 = make_model()
+    _, two = initialize(model2, torch.optim.AdamW(model2.parameters(), eps=1e-4), "O2", FP16,
+                        num_losses=2)
+    with pytest.raises(ValueError, match=r"The checkpoint has 1 loss scalers, this optimizer has "
+                                         r"2 \(num_losses\)"):
+        two.load_state_dict(sd)
+
+
+# ------------------------------------------------------------------ 5. fp32_state_dict
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_fp32_state_dict_at_o2(dtype):
+    model, opt = build("O2", dtype)
+    train(model, opt, range(5))
+    sd = fp32_state_dict(model, opt)
+    assert list(sd) == list(model.state_dict())
+    assert all(t.dtype == FP32 for t in sd.values())
+    masters = {id(p): m for p, m in opt._pairs}
+    n_from_masters = 0
+    for name, p in model.named_parameters():
+        if id(p) in masters:
+            assert_bitwise(sd[name], masters[id(p)].detach())
+            n_from_masters += 1
+            # the master is more precise than the 16-bit copy, and rounds to it
+            assert_bitwise(sd[name].to(dtype), p.detach())
+        else:  # LayerNorm params are fp32 already
+            assert p.dtype == FP32
+            assert_bitwise(sd[name], p.detach())
+        assert sd[name].data_ptr() != p.data_ptr()  # copies, not views
+    assert n_from_masters == 4
+
+    plain = make_model(5)
+    plain.load_state_dict(sd, strict=True)
+    x, _ = DATA[0]
+    with torch.no_grad():
+        ref = plain(x)
+        out = model(x)
+    assert out.dtype == FP32 and ref.dtype == FP32
+    # same weights (up to 16-bit rounding), plain fp32 compute vs 16-bit compute
+    tol = 5e-2 if dtype == BF16 else 1e-2
+    torch.testing.assert_close(ref, out, rtol=tol, atol=tol)
+
+
+def test_fp32_state_dict_without_optimizer_and_with_buffers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    model, _ = initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O3", BF16)
+    sd = fp32_state_dict(model)
+    assert list(sd) == list(model.state_dict())
+    assert sd["1.num_batches_tracked"].dtype == torch.int64
+    for k, v in sd.items():
+        if k != "1.num_batches_tracked":
+            assert v.dtype == FP32, k
+            assert_bitwise(v.to(BF16), model.state_dict()[k])
+    torch.manual_seed(1)
+    plain = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    plain.load_state_dict(sd, strict=True)
