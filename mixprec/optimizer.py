@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
+import weakref
+
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
@@ -87,6 +89,9 @@ class MixedPrecisionOptimizer(Optimizer):
         self._found: dict[torch.device, Tensor] = {}
         self._touched: set[int] = set()  # loss ids recorded since the last step
         self._stash: dict[Tensor, Tensor] = {}
+        # fp32 grads already checked: id(param) -> (weakref to grad, grad._version). A grad that
+        # is new or was accumulated into since (a plain backward) is checked again.
+        self._checked: dict[int, tuple[Any, int]] = {}
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
         for group in optimizer.param_groups:
@@ -162,12 +167,29 @@ class MixedPrecisionOptimizer(Optimizer):
         """After a backward: unscale fresh grads into master grads; return the verdict flag."""
         fresh: dict[torch.device, list[Tensor]] = {}
         targets: list[tuple[Tensor, Tensor]] = []
+        call_flags: dict[torch.device, Tensor] = {}
+
+        def flag_for(device: torch.device) -> Tensor:
+            if device not in call_flags:
+                call_flags[device] = torch.zeros(1, device=device)
+            return call_flags[device]
+
         master_ids = {id(m) for _, m in self._pairs}
+        if scale == 1.0:
+            # Nothing to unscale: check the 16-bit grads where they are (half the bytes of an
+            # fp32 pass), then widen. With a scale, widening comes first (fp16 would underflow).
+            by_device: dict[torch.device, list[Tensor]] = {}
+            for p, _ in self._pairs:
+                if p.grad is not None:
+                    by_device.setdefault(p.grad.device, []).append(p.grad)
+            for device, grads in by_device.items():
+                unscale_and_check_(grads, 1.0, flag_for(device))
         for p, master in self._pairs:
             if p.grad is not None:
                 g = p.grad.to(self.master_dtype)
                 p.grad = None
-                fresh.setdefault(g.device, []).append(g)
+                if scale != 1.0:
+                    fresh.setdefault(g.device, []).append(g)
                 targets.append((master, g))
         for p in self.master_params():
             if id(p) not in master_ids and p.grad is not None:
@@ -175,18 +197,18 @@ class MixedPrecisionOptimizer(Optimizer):
                 targets.append((p, p.grad))
         if not targets:
             return None
-        flags = []
         for device, grads in fresh.items():
-            flag = torch.zeros(1, device=device)
-            unscale_and_check_(grads, 1.0 / scale, flag)
+            unscale_and_check_(grads, 1.0 / scale, flag_for(device))
+        flags = list(call_flags.values())
+        for device, flag in call_flags.items():
             self._found_for(device).add_(flag)
-            flags.append(flag)
         for target, g in targets:
             stashed = self._stash.pop(target, None)
             if target.grad is None or target.grad is g:
                 target.grad = g if stashed is None else g.add_(stashed)
             else:
                 target.grad.add_(g)
+            self._checked[id(target)] = (weakref.ref(target.grad), target.grad._version)
         if len(flags) == 1:
             return flags[0]
         return torch.tensor([sum(read_flags(flags))])  # several devices: rare, one sync each
@@ -216,8 +238,8 @@ class MixedPrecisionOptimizer(Optimizer):
 
     def prepare_backward(self) -> None:
         """Called before ``backward``: take in raw grads, stash unscaled grads for accumulation."""
-        if any(p.grad is not None for p, _ in self._pairs):
-            self._unscale(1.0)  # 16-bit grads of a plain loss.backward(): not to be unscaled
+        if self._has_raw_grads():
+            self._unscale(1.0)  # grads of a plain loss.backward(): checked, not to be unscaled
         self._stash_grads()
 
     def backward(self, loss: Tensor, loss_id: int = 0, **kwargs: Any) -> None:
@@ -227,9 +249,18 @@ class MixedPrecisionOptimizer(Optimizer):
         with scale_loss(loss, self, loss_id=loss_id) as scaled:
             scaled.backward(**kwargs)
 
+    def _unchecked(self, p: Tensor) -> bool:
+        if p.grad is None:
+            return False
+        seen = self._checked.get(id(p))
+        return seen is None or seen[0]() is not p.grad or seen[1] != p.grad._version
+
     def _has_raw_grads(self) -> bool:
-        return any(p.grad is not None for p, _ in self._pairs) or (
-            not self._touched and any(p.grad is not None for p in self.master_params()))
+        """True when some gradient has not been through the finite check yet."""
+        if any(p.grad is not None for p, _ in self._pairs):
+            return True
+        masters = {id(m) for _, m in self._pairs}
+        return any(self._unchecked(p) for p in self.master_params() if id(p) not in masters)
 
     def _settle(self) -> bool:
         """Process raw grads, read every verdict with one host sync, update the scalers."""

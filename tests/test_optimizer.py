@@ -713,7 +713,7 @@ def test_plain_and_scaled_backward_mix_in_one_step(level, scaled_first):
     opt.step()
     assert not opt.step_skipped
     # a non-finite plain gradient in a 16-bit param still skips when mixed with scaled ones
-    # (for fp32 params see the xfail test below)
+    # (for fp32 params see the test below)
     if level == "O2":
         opt.zero_grad()
         if scaled_first:
@@ -726,8 +726,6 @@ def test_plain_and_scaled_backward_mix_in_one_step(level, scaled_first):
         assert opt.step_skipped
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: a plain backward's gradient added to fp32 "
-                   "grads around a scaled backward (either order) is not checked for inf/NaN")
 @pytest.mark.parametrize("scaled_first", [True, False])
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_plain_inf_around_scaled_backward_into_fp32_param(level, scaled_first):
