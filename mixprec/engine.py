@@ -47,7 +47,7 @@ __all__ = ["autocast", "is_active", "cache_size", "install_boundary", "remove_bo
            "cast_tree"]
 
 _LOW = (torch.float16, torch.bfloat16)
-_ATTENTION = ("auto", "fused", "decomposed")
+_KERNELS = ("auto", "torch")
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
                 "enable_gqa")
 
@@ -61,7 +61,7 @@ FP32_INSIDE_OPS = frozenset({"layer_norm", "group_norm", "softmax", "log_softmax
 @dataclass(frozen=True)
 class _Frame:
     dtype: torch.dtype | None  # None: the engine passes everything through
-    attention: str = "auto"
+    kernels: str = "auto"
     fp32_inside: frozenset[str] = frozenset()
 
 
@@ -73,14 +73,14 @@ class Boundary:
         policy: compute dtype for the subtree and output dtype at its exit.
         cast_inputs: cast floating inputs to the compute dtype on entry.
         fp32_inside: let :data:`FP32_INSIDE_OPS` keep 16-bit inputs and outputs.
-        attention: see :class:`autocast`.
+        kernels: see :class:`autocast`.
         cast_outputs: cast floating outputs to ``policy.output_dtype`` on exit.
     """
 
     policy: Policy
     cast_inputs: bool = True
     fp32_inside: bool = False
-    attention: str = "auto"
+    kernels: str = "auto"
     cast_outputs: bool = True
 
 
@@ -194,7 +194,7 @@ class _Mode(TorchFunctionMode):
         if rule == LOWER:
             args = cast_tree(args, frame.dtype)
             kwargs = cast_tree(kwargs, frame.dtype) if kwargs else kwargs
-            if name == "scaled_dot_product_attention" and frame.attention != "fused":
+            if name == "scaled_dot_product_attention" and frame.kernels == "auto":
                 # bind positional *and* keyword arguments by name (is_causal may be positional)
                 bound = dict(zip(_SDPA_PARAMS, args), **kwargs)
                 if bound.keys() <= set(_SDPA_PARAMS) and bound.keys() >= set(_SDPA_PARAMS[:3]):
@@ -261,10 +261,10 @@ def _pop(frame: _Frame, saved: list[tuple[str, bool, torch.dtype]]) -> None:
         torch.set_autocast_cache_enabled(_state.torch_cache_enabled)
 
 
-def _frame_for(policy: Policy | None, attention: str, fp32_inside: bool = False) -> _Frame:
+def _frame_for(policy: Policy | None, kernels: str, fp32_inside: bool = False) -> _Frame:
     if policy is None or not policy.is_lower:
-        return _Frame(None, attention)
-    return _Frame(policy.compute_dtype, attention, FP32_INSIDE_OPS if fp32_inside else frozenset())
+        return _Frame(None, kernels)
+    return _Frame(policy.compute_dtype, kernels, FP32_INSIDE_OPS if fp32_inside else frozenset())
 
 
 class autocast:
@@ -275,8 +275,9 @@ class autocast:
             uses the global policy. A policy whose compute dtype is float32 disables the engine.
         enabled: False makes the region a no-op (control flow stays the same).
         cache_enabled: keep one 16-bit copy of each weight for the region (default True).
-        attention: ``"auto"`` uses the faster decomposed attention where it was measured faster
-            (CPU, bfloat16); ``"fused"`` always keeps ``scaled_dot_product_attention``.
+        kernels: ``"auto"`` (default) swaps in mixprec's kernels where they were measured
+            faster -- today the decomposed attention for CPU bfloat16 training, see
+            :mod:`mixprec.kernels`; ``"torch"`` always runs torch's own kernels.
 
     Forward only: call ``backward`` outside the region (autograd replays the recorded casts).
 
@@ -289,16 +290,16 @@ class autocast:
     """
 
     def __init__(self, dtype_or_policy: PolicyLike | None = None, *, enabled: bool = True,
-                 cache_enabled: bool = True, attention: str = "auto"):
-        if attention not in _ATTENTION:
-            raise ValueError(f"attention={attention!r} is not one of {_ATTENTION}.")
+                 cache_enabled: bool = True, kernels: str = "auto"):
+        if kernels not in _KERNELS:
+            raise ValueError(f"kernels={kernels!r} is not one of {_KERNELS}.")
         policy = global_policy() if dtype_or_policy is None else as_policy(dtype_or_policy)
         if policy.compute_dtype not in _LOW + (torch.float32, torch.float64):
             raise ValueError(f"autocast needs a floating compute dtype, received {policy}.")
         self.policy = policy
         self.enabled = enabled
         self.cache_enabled = cache_enabled
-        self.attention = attention
+        self.kernels = kernels
         self._stack: list[tuple[_Frame, list, bool]] = []
 
     def __enter__(self) -> autocast:
@@ -307,7 +308,7 @@ class autocast:
                 from mixprec.hardware import warn_if_slow
 
                 warn_if_slow(self.policy.compute_dtype)
-            frame = _frame_for(self.policy, self.attention)
+            frame = _frame_for(self.policy, self.kernels)
             previous_cache = _state.cache_enabled
             saved = _push(frame)
             _state.cache_enabled = self.cache_enabled and previous_cache
@@ -345,7 +346,7 @@ def _boundary(module: nn.Module) -> Boundary | None:
     if policy is None:
         return None
     outer = _state.frames[-1] if _state.frames else None
-    return Boundary(policy, attention=outer.attention if outer else "auto",
+    return Boundary(policy, kernels=outer.kernels if outer else "auto",
                     fp32_inside=bool(outer and outer.fp32_inside))
 
 
@@ -353,7 +354,7 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
     spec = _boundary(module)
     if spec is None:
         return args, kwargs
-    frame = _frame_for(spec.policy, spec.attention, spec.fp32_inside)
+    frame = _frame_for(spec.policy, spec.kernels, spec.fp32_inside)
     saved = _push(frame)
     _state.boundaries.setdefault(id(module), []).append((frame, saved, spec))
     if not spec.cast_inputs:

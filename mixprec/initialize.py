@@ -47,7 +47,7 @@ LEVELS: dict[str, dict[str, Any]] = {
 _SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
                 "min_scale", "max_scale")
 _OVERRIDES = ("keep_norm_fp32", "master_weights", "loss_scale", "cast_model_outputs",
-              "num_losses", "fp32_inside", "attention", *_SCALER_KEYS)
+              "num_losses", "fp32_inside", "kernels", *_SCALER_KEYS)
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
           *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 _MARK = "_mixprec_initialized"
@@ -119,11 +119,11 @@ def _resolve(level: str | None, dtype: Any, policy: PolicyLike | None, device: t
                          "the parameters are already float32.")
     if overrides.get("fp32_inside") and not props["engine"]:
         raise ValueError("fp32_inside only applies with the eager engine (O1-O3).")
-    for key in ("keep_norm_fp32", "master_weights", "fp32_inside", "attention",
+    for key in ("keep_norm_fp32", "master_weights", "fp32_inside", "kernels",
                 "cast_model_outputs"):
         if key in overrides:
             props[key] = overrides.pop(key)
-    props.setdefault("attention", "auto")
+    props.setdefault("kernels", "auto")
     props.setdefault("cast_model_outputs", torch.float32)
     spec = overrides.pop("loss_scale",
                          "dynamic" if dtype == torch.float16 and level != "O0" else None)
@@ -151,7 +151,7 @@ def initialize(models: nn.Module | Sequence[nn.Module],
         policy: any policy spelling, instead of ``level`` + ``dtype``.
         **overrides: ``keep_norm_fp32``, ``master_weights``, ``loss_scale`` ("dynamic" | float |
             None), ``cast_model_outputs`` (dtype or None), ``num_losses``, ``fp32_inside``,
-            ``attention`` and the :class:`LossScaler` settings (``init_scale``,
+            ``kernels`` and the :class:`LossScaler` settings (``init_scale``,
             ``growth_interval``, ``hysteresis``, ``min_scale``, ...).
 
     Returns:
@@ -200,7 +200,7 @@ def initialize(models: nn.Module | Sequence[nn.Module],
                 compute_dtype=dtype if props["engine"] else torch.float32,
                 output_dtype=outputs or torch.float32)
             spec = engine.Boundary(root, cast_inputs=props["cast_inputs"],
-                                   fp32_inside=props["fp32_inside"], attention=props["attention"],
+                                   fp32_inside=props["fp32_inside"], kernels=props["kernels"],
                                    cast_outputs=outputs is not None)
             m.__dict__[engine.BOUNDARY_ATTR] = spec
             engine.install_boundary(m)

@@ -5,8 +5,9 @@ measured (see ``benchmarks/NOTES.md``), while two bf16 batched matmuls around a 
 are about 2x faster than it, forward plus backward. The softmax stays numerically safe: torch's
 16-bit softmax kernels accumulate in float32 internally and only round the result -- exactly the
 seed's rule that memory-bound ops keep 16-bit inputs and outputs and compute in fp32 inside.
-The engine picks this path only where it was measured faster (CPU, bfloat16, no mask, no
-dropout); everything else keeps the fused kernel.
+The engine picks this path only where it was measured faster: CPU, bfloat16, no mask, no
+dropout, and training (some input requires grad). Forward alone, the fused kernel is ~2x faster
+than the decomposition, so inference keeps it; the decomposition wins on the backward pass.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def can_decompose_attention(q: Any, k: Any, v: Any, attn_mask: Any = None,
             and isinstance(v, torch.Tensor) and q.device.type == "cpu"
             and q.dtype == k.dtype == v.dtype == torch.bfloat16
             and attn_mask is None and dropout_p == 0.0 and not enable_gqa
+            and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
             and q.dim() >= 3 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2])
 
 

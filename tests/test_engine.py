@@ -141,8 +141,8 @@ def test_region_accepts_policy_spellings(spec, dtype):
 
 
 def test_region_argument_errors():
-    with pytest.raises(ValueError, match="attention"):
-        mixprec.autocast(BF16, attention="flash")
+    with pytest.raises(ValueError, match="kernels"):
+        mixprec.autocast(BF16, kernels="flash")
     with pytest.raises(ValueError):
         mixprec.autocast(torch.int32)
     with pytest.raises(ValueError):
@@ -659,7 +659,11 @@ def test_decomposed_attention_gradients(causal):
 def test_can_decompose_attention_conditions():
     q, k, v = qkv((2, 3, 4, 8), (2, 3, 4, 8), dtype=BF16)
     ok = kernels.can_decompose_attention
+    assert not ok(q, k, v)  # inference: the fused kernel is faster forward-only
+    q.requires_grad_()
     assert ok(q, k, v) and ok(q, k, v, is_causal=True, scale=0.5)
+    with torch.no_grad():
+        assert not ok(q, k, v)
     mask = torch.ones(4, 4, dtype=torch.bool)
     assert not ok(q, k, v, attn_mask=mask)
     assert not ok(q, k, v, dropout_p=0.1)
@@ -676,29 +680,31 @@ def test_can_decompose_attention_conditions():
 
 def test_region_attention_fused_vs_auto():
     q, k, v = qkv((2, 3, 8, 8), (2, 3, 8, 8))
-    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    q.requires_grad_()  # training: "auto" decomposes (inference keeps the fused kernel)
+    qb, kb, vb = q.detach().bfloat16(), k.bfloat16(), v.bfloat16()
     for causal in (False, True):
-        with mixprec.autocast(BF16, attention="fused"):
+        with torch.no_grad(), mixprec.autocast(BF16):
+            inference = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        assert torch.equal(inference, F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal))
+        with mixprec.autocast(BF16, kernels="torch"):
             fused = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        with mixprec.autocast(BF16, attention="auto"):
+        with mixprec.autocast(BF16, kernels="auto"):
             auto = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        with mixprec.autocast(BF16, attention="decomposed"):
-            decomposed = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         want_fused = F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)
         want_auto = kernels.decomposed_attention(qb, kb, vb, is_causal=causal)
         assert fused.dtype == auto.dtype == BF16
         assert torch.equal(fused, want_fused)
         assert torch.equal(auto, want_auto)
-        assert torch.equal(decomposed, want_auto)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_region_attention_positional_arguments(causal):
     q, k, v = qkv((2, 3, 8, 8), (2, 3, 8, 8))
+    q.requires_grad_()
     with mixprec.autocast(BF16):
         positional = F.scaled_dot_product_attention(q, k, v, None, 0.0, causal)
         with_scale = F.scaled_dot_product_attention(q, k, v, None, 0.0, causal, scale=0.25)
-    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    qb, kb, vb = q.detach().bfloat16(), k.bfloat16(), v.bfloat16()
     assert torch.equal(positional, kernels.decomposed_attention(qb, kb, vb, is_causal=causal))
     assert torch.equal(with_scale,
                        kernels.decomposed_attention(qb, kb, vb, is_causal=causal, scale=0.25))
@@ -706,9 +712,11 @@ def test_region_attention_positional_arguments(causal):
 
 def test_region_attention_keyword_tensors():
     q, k, v = qkv((2, 3, 8, 8), (2, 3, 8, 8))
+    v.requires_grad_()
     with mixprec.autocast(BF16):
         out = F.scaled_dot_product_attention(query=q, key=k, value=v, is_causal=True)
-    want = kernels.decomposed_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)
+    want = kernels.decomposed_attention(q.bfloat16(), k.bfloat16(), v.detach().bfloat16(),
+                                        is_causal=True)
     assert torch.equal(out, want)
 
 
