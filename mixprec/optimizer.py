@@ -89,6 +89,7 @@ class MixedPrecisionOptimizer(Optimizer):
         self._found: dict[torch.device, Tensor] = {}
         self._touched: set[int] = set()  # loss ids recorded since the last step
         self._stash: dict[Tensor, Tensor] = {}
+        self._grad_buffers: dict[int, Tensor] = {}  # id(master) -> persistent fp32 grad
         # fp32 grads already checked: id(param) -> (weakref to grad, grad._version). A grad that
         # is new or was accumulated into since (a plain backward) is checked again.
         self._checked: dict[int, tuple[Any, int]] = {}
@@ -184,13 +185,11 @@ class MixedPrecisionOptimizer(Optimizer):
                     by_device.setdefault(p.grad.device, []).append(p.grad)
             for device, grads in by_device.items():
                 unscale_and_check_(grads, 1.0, flag_for(device))
-        for p, master in self._pairs:
-            if p.grad is not None:
-                g = p.grad.to(self.master_dtype)
-                p.grad = None
-                if scale != 1.0:
-                    fresh.setdefault(g.device, []).append(g)
-                targets.append((master, g))
+        widened = self._widen()
+        for g, master in widened:
+            if scale != 1.0:
+                fresh.setdefault(g.device, []).append(g)
+            targets.append((master, g))
         for p in self.master_params():
             if id(p) not in master_ids and p.grad is not None:
                 fresh.setdefault(p.grad.device, []).append(p.grad)
@@ -212,6 +211,34 @@ class MixedPrecisionOptimizer(Optimizer):
         if len(flags) == 1:
             return flags[0]
         return torch.tensor([sum(read_flags(flags))])  # several devices: rare, one sync each
+
+    def _widen(self) -> list[tuple[Tensor, Tensor]]:
+        """Move 16-bit model grads into fp32 tensors; return ``(fp32 grad, master)`` pairs.
+
+        A master whose grad is empty gets its persistent buffer: allocating fresh fp32 grads
+        every step costs page faults that took ~3x longer than the copy itself on CPU
+        (benchmarks/NOTES.md). The price is 4 bytes per 16-bit parameter kept between steps.
+        """
+        out: list[tuple[Tensor, Tensor]] = []
+        srcs: list[Tensor] = []
+        bufs: list[Tensor] = []
+        for p, master in self._pairs:
+            if p.grad is None:
+                continue
+            if master.grad is None:
+                buf = self._grad_buffers.get(id(master))
+                if buf is None or buf.shape != p.grad.shape or buf.device != p.grad.device:
+                    buf = torch.empty(p.grad.shape, dtype=self.master_dtype, device=p.grad.device)
+                    self._grad_buffers[id(master)] = buf
+                srcs.append(p.grad)
+                bufs.append(buf)
+                out.append((buf, master))
+            else:
+                out.append((p.grad.to(self.master_dtype), master))
+            p.grad = None
+        if bufs:
+            torch._foreach_copy_(bufs, srcs)
+        return out
 
     def record_backward(self, loss_id: int) -> Tensor | None:
         """Called after ``backward`` of a loss scaled by ``loss_id``'s scaler.
