@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="train a model in fp32 and mixed precision, side by side")
-    d.add_argument("--steps", type=int, default=100, help="training steps per mode (default 100)")
+    d.add_argument("--steps", type=int, default=60, help="training steps per mode (default 60)")
     d.add_argument("--batch", type=int, default=512)
     d.add_argument("--levels", nargs="+", default=["O0", "O1", "O2"],
                    choices=["O0", "O1", "O2", "O3"], help="O0 is the fp32 baseline; put it first")
