@@ -79,7 +79,10 @@ _CATEGORIES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 DEFAULT_TABLE: Mapping[str, str] = {
-    name: rule for rule, groups in _CATEGORIES.items() for names in groups.values() for name in names
+    name: rule
+    for rule, groups in _CATEGORIES.items()
+    for names in groups.values()
+    for name in names
 }
 
 _DUNDER = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__add__": "add", "__radd__": "add",

@@ -40,8 +40,9 @@ def _demo(args: argparse.Namespace) -> int:
     _print_table(demo.HEADERS, demo.format_results(results), "fp32 vs mixed precision")
     best = min(results[1:], key=lambda r: r.median_step, default=None)
     if best is not None:
-        print(f"{best.mode} steps are {results[0].median_step / best.median_step:.2f}x faster than "
-              f"fp32; test accuracy {best.accuracy * 100:.1f}% vs {results[0].accuracy * 100:.1f}%.")
+        base = results[0]
+        print(f"{best.mode} steps are {base.median_step / best.median_step:.2f}x faster than "
+              f"fp32; test accuracy {best.accuracy:.1%} vs {base.accuracy:.1%}.")
     return 0
 
 

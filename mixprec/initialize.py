@@ -174,7 +174,8 @@ def initialize(models: nn.Module | Sequence[nn.Module],
                                "original torch optimizer once.")
     owned = {id(p) for m in model_list for p in m.parameters()}
     for i, o in enumerate(opt_list):
-        foreign = [tuple(p.shape) for g in o.param_groups for p in g["params"] if id(p) not in owned]
+        foreign = [tuple(p.shape) for g in o.param_groups for p in g["params"]
+                   if id(p) not in owned]
         if foreign:
             raise ValueError(f"Optimizer {i} holds {len(foreign)} parameter(s) that none of the "
                              f"given models own (shapes {foreign[:4]}...): pass every model whose "
@@ -216,7 +217,8 @@ def initialize(models: nn.Module | Sequence[nn.Module],
 
 
 @contextlib.contextmanager
-def scale_loss(loss: Tensor, optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer],
+def scale_loss(loss: Tensor,
+               optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer],
                loss_id: int = 0) -> Iterator[Tensor]:
     """Yield ``loss`` times the current scale of loss ``loss_id``; call ``.backward()`` on it.
 

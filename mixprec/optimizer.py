@@ -127,7 +127,8 @@ class MixedPrecisionOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         params = param_group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
-        self.optimizer.add_param_group({**param_group, "params": [self._master_for(p) for p in params]})
+        masters = [self._master_for(p) for p in params]
+        self.optimizer.add_param_group({**param_group, "params": masters})
 
     def master_params(self) -> list[Tensor]:
         """The tensors the inner optimizer steps (fp32 masters or fp32 model parameters)."""

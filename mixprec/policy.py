@@ -201,8 +201,8 @@ class Policy:
         return self.name
 
     def __repr__(self) -> str:
-        return (f"Policy({self.name!r}: params={_CANONICAL[self.param_dtype]}, "
-                f"compute={_CANONICAL[self.compute_dtype]}, output={_CANONICAL[self.output_dtype]})")
+        p, c, o = (_CANONICAL[d] for d in self._key())
+        return f"Policy({self.name!r}: params={p}, compute={c}, output={o})"
 
 
 def _rebuild(name: str, p: torch.dtype, c: torch.dtype, o: torch.dtype) -> Policy:

@@ -3,79 +3,27 @@ MixedPrecisionOptimizer.load_state_dict validation."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import io
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import nn
+
+from training_helpers import (assert_bitwise, assert_tree_bitwise, make_model, mse,
+                              poisoned)
 
 from mixprec import fp32_state_dict, initialize
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-INF = float("inf")
-
-
-def make_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 4))
-
-
-def mse(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-    return (model(x).float() - y).pow(2).mean()
 
 
 _g = torch.Generator().manual_seed(123)
 DATA = [(torch.randn(8, 8, generator=_g), torch.randn(8, 4, generator=_g)) for _ in range(12)]
 POISON_AT = {1, 6}  # steps whose gradient gets an inf (one before and one after the checkpoint)
 K = 5  # checkpoint after this many steps
-
-
-@contextlib.contextmanager
-def poisoned(param: Tensor | None):
-    if param is None:
-        yield
-        return
-
-    def hook(g: Tensor) -> Tensor:
-        g = g.clone()
-        g.view(-1)[0] = INF
-        return g
-
-    handle = param.register_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-_INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-
-def assert_bitwise(a: Tensor, b: Tensor) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape
-    if a.dtype in _INT:
-        a, b = a.view(_INT[a.dtype]), b.view(_INT[b.dtype])
-    assert torch.equal(a, b)
-
-
-def assert_tree_bitwise(a, b) -> None:
-    assert type(a) is type(b)
-    if isinstance(a, Tensor):
-        assert_bitwise(a, b)
-    elif isinstance(a, dict):
-        assert set(a) == set(b)
-        for k in a:
-            assert_tree_bitwise(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_tree_bitwise(x, y)
-    else:
-        assert a == b
 
 
 def build(level: str, dtype):

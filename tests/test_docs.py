@@ -2,7 +2,6 @@
 
 import pathlib
 import runpy
-import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

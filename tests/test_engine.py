@@ -248,14 +248,15 @@ def test_input_grads_equal_manual_cast_reference():
 
 # --------------------------------------------------------------------------- cast cache
 
-def test_cache_one_cast_per_region():
+@pytest.mark.parametrize("cache_enabled, casts, cached", [(True, 1, 2), (False, 3, 0)])
+def test_cache_casts_each_weight_once_per_region(cache_enabled, casts, cached):
     lin, x = nn.Linear(5, 7), rn(2, 5)
     with CastCounter(lin.weight) as c:
-        with mixprec.autocast(BF16):
+        with mixprec.autocast(BF16, cache_enabled=cache_enabled):
             outs = [lin(x) for _ in range(3)]
-            assert engine.cache_size() == 2  # weight and bias
+            assert engine.cache_size() == cached  # weight and bias, or nothing
         assert engine.cache_size() == 0
-    assert c.count == 1
+    assert c.count == casts
     assert all(torch.equal(o, lin_ref(x, lin, BF16)) for o in outs)
 
 
@@ -267,16 +268,6 @@ def test_cache_separate_regions_cast_each_time():
                 lin(x)
             assert engine.cache_size() == 0
     assert c.count == 3
-
-
-def test_cache_disabled_casts_every_time():
-    lin, x = nn.Linear(5, 7), rn(2, 5)
-    with CastCounter(lin.weight) as c:
-        with mixprec.autocast(BF16, cache_enabled=False):
-            outs = [lin(x) for _ in range(3)]
-            assert engine.cache_size() == 0
-    assert c.count == 3
-    assert all(torch.equal(o, lin_ref(x, lin, BF16)) for o in outs)
 
 
 def test_cache_disabled_in_inner_region_only():

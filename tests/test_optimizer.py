@@ -9,7 +9,6 @@ Models are tiny (Linear(8,16)-ReLU-LayerNorm-Linear(16,4), batch 8) so fp16 on C
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import warnings
 
@@ -19,74 +18,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
+from training_helpers import (INF, NAN, assert_bitwise, assert_tree_bitwise, make_model, mse,
+                              poisoned)
+
 from mixprec import initialize, scale_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
 
-INF, NAN = float("inf"), float("nan")
 BF16, FP16 = torch.bfloat16, torch.float16
 
 
 # --------------------------------------------------------------------------------- helpers
 
-def make_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 4))
-
-
 def batch(seed: int = 1, n: int = 8) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
-
-
-def mse(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-    return (model(x).float() - y).pow(2).mean()
-
-
-@contextlib.contextmanager
-def poisoned(param: Tensor | None, value: float = INF):
-    """While active, the gradient reaching ``param`` gets ``value`` in its first element."""
-    if param is None:
-        yield
-        return
-
-    def hook(g: Tensor) -> Tensor:
-        g = g.clone()
-        g.view(-1)[0] = value
-        return g
-
-    handle = param.register_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-_INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
-        torch.bfloat16: torch.int16}
-
-
-def assert_bitwise(a: Tensor, b: Tensor) -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
-    if a.dtype in _INT:
-        a, b = a.view(_INT[a.dtype]), b.view(_INT[b.dtype])
-    assert torch.equal(a, b)
-
-
-def assert_tree_bitwise(a, b) -> None:
-    assert type(a) is type(b), (type(a), type(b))
-    if isinstance(a, Tensor):
-        assert_bitwise(a, b)
-    elif isinstance(a, dict):
-        assert set(a) == set(b)
-        for k in a:
-            assert_tree_bitwise(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_tree_bitwise(x, y)
-    else:
-        assert a == b
 
 
 def snapshot(model: nn.Module, opt) -> dict:

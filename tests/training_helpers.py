@@ -1,0 +1,65 @@
+"""Helpers shared by the training tests (optimizer, checkpoints, initialize)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor, nn
+
+INF, NAN = float("inf"), float("nan")
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+def mse(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    return (model(x).float() - y).pow(2).mean()
+
+
+@contextlib.contextmanager
+def poisoned(param: Tensor | None, value: float = INF):
+    """While active, the gradient reaching ``param`` gets ``value`` in its first element."""
+    if param is None:
+        yield
+        return
+
+    def hook(g: Tensor) -> Tensor:
+        g = g.clone()
+        g.view(-1)[0] = value
+        return g
+
+    handle = param.register_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+_INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+        torch.bfloat16: torch.int16}
+
+
+def assert_bitwise(a: Tensor, b: Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    if a.dtype in _INT:
+        a, b = a.view(_INT[a.dtype]), b.view(_INT[b.dtype])
+    assert torch.equal(a, b)
+
+
+def assert_tree_bitwise(a, b) -> None:
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, Tensor):
+        assert_bitwise(a, b)
+    elif isinstance(a, dict):
+        assert set(a) == set(b)
+        for k in a:
+            assert_tree_bitwise(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_tree_bitwise(x, y)
+    else:
+        assert a == b
