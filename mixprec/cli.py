@@ -1,4 +1,4 @@
-"""The ``mixprec`` command: ``mixprec demo`` (the main job) and ``mixprec check``."""
+"""The ``mixprec`` command: ``demo`` (the main job), ``bench`` and ``check``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import sys
 import torch
 
 __all__ = ["main"]
+
+_WORKLOADS = ("seed-mlp", "mnist1d-cnn", "char-gpt")
 
 
 def _print_table(headers: list[str], rows: list[list[str]], title: str) -> None:
@@ -46,6 +48,41 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import pathlib
+
+    from mixprec.bench import report, runner
+    from mixprec.bench.workloads import WORKLOADS
+    from mixprec.progress import make_progress
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    command = "mixprec bench " + " ".join(args.argv)
+    out = pathlib.Path(args.out)
+    results = {}
+    for name in args.workloads:
+        wl = WORKLOADS[name]
+        steps = args.steps or (wl.quick_steps if args.quick else wl.steps)
+        with make_progress(not args.no_progress) as ui:
+            tasks = {m: ui.add(f"{name} {m}", steps) for m in args.modes}
+            modes = runner.run_workload(
+                wl, list(args.modes), dtype=dtype, batch_size=args.batch_size, steps=steps,
+                time_budget=args.time_budget, quick=args.quick, seed=args.seed,
+                memory=not args.no_memory, max_batch_mb=args.max_batch,
+                on_step=lambda m, step, loss: ui.advance(tasks[m]))
+        results[name] = (wl, modes)
+        unit = "accuracy" if wl.metric == "accuracy" else "val loss"
+        _print_table(report.HEADERS, report.rows(wl, modes),
+                     f"{name}: {wl.description} ({unit}, target {wl.target})")
+        if not args.no_plots:
+            for path in report.write_plots(wl, modes, out):
+                print(f"wrote {path}")
+    doc = report.to_json(report.meta(command, dtype, args.seed, args.quick), results)
+    path = pathlib.Path(args.json) if args.json else out / "results.json"
+    report.write_json(doc, path)
+    print(f"wrote {path}")
+    return 0
+
+
 def _check(args: argparse.Namespace) -> int:
     from mixprec.hardware import check
 
@@ -65,12 +102,47 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(run=_demo)
+    b = sub.add_parser("bench", help="time-to-accuracy benchmarks: every mode, one run")
+    b.add_argument("workloads", nargs="*", metavar="WORKLOAD",
+                   help=f"one or more of {', '.join(_WORKLOADS)} (default: all)")
+    b.add_argument("--modes", nargs="+", default=["fp32", "torch-autocast", "O1", "O2", "O3"],
+                   choices=["fp32", "torch-autocast", "O1", "O2", "O3"])
+    b.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    b.add_argument("--batch-size", type=int, default=None)
+    b.add_argument("--steps", type=int, default=None, help="training steps per mode")
+    b.add_argument("--time-budget", type=float, default=None,
+                   help="stop a mode once its training time exceeds this many seconds")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--quick", action="store_true", help="small data and few steps (< 2 min)")
+    b.add_argument("--max-batch", type=float, default=None, metavar="MB",
+                   help="also find the largest batch (default x 2^k) whose step fits in MB")
+    b.add_argument("--out", default="bench_out", help="folder for plots and results.json")
+    b.add_argument("--json", default=None, help="results file (default OUT/results.json)")
+    b.add_argument("--no-plots", action="store_true")
+    b.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
+    b.add_argument("--no-progress", action="store_true")
+    b.set_defaults(run=_bench)
     c = sub.add_parser("check", help="which 16-bit dtypes are supported and fast here")
     c.add_argument("--device", default=None)
     c.set_defaults(run=_check)
     args = parser.parse_args(argv)
-    if getattr(args, "steps", 3) < 3:
+    args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
+    if args.command == "bench":
+        unknown = [w for w in args.workloads if w not in _WORKLOADS]
+        if unknown:
+            parser.error(f"unknown workload(s) {unknown}: choose from {list(_WORKLOADS)}.")
+        args.workloads = args.workloads or list(_WORKLOADS)
+    if args.command == "demo" and args.steps < 3:
         parser.error(f"--steps must be at least 3, received {args.steps}.")
+    for name in ("steps", "batch_size"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} must be a positive integer, received {value}.")
+    for name in ("time_budget", "max_batch"):
+        value = getattr(args, name, None)
+        if value is not None and not value > 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, received {value}.")
     return args.run(args)
 
 

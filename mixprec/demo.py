@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import mixprec
 from mixprec.memory import PeakMemory
 from mixprec.models import SeedMLP
+from mixprec.progress import make_progress
 
 __all__ = ["DemoResult", "load_mnist1d", "run_demo"]
 
@@ -101,65 +102,13 @@ def run_demo(steps: int = 60, levels: tuple[str, ...] | None = None, batch: int 
     levels = levels or ("O0", "O1", "O2")
     data = load_mnist1d()
     results = []
-    bar = _progress(progress)
+    bar = make_progress(progress)
     with bar as ui:
         for level in levels:
             task = ui.add(f"{'fp32' if level == 'O0' else level}", steps)
             results.append(train_one(data, level, None if level == "O0" else dtype, steps, batch,
                                      seed=seed, on_step=lambda t=task: ui.advance(t)))
     return results
-
-
-class _Plain:
-    """Fallback progress reporting when ``rich`` is not installed."""
-
-    def __enter__(self) -> _Plain:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
-
-    def add(self, name: str, total: int) -> list[Any]:
-        print(f"training {name} ({total} steps)...", flush=True)
-        return [name, total, 0]
-
-    def advance(self, task: list[Any]) -> None:
-        task[2] += 1
-        if task[2] % max(1, task[1] // 4) == 0:
-            print(f"  {task[0]}: {task[2]}/{task[1]}", flush=True)
-
-
-class _Rich:
-    def __init__(self) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-        self.progress = Progress("[progress.description]{task.description}", BarColumn(),
-                                 MofNCompleteColumn(), TimeElapsedColumn())
-
-    def __enter__(self) -> _Rich:
-        self.progress.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.progress.__exit__(*exc)
-
-    def add(self, name: str, total: int) -> Any:
-        return self.progress.add_task(f"training {name}", total=total)
-
-    def advance(self, task: Any) -> None:
-        self.progress.advance(task)
-
-
-def _progress(enabled: bool) -> Any:
-    if not enabled:
-        quiet = _Plain()
-        quiet.add = lambda name, total: [name, total, 0]  # type: ignore[method-assign]
-        quiet.advance = lambda task: None  # type: ignore[method-assign]
-        return quiet
-    try:
-        return _Rich()
-    except ImportError:
-        return _Plain()
 
 
 def format_results(results: list[DemoResult]) -> list[list[str]]:

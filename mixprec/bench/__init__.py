@@ -1,0 +1,1 @@
+"""`mixprec bench`: time-to-accuracy benchmarks."""

@@ -1,0 +1,121 @@
+"""What ``mixprec bench`` writes: a terminal table, a JSON file and PNG plots.
+
+The JSON schema (``SCHEMA``) is versioned so that tools reading old results can tell; every
+number in the table comes from the JSON, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import pathlib
+import platform
+from typing import Any
+
+import torch
+
+from mixprec.bench.runner import ModeResult
+from mixprec.bench.workloads import BenchWorkload
+
+__all__ = ["HEADERS", "SCHEMA", "markdown", "meta", "rows", "to_json", "write_json", "write_plots"]
+
+SCHEMA = "mixprec.bench/1"
+HEADERS = ["mode", "step", "throughput", "vs fp32", "vs torch", "peak mem", "final", "to target",
+           "skipped", "max batch"]
+
+
+def meta(command: str, dtype: torch.dtype, seed: int, quick: bool) -> dict[str, Any]:
+    from mixprec.hardware import check
+
+    report = check(verbose=False)
+    return {"date": datetime.date.today().isoformat(), "device": report.device,
+            "hardware": report.name, "features": list(report.features),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "command": command,
+            "dtype": str(dtype).replace("torch.", ""), "seed": seed, "quick": quick}
+
+
+def to_json(info: dict[str, Any],
+            results: dict[str, tuple[BenchWorkload, dict[str, ModeResult]]]) -> dict[str, Any]:
+    """The JSON document for a run (see ``SCHEMA``)."""
+    return {"schema": SCHEMA, "meta": info, "workloads": {
+        name: {"metric": wl.metric, "higher_is_better": wl.higher_is_better,
+               "target": wl.target, "description": wl.description,
+               "modes": {m: dataclasses.asdict(r) for m, r in modes.items()}}
+        for name, (wl, modes) in results.items()}}
+
+
+def write_json(doc: dict[str, Any], path: pathlib.Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+
+
+def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if v is None else f"{format(v, spec)}{suffix}"
+
+
+def rows(wl: BenchWorkload, modes: dict[str, ModeResult]) -> list[list[str]]:
+    """Table rows for one workload."""
+    unit = "tok/s" if wl.name == "char-gpt" else "samples/s"
+    metric = "{:.1%}" if wl.metric == "accuracy" else "{:.3f}"
+    out = []
+    for r in modes.values():
+        out.append([
+            r.mode, f"{r.median_step * 1e3:.0f} ms", f"{r.throughput:,.0f} {unit}",
+            _fmt(r.speedup_vs_fp32, ".2f", "x"), _fmt(r.speedup_vs_torch, ".2f", "x"),
+            _fmt(None if r.peak_bytes is None else r.peak_bytes / 2**20, ".0f", " MB"),
+            "-" if r.final_metric is None else metric.format(r.final_metric),
+            _fmt(r.time_to_target, ".1f", " s"), str(r.skipped_steps),
+            "-" if r.max_batch is None else str(r.max_batch)])
+    return out
+
+
+def markdown(wl: BenchWorkload, modes: dict[str, ModeResult]) -> str:
+    """The table as Markdown, for docs/benchmarks.md."""
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows(wl, modes)]
+    return "\n".join(lines)
+
+
+def write_plots(wl: BenchWorkload, modes: dict[str, ModeResult], out: pathlib.Path
+                ) -> list[pathlib.Path]:
+    """Loss and metric vs training time, loss scale over steps, step-time bars (PNG files)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+
+    def curves(axes: Any) -> None:
+        ax1, ax2 = axes
+        for r in modes.values():
+            ax1.plot(r.wall, r.train_losses, label=r.mode, lw=1)
+            ax2.plot([e[1] for e in r.evals], [e[2] for e in r.evals], marker="o", label=r.mode)
+        ax2.axhline(wl.target, color="grey", ls="--", lw=1, label="target")
+        ax1.set(xlabel="training time (s)", ylabel="train loss", title=f"{wl.name}: loss vs time")
+        ax2.set(xlabel="training time (s)", ylabel=wl.metric,
+                title=f"{wl.name}: {wl.metric} vs time")
+
+    def scales(ax: Any) -> None:
+        for r in modes.values():
+            ax.plot(range(1, len(r.loss_scales) + 1), r.loss_scales, label=r.mode)
+        ax.set(xlabel="step", ylabel="loss scale", yscale="log", title=f"{wl.name}: loss scale")
+
+    def bars(ax: Any) -> None:
+        ax.bar(list(modes), [r.median_step * 1e3 for r in modes.values()], label="median step")
+        ax.set(ylabel="median step (ms)", title=f"{wl.name}: step time")
+
+    paths = []
+    for suffix, draw, shape in (("loss_vs_time", curves, (1, 2)), ("loss_scale", scales, (1, 1)),
+                                ("step_time", bars, (1, 1))):
+        fig, axes = plt.subplots(*shape, figsize=(5.5 * shape[1], 3.8))
+        draw(axes)
+        for ax in (axes if shape[1] > 1 else [axes]):
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out / f"{wl.name}_{suffix}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
