@@ -24,10 +24,13 @@ def _print_table(headers: list[str], rows: list[list[str]], title: str) -> None:
         return
     table = Table(title=title)
     for h in headers:
-        table.add_column(h, justify="left" if h == "mode" else "right")
+        table.add_column(h, justify="left" if h == "mode" else "right", no_wrap=True)
     for r in rows:
         table.add_row(*r)
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # logs and pipes: do not squeeze the table into 80 columns
+        console = Console(width=120)
+    console.print(table)
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -21,8 +21,8 @@ from mixprec.bench.workloads import BenchWorkload
 __all__ = ["HEADERS", "SCHEMA", "markdown", "meta", "rows", "to_json", "write_json", "write_plots"]
 
 SCHEMA = "mixprec.bench/1"
-HEADERS = ["mode", "step", "throughput", "vs fp32", "vs torch", "peak mem", "final", "to target",
-           "skipped", "max batch"]
+HEADERS = ["mode", "step", "per s", "vs fp32", "vs torch", "peak", "final", "to target", "skip",
+           "max batch"]
 
 
 def meta(command: str, dtype: torch.dtype, seed: int, quick: bool) -> dict[str, Any]:
@@ -55,18 +55,21 @@ def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
     return "-" if v is None else f"{format(v, spec)}{suffix}"
 
 
+def _si(v: float) -> str:
+    return f"{v / 1e3:.1f}k" if v >= 1e3 else f"{v:.0f}"
+
+
 def rows(wl: BenchWorkload, modes: dict[str, ModeResult]) -> list[list[str]]:
-    """Table rows for one workload."""
-    unit = "tok/s" if wl.name == "char-gpt" else "samples/s"
+    """Table rows for one workload ("per s": samples, or tokens for char-gpt, per second)."""
     metric = "{:.1%}" if wl.metric == "accuracy" else "{:.3f}"
     out = []
     for r in modes.values():
         out.append([
-            r.mode, f"{r.median_step * 1e3:.0f} ms", f"{r.throughput:,.0f} {unit}",
+            r.mode, f"{r.median_step * 1e3:.0f}ms", _si(r.throughput),
             _fmt(r.speedup_vs_fp32, ".2f", "x"), _fmt(r.speedup_vs_torch, ".2f", "x"),
-            _fmt(None if r.peak_bytes is None else r.peak_bytes / 2**20, ".0f", " MB"),
+            _fmt(None if r.peak_bytes is None else r.peak_bytes / 2**20, ".0f", "MB"),
             "-" if r.final_metric is None else metric.format(r.final_metric),
-            _fmt(r.time_to_target, ".1f", " s"), str(r.skipped_steps),
+            _fmt(r.time_to_target, ".1f", "s"), str(r.skipped_steps),
             "-" if r.max_batch is None else str(r.max_batch)])
     return out
 

@@ -199,7 +199,7 @@ def run_workload(wl: BenchWorkload, modes: list[str], *, dtype: torch.dtype = to
     del trainers
     _summarize(wl, results, batch)
     for m in modes if memory else ():
-        results[m].peak_bytes = _peak(wl, data, m, dtype, batch, seed)
+        results[m].peak_bytes = _peak(wl, data, m, dtype, batch, seed, steps=1 if quick else 2)
     if max_batch_mb is not None:
         for m in modes:
             results[m].max_batch = max_batch(wl, data, m, dtype, int(max_batch_mb * 2**20),
