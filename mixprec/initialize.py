@@ -238,7 +238,12 @@ def scale_loss(loss: Tensor,
     slot = opts[0].slot(loss_id)
     for o in opts:
         o.prepare_backward()
-    yield slot.scaler.scale_loss(loss)
+    try:
+        yield slot.scaler.scale_loss(loss)
+    except BaseException:
+        for o in opts:  # the backward failed: give back the grads stashed for accumulation
+            o._restore_stash()
+        raise
     flags = [o.record_backward(loss_id) for o in opts]
     # One loss, one verdict: a non-finite gradient anywhere in this loss's gradients skips every
     # optimizer it produced gradients for (Apex semantics), not only the one holding it.

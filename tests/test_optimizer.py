@@ -687,3 +687,16 @@ def test_plain_inf_around_scaled_backward_into_fp32_param(level, scaled_first):
         opt.backward(mse(model, x, y))
     opt.step()
     assert opt.step_skipped
+
+
+def test_failed_backward_inside_scale_loss_keeps_accumulated_grads():
+    x, y = batch()
+    model = make_model()
+    model, opt = initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", BF16)
+    opt.backward(mse(model, x, y))
+    before = [p.grad.clone() for p in opt.master_params()]
+    with pytest.raises(RuntimeError, match="boom"):
+        with scale_loss(mse(model, x, y), opt):
+            raise RuntimeError("boom")
+    for p, g in zip(opt.master_params(), before):
+        assert_bitwise(p.grad, g)

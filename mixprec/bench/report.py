@@ -46,9 +46,21 @@ def to_json(info: dict[str, Any],
         for name, (wl, modes) in results.items()}}
 
 
+def _round(obj: Any) -> Any:
+    """Floats to 6 significant digits: timings are not more precise than that."""
+    if isinstance(obj, float):
+        return float(f"{obj:.6g}")
+    if isinstance(obj, dict):
+        return {k: _round(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_round(v) for v in obj]
+    return obj
+
+
 def write_json(doc: dict[str, Any], path: pathlib.Path) -> None:
+    """Write ``doc`` compactly (per-step lists make an indented file several times larger)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1))
+    path.write_text(json.dumps(_round(doc), separators=(",", ":")) + "\n")
 
 
 def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
