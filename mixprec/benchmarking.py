@@ -9,95 +9,67 @@ optimizer built inside the measurement) so the timing rounds are not disturbed.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
-import mixprec
+from mixprec.bench.runner import Trainer
+from mixprec.bench.workloads import BenchWorkload
 from mixprec.memory import PeakMemory
 from mixprec.models import GPT, GPTConfig, SeedMLP
 
-__all__ = ["MODES", "WORKLOADS", "Workload", "build_step", "run", "format_table"]
+__all__ = ["MODES", "WORKLOADS", "build_step", "format_table", "run", "step_workload"]
 
 MODES = ("fp32", "torch-autocast", "mixprec-autocast", "O1", "O2", "O3")
 
 
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    make_model: Callable[[], nn.Module]
-    make_optimizer: Callable[[Any], torch.optim.Optimizer]
-    make_batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    description: str = ""
-
-
-def _ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _ce(out: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
 
 
-WORKLOADS: dict[str, Workload] = {
-    "seed-mlp": Workload(
-        "seed-mlp", lambda: SeedMLP(784, 4096, 10),
-        lambda params: torch.optim.SGD(params, lr=0.01),
-        lambda g: (torch.randn(512, 784, generator=g), torch.randint(0, 10, (512,), generator=g)),
-        _ce, "Linear 784-4096-4096-10, ReLU, fp32 softmax cross-entropy, batch 512, SGD"),
-    "gpt": Workload(
-        "gpt", lambda: GPT(GPTConfig()),
-        lambda params: torch.optim.AdamW(params, lr=1e-3),
+def step_workload(name: str, description: str, make_model: Callable[[], nn.Module],
+                  make_optimizer: Callable[[Any], torch.optim.Optimizer],
+                  make_batch: Callable[[torch.Generator], tuple[Tensor, Tensor]],
+                  loss: Callable[[Tensor, Tensor], Tensor] = _ce) -> BenchWorkload:
+    """A timing-only workload: one fixed random batch, repeated; nothing is evaluated."""
+    def batches(data: Any, batch_size: int, seed: int) -> Iterator[tuple[Tensor, Tensor]]:
+        batch = make_batch(torch.Generator().manual_seed(seed))
+        while True:
+            yield batch
+
+    return BenchWorkload(
+        name=name, description=description, metric="none", higher_is_better=False,
+        target=float("nan"), batch_size=0, steps=0, quick_steps=0, eval_every=0,
+        prepare=lambda quick, seed: None, make_model=lambda data: make_model(),
+        make_optimizer=make_optimizer, batches=batches, loss=loss,
+        evaluate=lambda forward, data: float("nan"), samples_per_batch=lambda b: b,
+        example_batch=lambda data, b: make_batch(torch.Generator().manual_seed(0)))
+
+
+WORKLOADS: dict[str, BenchWorkload] = {
+    "seed-mlp": step_workload(
+        "seed-mlp", "Linear 784-4096-4096-10, ReLU, fp32 softmax cross-entropy, batch 512, SGD",
+        lambda: SeedMLP(784, 4096, 10), lambda params: torch.optim.SGD(params, lr=0.01),
+        lambda g: (torch.randn(512, 784, generator=g), torch.randint(0, 10, (512,), generator=g))),
+    "gpt": step_workload(
+        "gpt", "4 layers, width 384, 6 heads, context 256, batch 16, AdamW",
+        lambda: GPT(GPTConfig()), lambda params: torch.optim.AdamW(params, lr=1e-3),
         lambda g: (torch.randint(0, 96, (16, 256), generator=g),
-                   torch.randint(0, 96, (16, 256), generator=g)),
-        _ce, "4 layers, width 384, 6 heads, context 256, batch 16, AdamW"),
+                   torch.randint(0, 96, (16, 256), generator=g))),
 }
 
 
-def build_step(workload: Workload, mode: str, dtype: torch.dtype = torch.bfloat16,
-               seed: int = 0) -> Callable[[], float]:
-    """Build model, optimizer and data for ``mode``; return a function running one step."""
+def build_step(workload: BenchWorkload, mode: str, dtype: torch.dtype = torch.bfloat16,
+               seed: int = 0) -> Callable[[], tuple[float, float]]:
+    """Build model, optimizer and data for ``mode``; return a timed one-step function."""
     if mode not in MODES:
         raise ValueError(f"Unknown mode {mode!r}; expected one of {MODES}.")
-    torch.manual_seed(seed)
-    model = workload.make_model()
-    opt = workload.make_optimizer(model.parameters())
-    x, y = workload.make_batch(torch.Generator().manual_seed(seed))
-    if mode in ("O1", "O2", "O3"):
-        model, opt = mixprec.initialize(model, opt, level=mode, dtype=dtype)
-
-        def step() -> float:
-            loss = workload.loss_fn(model(x), y)
-            opt.backward(loss)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.item()
-        return step
-
-    scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
-    region: Callable[[], Any] = {
-        "fp32": contextlib.nullcontext,
-        "torch-autocast": lambda: torch.autocast(x.device.type, dtype),
-        "mixprec-autocast": lambda: mixprec.autocast(dtype),
-    }[mode]
-
-    def plain_step() -> float:
-        with region():
-            loss = workload.loss_fn(model(x), y)
-        if scaler is not None and mode == "torch-autocast":
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-    return plain_step
+    return Trainer(workload, None, mode, dtype, 0, seed).step
 
 
 @dataclass
@@ -130,9 +102,7 @@ def run(workloads: list[str], modes: list[str], rounds: int = 7, warmup: int = 2
         res = {m: Result(wname, m) for m in modes}
         for r in range(warmup + rounds):
             for m in modes:
-                t0 = time.perf_counter()
-                loss = steps[m]()
-                dt = time.perf_counter() - t0
+                dt, loss = steps[m]()
                 if r >= warmup:
                     res[m].times.append(dt)
                 res[m].final_loss = loss

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("workloads", nargs="*", metavar="WORKLOAD",
                    help=f"one or more of {', '.join(_WORKLOADS)} (default: all)")
     b.add_argument("--modes", nargs="+", default=["fp32", "torch-autocast", "O1", "O2", "O3"],
-                   choices=["fp32", "torch-autocast", "O1", "O2", "O3"])
+                   choices=["fp32", "torch-autocast", "mixprec-autocast", "O1", "O2", "O3"])
     b.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     b.add_argument("--batch-size", type=int, default=None)
     b.add_argument("--steps", type=int, default=None, help="training steps per mode")

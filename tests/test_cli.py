@@ -34,11 +34,11 @@ def test_check_prints_the_report(capsys):
 
 
 def test_benchmark_harness_times_every_mode(monkeypatch):
-    tiny = benchmarking.Workload(
-        "tiny", lambda: nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)),
+    tiny = benchmarking.step_workload(
+        "tiny", "tiny MLP",
+        lambda: nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)),
         lambda p: torch.optim.AdamW(p, lr=1e-3),
-        lambda g: (torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)),
-        benchmarking._ce)
+        lambda g: (torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)))
     monkeypatch.setitem(benchmarking.WORKLOADS, "tiny", tiny)
     results = benchmarking.run(["tiny"], list(benchmarking.MODES), rounds=2, warmup=1,
                                log=lambda s: None)

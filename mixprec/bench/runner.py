@@ -26,7 +26,7 @@ from mixprec.memory import PeakMemory
 
 __all__ = ["MODES", "ModeResult", "Trainer", "max_batch", "run_workload", "time_to_target"]
 
-MODES = ("fp32", "torch-autocast", "O1", "O2", "O3")
+MODES = ("fp32", "torch-autocast", "mixprec-autocast", "O1", "O2", "O3")
 
 
 @dataclass
@@ -83,6 +83,8 @@ class Trainer:
     def region(self) -> contextlib.AbstractContextManager:
         if self.mode == "torch-autocast":
             return torch.autocast(_device(self.model), self.dtype)
+        if self.mode == "mixprec-autocast":
+            return mixprec.autocast(self.dtype)
         return contextlib.nullcontext()
 
     def forward(self, x: Tensor) -> Tensor:
