@@ -52,10 +52,11 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    import dataclasses
     import pathlib
 
     from mixprec.bench import report, runner
-    from mixprec.bench.workloads import WORKLOADS
+    from mixprec.bench.workloads import WORKLOADS, make_large_mnist1d
     from mixprec.progress import make_progress
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
@@ -64,6 +65,9 @@ def _bench(args: argparse.Namespace) -> int:
     results = {}
     for name in args.workloads:
         wl = WORKLOADS[name]
+        if args.mnist1d_samples and name in ("seed-mlp", "mnist1d-cnn"):
+            n = args.mnist1d_samples  # a larger generated set for timing (80/20 split)
+            wl = dataclasses.replace(wl, prepare=lambda quick, seed: make_large_mnist1d(n))
         steps = args.steps or (wl.quick_steps if args.quick else wl.steps)
         with make_progress(not args.no_progress) as ui:
             tasks = {m: ui.add(f"{name} {m}", steps) for m in args.modes}
@@ -119,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--quick", action="store_true", help="small data and few steps (< 2 min)")
     b.add_argument("--max-batch", type=float, default=None, metavar="MB",
                    help="also find the largest batch (default x 2^k) whose step fits in MB")
+    b.add_argument("--mnist1d-samples", type=int, default=None, metavar="N",
+                   help="time the MNIST-1D workloads on a larger generated set of N samples "
+                        "(80/20 split) instead of the standard 4000/1000 one")
     b.add_argument("--out", default="bench_out", help="folder for plots and results.json")
     b.add_argument("--json", default=None, help="results file (default OUT/results.json)")
     b.add_argument("--no-plots", action="store_true")
@@ -137,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         args.workloads = args.workloads or list(_WORKLOADS)
     if args.command == "demo" and args.steps < 3:
         parser.error(f"--steps must be at least 3, received {args.steps}.")
-    for name in ("steps", "batch_size"):
+    for name in ("steps", "batch_size", "mnist1d_samples"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             flag = "--" + name.replace("_", "-")

@@ -129,3 +129,23 @@ def test_bench_command_quick_tiny_run(workload, extra, tmp_path, capsys):
     assert doc["meta"]["quick"] is True and "--quick" in doc["meta"]["command"]
     assert (out / f"{workload}_loss_vs_time.png").exists()
     assert workload in capsys.readouterr().out
+
+
+def test_bench_on_a_larger_generated_mnist1d_set(tmp_path):
+    out = tmp_path / "out"
+    assert cli.main(["bench", "mnist1d-cnn", "--quick", "--steps", "2", "--modes", "fp32",
+                     "--mnist1d-samples", "1500", "--no-progress", "--no-memory", "--no-plots",
+                     "--out", str(out)]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert "--mnist1d-samples 1500" in doc["meta"]["command"]
+    from mixprec.bench.workloads import make_large_mnist1d
+
+    hits = make_large_mnist1d.cache_info().hits
+    assert len(make_large_mnist1d(1500)["x"]) == 1200  # the set the run used: 80/20 of 1500
+    assert make_large_mnist1d.cache_info().hits == hits + 1
+
+
+def test_bench_rejects_bad_mnist1d_samples(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--mnist1d-samples", "0"])
+    assert "--mnist1d-samples must be a positive integer" in capsys.readouterr().err
