@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -207,6 +208,8 @@ def initialize(models: nn.Module | Sequence[nn.Module],
             engine.install_boundary(m)
         m.__dict__[_MARK] = level
 
+    if props["cast_params"] and not props["master_weights"]:
+        _warn_vanishing_eps(opt_list, dtype)
     slots = [LossSlot(s) for s in props["scalers"]]
     wrapped = [MixedPrecisionOptimizer(o, slots, master_weights=props["master_weights"])
                for o in opt_list]
@@ -214,6 +217,22 @@ def initialize(models: nn.Module | Sequence[nn.Module],
     if optimizers is None:
         return out_models
     return out_models, (wrapped if many_opts else wrapped[0])
+
+
+def _warn_vanishing_eps(optimizers: list[Optimizer], dtype: torch.dtype) -> None:
+    """Without masters the optimizer's arithmetic runs in ``dtype``: an ``eps`` that rounds to 0
+    there (Adam's 1e-8 in fp16) turns a zero gradient into 0/0 = NaN on the first step."""
+    tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # smallest subnormal
+    for i, o in enumerate(optimizers):
+        for group in o.param_groups:
+            eps = group.get("eps")
+            if isinstance(eps, float) and 0 < eps < tiny:
+                warnings.warn(
+                    f"Optimizer {i} has eps={eps:g}, which rounds to 0 in {dtype} (smallest "
+                    f"positive value {tiny:.3g}); without fp32 master weights its update can "
+                    "divide 0 by 0. Use master_weights=True (O2), or eps >= 1e-4.",
+                    RuntimeWarning, stacklevel=3)
+                return
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ shapes, and every error path (with the model left untouched on error)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -358,3 +359,15 @@ def test_dtype_strings(spelling, expected):
     m, o = initialize(m, o, "O3", spelling)
     assert {p.dtype for p in m.parameters()} == {expected}
     assert o.loss_scale == (2.0**16 if expected == FP16 else 1.0)
+
+
+def test_o3_fp16_warns_when_adam_eps_vanishes():
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.warns(RuntimeWarning, match="eps=1e-08, which rounds to 0 in torch.float16"):
+        initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O3", torch.float16)
+    model = nn.Sequential(nn.Linear(4, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        initialize(model, torch.optim.AdamW(model.parameters(), eps=1e-4), "O3", torch.float16)
+        model = nn.Sequential(nn.Linear(4, 4))  # bf16 has fp32's range: 1e-8 is fine
+        initialize(model, torch.optim.AdamW(model.parameters()), "O3", torch.bfloat16)
