@@ -29,6 +29,7 @@ ops given an explicit ``dtype=`` keep it.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import weakref
 from collections.abc import Callable
@@ -99,8 +100,10 @@ class _State(threading.local):
 _state = _State()
 
 
-def _devices() -> list[str]:
-    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+@functools.lru_cache(maxsize=1)
+def _devices() -> tuple[str, ...]:
+    """Device types whose torch.autocast state the engine manages (asked once: hot path)."""
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
 def _cast_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -20,11 +20,10 @@ Design (``shared/reference/apex.md`` §1.5-1.6, §2; ``torch_amp.md`` §3):
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
-
-import weakref
 
 import torch
 from torch import Tensor
@@ -86,6 +85,7 @@ class MixedPrecisionOptimizer(Optimizer):
         self.skipped_steps = 0
         self._model_to_master: dict[Tensor, Tensor] = {}
         self._pairs: list[tuple[Tensor, Tensor]] = []  # (model param, master) for 16-bit params
+        self._master_ids: set[int] = set()
         self._found: dict[torch.device, Tensor] = {}
         self._touched: set[int] = set()  # loss ids recorded since the last step
         self._stash: dict[Tensor, Tensor] = {}
@@ -122,6 +122,7 @@ class MixedPrecisionOptimizer(Optimizer):
             master = p.detach().to(self.master_dtype).requires_grad_(p.requires_grad)
             self._model_to_master[p] = master
             self._pairs.append((p, master))
+            self._master_ids.add(id(master))
         return master
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -133,6 +134,10 @@ class MixedPrecisionOptimizer(Optimizer):
     def master_params(self) -> list[Tensor]:
         """The tensors the inner optimizer steps (fp32 masters or fp32 model parameters)."""
         return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _own_params(self) -> list[Tensor]:
+        """Parameters the inner optimizer steps directly: fp32 ones, no master behind them."""
+        return [p for p in self.master_params() if id(p) not in self._master_ids]
 
     def model_params(self) -> list[Tensor]:
         """The model's own parameters managed by this optimizer."""
@@ -159,9 +164,8 @@ class MixedPrecisionOptimizer(Optimizer):
 
     def _stash_grads(self) -> None:
         """Before a backward: move already-unscaled grads of fp32 parameters out of the way."""
-        masters = {id(m) for _, m in self._pairs}
-        for p in self.master_params():
-            if id(p) not in masters and p.grad is not None and p not in self._stash:
+        for p in self._own_params():
+            if p.grad is not None and p not in self._stash:
                 self._stash[p] = p.grad
                 p.grad = None
 
@@ -176,7 +180,6 @@ class MixedPrecisionOptimizer(Optimizer):
                 call_flags[device] = torch.zeros(1, device=device)
             return call_flags[device]
 
-        master_ids = {id(m) for _, m in self._pairs}
         if scale == 1.0:
             # Nothing to unscale: check the 16-bit grads where they are (half the bytes of an
             # fp32 pass), then widen. With a scale, widening comes first (fp16 would underflow).
@@ -191,8 +194,8 @@ class MixedPrecisionOptimizer(Optimizer):
             if scale != 1.0:
                 fresh.setdefault(g.device, []).append(g)
             targets.append((master, g))
-        for p in self.master_params():
-            if id(p) not in master_ids and p.grad is not None:
+        for p in self._own_params():
+            if p.grad is not None:
                 fresh.setdefault(p.grad.device, []).append(p.grad)
                 targets.append((p, p.grad))
         if not targets:
@@ -287,8 +290,7 @@ class MixedPrecisionOptimizer(Optimizer):
         """True when some gradient has not been through the finite check yet."""
         if any(p.grad is not None for p, _ in self._pairs):
             return True
-        masters = {id(m) for _, m in self._pairs}
-        return any(self._unchecked(p) for p in self.master_params() if id(p) not in masters)
+        return any(self._unchecked(p) for p in self._own_params())
 
     def _settle(self) -> bool:
         """Process raw grads, read every verdict with one host sync, update the scalers."""
