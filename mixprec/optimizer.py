@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -93,6 +93,9 @@ class MixedPrecisionOptimizer(Optimizer):
         # fp32 grads already checked: id(param) -> (weakref to grad, grad._version). A grad that
         # is new or was accumulated into since (a plain backward) is checked again.
         self._checked: dict[int, tuple[Any, int]] = {}
+        # Distributed training sets this to reduce the verdict flags across ranks (in one
+        # collective) so every rank skips the same steps; it returns the reduced flags.
+        self.reduce_flags: Callable[[list[Tensor]], list[Tensor]] | None = None
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
         for group in optimizer.param_groups:
@@ -298,7 +301,10 @@ class MixedPrecisionOptimizer(Optimizer):
             self._unscale(1.0)  # plain loss.backward() (alone or after scaled ones): unscaled
         slots = [self.slots[i] for i in sorted(self._touched)]
         flags = list(self._found.values())
-        values = read_flags(flags + [p for s in slots for p in s.pending])
+        all_flags = flags + [p for s in slots for p in s.pending]
+        if self.reduce_flags is not None and all_flags:
+            all_flags = self.reduce_flags(all_flags)
+        values = read_flags(all_flags)
         found = any(v != 0 for v in values[:len(flags)])
         offset = len(flags)
         for s in slots:
