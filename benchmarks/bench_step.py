@@ -32,6 +32,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
+    p.add_argument("--no-casts", action="store_true", help="skip the cast-counting pass")
     p.add_argument("--json", help="also write the results to this JSON file")
     args = p.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
@@ -40,7 +41,8 @@ def main() -> None:
               f"torch {torch.__version__} · python {platform.python_version()} · {args.dtype} · "
               f"{args.rounds} rounds")
     results = benchmarking.run(args.workloads, args.modes, rounds=args.rounds,
-                               warmup=args.warmup, dtype=dtype, memory=not args.no_memory)
+                               warmup=args.warmup, dtype=dtype, memory=not args.no_memory,
+                               casts=not args.no_casts)
     print()
     print(header)
     print()

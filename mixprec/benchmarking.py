@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mixprec.bench.runner import Trainer
+from mixprec.bench.runner import MODES, Trainer
 from mixprec.bench.workloads import BenchWorkload
 from mixprec.memory import PeakMemory
 from mixprec.models import GPT, GPTConfig, SeedMLP
 
-__all__ = ["MODES", "WORKLOADS", "build_step", "format_table", "run", "step_workload"]
+__all__ = ["MODES", "WORKLOADS", "build_step", "count_casts", "format_table", "run",
+           "step_workload"]
 
-MODES = ("fp32", "torch-autocast", "mixprec-autocast", "O1", "O2", "O3")
 
 
 def _ce(out: Tensor, y: Tensor) -> Tensor:
@@ -81,6 +81,7 @@ class Result:
     vs_torch: float | None = None
     peak_bytes: int | None = None
     final_loss: float | None = None
+    casts: int | None = None  # cast kernels (aten::_to_copy) executed in one step
 
     @property
     def median(self) -> float:
@@ -92,7 +93,7 @@ def _ratio(a: list[float], b: list[float]) -> float:
 
 
 def run(workloads: list[str], modes: list[str], rounds: int = 7, warmup: int = 2,
-        dtype: torch.dtype = torch.bfloat16, memory: bool = True,
+        dtype: torch.dtype = torch.bfloat16, memory: bool = True, casts: bool = True,
         log: Callable[[str], None] = print) -> list[Result]:
     """Time every mode of every workload in interleaved rounds; measure peak memory after."""
     results: list[Result] = []
@@ -113,6 +114,9 @@ def run(workloads: list[str], modes: list[str], rounds: int = 7, warmup: int = 2
             if "torch-autocast" in res:
                 res[m].vs_torch = _ratio(res[m].times, res["torch-autocast"].times)
         del steps
+        if casts:
+            for m in modes:
+                res[m].casts = count_casts(build_step(wl, m, dtype))
         if memory:
             for m in modes:
                 with PeakMemory() as pm:
@@ -125,15 +129,27 @@ def run(workloads: list[str], modes: list[str], rounds: int = 7, warmup: int = 2
     return results
 
 
+def count_casts(step: Callable[[], Any], warmup: int = 2) -> int:
+    """Cast kernels (``aten::_to_copy``) one training step runs, counted with the profiler.
+
+    Casts that a compiler fused into other kernels do not run on their own and are not counted.
+    """
+    for _ in range(warmup):
+        step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    return sum(1 for e in prof.events() if e.name == "aten::_to_copy")
+
+
 def format_table(results: list[Result]) -> str:
     """Markdown table of results."""
     def fmt(v: float | None, spec: str) -> str:
         return "-" if v is None else format(v, spec)
 
     lines = ["| workload | mode | median step (s) | speed-up vs fp32 | vs torch.autocast | "
-             "peak memory (MB) |", "|---|---|---|---|---|---|"]
+             "casts per step | peak memory (MB) |", "|---|---|---|---|---|---|---|"]
     for r in results:
         mem = None if r.peak_bytes is None else r.peak_bytes / 2**20
         lines.append(f"| {r.workload} | {r.mode} | {r.median:.3f} | {fmt(r.vs_fp32, '.2f')}x | "
-                     f"{fmt(r.vs_torch, '.2f')}x | {fmt(mem, '.0f')} |")
+                     f"{fmt(r.vs_torch, '.2f')}x | {fmt(r.casts, 'd')} | {fmt(mem, '.0f')} |")
     return "\n".join(lines)

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FP32", "LOWER", "PROMOTE", "RULES", "DEFAULT_TABLE", "cast_rules", "current_table",
+__all__ = ["FP32", "LOWER", "PROMOTE", "RULES", "DEFAULT_TABLE", "GRAPH_CLEAR", "GRAPH_INFER",
+           "cast_rules", "current_table",
            "op_name", "register_op", "rule_for", "table_markdown"]
 
 LOWER, FP32, PROMOTE = "lower", "fp32", "promote"
@@ -77,6 +78,40 @@ _CATEGORIES: dict[str, dict[str, tuple[str, ...]]] = {
         "indexing": ("index_put", "index_copy", "scatter_add", "index_add", "masked_scatter"),
     },
 }
+
+# The graph pass (:mod:`mixprec.graph`) colours nodes with grappler's four lists: "lower" ops
+# are its allow list, "fp32" ops its deny list, and the two sets below split the rest. Eager
+# mode needs neither: there an unlisted op simply runs in its input dtype.
+#
+# Clear: no numeric effect (views, data movement, selection, max-type ops, relu, dropout); a clear
+# op takes the colour of its neighbours, so casts land at the edges of clear runs.
+GRAPH_CLEAR: frozenset[str] = frozenset({
+    "view", "_unsafe_view", "reshape", "view_as", "reshape_as", "flatten", "unflatten",
+    "permute", "transpose", "t", "expand", "expand_as", "squeeze", "unsqueeze", "slice",
+    "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "getitem", "clone",
+    "contiguous", "alias", "detach", "relu", "relu6", "hardtanh", "max_pool1d", "max_pool2d",
+    "max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices",
+    "max_pool3d_with_indices", "adaptive_max_pool1d", "adaptive_max_pool2d", "dropout",
+    "native_dropout", "dropout1d", "dropout2d", "dropout3d", "feature_dropout",
+    "alpha_dropout", "pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d",
+    "replication_pad1d", "replication_pad2d", "tril", "triu", "flip", "roll", "repeat",
+    "tile", "index_select", "gather", "take_along_dim", "masked_fill", "zeros_like",
+    "ones_like", "empty_like", "full_like", "neg", "abs", "sign", "max", "min", "amax", "amin",
+    "topk", "sort", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "identity",
+    "upsample_nearest1d", "upsample_nearest2d", "interpolate", "as_strided", "movedim",
+    "swapaxes", "diagonal", "ravel",
+})
+# Infer: numeric ops that are safe in 16-bit but not worth a cast on their own (activations,
+# elementwise math, the "promote" ops): 16-bit only when sandwiched between allow ops.
+GRAPH_INFER: frozenset[str] = frozenset({
+    "gelu", "silu", "tanh", "sigmoid", "hardswish", "hardsigmoid", "mish", "elu", "selu",
+    "celu", "leaky_relu", "rrelu", "softsign", "tanhshrink", "logsigmoid", "sqrt", "square",
+    "erf", "erfc", "sin", "cos", "clamp", "clip", "clamp_min", "clamp_max", "floor", "ceil",
+    "round", "trunc", "frac", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
+    "adaptive_avg_pool2d", "adaptive_avg_pool3d", "batch_norm", "instance_norm",
+    "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+    "_native_batch_norm_legit_no_training", "upsample_bilinear2d", "upsample_linear1d",
+})
 
 DEFAULT_TABLE: Mapping[str, str] = {
     name: rule

@@ -26,7 +26,10 @@ from mixprec.memory import PeakMemory
 
 __all__ = ["MODES", "ModeResult", "Trainer", "max_batch", "run_workload", "time_to_target"]
 
-MODES = ("fp32", "torch-autocast", "mixprec-autocast", "O1", "O2", "O3")
+MODES = ("fp32", "torch-autocast", "mixprec-autocast", "O1", "O2", "O3", "graph",
+         "graph+compile")
+# modes whose optimizer is mixprec's wrapper; the graph modes store weights as O2 does
+_WRAPPED = ("O1", "O2", "O3", "graph", "graph+compile")
 
 
 @dataclass
@@ -73,6 +76,17 @@ class Trainer:
         self.scaler = None
         if mode in ("O1", "O2", "O3"):
             model, opt = mixprec.initialize(model, opt, level=mode, dtype=dtype)
+        elif mode in ("graph", "graph+compile"):
+            from mixprec import graph
+
+            policy = mixprec.Policy(compute_dtype=dtype, param_dtype=torch.float32,
+                                    output_dtype=torch.float32)
+            if mode == "graph":
+                x, _ = wl.example_batch(data, batch_size)
+                model = graph.convert(model, (x,), policy)
+            else:
+                model = graph.compile(model, policy)
+            model, opt = mixprec.initialize(model, opt, level="O2", dtype=dtype)
         elif mode == "torch-autocast" and dtype == torch.float16:
             self.scaler = torch.amp.GradScaler("cpu" if _device(model) == "cpu" else "cuda")
         self.model: nn.Module = model
@@ -97,7 +111,7 @@ class Trainer:
         t0 = time.perf_counter()
         with self.region():
             loss = self.wl.loss(self.model(x), y)
-        if self.mode in ("O1", "O2", "O3"):
+        if self.mode in _WRAPPED:
             self.opt.backward(loss)
             self.opt.step()
         elif self.scaler is not None:
@@ -115,13 +129,13 @@ class Trainer:
 
     @property
     def loss_scale(self) -> float:
-        if self.mode in ("O1", "O2", "O3"):
+        if self.mode in _WRAPPED:
             return float(self.opt.loss_scale)
         return float(self.scaler.get_scale()) if self.scaler is not None else 1.0
 
     @property
     def skipped_steps(self) -> int:
-        return int(self.opt.skipped_steps) if self.mode in ("O1", "O2", "O3") else self._torch_skips
+        return int(self.opt.skipped_steps) if self.mode in _WRAPPED else self._torch_skips
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -1,0 +1,72 @@
+"""The compiler path: the graph pass inside ``torch.compile``, before inductor.
+
+Design: dynamo hands a backend the *forward* FX graph at the torch level (``F.linear``,
+``operator.add``, methods), with fake-tensor metadata. The pass colours and rewrites that graph
+-- ops are named through the same cast table, so nothing here is specific to ATen -- and then
+gives it to inductor. AOTAutograd derives the backward graph from the rewritten forward, so the
+backward runs in the matching dtypes, and inductor fuses the casts into the neighbouring
+pointwise kernels (a cast then costs no memory pass of its own). This is PAI-TAO's "1+1>2":
+the pass decides precision, the compiler removes its cost.
+
+Use ``torch.compile(model, backend=mixprec.graph.backend())`` or :func:`compile`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from mixprec.policy import PolicyLike
+
+GRAPH_ATTR = "_mixprec_graph"  # also set by mixprec.convert
+
+__all__ = ["backend", "compile"]
+
+
+def backend(policy: PolicyLike | None = None, *, compiler: str = "inductor",
+            **options: Any) -> Callable[[fx.GraphModule, list], Callable]:
+    """A ``torch.compile`` backend that runs the graph pass, then ``compiler``.
+
+    Args:
+        policy: as in :func:`mixprec.convert` (default: global policy if mixed, else the fast
+            16-bit dtype here).
+        compiler: ``"inductor"`` (fuses the casts), or ``"eager"`` to run the rewritten graph
+            as is (useful to debug the pass under dynamo).
+        **options: ``fp32_inside``, ``ops``, ``fp32_modules``, ``kernels`` as in ``convert``
+            (``kernels`` defaults to ``"torch"``: inductor has its own attention lowering).
+    """
+    from mixprec.graph.convert import _default_policy
+    from mixprec.graph.rewrite import rewrite
+
+    if compiler not in ("inductor", "eager"):
+        raise ValueError(f"compiler must be 'inductor' or 'eager', received {compiler!r}.")
+    pol = _default_policy(policy)
+    options = {"kernels": "torch", **options}
+    results: list[Any] = []
+
+    def mixprec_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        results.append(rewrite(gm, pol.compute_dtype, output_dtype=pol.output_dtype, **options))
+        if compiler == "eager":
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+
+    mixprec_backend.results = results  # type: ignore[attr-defined]  # one PassResult per graph
+    return mixprec_backend
+
+
+def compile(model: nn.Module, policy: PolicyLike | None = None, *, compiler: str = "inductor",
+            **options: Any) -> nn.Module:
+    """``torch.compile(model, backend=backend(policy, ...))``, marked as graph-converted.
+
+    The mark tells :func:`mixprec.initialize` that the casts live in the graph: it then stores
+    weights and wraps the optimizer for the level, without installing the eager engine.
+    """
+    compiled = torch.compile(model, backend=backend(policy, compiler=compiler, **options))
+    model.__dict__[GRAPH_ATTR] = True
+    compiled.__dict__[GRAPH_ATTR] = True
+    return compiled

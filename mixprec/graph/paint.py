@@ -1,0 +1,314 @@
+"""Colour an FX graph grappler-style: which nodes run in 16-bit, which stay float32, and why.
+
+Design (``shared/reference/keras_graph.md`` §4.3-4.4, TensorFlow's ``auto_mixed_precision``):
+
+* The four lists come from :mod:`mixprec.cast_table`, the same data the eager engine reads:
+  ``lower`` ops are the **allow** list, ``fp32`` ops the **deny** list, ``promote`` ops and
+  :data:`~mixprec.cast_table.GRAPH_INFER` the **infer** list, and
+  :data:`~mixprec.cast_table.GRAPH_CLEAR` the **clear** list. With ``fp32_inside`` the ops whose
+  16-bit kernels accumulate in float32 (layer norm, softmax) move from deny to infer, as in eager.
+  An op in no list is a float32 boundary (grappler's rule for unknown ops).
+* A node is *processable* when its output is a float32 tensor (or a tuple of them, read through
+  ``getitem``), it mutates nothing, has no explicit ``dtype=`` and is not under a module forced to
+  float32. Placeholders, parameters, constants and the graph outputs keep their dtype.
+* The passes are grappler's, in its order: paint allow ops; propagate deny forwards through the
+  clear/infer chains that lead into another infer or deny op; paint allow the infer and clear
+  nodes sandwiched between allow nodes; spread allow through clear runs in both directions;
+  give a multi-output node and its ``getitem`` readers one colour.
+
+The graph is any ``torch.fx`` graph whose nodes carry dtype metadata (``meta["val"]`` from
+torch.export / dynamo, or ``meta["tensor_meta"]`` from ``ShapeProp``), at the ATen level or the
+torch level: ops are named by :func:`mixprec.cast_table.op_name` in both.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx.passes.shape_prop import TensorMetadata
+
+from mixprec.cast_table import FP32, GRAPH_CLEAR, GRAPH_INFER, LOWER, PROMOTE, current_table
+from mixprec.cast_table import op_name
+
+__all__ = ["ALLOW", "DENY", "INFER", "CLEAR", "LISTS", "Lists", "Colouring", "build_lists",
+           "colour", "is_multi", "meta_val", "node_op"]
+
+ALLOW, DENY, INFER, CLEAR = "allow", "deny", "infer", "clear"
+LISTS = (ALLOW, DENY, INFER, CLEAR)
+_FP32_INSIDE = frozenset({"layer_norm", "native_layer_norm", "group_norm", "softmax",
+                          "log_softmax", "_softmax", "_log_softmax"})
+# ops whose result has an input's storage dtype by construction (gather from a table): the cast
+# goes on the (small) output instead of the (large) weight
+SOURCE_OPS = frozenset({"embedding", "embedding_bag", "_embedding_bag"})
+CAST_OPS = frozenset({"_to_copy", "to", "float", "half", "bfloat16", "double", "type",
+                      "convert_element_type", "_convert_element_type"})
+DROP_OPS = frozenset({"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"})
+
+
+@dataclass(frozen=True)
+class Lists:
+    """Grappler's four op lists, as sets of base op names. An op is in at most one list."""
+
+    allow: frozenset[str]
+    deny: frozenset[str]
+    infer: frozenset[str]
+    clear: frozenset[str]
+
+    def of(self, name: str) -> str | None:
+        for kind in LISTS:
+            if name in getattr(self, kind):
+                return kind
+        return None
+
+
+def build_lists(table: Mapping[str, str] | None = None, *, fp32_inside: bool = False,
+                ops: Mapping[Any, str | None] | None = None) -> Lists:
+    """The lists from the cast table (default: the current one) plus convert-time overrides.
+
+    ``ops`` moves ops between lists: ``{"gelu": "deny", torch.softmax: "infer", "mm": None}``
+    (``None``: in no list, so a float32 boundary). Keys are any op spelling.
+    """
+    table = current_table() if table is None else table
+    sets: dict[str, set[str]] = {k: set() for k in LISTS}
+    for name, rule in table.items():
+        kind = {LOWER: ALLOW, FP32: DENY, PROMOTE: INFER}[rule]
+        if fp32_inside and name in _FP32_INSIDE and kind == DENY:
+            kind = INFER
+        sets[kind].add(name)
+    placed = set().union(*sets.values())
+    sets[INFER] |= GRAPH_INFER - placed
+    sets[CLEAR] |= GRAPH_CLEAR - placed - sets[INFER]
+    for op, kind in (ops or {}).items():
+        name = op_name(op)[0]
+        if kind is not None and kind not in LISTS:
+            raise ValueError(f"Unknown list {kind!r} for op {name!r}: expected one of {LISTS} "
+                             "or None (a float32 boundary).")
+        for s in sets.values():
+            s.discard(name)
+        if kind is not None:
+            sets[kind].add(name)
+    return Lists(*(frozenset(sets[k]) for k in LISTS))
+
+
+def meta_val(node: Any) -> Any:
+    """The example value (fake tensor, tuple, or TensorMetadata) recorded on a node, or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    for key in ("val", "example_value", "tensor_meta"):
+        v = node.meta.get(key)
+        if v is not None:
+            return v
+    return None
+
+
+def is_multi(v: Any) -> bool:
+    """True for a tuple/list of example values (not ShapeProp's TensorMetadata namedtuple)."""
+    return isinstance(v, (tuple, list)) and not isinstance(v, TensorMetadata)
+
+
+def _dtype_of(v: Any) -> torch.dtype | None:
+    dt = getattr(v, "dtype", None)
+    return dt if isinstance(dt, torch.dtype) else None
+
+
+def node_op(node: fx.Node) -> str | None:
+    """The base op name of a call node (``aten.linear.default`` and ``F.linear``: "linear")."""
+    if node.op == "call_method":
+        return op_name(str(node.target))[0]
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        return "getitem"
+    try:
+        name, inplace = op_name(node.target)
+    except TypeError:
+        return None
+    return name + "_" if inplace else name
+
+
+def _mutates(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return True
+    name = node_op(node) or ""
+    return name.endswith("_") and not name.startswith("_") or "out" in node.kwargs
+
+
+@dataclass
+class Colouring:
+    """The result of :func:`colour`: per node, its list, colour and the reason for the colour."""
+
+    lists: Lists
+    kind: dict[fx.Node, str | None] = field(default_factory=dict)  # list of each processable node
+    allow: set[fx.Node] = field(default_factory=set)
+    deny: set[fx.Node] = field(default_factory=set)
+    reason: dict[fx.Node, str] = field(default_factory=dict)
+    fixed: dict[fx.Node, str] = field(default_factory=dict)  # unprocessable call nodes: why
+
+    def processable(self, node: fx.Node) -> bool:
+        return node in self.kind
+
+    def is_low(self, node: fx.Node) -> bool:
+        return node in self.allow
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return str(path).replace("L['self'].", "").replace("L__self__.", "")
+
+
+def _forced_fp32(node: fx.Node, prefixes: tuple[str, ...]) -> bool:
+    if not prefixes:
+        return False
+    path = _module_path(node)
+    return any(path == p or path.startswith(p + ".") for p in prefixes)
+
+
+def _float_out(node: fx.Node) -> bool:
+    """True when the node's output is a float32 tensor, or a tuple/list with one."""
+    v = meta_val(node)
+    if is_multi(v):
+        return any(_dtype_of(x) == torch.float32 for x in v)
+    return _dtype_of(v) == torch.float32
+
+
+def _classify(node: fx.Node, lists: Lists, fp32_modules: tuple[str, ...]) -> tuple[str | None, str]:
+    name = node_op(node)
+    if name is None:
+        return None, "not an op"
+    if name in CAST_OPS:
+        return None, "existing cast"
+    if name in SOURCE_OPS:
+        return None, "gathers from its table in the table's dtype; cast after it"
+    if _mutates(node):
+        return None, "mutates an input"
+    if node.kwargs.get("dtype") is not None:
+        return None, "explicit dtype="
+    if not _float_out(node):
+        return None, "no float32 output"
+    if _forced_fp32(node, fp32_modules):
+        return None, f"module {_module_path(node)!r} forced to float32"
+    kind = lists.of(name)
+    if kind is None:
+        return None, f"op {name!r} is in no list: a float32 boundary"
+    return kind, ""
+
+
+def _float_edges(node: fx.Node) -> Iterable[fx.Node]:
+    return (n for n in node.all_input_nodes if _carries_float(n))
+
+
+def _carries_float(node: fx.Node) -> bool:
+    v = meta_val(node)
+    if is_multi(v):
+        return any(_dtype_of(x) is not None and _dtype_of(x).is_floating_point for x in v)
+    dt = _dtype_of(v)
+    return dt is not None and dt.is_floating_point
+
+
+def colour(graph: fx.Graph, lists: Lists, *, fp32_modules: Iterable[str] = ()) -> Colouring:
+    """Run grappler's painting passes on ``graph``; the graph itself is not changed."""
+    c = Colouring(lists)
+    prefixes = tuple(p.strip(".") for p in fp32_modules)
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        kind, why = _classify(node, lists, prefixes)
+        if kind is None:
+            c.fixed[node] = why
+        else:
+            c.kind[node] = kind
+    fanin = {n: [p for p in _float_edges(n) if p in c.kind] for n in c.kind}
+    fanout: dict[fx.Node, list[fx.Node]] = {n: [] for n in c.kind}
+    for n, ins in fanin.items():
+        for p in ins:
+            fanout[p].append(n)
+
+    # pass 1: allow ops
+    for n, kind in c.kind.items():
+        if kind == ALLOW:
+            c.allow.add(n)
+            c.reason[n] = f"{node_op(n)} is on the allow list (cast table: lower)"
+
+    # pass 2: deny propagates forwards through clear/infer chains that lead into infer or deny
+    upstream: set[fx.Node] = set()
+    for n, kind in c.kind.items():
+        if kind in (DENY, INFER):
+            upstream.add(n)
+            _walk(n, fanin, lambda m: c.kind[m] == CLEAR, upstream)
+    for n, kind in c.kind.items():
+        if kind == DENY:
+            c.deny.add(n)
+            c.reason[n] = f"{node_op(n)} is on the deny list (cast table: fp32)"
+    for n in [n for n, k in c.kind.items() if k == DENY]:
+        reached: set[fx.Node] = set()
+        _walk(n, fanout, lambda m: m in upstream and c.kind[m] != DENY, reached)
+        for m in reached - c.deny:
+            c.deny.add(m)
+            c.reason[m] = f"deny propagates from {n.name} ({node_op(n)}) through clear/infer ops"
+
+    # pass 3: infer/clear nodes between two allow nodes become allow
+    def between(m: fx.Node) -> bool:
+        return c.kind[m] in (INFER, CLEAR) and m not in c.deny and m not in c.allow
+
+    downstream: set[fx.Node] = set()
+    for n in list(c.allow):
+        _walk(n, fanout, between, downstream)
+    for n in list(c.allow):
+        reached = set()
+        _walk(n, fanin, lambda m: m in downstream, reached)
+        for m in reached - c.allow:
+            c.allow.add(m)
+            c.reason[m] = f"{c.kind[m]} op between allow ops (reaches {n.name})"
+
+    # pass 4: clear runs take the allow colour in both directions
+    both = {n: fanin[n] + fanout[n] for n in c.kind}
+    for n in list(c.allow):
+        reached = set()
+        _walk(n, both, lambda m: c.kind[m] == CLEAR and m not in c.deny, reached)
+        for m in reached - c.allow:
+            c.allow.add(m)
+            c.reason[m] = f"clear op next to allow op {n.name}"
+
+    # pass 5: a multi-output node and its getitem readers share one colour
+    for n in c.kind:
+        readers = [u for u in n.users if u.target is operator.getitem and u in c.kind]
+        if not readers:
+            continue
+        group = [n, *readers]
+        if any(m in c.deny for m in group) or not any(m in c.allow for m in group):
+            for m in group:
+                if m in c.allow:
+                    c.allow.discard(m)
+                    c.reason[m] = f"matches the float32 colour of {n.name}'s outputs"
+        else:
+            for m in group:
+                if m not in c.allow:
+                    c.allow.add(m)
+                    c.reason[m] = f"matches the 16-bit colour of {n.name}'s outputs"
+
+    for n, kind in c.kind.items():
+        if n not in c.allow and n not in c.reason:
+            c.reason[n] = (f"{kind} op not between allow ops" if kind in (INFER, CLEAR)
+                           else f"{kind} op")
+    return c
+
+
+def _walk(start: fx.Node, edges: Mapping[fx.Node, list[fx.Node]], ok: Any,
+          seen: set[fx.Node]) -> None:
+    """Depth-first from ``start`` along ``edges`` through nodes that satisfy ``ok``."""
+    stack = [start]
+    while stack:
+        n = stack.pop()
+        for m in edges.get(n, ()):
+            if m not in seen and ok(m):
+                seen.add(m)
+                stack.append(m)
