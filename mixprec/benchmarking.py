@@ -130,15 +130,18 @@ def run(workloads: list[str], modes: list[str], rounds: int = 7, warmup: int = 2
 
 
 def count_casts(step: Callable[[], Any], warmup: int = 2) -> int:
-    """Cast kernels (``aten::_to_copy``) one training step runs, counted with the profiler.
+    """Tensor cast kernels (``aten::_to_copy``) one training step runs, counted by the profiler.
 
     Casts that a compiler fused into other kernels do not run on their own and are not counted.
     """
     for _ in range(warmup):
         step()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=True) as prof:
         step()
-    return sum(1 for e in prof.events() if e.name == "aten::_to_copy")
+    # 0-dim casts are optimizer step counters and Python scalars, not tensors of the model
+    return sum(1 for e in prof.events() if e.name == "aten::_to_copy"
+               and e.input_shapes and e.input_shapes[0])
 
 
 def format_table(results: list[Result]) -> str:

@@ -226,6 +226,8 @@ class _Mode(TorchFunctionMode):
             if len(found) > 1 and torch.float64 not in found:
                 args = cast_tree(args, torch.float32, only_low=True)
                 kwargs = cast_tree(kwargs, torch.float32, only_low=True) if kwargs else kwargs
+            with _AutocastOff():  # promoted here; torch.autocast's own promotion rejects
+                return func(*args, **kwargs)  # e.g. float16 inputs in a bfloat16 region
         return func(*args, **kwargs)
 
 

@@ -768,3 +768,12 @@ def test_import_does_not_initialize_cuda():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok")
+
+
+def test_promote_ops_accept_another_16bit_dtype_in_a_region():
+    """torch.autocast's own promotion raises on float16 inputs in a bfloat16 region."""
+    a = torch.randn(2, 3, dtype=torch.float16)
+    with mixprec.autocast(torch.bfloat16):
+        assert torch.cat([a, a]).dtype == torch.float16
+        assert torch.cat([a, a.float()]).dtype == torch.float32
+        assert torch.stack([a, a.to(torch.bfloat16)]).dtype == torch.float32
