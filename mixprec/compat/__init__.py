@@ -1,0 +1,9 @@
+"""Compatibility layers that let code written for other mixed-precision APIs run on mixprec.
+
+* :mod:`mixprec.compat.apex` -- NVIDIA Apex's ``amp`` namespace and ``FP16_Optimizer``
+  (``from mixprec.compat.apex import amp``, or ``mixprec.compat.apex.install()`` to make an
+  unchanged ``from apex import amp`` import mixprec).
+
+The Keras-style ``LossScaleOptimizer`` lives in :mod:`mixprec.keras`
+(``mixprec.LossScaleOptimizer``).
+"""

@@ -1,0 +1,539 @@
+"""Apex drop-in: ``from mixprec.compat.apex import amp`` runs old ``apex.amp`` code on mixprec.
+
+Design (``shared/reference/apex.md`` §1-2): the ``amp`` namespace keeps Apex's signatures,
+defaults and return shapes, and translates each call to mixprec -- ``amp.initialize`` to
+:func:`mixprec.initialize`, ``amp.scale_loss`` to :func:`mixprec.scale_loss`, the
+``register_*_function`` calls to the cast table. Opt-level properties are resolved here with
+Apex's override rules (same errors for the same misuse), then mapped onto mixprec's levels. The
+16-bit dtype defaults to float16 as in Apex; when mixprec knows bfloat16 is the better choice on
+the device, ``initialize`` says so (``verbosity >= 1``) and ``dtype=torch.bfloat16`` switches.
+
+Where Apex has a known flaw and fixing it cannot break a caller, mixprec's behaviour wins:
+
+* O2 checkpoints keep the fp32 masters: the returned optimizer's ``state_dict`` carries them and
+  ``model.state_dict()`` returns the masters' exact fp32 values (Apex returns fp32 casts of the
+  fp16 weights, so a resume loses precision, apex#180/#480). A plain torch optimizer state dict
+  (an old Apex checkpoint) still loads; the masters are then rebuilt from the model.
+* Every level, static scaling included, checks gradients and skips a non-finite step (Apex's
+  static scaling never checks).
+* The numerically risky ops (softmax, norms, losses, ...) run in fp32 at O2/O3 too, and outputs
+  are fp32 at every level (Apex: O1 outputs keep the op's dtype). ``binary_cross_entropy`` is
+  cast to fp32 instead of banned.
+* ``initialize`` may be called again for new models (Apex: once per process); state is per call,
+  ``amp.state_dict`` reports the latest call's scalers. Registrations work before or after it.
+* Dynamic scaling has a floor (``min_loss_scale``, default 1.0) instead of none.
+* ``delay_unscale`` is accepted and unnecessary: every backward is unscaled with its own scale.
+* ``keep_batchnorm_fp32`` keeps every normalization layer fp32 (LayerNorm, GroupNorm too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import sys
+import types
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import mixprec
+from mixprec import engine
+from mixprec.hardware import default_dtype
+from mixprec.loss_scale import LossScaler
+from mixprec.optimizer import LossSlot, MixedPrecisionOptimizer
+
+__all__ = ["amp", "AmpOptimizer", "FP16_Optimizer", "install", "uninstall"]
+
+_LEVELS = ("O0", "O1", "O2", "O3")
+_APEX_LOSS_SCALE = {"O0": 1.0, "O1": "dynamic", "O2": "dynamic", "O3": 1.0}
+_APEX_MASTERS = {"O0": False, "O1": None, "O2": True, "O3": False}
+_APEX_KEEP_BN = {"O0": None, "O1": None, "O2": True, "O3": False}
+_TORCH_NAMESPACES = (torch, torch.nn.functional, torch.Tensor, torch.linalg, torch.special,
+                     torch.fft)
+_RULES = {"half": "lower", "float": "fp32", "promote": "promote"}
+
+
+class _AmpState:
+    """Apex's process-global ``_amp_state``, reduced to what the namespace needs."""
+
+    def __init__(self) -> None:
+        self.initialized = False
+        self.enabled = True
+        self.verbosity = 1
+        self.slots: list[LossSlot] = []
+        self.wrappers: weakref.WeakValueDictionary[int, AmpOptimizer] = \
+            weakref.WeakValueDictionary()  # id(inner torch optimizer) -> returned optimizer
+        self.registered: list[tuple[Any, str, Any]] = []  # (owner, name, original) to undo
+
+
+_state = _AmpState()
+
+
+def _print(level: int, msg: str) -> None:
+    if _state.verbosity >= level:
+        print(msg)
+
+
+class AmpOptimizer(MixedPrecisionOptimizer):
+    """What ``amp.initialize`` returns: a :class:`mixprec.MixedPrecisionOptimizer` (itself a
+    ``torch.optim.Optimizer``, so LR schedulers accept it) with Apex's step-time behaviour.
+
+    * After a step, the fp32 master gradients behind 16-bit parameters are dropped, as Apex
+      does, so code that zeroes only ``model.zero_grad()`` does not accumulate stale masters.
+    * A skipped step prints Apex's "Gradient overflow. Skipping step" line at ``verbosity >= 1``.
+    * ``load_state_dict`` also takes a plain torch optimizer state dict (an Apex checkpoint).
+    """
+
+    _amp_verbosity = 1
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:  # Apex raises; one evaluation then one step is what users mean
+            with torch.enable_grad():
+                loss = closure()
+        super().step()
+        if self.step_skipped:
+            if self._amp_verbosity >= 1:
+                print(f"Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to "
+                      f"{self.loss_scale}")
+        else:
+            for p, master in zip(self.model_params(), self.master_params()):
+                if p is not master:
+                    master.grad = None
+        return loss
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "masters" in state_dict and "optimizer" in state_dict:
+            super().load_state_dict(state_dict)
+            return
+        # An Apex-era checkpoint: the inner optimizer's state; the masters come from the model.
+        self.optimizer.load_state_dict(state_dict)
+        for p, master in zip(self.model_params(), self.master_params()):
+            if p is not master:
+                master.copy_(p)
+
+
+def _as_list(obj: Any) -> tuple[list[Any], bool]:
+    many = isinstance(obj, (list, tuple))
+    return (list(obj) if many else [obj]), many
+
+
+def _check_level(opt_level: Any) -> str:
+    if opt_level not in _LEVELS:
+        raise RuntimeError(f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', "
+                           "'O2', 'O3'. Note that in `O0`, `O1`, etc., the prefix O is the letter "
+                           "O, not the number zero.")
+    return opt_level
+
+
+def _bool_or_none(name: str, value: Any) -> bool | None:
+    if value in (None, True, False):
+        return value
+    if value in ("True", "False"):
+        return value == "True"
+    raise ValueError(f"{name} must be True, False, None or the strings 'True'/'False'; "
+                     f"received {value!r}.")
+
+
+def _loss_scale_spec(loss_scale: Any, level: str) -> str | float:
+    if loss_scale is None:
+        return _APEX_LOSS_SCALE[level]
+    if loss_scale == "dynamic":
+        return "dynamic"
+    try:
+        return float(loss_scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"loss_scale must be 'dynamic' or a number (as Apex: '128.0' works); "
+                         f"received {loss_scale!r}.") from None
+
+
+def _scaler_options(spec: str | float, min_loss_scale: Any, max_loss_scale: Any
+                    ) -> dict[str, Any]:
+    if spec != "dynamic":
+        return {}
+    max_scale = float(max_loss_scale)
+    min_scale = 1.0 if min_loss_scale is None else float(min_loss_scale)
+    # Apex: scale window 2000, factor 2, start at min(max_loss_scale, 2**16)
+    return dict(init_scale=max(min(max_scale, 2.0**16), min_scale), growth_interval=2000,
+                min_scale=min(min_scale, max_scale), max_scale=max_scale)
+
+
+def _hint_dtype(dtype: torch.dtype, device: torch.device, explicit: bool) -> None:
+    if explicit or dtype != torch.float16:
+        return
+    better = default_dtype(device)
+    if better == torch.bfloat16:
+        _print(1, f"mixprec amp: using float16 as Apex does. On this {device.type} device "
+                  "bfloat16 is the better choice (as fast or faster, no loss scaling needed): "
+                  "pass dtype=torch.bfloat16 to amp.initialize (cast_model_type=torch.bfloat16 "
+                  "at O2/O3).")
+
+
+def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_level: str = "O1",
+               cast_model_type: Any = None, patch_torch_functions: Any = None,
+               keep_batchnorm_fp32: Any = None, master_weights: Any = None,
+               loss_scale: Any = None, cast_model_outputs: Any = None, num_losses: int = 1,
+               verbosity: int = 1, min_loss_scale: float | None = None,
+               max_loss_scale: float = 2.0**24, *, dtype: torch.dtype | None = None) -> Any:
+    """Apex's ``amp.initialize`` on mixprec: same arguments, same return shapes.
+
+    ``dtype`` (mixprec extension, keyword only) picks the 16-bit dtype at every level; Apex
+    always uses float16. Returns ``models`` or ``(models, optimizers)``; the optimizers returned
+    are :class:`AmpOptimizer` objects -- use them (as Apex's docs also require).
+    """
+    _state.verbosity = int(verbosity)
+    if not enabled:
+        _state.initialized, _state.enabled, _state.slots = True, False, []
+        return models if optimizers is None else (models, optimizers)
+    level = _check_level(opt_level)
+    model_list, many_models = _as_list(models)
+    opt_list, many_opts = ([], False) if optimizers is None else _as_list(optimizers)
+    for m in model_list:
+        if isinstance(m, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            raise RuntimeError("Incoming model is an instance of DataParallel/DistributedDataParall"
+                               "el. Parallel wrappers should only be applied to the model(s) AFTER "
+                               "the model(s) have been returned from amp.initialize.")
+    for o in opt_list:
+        if isinstance(o, FP16_Optimizer):
+            raise RuntimeError("An incoming optimizer is an FP16_Optimizer: amp.initialize takes "
+                               "the plain torch optimizer. Pass init_optimizer instead.")
+        if isinstance(o, MixedPrecisionOptimizer):
+            raise RuntimeError("A given optimizer should only be passed through amp.initialize "
+                               "once.")
+    # -- Apex's consistency rules (frontend.py), same exceptions ------------------------------
+    keep_bn = _bool_or_none("keep_batchnorm_fp32", keep_batchnorm_fp32)
+    if level == "O1":
+        if cast_model_type not in (None, False, torch.float32):
+            raise RuntimeError("O1 inserts casts around Torch functions rather than model weights, "
+                               "so with O1, the model weights themselves should remain FP32. If "
+                               "you wish to cast the model to a different type, use opt_level="
+                               "'O2' or 'O3'. cast_model_type was " + str(cast_model_type))
+        if keep_bn is not None:
+            raise RuntimeError("With opt_level O1, batchnorm functions are automatically patched "
+                               "to run in FP32, so keep_batchnorm_fp32 should be None. "
+                               f"keep_batchnorm_fp32 was {keep_batchnorm_fp32}")
+        if master_weights is not None:
+            raise RuntimeError("With opt_level O1, model weights remain FP32, so master_weights "
+                               f"should be None. master_weights was {master_weights}")
+    if patch_torch_functions and level != "O1":
+        raise RuntimeError("Currently, patch_torch_functions=True should only be set by selecting "
+                           "opt_level='O1'.")
+    explicit = dtype is not None
+    if cast_model_type in (torch.float16, torch.bfloat16):
+        if level == "O0":
+            raise RuntimeError("O0 trains in float32; use O2/O3 to cast the model to "
+                               f"{cast_model_type}.")
+        if dtype is not None and dtype != cast_model_type:
+            raise ValueError(f"dtype={dtype} and cast_model_type={cast_model_type} disagree.")
+        dtype, explicit = cast_model_type, True
+    elif cast_model_type not in (None, False, torch.float32):
+        raise ValueError(f"cast_model_type must be torch.float16, torch.bfloat16, torch.float32, "
+                         f"False or None; received {cast_model_type!r}.")
+    dtype = torch.float16 if dtype is None else dtype
+    spec = _loss_scale_spec(loss_scale, level)
+    scaler_opts = _scaler_options(spec, min_loss_scale, max_loss_scale)
+    masters = _APEX_MASTERS[level] if master_weights is None else bool(master_weights)
+    keep_bn = _APEX_KEEP_BN[level] if keep_bn is None else keep_bn
+    first = next((p for m in model_list for p in m.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    if level != "O0":
+        _hint_dtype(dtype, device, explicit)
+    scalers = [LossScaler.from_spec(spec if spec != 1.0 else None, **scaler_opts)]
+    scalers += [copy.deepcopy(scalers[0]) for _ in range(int(num_losses) - 1)]
+    if cast_model_type is False or (level == "O1" and patch_torch_functions is False):
+        # Apex leaves the model alone (no casts, no forward patch): only masters and scaling.
+        slots = [LossSlot(s) for s in scalers]
+        wrapped = [MixedPrecisionOptimizer(o, slots, master_weights=masters) for o in opt_list]
+    else:
+        kwargs: dict[str, Any] = dict(num_losses=int(num_losses), loss_scale=scalers[0],
+                                      cast_model_outputs=cast_model_outputs or torch.float32)
+        if level in ("O2", "O3"):
+            kwargs["keep_norm_fp32"] = bool(keep_bn)
+            kwargs["master_weights"] = masters
+        out = mixprec.initialize(model_list, opt_list or None, level=level,
+                                 dtype=None if level == "O0" else dtype, **kwargs)
+        wrapped = out[1] if opt_list else []
+        slots = wrapped[0].slots if wrapped else [LossSlot(s) for s in scalers]
+    for w in wrapped:
+        w.__class__ = AmpOptimizer
+        w._amp_verbosity = _state.verbosity
+        _state.wrappers[id(w.optimizer)] = w
+    _state.slots = slots
+    _state.initialized, _state.enabled = True, True
+    if level in ("O2", "O3") or cast_model_type is False:
+        for m in model_list:
+            _install_fp32_state_dict(m, wrapped)
+    _print(1, f"mixprec amp: opt_level {level}, dtype {dtype if level != 'O0' else torch.float32}"
+              f", master_weights {masters}, loss_scale {spec}, num_losses {num_losses}.")
+    out_models = model_list if many_models else model_list[0]
+    if optimizers is None:
+        return out_models
+    return out_models, (wrapped if many_opts else wrapped[0])
+
+
+def _master_map(wrappers: list[MixedPrecisionOptimizer]) -> dict[int, Tensor]:
+    return {id(p): m for w in wrappers for p, m in zip(w.model_params(), w.master_params())
+            if p is not m}
+
+
+def _install_fp32_state_dict(model: nn.Module, wrappers: list[MixedPrecisionOptimizer]) -> None:
+    """``state_dict()`` returns fp32 (exact master values); loading also sets the masters."""
+    refs = [weakref.ref(w) for w in wrappers]
+
+    def live() -> list[MixedPrecisionOptimizer]:
+        return [w for w in (r() for r in refs) if w is not None]
+
+    def save_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        masters = _master_map(live())
+        own = dict(module.named_parameters(recurse=False))
+        own.update(dict(module.named_buffers(recurse=False)))
+        for name, t in own.items():
+            key = prefix + name
+            if t is None or key not in state_dict or not t.is_floating_point():
+                continue
+            src = masters.get(id(t))
+            if src is not None:
+                state_dict[key] = src.detach().clone()
+            elif t.dtype in (torch.float16, torch.bfloat16):
+                state_dict[key] = state_dict[key].float()
+
+    @torch.no_grad()
+    def load_hook(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        masters = _master_map(live())
+        for name, p in module.named_parameters(recurse=False):
+            value, master = state_dict.get(prefix + name), masters.get(id(p))
+            if master is not None and isinstance(value, Tensor) and value.shape == master.shape:
+                master.copy_(value)
+
+    for module in model.modules():
+        module._register_state_dict_hook(save_hook)
+        module.register_load_state_dict_pre_hook(load_hook)
+
+
+def _resolve_optimizers(optimizers: Any) -> list[MixedPrecisionOptimizer]:
+    out = []
+    for o in _as_list(optimizers)[0]:
+        if isinstance(o, MixedPrecisionOptimizer):
+            out.append(o)
+        elif id(o) in _state.wrappers and _state.wrappers[id(o)].optimizer is o:
+            out.append(_state.wrappers[id(o)])  # the original torch optimizer: use its wrapper
+        else:
+            raise TypeError(f"amp.scale_loss got {type(o).__name__}, which was not passed "
+                            "through amp.initialize; pass the optimizer(s) it returned.")
+    return out
+
+
+@contextlib.contextmanager
+def scale_loss(loss: Tensor, optimizers: Any, loss_id: int = 0, model: Any = None,
+               delay_unscale: bool = False, delay_overflow_check: bool = False
+               ) -> Iterator[Tensor]:
+    """``with amp.scale_loss(loss, optimizer) as scaled: scaled.backward()``, as in Apex.
+
+    On exit the gradients are unscaled (into the fp32 masters at O2) and checked; the next
+    ``optimizer.step()`` is skipped if any was inf/NaN. ``model``, ``delay_unscale`` and
+    ``delay_overflow_check`` are accepted for compatibility; each backward is always unscaled
+    with its own scale, which makes ``delay_unscale`` unnecessary.
+    """
+    if not _state.initialized:
+        raise RuntimeError("Invoked 'with amp.scale_loss`, but internal Amp state has not been "
+                           "initialized. model, optimizer = amp.initialize(model, optimizer, "
+                           "opt_level=...) must be called before `with amp.scale_loss`.")
+    if not _state.enabled:
+        yield loss
+        return
+    opts = _resolve_optimizers(optimizers)
+    with mixprec.scale_loss(loss.float(), opts, loss_id=loss_id) as scaled:
+        yield scaled
+
+
+def master_params(optimizer: Any) -> Iterator[Tensor]:
+    """Every parameter the optimizer steps: the fp32 masters at O2, the model's own otherwise."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def state_dict(destination: dict | None = None) -> dict[str, Any]:
+    """Apex's format, ``{"loss_scaler0": {"loss_scale", "unskipped"}, ...}``, plus each
+    scaler's full mixprec state under ``"mixprec"`` (so a resume is exact)."""
+    out: dict[str, Any] = OrderedDict() if destination is None else destination
+    for i, slot in enumerate(_state.slots):
+        s = slot.scaler
+        out[f"loss_scaler{i}"] = {"loss_scale": s.scale, "unskipped": s.growth_tracker,
+                                  "mixprec": s.state_dict()}
+    return out
+
+
+def load_state_dict(state_dict: dict[str, Any]) -> None:
+    """Restore the loss scalers from :func:`state_dict` (or a real Apex ``amp.state_dict()``)."""
+    if len(state_dict) != len(_state.slots):
+        print(f"Warning: state_dict contains {len(state_dict)} entries, while "
+              f"{len(_state.slots)} loss_scalers are used")
+    items = list(state_dict.items())
+    if len(items) > len(_state.slots):
+        print("Error: more loss scalers in the state dict than in this amp; nothing loaded.")
+        return
+    for key, _ in items:
+        if "loss_scaler" not in key:
+            raise RuntimeError(f"Unexpected key {key!r} in amp state dict.")
+    for slot, (_, value) in zip(_state.slots, items):
+        s = slot.scaler
+        if "mixprec" in value:
+            s.load_state_dict(value["mixprec"])
+        else:
+            full = s.state_dict()
+            full.update(scale=float(value["loss_scale"]), growth_tracker=int(value["unskipped"]))
+            s.load_state_dict(full)
+
+
+# -- user functions: registration, decorators, disable_casts ----------------------------------
+
+def _float_dtypes(obj: Any, found: set[torch.dtype]) -> set[torch.dtype]:
+    if isinstance(obj, Tensor) and obj.is_floating_point():
+        found.add(obj.dtype)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _float_dtypes(x, found)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _float_dtypes(x, found)
+    return found
+
+
+def _cast_wrapper(fn: Callable, kind: str) -> Callable:
+    """Wrap a function that the engine cannot see (a C++/CUDA extension, user Python)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not engine.is_active():
+            return fn(*args, **kwargs)
+        if kind == "half":
+            low = torch.get_autocast_dtype("cpu")  # the engine sets it to the region's dtype
+            return fn(*engine.cast_tree(args, low), **engine.cast_tree(kwargs, low))
+        if kind == "promote":
+            found = _float_dtypes(kwargs, _float_dtypes(args, set()))
+            if not (len(found) > 1 and torch.float32 in found):
+                return fn(*args, **kwargs)
+        args, kwargs = engine.cast_tree(args, torch.float32), engine.cast_tree(kwargs,
+                                                                                 torch.float32)
+        if kind == "float":
+            with disable_casts():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    wrapper.__wrapped_by_mixprec_amp__ = kind  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _register(module: Any, name: str, kind: str) -> None:
+    if not hasattr(module, name):
+        raise ValueError(f"No function named {name} in module {module}.")
+    fn = getattr(module, name)
+    if any(module is ns for ns in _TORCH_NAMESPACES):
+        from mixprec.cast_table import rule_for
+
+        _state.registered.append((None, name, (fn, rule_for(fn))))
+        mixprec.register_op(fn, _RULES[kind])  # the engine sees every spelling of a torch op
+        return
+    _state.registered.append((module, name, fn))
+    setattr(module, name, _cast_wrapper(fn, kind))
+
+
+def register_half_function(module: Any, name: str) -> None:
+    """Run ``module.name`` in 16-bit inside mixed-precision regions (Apex: FP16)."""
+    _register(module, name, "half")
+
+
+def register_float_function(module: Any, name: str) -> None:
+    """Run ``module.name`` in float32 inside mixed-precision regions."""
+    _register(module, name, "float")
+
+
+def register_promote_function(module: Any, name: str) -> None:
+    """Run ``module.name`` in the widest input dtype (fp16+fp32 -> fp32)."""
+    _register(module, name, "promote")
+
+
+def half_function(fn: Callable) -> Callable:
+    """Decorator: cast floating arguments to the region's 16-bit dtype."""
+    return _cast_wrapper(fn, "half")
+
+
+def float_function(fn: Callable) -> Callable:
+    """Decorator: cast floating arguments to float32 and run the body with casts off."""
+    return _cast_wrapper(fn, "float")
+
+
+def promote_function(fn: Callable) -> Callable:
+    """Decorator: if arguments mix 16-bit and float32, cast them all to float32."""
+    return _cast_wrapper(fn, "promote")
+
+
+@contextlib.contextmanager
+def disable_casts() -> Iterator[None]:
+    """Turn mixprec's casts off inside the block: every op runs in its inputs' dtype."""
+    with mixprec.autocast("float32"):
+        yield
+
+
+def reset() -> None:
+    """mixprec extension: undo registrations and forget the amp state (tests, notebooks)."""
+    for owner, name, original in reversed(_state.registered):
+        if owner is None:
+            fn, rule = original
+            mixprec.register_op(fn, rule)
+        else:
+            setattr(owner, name, original)
+    _state.__init__()
+
+
+def init(*args: Any, **kwargs: Any) -> Any:
+    """Apex's pre-2019 ``amp.init`` handle API is not provided (Apex itself calls it dead)."""
+    raise NotImplementedError("amp.init() (Apex's legacy handle API) is not supported: call "
+                              "model, optimizer = amp.initialize(model, optimizer, opt_level='O1')"
+                              " and use `with amp.scale_loss(loss, optimizer) as s: s.backward()`.")
+
+
+# -- the namespaces --------------------------------------------------------------------------
+
+amp = types.ModuleType("mixprec.compat.apex.amp", "Apex's amp namespace, running on mixprec.")
+for _name in ("initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
+              "register_half_function", "register_float_function", "register_promote_function",
+              "half_function", "float_function", "promote_function", "disable_casts", "init",
+              "reset"):
+    setattr(amp, _name, globals()[_name])
+amp.AmpOptimizer = AmpOptimizer  # type: ignore[attr-defined]
+
+from mixprec.compat.fp16_optimizer import FP16_Optimizer  # noqa: E402
+from mixprec.compat import fp16_optimizer as fp16_utils  # noqa: E402
+
+_INSTALLED: list[str] = []
+
+
+def install() -> None:
+    """Make ``import apex``, ``from apex import amp`` and ``from apex.fp16_utils import
+    FP16_Optimizer`` resolve to mixprec, for code you cannot edit. Refuses if a real ``apex``
+    package is already imported."""
+    existing = sys.modules.get("apex")
+    if existing is not None and not getattr(existing, "__mixprec__", False):
+        raise RuntimeError("A real 'apex' package is already imported; mixprec will not shadow it.")
+    apex = types.ModuleType("apex", "mixprec's stand-in for NVIDIA Apex (amp, fp16_utils).")
+    apex.__mixprec__ = True  # type: ignore[attr-defined]
+    apex.__path__ = []  # type: ignore[attr-defined]  # a package, so submodule imports work
+    apex.amp = amp  # type: ignore[attr-defined]
+    apex.fp16_utils = fp16_utils  # type: ignore[attr-defined]
+    for name, module in (("apex", apex), ("apex.amp", amp), ("apex.fp16_utils", fp16_utils)):
+        sys.modules[name] = module
+        _INSTALLED.append(name)
+
+
+def uninstall() -> None:
+    """Undo :func:`install`."""
+    while _INSTALLED:
+        sys.modules.pop(_INSTALLED.pop(), None)

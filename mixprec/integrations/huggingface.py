@@ -1,0 +1,85 @@
+"""Hugging Face ``transformers.Trainer`` running mixprec levels: ``MixprecTrainer``.
+
+Design: ``Trainer`` builds its optimizer in ``create_optimizer`` and routes every backward
+through ``accelerator.backward``; those are the two seams used here. ``create_optimizer`` calls
+:func:`mixprec.initialize` on the model and the optimizer Trainer built, and keeps the returned
+:class:`mixprec.MixedPrecisionOptimizer` (a ``torch.optim.Optimizer``, so Trainer's LR scheduler
+and accelerate accept it). The backward is wrapped in :func:`mixprec.scale_loss`; gradient
+clipping and the logged grad norm use the unscaled fp32 masters. Leave ``fp16``/``bf16`` off in
+``TrainingArguments``: mixprec does the mixed precision, and the two would stack.
+
+Limits: a skipped step (fp16 overflow) still advances Trainer's LR scheduler (accelerate's
+skip flag comes from its own GradScaler); DeepSpeed/FSDP are not supported.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+import mixprec
+from mixprec.optimizer import MixedPrecisionOptimizer
+
+__all__ = ["MixprecTrainer"]
+
+
+def _drop_master_grads(optimizer: MixedPrecisionOptimizer, *_: Any) -> None:
+    """Trainer zeroes ``model.zero_grad()`` only; the fp32 masters' grads must go too."""
+    for p, master in zip(optimizer.model_params(), optimizer.master_params()):
+        if p is not master:
+            master.grad = None
+
+
+class MixprecTrainer(Trainer):
+    """``transformers.Trainer`` with mixprec: ``MixprecTrainer(..., mixprec_level="O2")``.
+
+    Args:
+        mixprec_level: "O0"-"O3" (see :func:`mixprec.initialize`).
+        mixprec_dtype: the 16-bit dtype; None picks the best one for the device.
+        mixprec_options: extra :func:`mixprec.initialize` overrides.
+        *args, **kwargs: as for ``transformers.Trainer``.
+    """
+
+    def __init__(self, *args: Any, mixprec_level: str = "O1",
+                 mixprec_dtype: torch.dtype | None = None,
+                 mixprec_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.args.fp16 or self.args.bf16:
+            raise ValueError(f"MixprecTrainer does the mixed precision itself; received "
+                             f"TrainingArguments(fp16={self.args.fp16}, bf16={self.args.bf16}). "
+                             "Set both to False and choose mixprec_level/mixprec_dtype instead.")
+        self.mixprec_level = mixprec_level
+        self.mixprec_dtype = mixprec_dtype
+        self.mixprec_options = dict(mixprec_options or {})
+        self.mixprec_optimizer: MixedPrecisionOptimizer | None = None
+        backward = self.accelerator.backward
+
+        def scaled_backward(loss: torch.Tensor, **kw: Any) -> None:
+            if self.mixprec_optimizer is None:
+                return backward(loss, **kw)
+            with mixprec.scale_loss(loss, self.mixprec_optimizer) as scaled:
+                backward(scaled, **kw)
+
+        self.accelerator.backward = scaled_backward
+
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        optimizer = super().create_optimizer(model) if model is not None else \
+            super().create_optimizer()
+        if self.mixprec_optimizer is None:
+            target = self.model if model is None else model
+            _, wrapped = mixprec.initialize(target, optimizer, level=self.mixprec_level,
+                                            dtype=self.mixprec_dtype, **self.mixprec_options)
+            wrapped.register_step_post_hook(_drop_master_grads)
+            self.optimizer = self.mixprec_optimizer = wrapped
+        return self.optimizer
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        return self.mixprec_optimizer.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> float:
+        if grad_norm is None:
+            grad_norm = self.mixprec_optimizer.clip_grad_norm_(math.inf)
+        return float(grad_norm)
