@@ -1,0 +1,43 @@
+"""mixprec on ``torch.distributed``: DDP and FSDP2, 16-bit gradient communication,
+rank-consistent overflow skips and distributed checkpoints.
+
+One concept per module:
+
+* :mod:`~mixprec.distributed.verdicts` -- every rank skips the same steps (one MAX all-reduce of
+  the verdict flags per step) and every loss scaler stays identical;
+* :mod:`~mixprec.distributed.ddp` -- ``initialize`` then DDP (the wrong order is refused) and a
+  bf16/fp16 all-reduce communication hook;
+* :mod:`~mixprec.distributed.fsdp` -- mixprec levels as FSDP2 ``MixedPrecisionPolicy``, FSDP's
+  fp32 shards as the master weights;
+* :mod:`~mixprec.distributed.checkpoint` -- save/resume under both, loss scalers included.
+
+Usage (``torchrun --nproc_per_node=2 train.py``; see ``docs/distributed.md``)::
+
+    dist.init_process_group("gloo")                       # "nccl" on GPUs
+    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
+    model = mixprec.distributed.wrap_ddp(model, opt)      # bf16 all-reduce, synced skips
+"""
+
+from mixprec.distributed.checkpoint import fp32_full_state_dict
+from mixprec.distributed.checkpoint import load_checkpoint
+from mixprec.distributed.checkpoint import save_checkpoint
+from mixprec.distributed.ddp import AllReduceHook
+from mixprec.distributed.ddp import wrap_ddp
+from mixprec.distributed.fsdp import fsdp_mp_policy
+from mixprec.distributed.fsdp import initialize_fsdp
+from mixprec.distributed.verdicts import FlagReducer
+from mixprec.distributed.verdicts import assert_in_sync
+from mixprec.distributed.verdicts import sync_verdicts
+
+__all__ = [
+    "AllReduceHook",
+    "FlagReducer",
+    "assert_in_sync",
+    "fp32_full_state_dict",
+    "fsdp_mp_policy",
+    "initialize_fsdp",
+    "load_checkpoint",
+    "save_checkpoint",
+    "sync_verdicts",
+    "wrap_ddp",
+]

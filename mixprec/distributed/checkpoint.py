@@ -1,0 +1,165 @@
+"""Checkpoints under DDP and FSDP2, with the mixprec optimizer state (masters, loss scalers).
+
+Design (``shared/reference/torch_amp.md`` §4.4-4.5, ``beyond.md`` §5.3: DeepSpeed's FP16
+optimizer forgets ``cur_hysteresis`` on save, a resumed run then diverges from an uninterrupted
+one):
+
+* Every field of the mixprec optimizer is saved -- inner optimizer state, fp32 masters, every
+  loss scaler's config and counters, the skip counters -- so a resumed run repeats an
+  uninterrupted one bit for bit (given the same data order).
+* **Replicated models (DDP, or no process group):** rank 0 writes one ``torch.save`` file with
+  the unwrapped module's state dict (no ``module.`` prefix) and ``optimizer.state_dict()``;
+  the other ranks wait at a barrier. Every rank loads the same file, so the ranks stay equal.
+  The file loads with ``torch.load(weights_only=True)``.
+* **Sharded models (FSDP2, DTensor parameters):** a ``torch.distributed.checkpoint`` directory
+  in which each rank writes its own shards; model and inner-optimizer state go through
+  ``torch.distributed.checkpoint.state_dict`` (keyed by parameter names, so the checkpoint can
+  be resharded to another world size), and the loss-scaler state rides along as plain values.
+* :func:`fp32_full_state_dict` gathers a plain fp32 state dict (FSDP: all-gathered, on CPU) that
+  loads into the unwrapped fp32 model, the distributed form of :func:`mixprec.fp32_state_dict`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from mixprec.initialize import fp32_state_dict
+from mixprec.optimizer import MixedPrecisionOptimizer
+
+__all__ = ["fp32_full_state_dict", "load_checkpoint", "save_checkpoint"]
+
+_FORMAT = "mixprec-full/1"
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _sharded(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if not isinstance(optimizer, MixedPrecisionOptimizer):
+        raise TypeError("Expected the optimizer returned by mixprec.initialize / "
+                        f"initialize_fsdp, received {type(optimizer).__name__}.")
+
+
+def _mixprec_part(optimizer: MixedPrecisionOptimizer) -> dict[str, Any]:
+    """The optimizer's own state without the inner optimizer (saved by DCP by name)."""
+    part = {k: v for k, v in optimizer.state_dict().items() if k != "optimizer"}
+    if part.get("masters"):
+        raise NotImplementedError("Separate fp32 masters on a sharded model are not supported: "
+                                  "build the FSDP model with mixprec.distributed.initialize_fsdp, "
+                                  "whose masters are FSDP's own fp32 shards.")
+    return part
+
+
+def _dcp_state(model: nn.Module, optimizer: MixedPrecisionOptimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    return {"model": get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, optimizer.optimizer),
+            "mixprec": _mixprec_part(optimizer)}
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module,
+                    optimizer: MixedPrecisionOptimizer) -> None:
+    """Save model and mixprec optimizer; call on **every** rank.
+
+    ``path`` is a file for replicated models (DDP / single process, written by rank 0) and a
+    directory for sharded (FSDP2) models (every rank writes its shards).
+    """
+    _check_optimizer(optimizer)
+    path = Path(path)
+    if _sharded(model):
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(path))
+        return
+    if not _dist() or dist.get_rank() == 0:
+        state = {"format": _FORMAT, "model": _unwrap(model).state_dict(),
+                 "optimizer": optimizer.state_dict()}
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # a crash mid-write never leaves a truncated checkpoint
+    if _dist():
+        dist.barrier()
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module,
+                    optimizer: MixedPrecisionOptimizer) -> None:
+    """Restore what :func:`save_checkpoint` wrote into a freshly built model and optimizer.
+
+    Build and prepare them exactly as for the saved run (same level, ``wrap_ddp`` /
+    ``initialize_fsdp`` with the same units), then load; call on every rank.
+    """
+    _check_optimizer(optimizer)
+    path = Path(path)
+    if _sharded(model):
+        if not path.is_dir():
+            raise FileNotFoundError(f"{path} is not a torch.distributed.checkpoint directory; a "
+                                    "sharded (FSDP) model loads what save_checkpoint wrote for "
+                                    "a sharded model.")
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        state = _dcp_state(model, optimizer)  # the template DCP loads into, in place
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer.optimizer, state["optimizer"])
+        optimizer.load_state_dict({**state["mixprec"],
+                                   "optimizer": optimizer.optimizer.state_dict()})
+        return
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory (a sharded FSDP checkpoint); this model "
+                                "is not sharded. Load it with the same FSDP setup it was saved "
+                                "with.")
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else "cpu"
+    state = torch.load(path, map_location=device, weights_only=True)
+    if not isinstance(state, dict) or state.get("format") != _FORMAT:
+        raise ValueError(f"{path} was not written by mixprec.distributed.save_checkpoint "
+                         f"(format {_FORMAT!r}).")
+    _unwrap(model).load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+
+
+def fp32_full_state_dict(model: nn.Module, optimizer: MixedPrecisionOptimizer | None = None
+                         ) -> dict[str, Tensor]:
+    """A full fp32 state dict that loads into the plain, unwrapped fp32 model.
+
+    DDP / single process: :func:`mixprec.fp32_state_dict` of the unwrapped module (masters where
+    they exist). FSDP2: the fp32 shards all-gathered and moved to CPU; a collective, so call it
+    on every rank (each gets the full dict).
+    """
+    if _sharded(model):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        # cpu_offload=True would keep the result on rank 0 only; every rank gets it here.
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        return {k: (v.float() if v.is_floating_point() and v.dtype != torch.float64 else v)
+                .detach().cpu() for k, v in full.items()}
+    return fp32_state_dict(_unwrap(model), optimizer)

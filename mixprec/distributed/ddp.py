@@ -1,0 +1,252 @@
+"""DistributedDataParallel with mixprec: the order of wrapping and 16-bit gradient all-reduce.
+
+Design (``shared/reference/torch_amp.md`` §4.3, ``beyond.md`` §5.3-5.4):
+
+* **Order: ``initialize`` first, then DDP.** DDP sizes and types its gradient buckets from the
+  parameters at construction; ``initialize`` (O2/O3) changes the parameters' dtype in place
+  afterwards. Measured on torch 2.13 with gloo: a DDP built before ``initialize`` (or passed to
+  it) raises no error, and the ranks' weights silently differ after the first step.
+  :func:`wrap_ddp` refuses both orders with the fix in the message, and after building DDP it
+  broadcasts the fp32 master weights from rank 0 (DDP broadcasts only the 16-bit model
+  parameters, so masters made from differently seeded replicas would otherwise differ).
+* **16-bit wire.** :class:`AllReduceHook` is a DDP communication hook that all-reduces each
+  bucket in bf16 or fp16, whatever the gradients' dtype: it divides by the world size *before*
+  the sum, in the wider of the two dtypes (torch's ``fp16_compress_hook`` casts first, so a
+  gradient above 65504 becomes inf even when its share of the mean would fit), sums in the wire
+  dtype, and writes the result back into the bucket in the gradient dtype. The gradients on the
+  wire are the *scaled* ones (the optimizer unscales after backward), which is what keeps fp16
+  from underflowing; a sum that still overflows arrives as inf on every rank and the step is
+  skipped and the scale backed off like any other overflow. fp16 on the wire without a loss
+  scaler flushes small gradients to zero (the trap of torch's compress hooks): we warn.
+* **Same verdict everywhere.** :func:`wrap_ddp` installs
+  :func:`mixprec.distributed.sync_verdicts` on the optimizers.
+
+gloo on torch 2.13 sums, maxes and averages bf16 and fp16 natively (checked with 2 ranks), so
+the CPU path communicates real 16-bit tensors: half the bytes of fp32.
+"""
+
+# No ``from __future__ import annotations``: DDP checks the hook's annotations at run time.
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from mixprec import engine
+from mixprec.distributed.verdicts import (
+    _optimizers,
+    assert_in_sync,
+    require_process_group,
+    sync_verdicts,
+)
+from mixprec.optimizer import MixedPrecisionOptimizer
+
+__all__ = ["AllReduceHook", "wrap_ddp"]
+
+_MARK = "_mixprec_initialized"  # set by mixprec.initialize on every model it prepared
+_WIRE = (torch.float16, torch.bfloat16, torch.float32)
+_ORDER_FIX = ("Build the model, call mixprec.initialize(model, optimizer, ...) on the bare "
+              "module, then mixprec.distributed.wrap_ddp(model, optimizer).")
+
+
+class AllReduceHook:
+    """DDP communication hook: average gradients with an all-reduce in ``dtype``.
+
+    Register with ``ddp.register_comm_hook(None, AllReduceHook(torch.bfloat16))`` or let
+    :func:`wrap_ddp` do it.
+
+    Args:
+        dtype: the dtype on the wire (``torch.bfloat16``, ``torch.float16`` or ``torch.float32``).
+        group: process group (default: the whole world).
+        predivide_factor: divide by this before the sum and by ``world_size / factor`` after
+            (Apex/DeepSpeed's ``gradient_predivide_factor``). Default: the world size, so the
+            sum of the shares cannot exceed the largest share.
+
+    Attributes:
+        calls: buckets all-reduced so far.
+        wire_bytes: bytes handed to the all-reduce so far (per rank).
+        grad_bytes: bytes the same buckets hold in the gradient dtype.
+        wire_dtypes: dtypes that reached the collective.
+        elements: gradient elements all-reduced so far (``4 * elements``: the fp32 bytes).
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16,
+                 group: dist.ProcessGroup | None = None,
+                 predivide_factor: float | None = None):
+        if dtype not in _WIRE:
+            raise ValueError(f"AllReduceHook dtype must be one of {list(_WIRE)}, received "
+                             f"{dtype!r}.")
+        if predivide_factor is not None and not (
+                isinstance(predivide_factor, (int, float)) and not isinstance(predivide_factor,
+                                                                              bool)
+                and predivide_factor >= 1):
+            raise ValueError(f"predivide_factor must be a number >= 1 (or None for the world "
+                             f"size), received {predivide_factor!r}.")
+        self.dtype = dtype
+        self.group = group
+        self.predivide_factor = predivide_factor
+        # DDP checks and logs a hook's name like a function's.
+        self.__name__ = self.__qualname__ = f"mixprec_allreduce_{str(dtype).split('.')[-1]}"
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Zero the counters and forget the dtypes seen."""
+        self.calls = 0
+        self.elements = 0
+        self.wire_bytes = 0
+        self.grad_bytes = 0
+        self.wire_dtypes: set[torch.dtype] = set()
+
+    def __call__(self, state: Any,
+                 bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        group = state if isinstance(state, dist.ProcessGroup) else self.group
+        world = dist.get_world_size(group)
+        pre = float(self.predivide_factor or world)
+        post = world / pre
+        buffer = bucket.buffer()
+        if buffer.dtype == self.dtype:
+            wire = buffer.div_(pre) if pre != 1 else buffer
+        elif buffer.element_size() > torch.finfo(self.dtype).bits // 8:
+            wire = (buffer / pre if pre != 1 else buffer).to(self.dtype)  # divide, then narrow
+        else:
+            wire = buffer.to(self.dtype)  # widen, then divide
+            if pre != 1:
+                wire.div_(pre)
+        self.calls += 1
+        self.elements += buffer.numel()
+        self.wire_bytes += wire.numel() * wire.element_size()
+        self.grad_bytes += buffer.numel() * buffer.element_size()
+        self.wire_dtypes.add(wire.dtype)
+        fut = dist.all_reduce(wire, group=group, async_op=True).get_future()
+
+        def write_back(f: torch.futures.Future) -> torch.Tensor:
+            reduced = f.value()[0]
+            if post != 1:
+                reduced.div_(post)
+            if reduced is not buffer:
+                buffer.copy_(reduced)  # in the gradient dtype, in place (peak memory)
+            return buffer
+
+        return fut.then(write_back)
+
+    def __repr__(self) -> str:
+        return (f"AllReduceHook(dtype={self.dtype}, predivide_factor={self.predivide_factor}, "
+                f"calls={self.calls}, wire_bytes={self.wire_bytes})")
+
+
+def _stale_buckets(ddp: DistributedDataParallel) -> list[str]:
+    """Buckets whose dtype no longer matches their parameters' dtype (DDP built too early)."""
+    get = getattr(ddp.reducer, "_get_zeros_like_grad_buckets", None)
+    if get is None:  # private API gone: fall back to the marker check alone
+        return []
+    names = {id(p): n for n, p in ddp.module.named_parameters()}
+    out = []
+    for bucket in get():
+        dtype = bucket.buffer().dtype
+        out += [f"{names.get(id(p), '?')} is {p.dtype}, its bucket {dtype}"
+                for p in bucket.parameters() if p.dtype != dtype]
+    return out
+
+
+def _check_order(model: nn.Module) -> None:
+    if isinstance(model, DistributedDataParallel):
+        if model.__dict__.get(_MARK):
+            raise RuntimeError("mixprec.initialize was called on a DistributedDataParallel "
+                               "wrapper. DDP had already built its gradient buckets for the "
+                               "old parameter dtypes, so gradients are not averaged correctly "
+                               f"and the ranks silently diverge. {_ORDER_FIX}")
+        stale = _stale_buckets(model)
+        if stale:
+            raise RuntimeError("This DistributedDataParallel was built before mixprec.initialize "
+                               f"changed the parameter dtypes ({'; '.join(stale[:3])}): its "
+                               f"buckets no longer match and the ranks would silently diverge. "
+                               f"{_ORDER_FIX}")
+        if not model.module.__dict__.get(_MARK):
+            raise RuntimeError(f"The module inside this DDP was not prepared by "
+                               f"mixprec.initialize. {_ORDER_FIX}")
+        return
+    if type(model).__name__.startswith("FSDP") or hasattr(model, "_get_fsdp_state"):
+        raise TypeError("This model is sharded with FSDP; use "
+                        "mixprec.distributed.initialize_fsdp instead of wrap_ddp.")
+    if not model.__dict__.get(_MARK):
+        raise RuntimeError(f"wrap_ddp received a {type(model).__name__} that mixprec.initialize "
+                           f"has not prepared. {_ORDER_FIX}")
+
+
+def _auto_dtype(model: nn.Module) -> torch.dtype:
+    spec = model.__dict__.get(engine.BOUNDARY_ATTR)
+    dtype = spec.policy.compute_dtype if spec is not None else torch.float32
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
+
+
+@torch.no_grad()
+def _broadcast_masters(opts: list[MixedPrecisionOptimizer],
+                       group: dist.ProcessGroup | None) -> None:
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for o in opts:
+        for t in o.master_params():
+            dist.broadcast(t, src=src, group=group)
+
+
+def wrap_ddp(model: nn.Module,
+             optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer] | None = None,
+             *, comm_dtype: torch.dtype | str | None = "auto",
+             process_group: dist.ProcessGroup | None = None,
+             predivide_factor: float | None = None,
+             **ddp_kwargs: Any) -> DistributedDataParallel:
+    """Wrap a model prepared by :func:`mixprec.initialize` in DDP, mixed-precision aware.
+
+    Call order: ``model, opt = mixprec.initialize(model, opt, ...)`` then
+    ``model = wrap_ddp(model, opt)``. A DDP built before ``initialize`` is refused with the fix.
+
+    Args:
+        model: the initialized module (or a DDP built around it *after* ``initialize``).
+        optimizers: the optimizer(s) ``initialize`` returned; their overflow verdicts are
+            reduced across ranks (:func:`sync_verdicts`) and their fp32 masters broadcast from
+            rank 0.
+        comm_dtype: dtype of the gradient all-reduce. ``"auto"``: the 16-bit compute dtype of
+            the model's mixprec level (fp32 at O0); ``None``: DDP's default hook.
+        process_group: the data-parallel group (default: the world).
+        predivide_factor: see :class:`AllReduceHook`.
+        **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``device_ids``,
+            ``bucket_cap_mb``, ``find_unused_parameters``).
+
+    Returns:
+        The DDP module. Its hook is ``ddp.mixprec_comm_hook`` (None for DDP's default).
+    """
+    require_process_group("wrap_ddp")
+    _check_order(model)
+    opts = [] if optimizers is None else _optimizers(optimizers)
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    if comm_dtype == "auto":
+        comm_dtype = _auto_dtype(inner)
+    elif comm_dtype is not None and comm_dtype not in _WIRE:
+        raise ValueError(f"comm_dtype must be 'auto', None or one of {list(_WIRE)}, received "
+                         f"{comm_dtype!r}.")
+    if comm_dtype == torch.float16 and any(not o.slot(0).scaler.enabled for o in opts):
+        warnings.warn("fp16 gradient all-reduce without loss scaling: gradients below 6e-8 "
+                      "(and their share after the division by the world size) flush to zero. "
+                      "Use comm_dtype=torch.bfloat16, or loss_scale='dynamic' in initialize.",
+                      RuntimeWarning, stacklevel=2)
+    if isinstance(model, DistributedDataParallel):
+        if ddp_kwargs or process_group is not None:
+            raise ValueError("wrap_ddp got an existing DistributedDataParallel and DDP options "
+                             f"{sorted(ddp_kwargs) or ['process_group']}; pass the bare module "
+                             "to have wrap_ddp build DDP with them.")
+        ddp = model
+        process_group = ddp.process_group
+    else:
+        ddp = DistributedDataParallel(model, process_group=process_group, **ddp_kwargs)
+    hook = None
+    if comm_dtype is not None:
+        hook = AllReduceHook(comm_dtype, group=process_group, predivide_factor=predivide_factor)
+        ddp.register_comm_hook(None, hook)
+    ddp.mixprec_comm_hook = hook
+    if opts:
+        _broadcast_masters(opts, process_group)
+        sync_verdicts(opts, process_group)
+        assert_in_sync(opts, process_group)
+    return ddp

@@ -1,0 +1,398 @@
+"""Multi-process scenarios for tests/test_distributed.py; run under torchrun (gloo, CPU).
+
+    torchrun --standalone --nproc_per_node=2 tests/dist_workers/scenarios.py --out DIR [names]
+
+Every rank runs the named scenarios (default: all) in order and writes ``DIR/rank{r}.json``:
+``{scenario: {...measurements...}}`` or ``{scenario: {"error": traceback}}``. The tests assert
+on these files; the scenarios only measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import mixprec
+import mixprec.distributed as mpd
+from mixprec.models import GPT, GPTConfig
+
+INF = float("inf")
+RANK = WORLD = 0
+
+
+def mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def batch(step: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step`` (same on every rank); ranks take rows [rank::world]."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t[RANK::WORLD]
+
+
+def mse(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (model(x).float() - y).pow(2).mean()
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().float().reshape(-1) for t in tensors])
+
+
+def gathered(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(out, t)
+    return out
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.equal(a.view(torch.int32), b.view(torch.int32)))
+
+
+@contextlib.contextmanager
+def spy(name: str, log: list):
+    """Record (dtype, numel, op) of every tensor reaching ``torch.distributed.<name>``."""
+    real = getattr(dist, name)
+
+    def wrapper(*args, **kwargs):
+        tensor = kwargs.get("input", args[1] if len(args) > 1 and "scatter" in name else None)
+        tensor = tensor if tensor is not None else args[0]
+        op = kwargs.get("op", dist.ReduceOp.SUM)
+        log.append((str(tensor.dtype), tensor.numel(), str(op)))
+        return real(*args, **kwargs)
+
+    setattr(dist, name, wrapper)
+    try:
+        yield
+    finally:
+        setattr(dist, name, real)
+
+
+def poison_local_grad(opt: mixprec.MixedPrecisionOptimizer, inject: bool) -> None:
+    """Call on every rank: where ``inject``, add an inf to this rank's gradients *after*
+    communication, so only this rank's own check at ``step()`` can see it.
+
+    It is a late gradient contribution the optimizer has not checked yet (a new grad tensor).
+    Under FSDP every rank gets a fresh (finite or not) shard: checking DTensor gradients is
+    itself a collective on torch 2.13, so all ranks must check together.
+    """
+    p = next(p for p in opt.master_params() if p.grad is not None)
+    if not (inject or hasattr(p.grad, "to_local")):
+        return
+    if opt._pairs:  # 16-bit model parameter with an fp32 master (O2): a fresh 16-bit grad
+        p = opt._pairs[0][0]
+        g = torch.zeros_like(p)
+        g.view(-1)[0] = INF
+        p.grad = g
+        return
+    g = p.grad
+    if hasattr(g, "to_local"):  # DTensor shard (FSDP)
+        from torch.distributed.tensor import DTensor
+
+        loc = g.to_local().clone()
+        if inject:
+            loc.view(-1)[0] = INF
+        p.grad = DTensor.from_local(loc, g.device_mesh, g.placements, run_check=False,
+                                    shape=g.shape, stride=g.stride())
+    else:
+        g = g.clone()
+        g.view(-1)[0] = INF
+        p.grad = g
+
+
+# -- DDP ------------------------------------------------------------------------------------------
+def scenario_wire_dtype() -> dict:
+    out = {}
+    for name, level, dtype, extra in (("O1-bf16", "O1", torch.bfloat16, {}),
+                                      ("O2-bf16", "O2", torch.bfloat16, {}),
+                                      ("O2-fp16", "O2", torch.float16, {"init_scale": 256.0}),
+                                      ("O0-fp32", "O0", None, {})):
+        model = mlp(0)
+        model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                        level=level, dtype=dtype, **extra)
+        ddp = mpd.wrap_ddp(model, opt)
+        x, y = batch(0)
+        log: list = []
+        with spy("all_reduce", log):
+            opt.backward(mse(ddp, local(x), local(y)))
+        grad_dtypes = sorted({str(p.grad.dtype) for p in opt.master_params()})
+        opt.step()
+        hook = ddp.mixprec_comm_hook
+        out[name] = {"collective_dtypes": sorted({d for d, _, op in log}),
+                     "collective_numel": sum(n for _, n, _ in log),
+                     "param_numel": sum(p.numel() for p in model.parameters()),
+                     "hook_dtypes": sorted(str(d) for d in hook.wire_dtypes),
+                     "wire_bytes": hook.wire_bytes, "grad_bytes": hook.grad_bytes,
+                     "master_grad_dtypes": grad_dtypes, "skipped": opt.step_skipped}
+    return out
+
+
+def scenario_skip_one_rank() -> dict:
+    out = {}
+    for synced in (True, False):
+        model = mlp(0)
+        model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                        level="O2", dtype=torch.float16, init_scale=1024.0)
+        ddp = mpd.wrap_ddp(model, opt)
+        if not synced:
+            opt.reduce_flags = None  # control: each rank decides alone
+        skipped, scales = [], []
+        for step in range(4):
+            x, y = batch(step)
+            opt.backward(mse(ddp, local(x), local(y)))
+            if step == 2:
+                poison_local_grad(opt, inject=RANK == 1)
+            opt.step()
+            opt.zero_grad()
+            skipped.append(opt.step_skipped)
+            scales.append(opt.loss_scale)
+        params = flat(model.parameters())
+        others = gathered(params)
+        try:
+            mpd.assert_in_sync(opt)
+            in_sync = "ok"
+        except RuntimeError as e:
+            in_sync = str(e)
+        out["synced" if synced else "unsynced"] = {
+            "skipped": skipped, "scales": scales, "skipped_steps": opt.skipped_steps,
+            "params_equal_across_ranks": all(bitwise_equal(params, o) for o in others),
+            "assert_in_sync": in_sync}
+    return out
+
+
+def scenario_ddp_equals_single() -> dict:
+    out = {}
+    for name, level, dtype in (("O0-fp32", "O0", None), ("O2-bf16", "O2", torch.bfloat16)):
+        init = mlp(0).state_dict()
+        model = mlp(100 + RANK)  # differently seeded replicas: DDP + wrap_ddp must sync them
+        model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.05,
+                                                               momentum=0.9),
+                                        level=level, dtype=dtype)
+        if RANK == 0:
+            with torch.no_grad():  # rank 0 holds the reference init; the others get it by DDP
+                for p, v in zip(model.parameters(), init.values()):
+                    p.copy_(v)
+                for p, m in opt._pairs:
+                    m.copy_(init_value := p.float())  # noqa: F841
+        ddp = mpd.wrap_ddp(model, opt)
+        for step in range(4):
+            x, y = batch(step)
+            opt.backward(mse(ddp, local(x), local(y)))
+            opt.step()
+            opt.zero_grad()
+        dist_w = flat(opt.master_params())
+        ref = mlp(0)
+        ref, ref_opt = mixprec.initialize(ref, torch.optim.SGD(ref.parameters(), lr=0.05,
+                                                               momentum=0.9),
+                                          level=level, dtype=dtype)
+        start = flat(ref_opt.master_params())
+        for step in range(4):
+            x, y = batch(step)
+            ref_opt.backward(mse(ref, x, y))
+            ref_opt.step()
+            ref_opt.zero_grad()
+        ref_w = flat(ref_opt.master_params())
+        out[name] = {"max_diff": (dist_w - ref_w).abs().max().item(),
+                     "update_norm": (ref_w - start).norm().item(),
+                     "diff_norm": (dist_w - ref_w).norm().item(),
+                     "ranks_equal": all(bitwise_equal(dist_w, o) for o in gathered(dist_w))}
+    return out
+
+
+def scenario_order_errors() -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    cases = {}
+
+    def ddp_first():
+        model = mlp(0)
+        ddp = DDP(model)
+        _, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    level="O2", dtype=torch.bfloat16)
+        mpd.wrap_ddp(ddp, opt)
+
+    def initialize_wrapper():
+        ddp = DDP(mlp(0))
+        ddp, opt = mixprec.initialize(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1),
+                                      level="O2", dtype=torch.bfloat16)
+        mpd.wrap_ddp(ddp, opt)
+
+    def not_initialized():
+        mpd.wrap_ddp(mlp(0))
+
+    def right_order_prebuilt():  # DDP built by the user after initialize: accepted
+        model = mlp(0)
+        model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                        level="O2", dtype=torch.bfloat16)
+        mpd.wrap_ddp(DDP(model), opt)
+
+    cases = {"ddp_first": ddp_first, "initialize_wrapper": initialize_wrapper,
+             "not_initialized": not_initialized, "right_order_prebuilt": right_order_prebuilt}
+    for name, fn in cases.items():
+        try:
+            fn()
+            out[name] = "ok"
+        except Exception as e:  # noqa: BLE001 - the message is the measurement
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _ckpt_run(steps: int, save_at: int | None, path: str, fsdp: bool) -> dict:
+    """Train ``steps`` steps; with ``save_at``, save there, rebuild everything, load, go on."""
+
+    def build(seed: int):
+        if fsdp:
+            model = mlp(seed)
+            return mpd.initialize_fsdp(model, lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                                       level="O2", dtype=torch.float16, init_scale=2.0**14,
+                                       growth_interval=2, hysteresis=2)
+        model = mlp(seed)
+        model, opt = mixprec.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                        level="O2", dtype=torch.float16, init_scale=2.0**14,
+                                        growth_interval=2, hysteresis=2)
+        return mpd.wrap_ddp(model, opt), opt
+
+    model, opt = build(0)
+    for step in range(steps):
+        if step == save_at:
+            mpd.save_checkpoint(path, model, opt)
+            model, opt = build(7)  # different init: everything must come from the checkpoint
+            mpd.load_checkpoint(path, model, opt)
+        x, y = batch(step)
+        opt.backward(mse(model, local(x), local(y)) * (1e6 if step == 1 else 1.0))
+        if step == 3:
+            poison_local_grad(opt, inject=RANK == 0)
+        opt.step()
+        opt.zero_grad()
+    weights = flat(mpd.fp32_full_state_dict(model, opt).values())
+    inner = [t for s in opt.optimizer.state.values() for t in s.values()
+             if isinstance(t, torch.Tensor)]
+    if fsdp:
+        inner = [t.to_local() if hasattr(t, "to_local") else t for t in inner]
+    return {"weights": weights, "inner": flat(inner), "scaler": opt.slots[0].scaler.state_dict(),
+            "skipped_steps": opt.skipped_steps}
+
+
+def _ckpt(fsdp: bool) -> dict:
+    tmp = Path(os.environ["MIXPREC_DIST_TMP"]) / ("fsdp_ckpt" if fsdp else "ddp_ckpt.pt")
+    full = _ckpt_run(6, None, str(tmp), fsdp)
+    resumed = _ckpt_run(6, 3, str(tmp), fsdp)
+    return {"weights_bitwise": bitwise_equal(full["weights"], resumed["weights"]),
+            "inner_state_bitwise": bitwise_equal(full["inner"], resumed["inner"]),
+            "scaler_full": full["scaler"], "scaler_resumed": resumed["scaler"],
+            "skipped_full": full["skipped_steps"], "skipped_resumed": resumed["skipped_steps"],
+            "weights_max_diff": (full["weights"] - resumed["weights"]).abs().max().item()}
+
+
+def scenario_ckpt_ddp() -> dict:
+    return _ckpt(fsdp=False)
+
+
+def scenario_ckpt_fsdp() -> dict:
+    return _ckpt(fsdp=True)
+
+
+# -- FSDP2 ----------------------------------------------------------------------------------------
+GPT_SMALL = GPTConfig(vocab_size=32, block_size=32, n_layer=2, n_head=2, n_embd=64)
+
+
+def tokens(step: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learnable toy language: each sequence counts up by a per-sequence stride (mod 32)."""
+    g = torch.Generator().manual_seed(5000 + step)
+    start = torch.randint(0, 32, (n, 1), generator=g)
+    stride = torch.randint(1, 4, (n, 1), generator=g)
+    seq = (start + stride * torch.arange(33)) % 32
+    return seq[:, :-1], seq[:, 1:]
+
+
+def gpt_loss(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    logits = model(idx)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+
+def _train_gpt(fsdp: bool, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = GPT(GPT_SMALL)
+    make = lambda ps: torch.optim.AdamW(ps, lr=3e-3)  # noqa: E731
+    if fsdp:
+        from mixprec.models import Block
+
+        model, opt = mpd.initialize_fsdp(model, make, level="O2", dtype=torch.bfloat16,
+                                         units=Block)
+    else:
+        model, opt = mixprec.initialize(model, make(model.parameters()), level="O2",
+                                        dtype=torch.bfloat16)
+        model = mpd.wrap_ddp(model, opt)
+    losses, log = [], []
+    for step in range(steps):
+        idx, tgt = tokens(step)
+        with spy("reduce_scatter_single", log), spy("all_reduce", log):
+            loss = gpt_loss(model, local(idx), local(tgt))
+            opt.backward(loss)
+            opt.clip_grad_norm_(1.0)
+        if step == 3:  # both runs skip this step: the same number of updates
+            poison_local_grad(opt, inject=RANK == 1)
+        opt.step()
+        opt.zero_grad()
+        lv = loss.detach().clone()
+        dist.all_reduce(lv)
+        losses.append(lv.item() / WORLD)
+    p = next(iter(opt.master_params()))
+    return {"losses": losses, "skipped_steps": opt.skipped_steps,
+            "param_type": type(p).__name__, "param_dtype": str(p.dtype),
+            "output_dtype": str(model(local(tokens(0)[0])).dtype),
+            "grad_comm_dtypes": sorted({d for d, _, op in log if "MAX" not in op})}
+
+
+def scenario_fsdp_gpt() -> dict:
+    steps = 14
+    return {"ddp": _train_gpt(False, steps), "fsdp": _train_gpt(True, steps)}
+
+
+SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items()
+             if name.startswith("scenario_")}
+
+
+def main() -> None:
+    global RANK, WORLD
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("names", nargs="*", default=list(SCENARIOS))
+    args = ap.parse_args()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    RANK, WORLD = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    shared = [tempfile.mkdtemp(prefix="mixprec_dist_") if RANK == 0 else None]
+    dist.broadcast_object_list(shared)
+    os.environ["MIXPREC_DIST_TMP"] = shared[0]
+    results = {}
+    for name in args.names:
+        try:
+            results[name] = SCENARIOS[name]()
+        except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+            results[name] = {"error": traceback.format_exc()}
+            print(f"[rank {RANK}] scenario {name} failed:\n{results[name]['error']}",
+                  file=sys.stderr, flush=True)
+        Path(args.out, f"rank{RANK}.json").write_text(json.dumps(results, indent=1))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
