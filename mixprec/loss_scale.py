@@ -257,6 +257,11 @@ def unscale_and_check_(tensors: Sequence[torch.Tensor], inv_scale: float | torch
     device = found_inf.device
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for i, t in enumerate(tensors):
+        # a DTensor (FSDP2 shard): work on this rank's local shard, in place. The kernel on the
+        # DTensor itself would run a hidden collective; the verdict is made global separately
+        # (MixedPrecisionOptimizer.reduce_flags), once per step.
+        local = getattr(t, "_local_tensor", None)
+        t = local if isinstance(local, torch.Tensor) else t
         if not (isinstance(t, torch.Tensor) and t.is_floating_point()
                 and t.layout == torch.strided):
             what = f"{t.dtype} {t.layout}" if isinstance(t, torch.Tensor) else type(t).__name__
