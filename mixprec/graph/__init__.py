@@ -4,9 +4,11 @@
 the pass on any FX graph; :func:`backend` applies it inside ``torch.compile``.
 """
 
+from mixprec.graph.compile import backend
+from mixprec.graph.compile import compile
 from mixprec.graph.convert import ConvertedModule
 from mixprec.graph.convert import convert
 from mixprec.graph.report import PrecisionReport
 from mixprec.graph.rewrite import rewrite
 
-__all__ = ["ConvertedModule", "PrecisionReport", "convert", "rewrite"]
+__all__ = ["ConvertedModule", "PrecisionReport", "backend", "compile", "convert", "rewrite"]
