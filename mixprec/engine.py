@@ -150,7 +150,8 @@ def cast_tree(obj: Any, dtype: torch.dtype, *, only_low: bool = False) -> Any:
     return obj
 
 
-def _float_dtypes(obj: Any, found: set[torch.dtype]) -> None:
+def _float_dtypes(obj: Any, found: set[torch.dtype]) -> set[torch.dtype]:
+    """Add the dtypes of the floating tensors in ``obj`` (nested lists, tuples, dicts)."""
     if isinstance(obj, torch.Tensor):
         if obj.is_floating_point():
             found.add(obj.dtype)
@@ -160,6 +161,7 @@ def _float_dtypes(obj: Any, found: set[torch.dtype]) -> None:
     elif isinstance(obj, dict):
         for x in obj.values():
             _float_dtypes(x, found)
+    return found
 
 
 class _AutocastOff:

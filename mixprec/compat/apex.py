@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 import mixprec
 from mixprec import engine
+from mixprec.engine import _float_dtypes
 from mixprec.hardware import default_dtype
 from mixprec.loss_scale import LossScaler
 from mixprec.optimizer import LossSlot, MixedPrecisionOptimizer
@@ -393,18 +394,6 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
 
 
 # -- user functions: registration, decorators, disable_casts ----------------------------------
-
-def _float_dtypes(obj: Any, found: set[torch.dtype]) -> set[torch.dtype]:
-    if isinstance(obj, Tensor) and obj.is_floating_point():
-        found.add(obj.dtype)
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            _float_dtypes(x, found)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _float_dtypes(x, found)
-    return found
-
 
 def _cast_wrapper(fn: Callable, kind: str) -> Callable:
     """Wrap a function that the engine cannot see (a C++/CUDA extension, user Python)."""
