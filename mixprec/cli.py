@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from mixprec import report_cli
+
 __all__ = ["main"]
 
 _WORKLOADS = ("seed-mlp", "mnist1d-cnn", "char-gpt")
@@ -113,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("workloads", nargs="*", metavar="WORKLOAD",
                    help=f"one or more of {', '.join(_WORKLOADS)} (default: all)")
     b.add_argument("--modes", nargs="+", default=["fp32", "torch-autocast", "O1", "O2", "O3"],
-                   choices=["fp32", "torch-autocast", "mixprec-autocast", "O1", "O2", "O3"])
+                   choices=["fp32", "torch-autocast", "mixprec-autocast", "O1", "O2", "O3",
+                            "graph", "graph+compile"])
     b.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     b.add_argument("--batch-size", type=int, default=None)
     b.add_argument("--steps", type=int, default=None, help="training steps per mode")
@@ -135,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("check", help="which 16-bit dtypes are supported and fast here")
     c.add_argument("--device", default=None)
     c.set_defaults(run=_check)
+    __import__("mixprec.infer_bench", fromlist=["add_parser"]).add_parser(sub)
+    report_cli.add_parser(sub)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
     if args.command == "bench":

@@ -11,8 +11,16 @@ a bundle of properties; keyword overrides change single properties and are valid
 | O3 | 16-bit everywhere | 16-bit, cast table, inputs cast at entry | fp32 | no | dynamic / off |
 
 At O2/O3 memory-bound ops with fp32-accumulating kernels (layer_norm, softmax) keep 16-bit
-inputs and outputs (``fp32_inside``). A non-finite gradient skips the step at every level, with
-or without loss scaling. The model is modified in place (hooks, parameter storage) and returned.
+inputs and outputs (``fp32_inside``).
+
+Without masters (O3), ``update="nearest" | "kahan" | "stochastic"`` runs the optimizer's math in
+fp32 on temporaries and writes the 16-bit weights back with that rounding, with optimizer state
+stored per ``state_dtype`` (:mod:`mixprec.lean`). The default ``update=None`` keeps the pre-#7
+behaviour (the optimizer steps the 16-bit weights in 16-bit arithmetic), so existing O3 code and
+checkpoints are unchanged; ``"kahan"`` is the recommended setting for pure 16-bit training.
+
+A non-finite gradient skips the step at every level, with or without loss scaling. The model is
+modified in place (hooks, parameter storage) and returned.
 """
 
 from __future__ import annotations
@@ -47,8 +55,9 @@ LEVELS: dict[str, dict[str, Any]] = {
 }
 _SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
                 "min_scale", "max_scale")
+_LEAN_KEYS = ("update", "state_dtype", "update_seed")
 _OVERRIDES = ("keep_norm_fp32", "master_weights", "loss_scale", "cast_model_outputs",
-              "num_losses", "fp32_inside", "kernels", *_SCALER_KEYS)
+              "num_losses", "fp32_inside", "kernels", *_LEAN_KEYS, *_SCALER_KEYS)
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
           *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 _MARK = "_mixprec_initialized"
@@ -126,6 +135,16 @@ def _resolve(level: str | None, dtype: Any, policy: PolicyLike | None, device: t
             props[key] = overrides.pop(key)
     props.setdefault("kernels", "auto")
     props.setdefault("cast_model_outputs", torch.float32)
+    lean = {k: overrides.pop(k) for k in _LEAN_KEYS if k in overrides}
+    if lean.get("update") is not None and (not props["cast_params"] or props["master_weights"]):
+        has = "master weights" if props["cast_params"] else "fp32 parameters"
+        raise ValueError(f"update={lean['update']!r} updates 16-bit weights without fp32 masters; "
+                         f"level {level} has {has}. Use level='O3' (or O2 with "
+                         "master_weights=False).")
+    if lean.get("update") is None and set(lean) - {"update"}:
+        raise ValueError(f"{sorted(set(lean) - {'update'})} apply to an update mode; pass "
+                         "update='nearest', 'kahan' or 'stochastic' as well.")
+    props["lean"] = lean
     spec = overrides.pop("loss_scale",
                          "dynamic" if dtype == torch.float16 and level != "O0" else None)
     num_losses = overrides.pop("num_losses", 1)
@@ -152,8 +171,10 @@ def initialize(models: nn.Module | Sequence[nn.Module],
         policy: any policy spelling, instead of ``level`` + ``dtype``.
         **overrides: ``keep_norm_fp32``, ``master_weights``, ``loss_scale`` ("dynamic" | float |
             None), ``cast_model_outputs`` (dtype or None), ``num_losses``, ``fp32_inside``,
-            ``kernels`` and the :class:`LossScaler` settings (``init_scale``,
-            ``growth_interval``, ``hysteresis``, ``min_scale``, ...).
+            ``kernels``, the :class:`LossScaler` settings (``init_scale``,
+            ``growth_interval``, ``hysteresis``, ``min_scale``, ...) and, without masters,
+            ``update`` (None | "nearest" | "kahan" | "stochastic"), ``state_dtype`` ("auto" |
+            dtype | {key: dtype}) and ``update_seed`` (int) -- see :mod:`mixprec.lean`.
 
     Returns:
         ``model`` or ``(model, optimizer)``, with lists where lists were given.
@@ -195,7 +216,8 @@ def initialize(models: nn.Module | Sequence[nn.Module],
             _cast_storage(m, dtype, bool(props["keep_norm_fp32"]))
         elif level == "O0":
             _cast_storage(m, torch.float32, False)
-        if props["engine"] or props["cast_model_outputs"] is not None:
+        graph = m.__dict__.get("_mixprec_graph", False)  # mixprec.convert: casts are in its graph
+        if (props["engine"] or props["cast_model_outputs"] is not None) and not graph:
             outputs = props["cast_model_outputs"]
             root = get_policy(m) or Policy(
                 param_dtype=dtype if props["cast_params"] else torch.float32,
@@ -208,10 +230,12 @@ def initialize(models: nn.Module | Sequence[nn.Module],
             engine.install_boundary(m)
         m.__dict__[_MARK] = level
 
-    if props["cast_params"] and not props["master_weights"]:
-        _warn_vanishing_eps(opt_list, dtype)
+    if props["cast_params"] and not props["master_weights"] and \
+            props["lean"].get("update") is None:
+        _warn_vanishing_eps(opt_list, dtype)  # an update mode does its arithmetic in fp32
     slots = [LossSlot(s) for s in props["scalers"]]
-    wrapped = [MixedPrecisionOptimizer(o, slots, master_weights=props["master_weights"])
+    wrapped = [MixedPrecisionOptimizer(o, slots, master_weights=props["master_weights"],
+                                       **props["lean"])
                for o in opt_list]
     out_models = model_list if many_models else model_list[0]
     if optimizers is None:
@@ -279,9 +303,14 @@ def fp32_state_dict(model: nn.Module, optimizer: MixedPrecisionOptimizer | None 
     """The model's state dict in float32 under its own keys, from the masters where they exist.
 
     It loads into a plain fp32 copy of the model (``load_state_dict``), as the seed asks:
-    the model is saved in fp32 whatever it trained in.
+    the model is saved in fp32 whatever it trained in. With ``update="kahan"`` a weight's fp32
+    value is ``w + c`` (the 16-bit weight plus its compensation buffer).
     """
     masters = {} if optimizer is None else {id(p): m for p, m in optimizer._pairs}
+    lean = None if optimizer is None else getattr(optimizer, "lean", None)
+    if lean is not None:
+        masters.update({id(p): p.detach().float() + c.float()
+                        for p, c in lean.compensation.items()})
     by_id = {id(p): p for p in model.parameters()}
     out: dict[str, Tensor] = {}
     named = dict(model.named_parameters(remove_duplicate=False))

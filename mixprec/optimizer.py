@@ -16,6 +16,11 @@ Design (``shared/reference/apex.md`` §1.5-1.6, §2; ``torch_amp.md`` §3):
   added back after it, so each micro-batch is unscaled with the scale it was scaled with.
 * One loss scaler per loss (``num_losses``), shared by every optimizer the loss touches; an
   overflow in one loss skips only the optimizers whose gradients it produced.
+* Without masters, ``update`` ("nearest" | "kahan" | "stochastic") hands the step to
+  :class:`mixprec.lean.LeanUpdate`: fp32 arithmetic on per-chunk temporaries, written back to
+  the 16-bit weights with that rounding (issue #7). ``update=None`` keeps the inner optimizer
+  stepping the 16-bit parameters itself. A skipped step never reaches the updater, so
+  compensation buffers, 16-bit state and the rounding generators stay untouched.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from mixprec.lean import LeanUpdate, StateDtype
 from mixprec.loss_scale import LossScaler, unscale_and_check_
 
 __all__ = ["MixedPrecisionOptimizer"]
@@ -70,13 +76,24 @@ class MixedPrecisionOptimizer(Optimizer):
     ``clip_grad_norm_(max_norm)`` and ``master_params()``.
 
     Hold an LR scheduler on skipped steps with ``if not opt.step_skipped: sched.step()``.
+
+    ``update``, ``state_dtype``, ``update_seed``: the memory-lean 16-bit step (no masters); see
+    :mod:`mixprec.lean`. ``lean`` is the :class:`~mixprec.lean.LeanUpdate` (None without).
     """
 
     def __init__(self, optimizer: Optimizer, slots: list[LossSlot], *,
-                 master_weights: bool = True, master_dtype: torch.dtype = torch.float32):
+                 master_weights: bool = True, master_dtype: torch.dtype = torch.float32,
+                 update: str | None = None, state_dtype: StateDtype = None,
+                 update_seed: int = 0):
         if not isinstance(optimizer, Optimizer):
             raise TypeError("MixedPrecisionOptimizer wraps a torch.optim.Optimizer, received "
                             f"{type(optimizer).__name__}.")
+        if update is not None and master_weights:
+            raise ValueError(f"update={update!r} replaces fp32 master weights: it needs "
+                             "master_weights=False (the O3 default).")
+        if update is None and (state_dtype is not None or update_seed != 0):
+            raise ValueError("state_dtype and update_seed apply to an update mode; pass "
+                             "update='nearest', 'kahan' or 'stochastic' as well.")
         self.optimizer = optimizer
         self.slots = slots
         self.master_weights = master_weights
@@ -100,6 +117,10 @@ class MixedPrecisionOptimizer(Optimizer):
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
         for group in optimizer.param_groups:
             group["params"] = [self._master_for(p) for p in group["params"]]
+        self.lean: LeanUpdate | None = None
+        if update is not None:
+            self.lean = LeanUpdate(optimizer, update, state_dtype=state_dtype or "auto",
+                                   seed=update_seed)
 
     # -- delegation: schedulers and user code see the inner optimizer's groups and state -------
     param_groups = property(lambda self: self.optimizer.param_groups,
@@ -133,6 +154,8 @@ class MixedPrecisionOptimizer(Optimizer):
         params = [params] if isinstance(params, Tensor) else list(params)
         masters = [self._master_for(p) for p in params]
         self.optimizer.add_param_group({**param_group, "params": masters})
+        if self.lean is not None:
+            self.lean.add_params(masters)
 
     def master_params(self) -> list[Tensor]:
         """The tensors the inner optimizer steps (fp32 masters or fp32 model parameters)."""
@@ -337,7 +360,7 @@ class MixedPrecisionOptimizer(Optimizer):
             return None
         for hook in self._optimizer_step_pre_hooks.values():
             hook(self, (), {})
-        result = self.optimizer.step()
+        result = self.optimizer.step() if self.lean is None else self.lean.step()
         if self._pairs:
             torch._foreach_copy_([p for p, _ in self._pairs], [m for _, m in self._pairs])
         for hook in self._optimizer_step_post_hooks.values():
@@ -365,13 +388,16 @@ class MixedPrecisionOptimizer(Optimizer):
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "optimizer": self.optimizer.state_dict(),
             "masters": [m.detach().clone() for _, m in self._pairs],
             "scalers": [s.scaler.state_dict() for s in self.slots],
             "skipped_steps": self.skipped_steps,
             "step_skipped": self.step_skipped,
         }
+        if self.lean is not None:
+            out["lean"] = self.lean.state_dict()
+        return out
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -385,7 +411,11 @@ class MixedPrecisionOptimizer(Optimizer):
         for (p, m), saved in zip(self._pairs, masters):
             m.copy_(saved)
             p.copy_(saved)
+        if self.lean is not None:
+            self.lean.load_state_dict(state_dict.get("lean"))
         self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.lean is not None:
+            self.lean.restore_state_dtypes(state_dict["optimizer"])
         if len(state_dict["scalers"]) != len(self.slots):
             raise ValueError(f"The checkpoint has {len(state_dict['scalers'])} loss scalers, this "
                              f"optimizer has {len(self.slots)} (num_losses).")

@@ -1,0 +1,86 @@
+"""mixprec.footprint: bytes per parameter by category, counted from the live tensors."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec import footprint
+
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+
+BF16 = torch.bfloat16
+
+
+def make(level=None, opt="adamw", **kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))  # no norm layers
+    if opt == "adamw":
+        o = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        o = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    if level is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, o = mixprec.initialize(model, o, level, BF16, **kw)
+    x = torch.randn(32, 64)
+
+    def step():
+        loss = model(x).float().pow(2).mean()
+        if level is None:
+            loss.backward()
+        else:
+            o.backward(loss)
+        o.step()
+        o.zero_grad()
+
+    return model, o, step
+
+
+# the expected bytes per parameter, exact up to Adam's scalar "step" tensors (4 B per tensor)
+@pytest.mark.parametrize("level,kw,opt,expect", [
+    (None, {}, "adamw", dict(weights=4, grads=4, masters=0, compensation=0, optimizer_state=8)),
+    ("O2", {}, "adamw", dict(weights=2, grads=6, masters=4, compensation=0, optimizer_state=8)),
+    ("O3", {}, "adamw", dict(weights=2, grads=2, masters=0, compensation=0, optimizer_state=4)),
+    ("O3", dict(update="kahan"), "adamw",
+     dict(weights=2, grads=2, masters=0, compensation=2, optimizer_state=6)),
+    ("O3", dict(update="kahan", state_dtype=BF16), "adamw",
+     dict(weights=2, grads=2, masters=0, compensation=2, optimizer_state=4)),
+    ("O3", dict(update="stochastic", state_dtype=torch.float32), "adamw",
+     dict(weights=2, grads=2, masters=0, compensation=0, optimizer_state=8)),
+    ("O3", dict(update="kahan"), "sgd",
+     dict(weights=2, grads=2, masters=0, compensation=2, optimizer_state=2)),
+])
+def test_bytes_per_param_by_configuration(level, kw, opt, expect):
+    model, o, step = make(level, opt, **kw)
+    fp = footprint(model, o, step=step)
+    per = fp.per_param
+    assert fp.params == sum(p.numel() for p in model.parameters())
+    for k, v in expect.items():
+        assert per[k] == pytest.approx(v, abs=0.01), (k, per)
+    assert per["total"] == pytest.approx(sum(expect.values()), abs=0.01)
+    assert fp.peak_bytes is not None and fp.peak_bytes >= 0
+    assert "bytes/param" in str(fp)
+
+
+def test_without_step_counts_existing_tensors_only():
+    model, o, step = make("O3", update="kahan")
+    fp = footprint(model, o)
+    assert fp.peak_bytes is None
+    assert fp.per_param["optimizer_state"] == 0  # not created until the first step
+    assert fp.per_param["compensation"] == pytest.approx(2)
+    assert footprint(model).per_param["weights"] == pytest.approx(2)
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="nn.Module"):
+        footprint(torch.zeros(3))
+    model, o, step = make()
+    with pytest.raises(TypeError, match="Optimizer"):
+        footprint(model, object())
+    with pytest.raises(ValueError, match="steps"):
+        footprint(model, o, step=step, steps=0)

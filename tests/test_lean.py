@@ -1,0 +1,384 @@
+"""Pure 16-bit training with compensated / stochastically rounded updates (issue #7).
+
+Covers: the 1.0 + 1e-3 x 10,000 experiment per update mode, unbiasedness of stochastic rounding
+(a z-test with a power check against truncation), reproducibility, equality of the fp32 math with
+the wrapped optimizer's own, state dtypes, skipped steps leaving everything bitwise untouched,
+bit-exact resume through state_dict, other optimizers, chunking, and input validation.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from training_helpers import assert_bitwise, make_model, mse, poisoned
+
+import mixprec
+from mixprec import initialize, stochastic_round
+
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+MODES = ("nearest", "kahan", "stochastic")
+
+
+def batch(seed: int = 1, n: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+
+
+def build(update, opt_fn, dtype=BF16, seed=0, **kw):
+    model = make_model(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return initialize(model, opt_fn(model.parameters()), "O3", dtype, update=update, **kw)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+
+
+def train(model, opt, steps, seed=1):
+    """``steps`` steps on one fixed batch (so the loss must fall); returns the losses."""
+    losses = []
+    x, y = batch(seed)
+    for _ in range(steps):
+        loss = mse(model, x, y)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+# ------------------------------------------------- (a) 1.0 + 1e-3, ten thousand times
+
+def _accumulate(update, chains=256, steps=10_000, delta=1e-3):
+    """``chains`` bf16 weights at 1.0, each given ``steps`` SGD updates of +``delta``."""
+    model = nn.Linear(1, chains, bias=False)
+    nn.init.ones_(model.weight)
+    model, opt = initialize(model, torch.optim.SGD(model.parameters(), lr=delta), "O3", BF16,
+                            update=update)
+    w = model.weight
+    grad = torch.full_like(w, -1.0)  # SGD adds lr * 1.0 each step
+    for _ in range(steps):
+        w.grad = grad.clone()
+        opt.step()
+    return w.detach().float().view(-1)
+
+
+def _sr_sigma(start=1.0, steps=10_000, delta=1e-3):
+    """Std of the SR result: the rounding errors are martingale increments with variance
+    gap * delta' * (1 - delta'/gap) at weight w_t ~ start + t*delta (gap = ulp_bf16(w_t),
+    delta' = delta modulo the gap); summed along the mean path."""
+    var, w = 0.0, start
+    for _ in range(steps):
+        gap = 2.0 ** (math.floor(math.log2(w)) - 7)
+        frac = (delta % gap) / gap
+        var += gap * gap * frac * (1 - frac)
+        w += delta
+    return math.sqrt(var)
+
+
+def test_ten_thousand_small_updates_nearest_stalls_kahan_and_stochastic_do_not():
+    fp32 = 1.0 + 10_000 * 1e-3
+    # the pre-#7 O3 step (bf16 arithmetic) and fp32 math rounded to nearest both stall at 1.0
+    assert torch.equal(_accumulate("nearest", chains=4), torch.ones(4))
+    assert torch.equal(_accumulate(None, chains=4, steps=100), torch.ones(4))  # every step lost
+    kahan = _accumulate("kahan", chains=4)
+    assert torch.all((kahan - fp32).abs() <= 0.01 * fp32), kahan
+    # stochastic: 256 independent seeded chains; unbiased with the std derived in _sr_sigma
+    # (~0.59). Band: each chain within 5 sigma (p < 6e-7 per chain), the mean of the 256 within
+    # 4 sigma / 16 of 11.0 (p < 7e-5); a biased rounding would miss the mean band by far.
+    sr = _accumulate("stochastic")
+    sigma = _sr_sigma()
+    assert 0.4 < sigma < 0.8
+    assert torch.all((sr - fp32).abs() <= 5 * sigma)
+    assert abs(sr.mean().item() - fp32) <= 4 * sigma / math.sqrt(sr.numel())
+    assert 0.5 * sigma < sr.std().item() < 1.5 * sigma  # the noise is the predicted size
+
+
+# ------------------------------------------------- (b) stochastic rounding is unbiased
+
+def _neighbours(x, dtype):
+    near = x.to(dtype)
+    other = torch.nextafter(near, torch.where(x > near.float(), torch.inf, -torch.inf).to(dtype))
+    lo = torch.minimum(near.float(), other.float())
+    hi = torch.maximum(near.float(), other.float())
+    return lo, hi
+
+
+def _z_scores(x, rounded, dtype):
+    lo, hi = _neighbours(x, dtype)
+    p = ((x - lo) / (hi - lo)).double()
+    mean = rounded.double().mean(0)
+    n = rounded.shape[0]
+    sd = ((hi - lo).double() * torch.sqrt(p * (1 - p) / n))
+    return (mean - x.double()) / sd, lo, hi
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_stochastic_rounding_is_unbiased(dtype):
+    g = torch.Generator().manual_seed(0)
+    k, n = 400, 2000
+    mags = torch.exp(torch.empty(k).uniform_(-12, 6, generator=g))  # fp16: subnormals too
+    x = mags * torch.where(torch.rand(k, generator=g) < 0.5, -1.0, 1.0)
+    lo, hi = _neighbours(x, dtype)
+    keep = (x != lo) & (x != hi)  # exactly representable values have nothing to round
+    x = x[keep]
+    gen = torch.Generator().manual_seed(1)
+    samples = torch.stack([stochastic_round(x, dtype, gen) for _ in range(n)]).float()
+    z, lo, hi = _z_scores(x, samples, dtype)
+    # every sample is one of the two neighbours
+    assert torch.all((samples == lo) | (samples == hi))
+    # per value z ~ N(0, 1) by the CLT (n p (1-p) is large for these draws): the mean of k
+    # independent z-scores has sd 1/sqrt(k) and their mean square is ~1 (chi^2_k / k).
+    assert abs(z.mean().item()) < 4 / math.sqrt(len(z))
+    assert 0.8 < z.pow(2).mean().item() < 1.2
+    # power: truncation toward zero, which is biased, fails the same statistic by far
+    trunc = torch.where(x > 0, lo, hi).expand(n, -1)
+    z_trunc, _, _ = _z_scores(x, trunc, dtype)
+    assert z_trunc.pow(2).mean().item() > 100
+
+
+def test_stochastic_rounding_is_seeded_and_validated():
+    x = torch.randn(10_000)
+    a = stochastic_round(x, BF16, torch.Generator().manual_seed(5))
+    b = stochastic_round(x, BF16, torch.Generator().manual_seed(5))
+    c = stochastic_round(x, BF16, torch.Generator().manual_seed(6))
+    assert a.dtype == BF16 and torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(stochastic_round(torch.tensor([1.0, -2.5, 0.0]), BF16),
+                       torch.tensor([1.0, -2.5, 0.0], dtype=BF16))  # exact values stay
+    assert torch.isinf(stochastic_round(torch.tensor([math.inf]), BF16)).all()
+    with pytest.raises(TypeError, match="float32"):
+        stochastic_round(x.double())
+    with pytest.raises(ValueError, match="bfloat16 or torch.float16"):
+        stochastic_round(x, torch.float32)
+
+
+# ------------------------------------------------- the fp32 math is the optimizer's own
+
+@pytest.mark.parametrize("opt_fn", [adamw, sgd], ids=["adamw", "sgd"])
+@pytest.mark.parametrize("update", ["nearest", "kahan"])
+def test_one_step_equals_the_fp32_step_rounded(update, opt_fn):
+    model, opt = build(update, opt_fn, state_dtype=FP32)
+    x, y = batch()
+    opt.backward(mse(model, x, y))
+    params = list(model.parameters())
+    ref = [p.detach().float().clone().requires_grad_() for p in params]
+    for r, p in zip(ref, params):
+        r.grad = p.grad.float()
+    ref_opt = opt_fn(ref)
+    ref_opt.step()
+    opt.step()
+    for p, r in zip(params, ref):
+        assert p.dtype == BF16
+        assert_bitwise(p.detach(), r.detach().to(BF16))  # round to nearest of the fp32 step
+        if update == "kahan":
+            c = opt.lean.compensation[p]
+            assert c.dtype == BF16
+            assert_bitwise(c, (r.detach() - p.detach().float()).to(BF16))
+    # the state is the fp32 optimizer's, bitwise (state_dtype=fp32)
+    for p, r in zip(params, ref):
+        for k, v in ref_opt.state[r].items():
+            assert_bitwise(opt.state[p][k], v)
+
+
+@pytest.mark.parametrize("update", MODES)
+@pytest.mark.parametrize("opt_fn", [adamw, sgd], ids=["adamw", "sgd"])
+def test_every_mode_trains_with_sgd_and_adamw(update, opt_fn):
+    model, opt = build(update, opt_fn)
+    losses = train(model, opt, 30)
+    assert all(math.isfinite(v) for v in losses)
+    assert sum(losses[-5:]) < 0.6 * sum(losses[:5])
+    for p in model.parameters():
+        assert p.dtype == BF16
+        st = opt.state[p]
+        if "exp_avg" in st:  # state_dtype="auto": first moment bf16, second fp32
+            assert st["exp_avg"].dtype == BF16 and st["exp_avg_sq"].dtype == FP32
+        else:
+            assert st["momentum_buffer"].dtype == BF16
+    comps = opt.lean.compensation
+    assert (len(comps) == len(list(model.parameters()))) == (update == "kahan")
+    assert all(c.dtype == BF16 for c in comps.values())
+
+
+@pytest.mark.parametrize("state_dtype,expect", [
+    (BF16, (BF16, BF16)), (FP32, (FP32, FP32)),
+    ({"exp_avg": BF16, "exp_avg_sq": BF16}, (BF16, BF16)), ({"exp_avg_sq": BF16}, (FP32, BF16))])
+def test_state_dtype(state_dtype, expect):
+    model, opt = build("kahan", adamw, state_dtype=state_dtype)
+    train(model, opt, 2)
+    for p in model.parameters():
+        assert (opt.state[p]["exp_avg"].dtype, opt.state[p]["exp_avg_sq"].dtype) == expect
+
+
+def test_bf16_second_moment_stops_decaying_which_is_why_auto_keeps_it_fp32():
+    """With beta2 = 0.999, v <- 0.999 v moves v by 2**-10 of itself: under half a bf16 ulp
+    (2**-8 relative), so a bf16 exp_avg_sq never decays; fp32 decays as 0.999**t."""
+    out = {}
+    for state_dtype in ("auto", BF16):
+        p = nn.Parameter(torch.ones(4, dtype=BF16))
+        opt = torch.optim.Adam([p], lr=1e-3, betas=(0.9, 0.999))
+        lean = mixprec.lean.LeanUpdate(opt, "kahan", state_dtype=state_dtype)
+        p.grad = torch.ones_like(p)
+        lean.step()
+        for _ in range(200):
+            p.grad = torch.zeros_like(p)
+            lean.step()
+        out[state_dtype] = opt.state[p]["exp_avg_sq"].float()
+    expect = (1 - 0.999) * 0.999**200
+    torch.testing.assert_close(out["auto"], torch.full((4,), expect), rtol=1e-5, atol=0)
+    assert torch.all(out[BF16] > 1.15 * expect)  # stuck near its first value 1e-3
+
+
+# ------------------------------------------------- skipped steps, checkpoints
+
+@pytest.mark.parametrize("update", MODES)
+def test_skipped_step_leaves_weights_compensation_state_and_rng_untouched(update):
+    model, opt = build(update, adamw, loss_scale="dynamic")
+    train(model, opt, 3)
+    before = (copy.deepcopy(list(model.state_dict().values())), copy.deepcopy(opt.state_dict()))
+    x, y = batch(9)
+    with poisoned(next(model.parameters())):
+        opt.backward(mse(model, x, y))
+    opt.step()
+    assert opt.step_skipped
+    after = (list(model.state_dict().values()), opt.state_dict())
+    for a, b in zip(before[0], after[0]):
+        assert_bitwise(a, b)
+    sb, sa = before[1], after[1]
+    for a, b in zip(sb["lean"]["compensation"], sa["lean"]["compensation"]):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert sb["lean"]["generators"].keys() == sa["lean"]["generators"].keys()
+    for k in sb["lean"]["generators"]:
+        assert torch.equal(sb["lean"]["generators"][k], sa["lean"]["generators"][k])
+    for i, st in sb["optimizer"]["state"].items():
+        for k, v in st.items():
+            assert_bitwise(v, sa["optimizer"]["state"][i][k])
+    # and the next clean step proceeds
+    opt.zero_grad()
+    train(model, opt, 1)
+    assert not opt.step_skipped
+
+
+@pytest.mark.parametrize("update", MODES)
+def test_resume_from_state_dict_is_bit_exact(update, tmp_path):
+    model, opt = build(update, adamw)
+    train(model, opt, 3)
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    train(model, opt, 4, seed=10)
+
+    resumed, ropt = build(update, adamw, seed=7)  # different init: everything must come back
+    ckpt = torch.load(path, weights_only=True)
+    resumed.load_state_dict(ckpt["model"])
+    ropt.load_state_dict(ckpt["opt"])
+    for p in resumed.parameters():  # the fp32 second moment is not cast to bf16 on load
+        assert ropt.state[p]["exp_avg_sq"].dtype == FP32
+    train(resumed, ropt, 4, seed=10)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert_bitwise(a.detach(), b.detach())
+    for a, b in zip(opt.lean.compensation.values(), ropt.lean.compensation.values()):
+        assert_bitwise(a, b)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        for k in opt.state[a]:
+            assert_bitwise(opt.state[a][k], ropt.state[b][k])
+
+
+def test_checkpoint_of_another_update_mode_is_rejected():
+    _, opt = build("kahan", adamw)
+    _, other = build("stochastic", adamw)
+    with pytest.raises(ValueError, match="update='kahan'"):
+        other.load_state_dict(opt.state_dict())
+
+
+# ------------------------------------------------- other optimizers, chunks, fp16, errors
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.RMSprop, torch.optim.Adamax, torch.optim.Adam])
+def test_wraps_other_per_parameter_optimizers(opt_cls):
+    model, opt = build("kahan", lambda ps: opt_cls(ps, lr=1e-2), state_dtype=FP32)
+    x, y = batch()
+    opt.backward(mse(model, x, y))
+    params = list(model.parameters())
+    ref = [p.detach().float().clone().requires_grad_() for p in params]
+    for r, p in zip(ref, params):
+        r.grad = p.grad.float()
+    opt_cls(ref, lr=1e-2).step()
+    opt.step()
+    for p, r in zip(params, ref):
+        assert_bitwise(p.detach(), r.detach().to(BF16))
+    losses = train(model, opt, 20)
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("update", ["nearest", "kahan"])
+def test_chunking_does_not_change_the_result(update):
+    runs = []
+    for chunk in (2**20, 20):  # one chunk vs a chunk per parameter or two
+        model, opt = build(update, adamw)
+        opt.lean.chunk_elements = chunk
+        train(model, opt, 3)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("update", MODES)
+def test_fp16_parameters(update):
+    model, opt = build(update, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), FP16)
+    losses = train(model, opt, 20)
+    assert all(p.dtype == FP16 for p in model.parameters())
+    assert losses[-1] < losses[0]
+
+
+def test_add_param_group_gets_compensation():
+    model = make_model()
+    first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
+    model, opt = initialize(model, torch.optim.SGD(first, lr=0.1), "O3", BF16, update="kahan")
+    opt.add_param_group({"params": rest})
+    assert set(opt.lean.compensation) == set(model.parameters())
+    train(model, opt, 2)
+
+
+def test_validation_errors():
+    def make():
+        m = make_model()
+        return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+    with pytest.raises(ValueError, match="master weights"):
+        initialize(*make(), "O2", BF16, update="kahan")
+    with pytest.raises(ValueError, match="fp32 parameters"):
+        initialize(*make(), "O1", BF16, update="kahan")
+    with pytest.raises(ValueError, match="apply to an update mode"):
+        initialize(*make(), "O3", BF16, state_dtype=BF16)
+    with pytest.raises(ValueError, match="not an update mode"):
+        initialize(*make(), "O3", BF16, update="round")
+    with pytest.raises(ValueError, match="state_dtype"):
+        initialize(*make(), "O3", BF16, update="kahan", state_dtype=torch.int8)
+    with pytest.raises(TypeError, match="update_seed"):
+        initialize(*make(), "O3", BF16, update="stochastic", update_seed="7")
+    m, o = initialize(*make(), "O2", BF16, master_weights=False, update="kahan")  # allowed
+    assert o.lean is not None and o.master_params()[0].dtype in (BF16, FP32)
+
+
+def test_fp32_state_dict_adds_the_compensation():
+    model, opt = build("kahan", sgd)
+    train(model, opt, 3)
+    sd = mixprec.fp32_state_dict(model, opt)
+    for (name, p) in model.named_parameters():
+        c = opt.lean.compensation[p]
+        assert sd[name].dtype == FP32
+        assert torch.equal(sd[name], p.detach().float() + c.float())
+    assert any(c.abs().sum() > 0 for c in opt.lean.compensation.values())
+    fresh = make_model()
+    fresh.load_state_dict(sd)  # loads into a plain fp32 model
