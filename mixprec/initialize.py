@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ from mixprec import engine
 from mixprec.hardware import default_dtype, warn_if_slow
 from mixprec.loss_scale import LossScaler
 from mixprec.optimizer import LossSlot, MixedPrecisionOptimizer
-from mixprec.policy import Policy, PolicyLike, as_policy, get_policy
+from mixprec.policy import Policy, PolicyLike, as_policy, get_policy, set_policy
 
 __all__ = ["LEVELS", "initialize", "scale_loss", "fp32_state_dict"]
 
@@ -168,7 +168,8 @@ def initialize(models: nn.Module | Sequence[nn.Module],
         optimizers: an optimizer, a list of them, or None (inference / custom loops).
         level: "O0", "O1" (default), "O2" or "O3" -- see the module docstring's table.
         dtype: the 16-bit dtype; None picks :func:`mixprec.default_dtype` for the device.
-        policy: any policy spelling, instead of ``level`` + ``dtype``.
+        policy: any policy spelling, instead of ``level`` + ``dtype``; or a map ``{module path:
+            policy}`` (e.g. :func:`mixprec.tune`'s plan) applied with ``set_policy`` first.
         **overrides: ``keep_norm_fp32``, ``master_weights``, ``loss_scale`` ("dynamic" | float |
             None), ``cast_model_outputs`` (dtype or None), ``num_losses``, ``fp32_inside``,
             ``kernels``, the :class:`LossScaler` settings (``init_scale``,
@@ -186,7 +187,14 @@ def initialize(models: nn.Module | Sequence[nn.Module],
     model_list, many_models = _as_list(models, nn.Module, "an nn.Module")
     opt_list, many_opts = ([], False) if optimizers is None else _as_list(
         optimizers, Optimizer, "a torch.optim.Optimizer")
+    plan = None
+    if isinstance(policy, Mapping):  # per-module policies, e.g. the plan mixprec.tune returns
+        if len(model_list) != 1:
+            raise ValueError(f"A per-module policy map applies to one model; received "
+                             f"{len(model_list)} models. Call set_policy on each instead.")
+        plan, policy = policy, None
     for m in model_list:
+        _refuse_wrapped(m)
         if m.__dict__.get(_MARK):
             raise RuntimeError(f"initialize was already called on this {type(m).__name__}; call it "
                                "once per model (build a fresh model to change the level).")
@@ -205,6 +213,14 @@ def initialize(models: nn.Module | Sequence[nn.Module],
         if o.state:
             raise RuntimeError(f"Optimizer {i} already has state: call initialize before the "
                                "first optimizer step.")
+    if plan is not None:
+        for path, module_policy in plan.items():
+            try:
+                target = model_list[0].get_submodule(path)
+            except AttributeError:
+                raise ValueError(f"The policy map names module {path!r}, which "
+                                 f"{type(model_list[0]).__name__} does not have.") from None
+            set_policy(target, module_policy)
     first = next((p for m in model_list for p in m.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
     level, dtype, props = _resolve(level, dtype, policy, device, dict(overrides))
@@ -241,6 +257,21 @@ def initialize(models: nn.Module | Sequence[nn.Module],
     if optimizers is None:
         return out_models
     return out_models, (wrapped if many_opts else wrapped[0])
+
+
+def _refuse_wrapped(m: nn.Module) -> None:
+    """initialize must see the bare model: DDP/FSDP register buckets and shards on the
+    parameters that initialize may re-cast, and would then all-reduce stale tensors."""
+    names = {c.__name__ for c in type(m).__mro__}
+    if "DistributedDataParallel" in names:
+        raise TypeError("initialize received a DistributedDataParallel model. Call initialize "
+                        "on the bare model first, then wrap it: model, opt = "
+                        "mixprec.initialize(model, opt, ...); model = "
+                        "mixprec.distributed.wrap_ddp(model, opt).")
+    if names & {"FSDPModule", "FullyShardedDataParallel"}:
+        raise TypeError(f"initialize received an FSDP-sharded model ({type(m).__name__}). Use "
+                        "mixprec.distributed.initialize_fsdp(model, optimizer_fn, level, dtype), "
+                        "which shards with a matching MixedPrecisionPolicy.")
 
 
 def _warn_vanishing_eps(optimizers: list[Optimizer], dtype: torch.dtype) -> None:

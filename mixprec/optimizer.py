@@ -51,6 +51,13 @@ def read_flags(flags: list[Tensor]) -> list[float]:
     return [float(f) for f in flags]
 
 
+def _version(grad: Tensor) -> int:
+    """A gradient's version counter; for a DTensor (FSDP2) that of its local shard, which is
+    what in-place accumulation bumps (the DTensor's own counter stays 0)."""
+    local = getattr(grad, "_local_tensor", None)
+    return (local if isinstance(local, Tensor) else grad)._version
+
+
 class LossSlot:
     """A loss scaler plus the device-side verdicts recorded since its last update."""
 
@@ -237,7 +244,7 @@ class MixedPrecisionOptimizer(Optimizer):
                 target.grad = g if stashed is None else g.add_(stashed)
             else:
                 target.grad.add_(g)
-            self._checked[id(target)] = (weakref.ref(target.grad), target.grad._version)
+            self._checked[id(target)] = (weakref.ref(target.grad), _version(target.grad))
         if len(flags) == 1:
             return flags[0]
         return torch.tensor([sum(read_flags(flags))])  # several devices: rare, one sync each
@@ -310,7 +317,7 @@ class MixedPrecisionOptimizer(Optimizer):
         if p.grad is None:
             return False
         seen = self._checked.get(id(p))
-        return seen is None or seen[0]() is not p.grad or seen[1] != p.grad._version
+        return seen is None or seen[0]() is not p.grad or seen[1] != _version(p.grad)
 
     def _has_raw_grads(self) -> bool:
         """True when some gradient has not been through the finite check yet."""
@@ -365,6 +372,8 @@ class MixedPrecisionOptimizer(Optimizer):
             torch._foreach_copy_([p for p, _ in self._pairs], [m for _, m in self._pairs])
         for hook in self._optimizer_step_post_hooks.values():
             hook(self, (), {})
+        for _, master in self._pairs:  # used up: a loop that only zeroes the model's grads
+            master.grad = None         # must not add them into the next step (as in Apex)
         return result
 
     def _drop_grads(self) -> None:

@@ -371,3 +371,33 @@ def test_o3_fp16_warns_when_adam_eps_vanishes():
         initialize(model, torch.optim.AdamW(model.parameters(), eps=1e-4), "O3", torch.float16)
         model = nn.Sequential(nn.Linear(4, 4))  # bf16 has fp32's range: 1e-8 is fine
         initialize(model, torch.optim.AdamW(model.parameters()), "O3", torch.bfloat16)
+
+
+def test_a_per_module_policy_map_is_applied_before_the_level():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = {}
+    model[2].register_forward_hook(lambda m, i, o: seen.update(out=o.dtype))
+    model[0].register_forward_hook(lambda m, i, o: seen.update(first=o.dtype))
+    model, opt = mixprec.initialize(model, opt, "O2", torch.bfloat16, policy={"2": "float32"})
+    assert model[0].weight.dtype == torch.bfloat16 and model[2].weight.dtype == torch.float32
+    model(torch.randn(3, 8)).sum().backward()
+    assert seen == {"first": torch.bfloat16, "out": torch.float32}
+    with pytest.raises(ValueError, match="does not have"):
+        mixprec.initialize(nn.Linear(2, 2), policy={"head": "float32"})
+    with pytest.raises(ValueError, match="one model"):
+        mixprec.initialize([nn.Linear(2, 2), nn.Linear(2, 2)], policy={"": "float32"})
+
+
+def test_wrapped_distributed_models_are_refused_with_the_order_to_use():
+    class DistributedDataParallel(nn.Module):  # stands in for torch's (needs a process group)
+        def __init__(self):
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+
+    with pytest.raises(TypeError, match="then wrap it"):
+        mixprec.initialize(DistributedDataParallel())
+    fsdp = type("FSDPLinear", (nn.Linear, type("FSDPModule", (), {})), {})(2, 2)
+    with pytest.raises(TypeError, match="initialize_fsdp"):
+        mixprec.initialize(fsdp)

@@ -514,11 +514,15 @@ def test_plain_backward_and_step(level, dtype):
     before = [m.detach().clone() for m in masters]
     mse(model, x, y).backward()
     raw = [p.grad.clone() for p in model.parameters()]
+    seen = []
+    opt.register_step_pre_hook(lambda o, a, k: seen.extend(m.grad.clone() for m in masters))
     opt.step()
     assert not opt.step_skipped
-    for m, m0, g in zip(masters, before, raw):
+    for m, m0, g, mg in zip(masters, before, raw, seen):
         # the raw (unscaled) gradient reached the fp32 master unchanged, and SGD used it
-        assert_bitwise(m.grad, g.float())
+        assert_bitwise(mg, g.float())
+        if id(m) in opt._master_ids:
+            assert m.grad is None  # a master's grad is used up: not added into the next step
         torch.testing.assert_close(m.detach(), m0 - 0.1 * g.float(), rtol=1e-6, atol=1e-7)
     for p, m in zip(model.parameters(), masters):
         assert_bitwise(p.detach(), m.detach().to(p.dtype))
