@@ -264,11 +264,10 @@ def _refuse_wrapped(m: nn.Module) -> None:
     parameters that initialize may re-cast, and would then all-reduce stale tensors."""
     names = {c.__name__ for c in type(m).__mro__}
     if "DistributedDataParallel" in names:
-        raise TypeError("initialize received a DistributedDataParallel model. Call initialize "
-                        "on the bare model first, then wrap it: model, opt = "
-                        "mixprec.initialize(model, opt, ...); model = "
-                        "mixprec.distributed.wrap_ddp(model, opt).")
-    if names & {"FSDPModule", "FullyShardedDataParallel"}:
+        raise TypeError("initialize received a DistributedDataParallel model. Call "
+                        "mixprec.initialize(model, optimizer, ...) on the bare model, "
+                        "then mixprec.distributed.wrap_ddp(model, optimizer).")
+    if names & {"FSDPModule", "FullyShardedDataParallel"} and not m.__dict__.get("_mixprec_fsdp"):
         raise TypeError(f"initialize received an FSDP-sharded model ({type(m).__name__}). Use "
                         "mixprec.distributed.initialize_fsdp(model, optimizer_fn, level, dtype), "
                         "which shards with a matching MixedPrecisionPolicy.")

@@ -121,8 +121,8 @@ def test_wrong_order_is_refused_with_the_fix(ranks):
     for res in result(ranks, "order_errors"):
         assert res["ddp_first"].startswith("RuntimeError: This DistributedDataParallel was "
                                            "built before mixprec.initialize")
-        assert res["initialize_wrapper"].startswith("RuntimeError: mixprec.initialize was "
-                                                    "called on a DistributedDataParallel")
+        assert res["initialize_wrapper"].startswith("TypeError: initialize received a "
+                                                    "DistributedDataParallel model")
         assert "has not prepared" in res["not_initialized"]
         for key in ("ddp_first", "initialize_wrapper", "not_initialized"):
             assert "then mixprec.distributed.wrap_ddp(model, optimizer)" in res[key]

@@ -396,7 +396,7 @@ def test_wrapped_distributed_models_are_refused_with_the_order_to_use():
             super().__init__()
             self.module = nn.Linear(2, 2)
 
-    with pytest.raises(TypeError, match="then wrap it"):
+    with pytest.raises(TypeError, match="then mixprec.distributed.wrap_ddp"):
         mixprec.initialize(DistributedDataParallel())
     fsdp = type("FSDPLinear", (nn.Linear, type("FSDPModule", (), {})), {})(2, 2)
     with pytest.raises(TypeError, match="initialize_fsdp"):

@@ -184,6 +184,7 @@ def initialize_fsdp(model: nn.Module,
                         "torch.optim.Optimizer.")
     if level in ("O2", "O3"):
         overrides.setdefault("fp32_inside", True)
+    model.__dict__["_mixprec_fsdp"] = True  # sharded here, to match: initialize accepts it
     model, opt = initialize(model, optimizer, level="O0" if level == "O0" else "O1",
                             dtype=None if level == "O0" else dtype, **overrides)
     sync_verdicts(opt, mesh.get_group())
