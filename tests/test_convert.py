@@ -275,3 +275,43 @@ def test_cnn_per_op_dtypes_match_eager_and_fp32_inside_lowers_norms():
     assert count(inside) < count(plain)
     with pytest.raises(ValueError, match="fp32_inside"):
         compare_with_eager(model, convert(model, (ids,), fp32_inside=True), ids)
+
+
+def test_o2_storage_with_fp32_inside_leaves_only_the_output_cast():
+    """With 16-bit tables and weights the embeddings seed the 16-bit region; norms take 16-bit
+    data with their fp32 weights uncast, as the eager engine passes them: one cast is left."""
+    torch.manual_seed(0)
+    model = GPT(SMALL_GPT)
+    ids, y = gpt_batch()
+    graph = convert(model, (ids,), fp32_inside=True)
+    graph, opt = mixprec.initialize(graph, torch.optim.AdamW(graph.parameters()), "O2",
+                                    torch.bfloat16)
+    report = graph.precision_report()
+    assert [(c["producer"], c["kind"]) for c in report.casts] == [("linear_8", "activation")]
+    emb = [r for r in report.nodes if r.op == "embedding"]
+    assert {r.dtype for r in emb} == {"bf16"} and "16-bit table" in emb[0].reason
+    assert report.by_op()["layer_norm"] == {"bf16": 5}
+    assert graph.ln_f.weight.dtype == torch.float32
+    loss = lm_loss(graph(ids), y)
+    opt.backward(loss)
+    opt.step()
+    assert torch.isfinite(loss)
+
+
+def test_compile_backend_keeps_fp32_ops_fp32_on_16bit_weights():
+    from mixprec.graph.compile import backend
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return torch.log_softmax(self.b(torch.relu(self.a(x))), -1)
+
+    m = Net().to(torch.bfloat16)  # traced with 16-bit weights, as after initialize(..., "O2")
+    be = backend("mixed_bfloat16", compiler="eager")
+    out = torch.compile(m, backend=be)(torch.randn(4, 8))
+    dtypes = be.results[0].rewrite.dtypes
+    assert dtypes["log_softmax"] == torch.float32 and dtypes["linear_1"] == torch.bfloat16
+    assert out.dtype == torch.float32

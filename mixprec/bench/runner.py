@@ -81,11 +81,13 @@ class Trainer:
 
             policy = mixprec.Policy(compute_dtype=dtype, param_dtype=torch.float32,
                                     output_dtype=torch.float32)
+            # O2's settings: 16-bit weights with fp32 masters, norms and softmax on 16-bit
+            # inputs (fp32 inside), mixprec's kernels
             if mode == "graph":
                 x, _ = wl.example_batch(data, batch_size)
-                model = graph.convert(model, (x,), policy)
+                model = graph.convert(model, (x,), policy, fp32_inside=True)
             else:
-                model = graph.compile(model, policy)
+                model = graph.compile(model, policy, fp32_inside=True, kernels="auto")
             model, opt = mixprec.initialize(model, opt, level="O2", dtype=dtype)
         elif mode == "torch-autocast" and dtype == torch.float16:
             self.scaler = torch.amp.GradScaler("cpu" if _device(model) == "cpu" else "cuda")

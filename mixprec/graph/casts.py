@@ -33,10 +33,16 @@ from mixprec.graph.paint import CAST_OPS, DROP_OPS, SOURCE_OPS, Colouring, meta_
 
 __all__ = ["CastRecord", "Rewrite", "apply", "cast_to"]
 
-# ops that take their first argument as data and keep statistics/affine params in their own dtype
+# ops that take their first argument as data and keep statistics/affine params in their own
+# dtype: always for batch norm (its running statistics are updated in place, so they cannot be
+# cast copies); for the layer/group norms when they run on 16-bit data (their kernels take
+# 16-bit data with float32 weights, which is what the eager engine passes them)
 _DATA_PORT_ONLY = frozenset({"batch_norm", "instance_norm", "native_batch_norm",
                              "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
                              "_native_batch_norm_legit_no_training"})
+_DATA_PORT_WHEN_LOW = frozenset({"layer_norm", "native_layer_norm", "group_norm",
+                                 "native_group_norm"})
+_COLOURABLE = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def cast_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -146,8 +152,10 @@ def apply(gm: fx.GraphModule, c: Colouring, low: torch.dtype, *,
             dt[n] = low if c.is_low(n) else torch.float32
         elif node_op(n) == "getitem" and isinstance(n.args[0], fx.Node):
             src = n.args[0]
-            dt[n] = (low if c.is_low(src) and _float_dtype(v) == torch.float32
-                     else _float_dtype(v)) if c.processable(src) else _float_dtype(v)
+            if c.processable(src) and _float_dtype(v) in _COLOURABLE:
+                dt[n] = low if c.is_low(src) else torch.float32
+            else:
+                dt[n] = _float_dtype(v)
         elif node_op(n) in SOURCE_OPS and n.args and isinstance(n.args[0], fx.Node):
             dt[n] = dt.get(n.args[0]) or _float_dtype(v)
         elif _cast_target(n) is not None:
@@ -192,7 +200,8 @@ def apply(gm: fx.GraphModule, c: Colouring, low: torch.dtype, *,
             if have is None:
                 continue
             if c.processable(n):
-                if name in _DATA_PORT_ONLY and i > 0:
+                if i > 0 and (name in _DATA_PORT_ONLY
+                              or name in _DATA_PORT_WHEN_LOW and c.is_low(n)):
                     continue
                 if _is_scalar(p) and not all(_is_scalar(q) for q in _tensor_args(n)):
                     continue
@@ -231,7 +240,7 @@ def _output_want(p: fx.Node, dt: dict, output_dtype: torch.dtype | None) -> torc
     orig = _float_dtype(meta_val(p))
     if orig is None or dt.get(p) is None:
         return None
-    if orig == torch.float32 and output_dtype is not None:
+    if orig in _COLOURABLE and output_dtype is not None:
         return output_dtype
     return orig
 

@@ -172,21 +172,31 @@ def _forced_fp32(node: fx.Node, prefixes: tuple[str, ...]) -> bool:
     return any(path == p or path.startswith(p + ".") for p in prefixes)
 
 
+_COLOURABLE = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _float_out(node: fx.Node) -> bool:
-    """True when the node's output is a float32 tensor, or a tuple/list with one."""
+    """True when the node's output is a float32/16-bit tensor, or a tuple/list with one.
+
+    16-bit outputs occur when the graph was traced with 16-bit weights (dynamo after O2); they
+    are coloured like float32 ones, so the table's fp32 ops still get float32.
+    """
     v = meta_val(node)
     if is_multi(v):
-        return any(_dtype_of(x) == torch.float32 for x in v)
-    return _dtype_of(v) == torch.float32
+        return any(_dtype_of(x) in _COLOURABLE for x in v)
+    return _dtype_of(v) in _COLOURABLE
 
 
-def _classify(node: fx.Node, lists: Lists, fp32_modules: tuple[str, ...]) -> tuple[str | None, str]:
+def _classify(node: fx.Node, lists: Lists, fp32_modules: tuple[str, ...],
+              low_inputs: frozenset[fx.Node]) -> tuple[str | None, str]:
     name = node_op(node)
     if name is None:
         return None, "not an op"
     if name in CAST_OPS:
         return None, "existing cast"
     if name in SOURCE_OPS:
+        if node.args and node.args[0] in low_inputs and _float_out(node):
+            return ALLOW, ""  # a 16-bit table: its rows come out 16-bit, a source of allow
         return None, "gathers from its table in the table's dtype; cast after it"
     if _mutates(node):
         return None, "mutates an input"
@@ -214,14 +224,20 @@ def _carries_float(node: fx.Node) -> bool:
     return dt is not None and dt.is_floating_point
 
 
-def colour(graph: fx.Graph, lists: Lists, *, fp32_modules: Iterable[str] = ()) -> Colouring:
-    """Run grappler's painting passes on ``graph``; the graph itself is not changed."""
+def colour(graph: fx.Graph, lists: Lists, *, fp32_modules: Iterable[str] = (),
+           low_inputs: Iterable[fx.Node] = ()) -> Colouring:
+    """Run grappler's painting passes on ``graph``; the graph itself is not changed.
+
+    ``low_inputs``: placeholder/get_attr nodes that hold 16-bit tensors (weights stored in
+    16-bit); an embedding gathering from one of them is an allow node.
+    """
     c = Colouring(lists)
     prefixes = tuple(p.strip(".") for p in fp32_modules)
+    low = frozenset(low_inputs)
     for node in graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
-        kind, why = _classify(node, lists, prefixes)
+        kind, why = _classify(node, lists, prefixes, low)
         if kind is None:
             c.fixed[node] = why
         else:
@@ -236,7 +252,8 @@ def colour(graph: fx.Graph, lists: Lists, *, fp32_modules: Iterable[str] = ()) -
     for n, kind in c.kind.items():
         if kind == ALLOW:
             c.allow.add(n)
-            c.reason[n] = f"{node_op(n)} is on the allow list (cast table: lower)"
+            c.reason[n] = (f"{node_op(n)} gathers from a 16-bit table" if node_op(n) in SOURCE_OPS
+                           else f"{node_op(n)} is on the allow list (cast table: lower)")
 
     # pass 2: deny propagates forwards through clear/infer chains that lead into infer or deny
     upstream: set[fx.Node] = set()

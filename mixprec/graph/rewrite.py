@@ -46,6 +46,16 @@ def auto_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
     return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
 
 
+def _stored_dtype(gm: fx.GraphModule, n: fx.Node) -> torch.dtype | None:
+    """The dtype of a weight or input node (the tensor itself for get_attr), else None."""
+    if n.op == "get_attr":
+        t = casts._attr(gm, n.target)
+        return t.dtype if isinstance(t, torch.Tensor) else None
+    if n.op == "placeholder":
+        return getattr(paint.meta_val(n), "dtype", None)
+    return None
+
+
 def rewrite(gm: fx.GraphModule, dtype: torch.dtype, *, lists: paint.Lists | None = None,
             fp32_inside: bool = False, ops: Mapping[Any, str | None] | None = None,
             fp32_modules: Iterable[str] = (), output_dtype: torch.dtype | None = torch.float32,
@@ -65,7 +75,9 @@ def rewrite(gm: fx.GraphModule, dtype: torch.dtype, *, lists: paint.Lists | None
     if kernels not in ("auto", "torch"):
         raise ValueError(f"kernels must be 'auto' or 'torch', received {kernels!r}.")
     lists = lists or paint.build_lists(fp32_inside=fp32_inside, ops=ops)
-    c = paint.colour(gm.graph, lists, fp32_modules=fp32_modules)
+    low_inputs = [n for n in gm.graph.nodes if _stored_dtype(gm, n) in (torch.float16,
+                                                                          torch.bfloat16)]
+    c = paint.colour(gm.graph, lists, fp32_modules=fp32_modules, low_inputs=low_inputs)
     rw = casts.apply(gm, c, dtype, output_dtype=output_dtype)
     if kernels == "auto":
         for n in gm.graph.nodes:
