@@ -26,7 +26,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", nargs="+", default=list(benchmarking.WORKLOADS),
                    choices=list(benchmarking.WORKLOADS))
-    p.add_argument("--modes", nargs="+", default=list(benchmarking.MODES),
+    p.add_argument("--modes", nargs="+", default=[m for m in benchmarking.MODES
+                                                  if not m.endswith("-O3")],
                    choices=list(benchmarking.MODES))
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"one or more of {', '.join(_WORKLOADS)} (default: all)")
     b.add_argument("--modes", nargs="+", default=["fp32", "torch-autocast", "O1", "O2", "O3"],
                    choices=["fp32", "torch-autocast", "mixprec-autocast", "O1", "O2", "O3",
-                            "graph", "graph+compile"])
+                            "graph", "graph+compile", "graph-O3", "graph+compile-O3"])
     b.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     b.add_argument("--batch-size", type=int, default=None)
     b.add_argument("--steps", type=int, default=None, help="training steps per mode")

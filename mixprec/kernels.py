@@ -22,15 +22,24 @@ __all__ = ["can_decompose_attention", "decomposed_attention"]
 _bias_cache: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _causal_bias(L: int, S: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _traced(t: torch.Tensor) -> bool:
+    """True while a compiler traces ``t`` (fake tensors): cached real tensors must not leak in."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def _causal_bias(L: int, S: int, dtype: torch.dtype, device: torch.device,
+                 cache: bool = True) -> torch.Tensor:
     key = (L, S, dtype, device)
-    bias = _bias_cache.get(key)
+    bias = _bias_cache.get(key) if cache else None
     if bias is None:
         if len(_bias_cache) > 32:
             _bias_cache.clear()
         keep = torch.ones(L, S, dtype=torch.bool, device=device).tril()
         bias = torch.zeros(L, S, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
-        _bias_cache[key] = bias
+        if cache:
+            _bias_cache[key] = bias
     return bias
 
 
@@ -58,7 +67,8 @@ def decomposed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     alpha = scale if scale is not None else 1.0 / math.sqrt(E)
     q3, k3, v3 = q.reshape(-1, L, E), k.reshape(-1, S, E), v.reshape(-1, S, Ev)
     if is_causal:
-        bias = _causal_bias(L, S, q.dtype, q.device).expand(q3.shape[0], L, S)
+        bias = _causal_bias(L, S, q.dtype, q.device, cache=not _traced(q))
+        bias = bias.expand(q3.shape[0], L, S)
         scores = torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=alpha)
     else:
         scores = torch.bmm(q3, k3.transpose(1, 2)).mul_(alpha)

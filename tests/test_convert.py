@@ -315,3 +315,25 @@ def test_compile_backend_keeps_fp32_ops_fp32_on_16bit_weights():
     dtypes = be.results[0].rewrite.dtypes
     assert dtypes["log_softmax"] == torch.float32 and dtypes["linear_1"] == torch.bfloat16
     assert out.dtype == torch.float32
+
+
+def test_compiled_training_with_mixprec_attention_under_aot_autograd():
+    """The pass's graph, with mixprec's attention kernel, traced forward and backward by
+    AOTAutograd (what inductor compiles), at O2: trains, and no cached tensor leaks in."""
+    torch.manual_seed(0)
+    model = GPT(SMALL_GPT)
+    ids, y = gpt_batch()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    compiled = mixprec.graph.compile(model, "mixed_bfloat16", compiler="aot_eager",
+                                     fp32_inside=True, kernels="auto")
+    compiled, opt = mixprec.initialize(compiled, opt, "O2", torch.bfloat16)
+    losses = []
+    for _ in range(6):
+        loss = lm_loss(compiled(ids), y)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    with pytest.raises(ValueError, match="'inductor', 'aot_eager' or 'eager'"):
+        mixprec.graph.backend(compiler="tvm")

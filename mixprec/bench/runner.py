@@ -27,9 +27,10 @@ from mixprec.memory import PeakMemory
 __all__ = ["MODES", "ModeResult", "Trainer", "max_batch", "run_workload", "time_to_target"]
 
 MODES = ("fp32", "torch-autocast", "mixprec-autocast", "O1", "O2", "O3", "graph",
-         "graph+compile")
-# modes whose optimizer is mixprec's wrapper; the graph modes store weights as O2 does
-_WRAPPED = ("O1", "O2", "O3", "graph", "graph+compile")
+         "graph+compile", "graph-O3", "graph+compile-O3")
+# the graph pass (mixprec.convert / mixprec.graph.compile) with O2's storage, or with O3's
+_GRAPH = {"graph": "O2", "graph+compile": "O2", "graph-O3": "O3", "graph+compile-O3": "O3"}
+_WRAPPED = ("O1", "O2", "O3", *_GRAPH)  # modes whose optimizer is mixprec's wrapper
 
 
 @dataclass
@@ -76,19 +77,19 @@ class Trainer:
         self.scaler = None
         if mode in ("O1", "O2", "O3"):
             model, opt = mixprec.initialize(model, opt, level=mode, dtype=dtype)
-        elif mode in ("graph", "graph+compile"):
+        elif mode in _GRAPH:
             from mixprec import graph
 
             policy = mixprec.Policy(compute_dtype=dtype, param_dtype=torch.float32,
                                     output_dtype=torch.float32)
-            # O2's settings: 16-bit weights with fp32 masters, norms and softmax on 16-bit
-            # inputs (fp32 inside), mixprec's kernels
-            if mode == "graph":
+            # the eager level's settings: 16-bit weights (with fp32 masters at O2), norms and
+            # softmax on 16-bit inputs (fp32 inside), mixprec's kernels
+            if mode.startswith("graph+compile"):
+                model = graph.compile(model, policy, fp32_inside=True, kernels="auto")
+            else:
                 x, _ = wl.example_batch(data, batch_size)
                 model = graph.convert(model, (x,), policy, fp32_inside=True)
-            else:
-                model = graph.compile(model, policy, fp32_inside=True, kernels="auto")
-            model, opt = mixprec.initialize(model, opt, level="O2", dtype=dtype)
+            model, opt = mixprec.initialize(model, opt, level=_GRAPH[mode], dtype=dtype)
         elif mode == "torch-autocast" and dtype == torch.float16:
             self.scaler = torch.amp.GradScaler("cpu" if _device(model) == "cpu" else "cuda")
         self.model: nn.Module = model

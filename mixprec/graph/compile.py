@@ -33,16 +33,18 @@ def backend(policy: PolicyLike | None = None, *, compiler: str = "inductor",
     Args:
         policy: as in :func:`mixprec.convert` (default: global policy if mixed, else the fast
             16-bit dtype here).
-        compiler: ``"inductor"`` (fuses the casts), or ``"eager"`` to run the rewritten graph
-            as is (useful to debug the pass under dynamo).
+        compiler: ``"inductor"`` (fuses the casts); ``"aot_eager"`` (AOTAutograd traces
+            forward and backward, no code generation) or ``"eager"`` (the rewritten graph as
+            is) to debug the pass under dynamo.
         **options: ``fp32_inside``, ``ops``, ``fp32_modules``, ``kernels`` as in ``convert``
             (``kernels`` defaults to ``"torch"``: inductor has its own attention lowering).
     """
     from mixprec.graph.convert import _default_policy
     from mixprec.graph.rewrite import rewrite
 
-    if compiler not in ("inductor", "eager"):
-        raise ValueError(f"compiler must be 'inductor' or 'eager', received {compiler!r}.")
+    if compiler not in ("inductor", "aot_eager", "eager"):
+        raise ValueError(f"compiler must be 'inductor', 'aot_eager' or 'eager', received "
+                         f"{compiler!r}.")
     pol = _default_policy(policy)
     options = {"kernels": "torch", **options}
     results: list[Any] = []
@@ -51,6 +53,8 @@ def backend(policy: PolicyLike | None = None, *, compiler: str = "inductor",
         results.append(rewrite(gm, pol.compute_dtype, output_dtype=pol.output_dtype, **options))
         if compiler == "eager":
             return gm.forward
+        if compiler == "aot_eager":
+            return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx(gm, example_inputs)
