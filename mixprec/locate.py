@@ -195,12 +195,17 @@ class _Mode(TorchDispatchMode):
 
 
 _LITERALS = ("lift_fresh", "lift_fresh_copy", "scalar_tensor")
+# ops whose output is uninitialized memory by contract: garbage NaNs there are not a bug (e.g.
+# the optimizer's persistent gradient buffers, filled by the copy that follows)
+_UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty",
+                            "new_empty_strided", "empty_permuted"})
 _INFO: dict[Any, tuple[bool, tuple[tuple[int, str], ...]]] = {}
 
 
 def _op_info(func: Any) -> tuple[bool, tuple[tuple[int, str], ...]]:
     """(skip: a view, which cannot create a value; the (position, name) of args it writes)."""
-    skip = func.is_view and func.overloadpacket.__name__ not in _LITERALS
+    name = func.overloadpacket.__name__
+    skip = func.is_view and name not in _LITERALS or name in _UNINITIALIZED
     written = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
                     if a.alias_info is not None and a.alias_info.is_write)
     return skip, written

@@ -183,3 +183,15 @@ def test_bad_arguments_are_rejected():
         mixprec.locate_nonfinite(make_model(), raise_on="always")
     with pytest.raises(TypeError, match="nn.Module"):
         mixprec.locate_nonfinite("model")
+
+
+def test_uninitialized_buffers_are_not_reported():
+    """``torch.empty`` may hold garbage NaNs (the optimizer's grad buffers do): its output is
+    not judged, while an op that writes NaN into such a buffer still is."""
+    from mixprec.locate import _op_info
+
+    for op in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
+               torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default):
+        assert _op_info(op)[0], op
+    assert not _op_info(torch.ops.aten.fill_.Scalar)[0]
+    assert not _op_info(torch.ops.aten.zeros.default)[0]
