@@ -49,14 +49,14 @@ __all__ = ["autocast", "is_active", "cache_size", "install_boundary", "remove_bo
 
 _LOW = (torch.float16, torch.bfloat16)
 _KERNELS = ("auto", "torch")
-_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-                "enable_gqa")
-
 
 # fp32-rule ops whose 16-bit kernels accumulate in float32 internally (CPU and CUDA): with
 # ``fp32_inside`` they keep 16-bit inputs and outputs -- the seed's "memory-bound ops stay
 # 16-bit in and out, compute in fp32 inside" -- instead of paying for two casts.
-FP32_INSIDE_OPS = frozenset({"layer_norm", "group_norm", "softmax", "log_softmax"})
+# The ATen spellings are listed too: the graph pass (mixprec.graph.paint) reads this set.
+FP32_INSIDE_OPS = frozenset({"layer_norm", "group_norm", "softmax", "log_softmax",
+                             "native_layer_norm", "native_group_norm", "_softmax",
+                             "_log_softmax"})
 
 
 @dataclass(frozen=True)
@@ -200,14 +200,9 @@ class _Mode(TorchFunctionMode):
             args = cast_tree(args, frame.dtype)
             kwargs = cast_tree(kwargs, frame.dtype) if kwargs else kwargs
             if name == "scaled_dot_product_attention" and frame.kernels == "auto":
-                # bind positional *and* keyword arguments by name (is_causal may be positional)
-                bound = dict(zip(_SDPA_PARAMS, args), **kwargs)
-                if bound.keys() <= set(_SDPA_PARAMS) and bound.keys() >= set(_SDPA_PARAMS[:3]):
-                    q, k, v = (bound[n] for n in _SDPA_PARAMS[:3])
-                    opts = {n: bound[n] for n in _SDPA_PARAMS[3:] if n in bound}
-                    if kernels.can_decompose_attention(q, k, v, **opts):
-                        kw = {n: opts[n] for n in ("is_causal", "scale") if n in opts}
-                        return kernels.decomposed_attention(q, k, v, **kw)
+                out = kernels.try_decomposed_attention(args, kwargs)
+                if out is not None:
+                    return out
             return func(*args, **kwargs)
         if rule == FP32:
             if kwargs.get("dtype") is not None:

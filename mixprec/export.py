@@ -257,12 +257,7 @@ def mix_onnx(model: Any, dtype: torch.dtype, compute: str = "16bit") -> Any:
             tail.append(helper.make_node("Cast", [inner], [o.name], to=F,
                                          name=f"mixprec_cast_out_{len(tail)}"))
     del outputs
-    del g.node[:]
-    g.node.extend(new_nodes + tail)
-    del g.initializer[:]
-    g.initializer.extend(new_inits)
-    del g.value_info[:]
-    return onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    return _replace_graph(model, new_nodes + tail, new_inits)
 
 
 def _storage_only(model: Any, nodes: list[Any], inits: dict[str, Any],
@@ -270,7 +265,6 @@ def _storage_only(model: Any, nodes: list[Any], inits: dict[str, Any],
     onnx = _onnx()
     from onnx import helper, numpy_helper
 
-    g = model.graph
     head, new_inits = [], []
     for name, t in inits.items():
         if requests.get(name) == {low}:
@@ -280,12 +274,18 @@ def _storage_only(model: Any, nodes: list[Any], inits: dict[str, Any],
                                          to=onnx.TensorProto.FLOAT, name=f"mixprec_widen_{name}"))
         else:
             new_inits.append(t)
+    return _replace_graph(model, head + nodes, new_inits)
+
+
+def _replace_graph(model: Any, nodes: list[Any], inits: list[Any]) -> Any:
+    """Give ``model``'s graph these nodes and initializers; re-infer (strictly) its shapes."""
+    g = model.graph
     del g.node[:]
-    g.node.extend(head + nodes)
+    g.node.extend(nodes)
     del g.initializer[:]
-    g.initializer.extend(new_inits)
+    g.initializer.extend(inits)
     del g.value_info[:]
-    return onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    return _onnx().shape_inference.infer_shapes(model, strict_mode=True)
 
 
 def _narrow(arr: Any, elem: int) -> Any:

@@ -17,7 +17,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["can_decompose_attention", "decomposed_attention"]
+__all__ = ["can_decompose_attention", "decomposed_attention", "try_decomposed_attention"]
+
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                "enable_gqa")
 
 _bias_cache: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -53,6 +56,24 @@ def can_decompose_attention(q: Any, k: Any, v: Any, attn_mask: Any = None,
             and attn_mask is None and dropout_p == 0.0 and not enable_gqa
             and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
             and q.dim() >= 3 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2])
+
+
+def try_decomposed_attention(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """``F.scaled_dot_product_attention(*args, **kwargs)`` through :func:`decomposed_attention`
+    when :func:`can_decompose_attention` says so, else None (run torch's kernel).
+
+    Binds positional *and* keyword arguments by name (``is_causal`` may be positional); the
+    eager engine and the graph pass both call this.
+    """
+    bound = dict(zip(_SDPA_PARAMS, args), **kwargs)
+    if not (bound.keys() <= set(_SDPA_PARAMS) and bound.keys() >= set(_SDPA_PARAMS[:3])):
+        return None
+    q, k, v = (bound[n] for n in _SDPA_PARAMS[:3])
+    opts = {n: bound[n] for n in _SDPA_PARAMS[3:] if n in bound}
+    if not can_decompose_attention(q, k, v, **opts):
+        return None
+    return decomposed_attention(q, k, v, **{n: opts[n] for n in ("is_causal", "scale")
+                                            if n in opts})
 
 
 def decomposed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -84,8 +84,6 @@ class AmpOptimizer(MixedPrecisionOptimizer):
     """What ``amp.initialize`` returns: a :class:`mixprec.MixedPrecisionOptimizer` (itself a
     ``torch.optim.Optimizer``, so LR schedulers accept it) with Apex's step-time behaviour.
 
-    * After a step, the fp32 master gradients behind 16-bit parameters are dropped, as Apex
-      does, so code that zeroes only ``model.zero_grad()`` does not accumulate stale masters.
     * A skipped step prints Apex's "Gradient overflow. Skipping step" line at ``verbosity >= 1``.
     * ``load_state_dict`` also takes a plain torch optimizer state dict (an Apex checkpoint).
     """
@@ -99,14 +97,10 @@ class AmpOptimizer(MixedPrecisionOptimizer):
             with torch.enable_grad():
                 loss = closure()
         super().step()
-        if self.step_skipped:
-            if self._amp_verbosity >= 1:
-                print(f"Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to "
-                      f"{self.loss_scale}")
-        else:
-            for p, master in zip(self.model_params(), self.master_params()):
-                if p is not master:
-                    master.grad = None
+        # (the base class drops the masters' grads after a step, as Apex does)
+        if self.step_skipped and self._amp_verbosity >= 1:
+            print(f"Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to "
+                  f"{self.loss_scale}")
         return loss
 
     @torch.no_grad()

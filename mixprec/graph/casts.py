@@ -29,7 +29,8 @@ import torch
 from torch import fx
 
 from mixprec.cast_table import PROMOTE, current_table
-from mixprec.graph.paint import CAST_OPS, DROP_OPS, SOURCE_OPS, Colouring, meta_val, node_op
+from mixprec.graph.paint import (CAST_OPS, COLOURABLE, DROP_OPS, SOURCE_OPS, Colouring,
+                                  meta_val, node_op)
 
 __all__ = ["CastRecord", "Rewrite", "apply", "cast_to"]
 
@@ -42,7 +43,7 @@ _DATA_PORT_ONLY = frozenset({"batch_norm", "instance_norm", "native_batch_norm",
                              "_native_batch_norm_legit_no_training"})
 _DATA_PORT_WHEN_LOW = frozenset({"layer_norm", "native_layer_norm", "group_norm",
                                  "native_group_norm"})
-_COLOURABLE = (torch.float32, torch.bfloat16, torch.float16)
+
 
 
 def cast_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -152,7 +153,7 @@ def apply(gm: fx.GraphModule, c: Colouring, low: torch.dtype, *,
             dt[n] = low if c.is_low(n) else torch.float32
         elif node_op(n) == "getitem" and isinstance(n.args[0], fx.Node):
             src = n.args[0]
-            if c.processable(src) and _float_dtype(v) in _COLOURABLE:
+            if c.processable(src) and _float_dtype(v) in COLOURABLE:
                 dt[n] = low if c.is_low(src) else torch.float32
             else:
                 dt[n] = _float_dtype(v)
@@ -240,7 +241,7 @@ def _output_want(p: fx.Node, dt: dict, output_dtype: torch.dtype | None) -> torc
     orig = _float_dtype(meta_val(p))
     if orig is None or dt.get(p) is None:
         return None
-    if orig in _COLOURABLE and output_dtype is not None:
+    if orig in COLOURABLE and output_dtype is not None:
         return output_dtype
     return orig
 

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from mixprec.graph.convert import GRAPH_ATTR
 from mixprec.policy import PolicyLike
-
-GRAPH_ATTR = "_mixprec_graph"  # also set by mixprec.convert
 
 __all__ = ["backend", "compile"]
 

@@ -34,14 +34,13 @@ from torch.fx.passes.shape_prop import TensorMetadata
 
 from mixprec.cast_table import FP32, GRAPH_CLEAR, GRAPH_INFER, LOWER, PROMOTE, current_table
 from mixprec.cast_table import op_name
+from mixprec.engine import FP32_INSIDE_OPS
 
 __all__ = ["ALLOW", "DENY", "INFER", "CLEAR", "LISTS", "Lists", "Colouring", "build_lists",
            "colour", "is_multi", "meta_val", "node_op"]
 
 ALLOW, DENY, INFER, CLEAR = "allow", "deny", "infer", "clear"
 LISTS = (ALLOW, DENY, INFER, CLEAR)
-_FP32_INSIDE = frozenset({"layer_norm", "native_layer_norm", "group_norm", "softmax",
-                          "log_softmax", "_softmax", "_log_softmax"})
 # ops whose result has an input's storage dtype by construction (gather from a table): the cast
 # goes on the (small) output instead of the (large) weight
 SOURCE_OPS = frozenset({"embedding", "embedding_bag", "_embedding_bag"})
@@ -77,7 +76,7 @@ def build_lists(table: Mapping[str, str] | None = None, *, fp32_inside: bool = F
     sets: dict[str, set[str]] = {k: set() for k in LISTS}
     for name, rule in table.items():
         kind = {LOWER: ALLOW, FP32: DENY, PROMOTE: INFER}[rule]
-        if fp32_inside and name in _FP32_INSIDE and kind == DENY:
+        if fp32_inside and name in FP32_INSIDE_OPS and kind == DENY:
             kind = INFER
         sets[kind].add(name)
     placed = set().union(*sets.values())
@@ -172,7 +171,7 @@ def _forced_fp32(node: fx.Node, prefixes: tuple[str, ...]) -> bool:
     return any(path == p or path.startswith(p + ".") for p in prefixes)
 
 
-_COLOURABLE = (torch.float32, torch.bfloat16, torch.float16)
+COLOURABLE = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _float_out(node: fx.Node) -> bool:
@@ -183,8 +182,8 @@ def _float_out(node: fx.Node) -> bool:
     """
     v = meta_val(node)
     if is_multi(v):
-        return any(_dtype_of(x) in _COLOURABLE for x in v)
-    return _dtype_of(v) in _COLOURABLE
+        return any(_dtype_of(x) in COLOURABLE for x in v)
+    return _dtype_of(v) in COLOURABLE
 
 
 def _classify(node: fx.Node, lists: Lists, fp32_modules: tuple[str, ...],

@@ -56,7 +56,7 @@ class PrecisionReport:
         c, rw, low = result.colouring, result.rewrite, result.dtype
         rows = []
         for n in gm.graph.nodes:
-            if n.op not in ("call_function", "call_method") or n.meta.get("mixprec_cast"):
+            if n.op not in ("call_function", "call_method"):
                 continue
             op = paint.node_op(n) or str(n.target)
             if n.target is auto_attention:

@@ -18,8 +18,6 @@ from mixprec.graph import casts, paint
 
 __all__ = ["PassResult", "rewrite", "auto_attention"]
 
-_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-                "enable_gqa")
 
 
 @dataclass
@@ -37,12 +35,9 @@ def auto_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
 
     Same rule as the eager engine with ``kernels="auto"`` (see :mod:`mixprec.kernels`).
     """
-    bound = dict(zip(_SDPA_PARAMS, args), **kwargs)
-    q, k, v = (bound[n] for n in _SDPA_PARAMS[:3])
-    opts = {n: bound[n] for n in _SDPA_PARAMS[3:] if n in bound}
-    if kernels.can_decompose_attention(q, k, v, **opts):
-        kw = {n: opts[n] for n in ("is_causal", "scale") if n in opts}
-        return kernels.decomposed_attention(q, k, v, **kw)
+    out = kernels.try_decomposed_attention(args, kwargs)
+    if out is not None:
+        return out
     return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
 
 

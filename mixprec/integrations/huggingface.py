@@ -26,13 +26,6 @@ from mixprec.optimizer import MixedPrecisionOptimizer
 __all__ = ["MixprecTrainer"]
 
 
-def _drop_master_grads(optimizer: MixedPrecisionOptimizer, *_: Any) -> None:
-    """Trainer zeroes ``model.zero_grad()`` only; the fp32 masters' grads must go too."""
-    for p, master in zip(optimizer.model_params(), optimizer.master_params()):
-        if p is not master:
-            master.grad = None
-
-
 class MixprecTrainer(Trainer):
     """``transformers.Trainer`` with mixprec: ``MixprecTrainer(..., mixprec_level="O2")``.
 
@@ -72,7 +65,6 @@ class MixprecTrainer(Trainer):
             target = self.model if model is None else model
             _, wrapped = mixprec.initialize(target, optimizer, level=self.mixprec_level,
                                             dtype=self.mixprec_dtype, **self.mixprec_options)
-            wrapped.register_step_post_hook(_drop_master_grads)
             self.optimizer = self.mixprec_optimizer = wrapped
         return self.optimizer
 
