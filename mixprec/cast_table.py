@@ -13,7 +13,8 @@ Rules (the Apex / torch.autocast / grappler vocabulary, see ``shared/reference/a
   device, and for float16 on CPU too.
 * ``"promote"`` -- ops with several floating inputs run in the widest of them (float32 beats
   16-bit; a float16/bfloat16 mix goes to float32 instead of raising).
-* anything unlisted runs in the dtype of its inputs.
+* anything unlisted runs as ``torch.autocast`` runs it on the device (mostly in the dtype of its
+  inputs; see :mod:`mixprec.torch_lists`).
 
 Ops are keyed by their base name ("mm", "softmax", "layer_norm"), so ``torch.softmax``,
 ``Tensor.softmax``, ``F.softmax`` and ``torch.ops.aten.softmax.int`` share one entry; ``add_``
@@ -81,7 +82,7 @@ _CATEGORIES: dict[str, dict[str, tuple[str, ...]]] = {
 
 # The graph pass (:mod:`mixprec.graph`) colours nodes with grappler's four lists: "lower" ops
 # are its allow list, "fp32" ops its deny list, and the two sets below split the rest. Eager
-# mode needs neither: there an unlisted op simply runs in its input dtype.
+# mode needs neither: there an unlisted op runs as torch.autocast runs it.
 #
 # Clear: no numeric effect (views, data movement, selection, max-type ops, relu, dropout); a clear
 # op takes the colour of its neighbours, so casts land at the edges of clear runs.
@@ -164,6 +165,13 @@ _user: dict[str, str | None] = {}
 _scoped = _TableState()
 _version = [0]
 _merged: list[tuple[int, int, dict[str, str], frozenset[str]]] = []
+_listeners: list[Callable[[], None]] = []  # told of every change (the engine's kernel registry)
+
+
+def _changed() -> None:
+    _version[0] += 1
+    for listener in _listeners:
+        listener()
 
 
 def _check_rule(rule: Any) -> str | None:
@@ -183,7 +191,7 @@ def register_op(op: Any, rule: str | None) -> None:
     """
     name, _ = op_name(op)
     _user[name] = _check_rule(rule)
-    _version[0] += 1
+    _changed()
 
 
 @contextlib.contextmanager
@@ -191,14 +199,14 @@ def cast_rules(overrides: Mapping[Any, str | None]) -> Iterator[None]:
     """Override rules inside a block (this thread only), e.g. ``{torch.softmax: "lower"}``."""
     scope = {op_name(op)[0]: _check_rule(rule) for op, rule in overrides.items()}
     _scoped.scopes.append(scope)
-    _version[0] += 1
+    _changed()
     try:
         yield
     finally:
         # by identity: list.remove() would drop the first *equal* scope, maybe an outer one
         scopes = _scoped.scopes
         del scopes[next(i for i in range(len(scopes) - 1, -1, -1) if scopes[i] is scope)]
-        _version[0] += 1
+        _changed()
 
 
 def _effective() -> tuple[dict[str, str], frozenset[str]]:

@@ -1,26 +1,21 @@
 """The eager mixed-precision engine: ``with mixprec.autocast(torch.bfloat16): ...``.
 
-Mechanism -- a ``TorchFunctionMode`` on top of ``torch.autocast`` (chosen by measurement, see
-``benchmarks/NOTES.md``):
+Mechanism (chosen by measurement, see ``benchmarks/NOTES.md``): a region is a ``torch.autocast``
+region plus a mixprec frame on this thread's stack (:mod:`mixprec.dispatch`). torch's C++
+autocast kernels lower matmuls and convolutions and cache one 16-bit copy of each weight per
+region; mixprec's own kernels, registered on the autocast dispatch keys for only the ops whose
+cast-table rule differs from torch's on that device, apply the rest: float32 for softmax, norms,
+reductions, exp/log/pow and losses on every device, promotion instead of an error for a
+float16/bfloat16 mix, 16-bit-in/out norms and softmax with ``fp32_inside``. The host cost is
+torch.autocast's plus a few microseconds per op that mixprec actually handles; ops the table
+does not list follow torch.autocast's rule for the device (:mod:`mixprec.torch_lists`).
 
-* The mode sees every torch function, ``torch.nn.functional`` function and Tensor method called
-  from Python and applies the cast table (:mod:`mixprec.cast_table`) to it: ``lower`` ops get
-  16-bit inputs, ``fp32`` ops get float32 inputs and run with torch.autocast switched off,
-  ``promote`` ops get their inputs widened. The casts are ordinary differentiable ``.to()``
-  calls recorded by autograd, so backward needs no help and input gradients come back in the
-  inputs' own dtypes.
-* ``torch.autocast`` stays on underneath, with its own cache off. It only matters inside opaque
-  Python composites (e.g. ``F.multi_head_attention_forward``) whose inner calls a function mode
-  cannot see: their matmuls are still lowered there.
-* Cost: a dict lookup per Python-level op call -- a few microseconds per op, well under 1% of a
-  transformer step -- measured against torch.autocast in ``benchmarks/bench_step.py``.
+Because the state lives where torch.autocast keeps its own, ``torch.utils.checkpoint``
+recomputes a region's forward with the same dtypes, and autograd replays the recorded casts:
+call ``backward`` outside the region.
 
-The cast cache holds the 16-bit copy of each leaf tensor that requires grad (the weights) for
-the lifetime of the outermost region. An entry is keyed by the tensor's identity *and* version
-counter, so an in-place optimizer step inside the region invalidates it (torch.autocast would
-serve the stale copy); an entry built under ``no_grad`` is never handed to a grad-enabled
-forward. There is at most one entry per (weight, dtype): repeated ``no_grad`` forwards do not
-grow it.
+Module boundaries (per-module policies and the levels of :func:`mixprec.initialize`) wrap the
+module's forward: push a frame, cast inputs on entry and outputs on exit.
 
 fp64 and integer tensors pass through, in-place ops and ``out=`` calls are never downcast, and
 ops given an explicit ``dtype=`` keep it.
@@ -29,44 +24,32 @@ ops given an explicit ``dtype=`` keep it.
 from __future__ import annotations
 
 import copy
-import functools
-import threading
-import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
+import dataclasses
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree
 
-from mixprec import kernels
-from mixprec.cast_table import FP32, LOWER, PROMOTE, _effective, resolve_op
+from mixprec import dispatch
+from mixprec.dispatch import FP32_INSIDE_OPS, Frame
 from mixprec.policy import Policy, PolicyLike, as_policy, get_policy, global_policy
 
-__all__ = ["autocast", "is_active", "cache_size", "install_boundary", "remove_boundary",
-           "cast_tree"]
+__all__ = [
+    "FP32_INSIDE_OPS",
+    "autocast",
+    "cast_tree",
+    "install_boundary",
+    "is_active",
+    "remove_boundary",
+]
 
 _LOW = (torch.float16, torch.bfloat16)
 _KERNELS = ("auto", "torch")
 
-# fp32-rule ops whose 16-bit kernels accumulate in float32 internally (CPU and CUDA): with
-# ``fp32_inside`` they keep 16-bit inputs and outputs -- the seed's "memory-bound ops stay
-# 16-bit in and out, compute in fp32 inside" -- instead of paying for two casts.
-# The ATen spellings are listed too: the graph pass (mixprec.graph.paint) reads this set.
-FP32_INSIDE_OPS = frozenset({"layer_norm", "group_norm", "softmax", "log_softmax",
-                             "native_layer_norm", "native_group_norm", "_softmax",
-                             "_log_softmax"})
 
-
-@dataclass(frozen=True)
-class _Frame:
-    dtype: torch.dtype | None  # None: the engine passes everything through
-    kernels: str = "auto"
-    fp32_inside: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Boundary:
     """How a module boundary runs: its policy and the engine options for its subtree.
 
@@ -85,60 +68,33 @@ class Boundary:
     cast_outputs: bool = True
 
 
-class _State(threading.local):
-    def __init__(self) -> None:
-        self.frames: list[_Frame] = []
-        self.cache: dict[tuple[int, torch.dtype], tuple[Any, int, torch.Tensor, bool]] = {}
-        self.cache_enabled = True
-        self.torch_cache_enabled = True
-        self.mode: _Mode | None = None
-        # module boundaries entered by this thread: id(module) -> [(frame, saved, spec)]; kept
-        # per thread so that threads sharing a model do not pop each other's frames
-        self.boundaries: dict[int, list[tuple[_Frame, list, Boundary]]] = {}
-
-
-_state = _State()
-
-
-@functools.lru_cache(maxsize=1)
-def _devices() -> tuple[str, ...]:
-    """Device types whose torch.autocast state the engine manages (asked once: hot path)."""
-    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
-
-
-def _cast_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if t.dtype == dtype:
-        return t
-    if not (_state.cache_enabled and _state.frames and t.is_leaf and t.requires_grad
-            and dtype in _LOW):
-        return t.to(dtype)
-    grad = torch.is_grad_enabled()
-    key = (id(t), dtype)
-    entry = _state.cache.get(key)
-    if entry is not None:
-        ref, version, cast, with_grad = entry
-        if ref() is t and version == t._version and (with_grad or not grad):
-            return cast
-    cast = t.to(dtype)
-    _state.cache[key] = (weakref.ref(t), t._version, cast, grad)
-    return cast
+def _cast_leaf(obj: Any, dtype: torch.dtype, only_low: bool) -> Any:
+    if obj.is_floating_point() and obj.dtype != torch.float64 and obj.dtype != dtype and (
+            not only_low or obj.dtype in _LOW):
+        return obj.to(dtype)
+    return obj
 
 
 def cast_tree(obj: Any, dtype: torch.dtype, *, only_low: bool = False) -> Any:
-    """Cast every floating tensor (not fp64) in a nested list/tuple/dict structure to ``dtype``.
+    """Cast every floating tensor (not fp64) in a nested structure to ``dtype``.
 
-    With ``only_low`` only 16-bit tensors are cast (used to widen inputs to float32).
+    Structures: lists, tuples, namedtuples, dicts (subclasses such as ``OrderedDict`` and HF
+    ``ModelOutput`` keep their type), dataclass instances and any other node registered with
+    ``torch.utils._pytree``. With ``only_low`` only 16-bit tensors are cast (used to widen
+    inputs to float32).
     """
     if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() and obj.dtype != torch.float64 and obj.dtype != dtype and (
-                not only_low or obj.dtype in _LOW):
-            return _cast_tensor(obj, dtype)
-        return obj
+        return _cast_leaf(obj, dtype, only_low)
     if isinstance(obj, (list, tuple)):
         items = [cast_tree(x, dtype, only_low=only_low) for x in obj]
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
             return type(obj)(*items)
-        return type(obj)(items) if isinstance(obj, tuple) else items
+        if type(obj) in (list, tuple):
+            return type(obj)(items)
+        try:
+            return type(obj)(items)
+        except TypeError:
+            return items if isinstance(obj, list) else tuple(items)
     if isinstance(obj, dict):
         items = {k: cast_tree(v, dtype, only_low=only_low) for k, v in obj.items()}
         if type(obj) is dict:
@@ -147,126 +103,32 @@ def cast_tree(obj: Any, dtype: torch.dtype, *, only_low: bool = False) -> Any:
         for k, v in items.items():
             out[k] = v
         return out
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            if hasattr(obj, f.name):
+                object.__setattr__(out, f.name,
+                                   cast_tree(getattr(obj, f.name), dtype, only_low=only_low))
+        return out
+    if type(obj) in _pytree.SUPPORTED_NODES:
+        leaves, spec = _pytree.tree_flatten(obj)
+        leaves = [cast_tree(x, dtype, only_low=only_low) for x in leaves]
+        return _pytree.tree_unflatten(leaves, spec)
     return obj
 
 
 def _float_dtypes(obj: Any, found: set[torch.dtype]) -> set[torch.dtype]:
-    """Add the dtypes of the floating tensors in ``obj`` (nested lists, tuples, dicts)."""
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point():
-            found.add(obj.dtype)
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            _float_dtypes(x, found)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _float_dtypes(x, found)
+    """Add the dtypes of the floating tensors in ``obj`` (any nested structure) to ``found``."""
+    for leaf in _pytree.tree_leaves(obj):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            found.add(leaf.dtype)
     return found
 
 
-class _AutocastOff:
-    """Switch torch.autocast off for one call (fp32-rule ops) and restore it after."""
-
-    __slots__ = ("saved",)
-
-    def __enter__(self) -> None:
-        self.saved = [(d, torch.is_autocast_enabled(d)) for d in _devices()]
-        for d, _ in self.saved:
-            torch.set_autocast_enabled(d, False)
-
-    def __exit__(self, *exc: Any) -> None:
-        for d, on in self.saved:
-            torch.set_autocast_enabled(d, on)
-
-
-class _Mode(TorchFunctionMode):
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        frame = _state.frames[-1] if _state.frames else None
-        if frame is None or frame.dtype is None:
-            return func(*args, **kwargs)
-        name, inplace = resolve_op(func)
-        if inplace or kwargs.get("out") is not None:
-            return func(*args, **kwargs)
-        table, opted_out = _effective()
-        rule = table.get(name)
-        if rule is None:
-            if name in opted_out:  # register_op(op, None): input dtype, torch.autocast too
-                with _AutocastOff():
-                    return func(*args, **kwargs)
-            return func(*args, **kwargs)
-        if rule == LOWER:
-            args = cast_tree(args, frame.dtype)
-            kwargs = cast_tree(kwargs, frame.dtype) if kwargs else kwargs
-            if name == "scaled_dot_product_attention" and frame.kernels == "auto":
-                out = kernels.try_decomposed_attention(args, kwargs)
-                if out is not None:
-                    return out
-            return func(*args, **kwargs)
-        if rule == FP32:
-            if kwargs.get("dtype") is not None:
-                return func(*args, **kwargs)
-            if name in frame.fp32_inside and args and isinstance(args[0], torch.Tensor) \
-                    and args[0].dtype in _LOW:
-                args = (args[0], *cast_tree(args[1:], args[0].dtype))
-                with _AutocastOff():
-                    return func(*args, **kwargs)
-            args = cast_tree(args, torch.float32, only_low=True)
-            kwargs = cast_tree(kwargs, torch.float32, only_low=True) if kwargs else kwargs
-            with _AutocastOff():
-                return func(*args, **kwargs)
-        if rule == PROMOTE:
-            found: set[torch.dtype] = set()
-            _float_dtypes(args, found)
-            _float_dtypes(kwargs, found)
-            if len(found) > 1 and torch.float64 not in found:
-                args = cast_tree(args, torch.float32, only_low=True)
-                kwargs = cast_tree(kwargs, torch.float32, only_low=True) if kwargs else kwargs
-            with _AutocastOff():  # promoted here; torch.autocast's own promotion rejects
-                return func(*args, **kwargs)  # e.g. float16 inputs in a bfloat16 region
-        return func(*args, **kwargs)
-
-
-def _push(frame: _Frame) -> list[tuple[str, bool, torch.dtype]]:
-    """Push ``frame``; return the torch.autocast state to restore on pop."""
-    saved = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _devices()]
-    if not _state.frames:
-        _state.torch_cache_enabled = torch.is_autocast_cache_enabled()
-        torch.set_autocast_cache_enabled(False)
-        _state.mode = _Mode()
-        _state.mode.__enter__()
-    _state.frames.append(frame)
-    torch.autocast_increment_nesting()
-    for d, _, _ in saved:
-        if frame.dtype is None:
-            torch.set_autocast_enabled(d, False)
-        else:
-            torch.set_autocast_dtype(d, frame.dtype)
-            torch.set_autocast_enabled(d, True)
-    return saved
-
-
-def _pop(frame: _Frame, saved: list[tuple[str, bool, torch.dtype]]) -> None:
-    if not _state.frames or _state.frames[-1] is not frame:
-        raise RuntimeError("mixprec.autocast regions were exited out of order.")
-    _state.frames.pop()
-    torch.autocast_decrement_nesting()
-    for d, on, dt in saved:
-        torch.set_autocast_dtype(d, dt)
-        torch.set_autocast_enabled(d, on)
-    if not _state.frames:
-        mode, _state.mode = _state.mode, None
-        if mode is not None:
-            mode.__exit__(None, None, None)
-        _state.cache.clear()
-        torch.set_autocast_cache_enabled(_state.torch_cache_enabled)
-
-
-def _frame_for(policy: Policy | None, kernels: str, fp32_inside: bool = False) -> _Frame:
+def _frame_for(policy: Policy | None, kernels: str, fp32_inside: bool = False) -> Frame:
     if policy is None or not policy.is_lower:
-        return _Frame(None, kernels)
-    return _Frame(policy.compute_dtype, kernels, FP32_INSIDE_OPS if fp32_inside else frozenset())
+        return Frame(None, kernels)
+    return Frame(policy.compute_dtype, kernels, FP32_INSIDE_OPS if fp32_inside else frozenset())
 
 
 class autocast:
@@ -302,7 +164,7 @@ class autocast:
         self.enabled = enabled
         self.cache_enabled = cache_enabled
         self.kernels = kernels
-        self._stack: list[tuple[_Frame, list, bool]] = []
+        self._stack: list[tuple[Frame, Any]] = []
 
     def __enter__(self) -> autocast:
         if self.enabled:
@@ -311,32 +173,24 @@ class autocast:
 
                 warn_if_slow(self.policy.compute_dtype)
             frame = _frame_for(self.policy, self.kernels)
-            previous_cache = _state.cache_enabled
-            saved = _push(frame)
-            _state.cache_enabled = self.cache_enabled and previous_cache
-            self._stack.append((frame, saved, previous_cache))
+            saved = dispatch.push(frame, cache_enabled=self.cache_enabled)
+            self._stack.append((frame, saved))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.enabled:
-            frame, saved, previous_cache = self._stack.pop()
-            _state.cache_enabled = previous_cache
-            _pop(frame, saved)
+            frame, saved = self._stack.pop()
+            dispatch.pop(frame, saved)
 
 
 def is_active() -> bool:
     """True inside a region where the engine lowers ops (a 16-bit frame is on top)."""
-    return bool(_state.frames) and _state.frames[-1].dtype is not None
-
-
-def cache_size() -> int:
-    """Number of weight casts currently cached (for tests and diagnostics)."""
-    return len(_state.cache)
+    frame = dispatch.top()
+    return frame is not None and frame.dtype is not None
 
 
 # -- per-module policy boundaries ------------------------------------------------------------
 
-_HOOKS = "_mixprec_boundary_hooks"
 BOUNDARY_ATTR = "_mixprec_boundary"
 
 
@@ -347,47 +201,77 @@ def _boundary(module: nn.Module) -> Boundary | None:
     policy = get_policy(module)
     if policy is None:
         return None
-    outer = _state.frames[-1] if _state.frames else None
+    outer = dispatch.top()
     return Boundary(policy, kernels=outer.kernels if outer else "auto",
                     fp32_inside=bool(outer and outer.fp32_inside))
 
 
-def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    spec = _boundary(module)
-    if spec is None:
-        return args, kwargs
-    frame = _frame_for(spec.policy, spec.kernels, spec.fp32_inside)
-    saved = _push(frame)
-    _state.boundaries.setdefault(id(module), []).append((frame, saved, spec))
-    if not spec.cast_inputs:
-        return args, kwargs
-    dtype = spec.policy.compute_dtype
-    return cast_tree(args, dtype), cast_tree(kwargs, dtype)
+class _Forward:
+    """A module's forward with a boundary: its own forward inside the boundary's frame.
+
+    A forward wrapper rather than forward hooks: under ``torch.compile(model)`` the root module's
+    hooks are traced as frames of their own, whose autocast state changes do not survive
+    compilation; the wrapper keeps the frame and the forward in one traced function. It keeps
+    the wrapped forward's signature, pickles and deep-copies with its module.
+    """
+
+    def __init__(self, module: nn.Module, inner: Any) -> None:
+        self.module = module
+        self.inner = inner  # an instance-level forward the module had, else None
+
+    def _wrapped(self) -> Any:
+        return self.inner if self.inner is not None else \
+            type(self.module).forward.__get__(self.module)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self._wrapped())
+
+    @property
+    def __code__(self) -> Any:  # tools that read a forward's argument names (torch.export)
+        return self._wrapped().__code__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        spec = _boundary(module)
+        if self.inner is not None:
+            forward = self.inner
+        else:
+            forward, args = type(module).forward, (module, *args)
+        if spec is None:
+            return forward(*args, **kwargs)
+        if spec.cast_inputs:
+            dtype = spec.policy.compute_dtype
+            args, kwargs = cast_tree(args, dtype), cast_tree(kwargs, dtype)
+        frame = _frame_for(spec.policy, spec.kernels, spec.fp32_inside)
+        saved = dispatch.push(frame)
+        try:
+            output = forward(*args, **kwargs)
+        finally:
+            dispatch.pop(frame, saved)
+        if output is None or not spec.cast_outputs:
+            return output
+        return cast_tree(output, spec.policy.output_dtype)
 
 
-def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    stack = _state.boundaries.get(id(module))
-    if not stack:
-        return output
-    frame, saved, spec = stack.pop()
-    if not stack:
-        del _state.boundaries[id(module)]
-    _pop(frame, saved)
-    if output is None or not spec.cast_outputs:
-        return output
-    return cast_tree(output, spec.policy.output_dtype)
+def has_boundary(module: nn.Module) -> bool:
+    """True when :func:`install_boundary` was called on ``module``."""
+    return isinstance(module.__dict__.get("forward"), _Forward)
 
 
 def install_boundary(module: nn.Module) -> None:
-    """Install the hooks that make ``module`` compute under its own policy (idempotent)."""
-    if _HOOKS in module.__dict__:
+    """Make ``module`` compute under its own policy (idempotent)."""
+    if has_boundary(module):
         return
-    handles = (module.register_forward_pre_hook(_pre_hook, with_kwargs=True, prepend=True),
-               module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True))
-    module.__dict__[_HOOKS] = handles
+    dispatch.sync(first=True)  # now, not while a compiler traces the first forward
+    module.__dict__["forward"] = _Forward(module, module.__dict__.get("forward"))
 
 
 def remove_boundary(module: nn.Module) -> None:
-    """Remove the hooks installed by :func:`install_boundary`, if any."""
-    for handle in module.__dict__.pop(_HOOKS, ()):
-        handle.remove()
+    """Undo :func:`install_boundary`, if it was called."""
+    wrapper = module.__dict__.get("forward")
+    if isinstance(wrapper, _Forward):
+        if wrapper.inner is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = wrapper.inner

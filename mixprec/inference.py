@@ -78,21 +78,11 @@ def inference_info(model: nn.Module) -> InferenceInfo | None:
 
 
 def strip_engine(model: nn.Module) -> nn.Module:
-    """Remove mixprec's engine hooks and ``initialize`` marks from ``model`` (in place).
-
-    Works on deep copies too: hooks are found by their function in the module's hook dicts (the
-    copied ``RemovableHandle`` objects would point at the original model's dicts).
-    """
-    hooks = (engine._pre_hook, engine._post_hook)
+    """Remove mixprec's engine boundaries and ``initialize`` marks from ``model`` (in place)."""
     for m in model.modules():
-        for attr in (engine._HOOKS, engine.BOUNDARY_ATTR, _MARK, INFERENCE_ATTR):
+        engine.remove_boundary(m)
+        for attr in (engine.BOUNDARY_ATTR, _MARK, INFERENCE_ATTR):
             m.__dict__.pop(attr, None)
-        for dicts in ((m._forward_pre_hooks, m._forward_pre_hooks_with_kwargs),
-                      (m._forward_hooks, m._forward_hooks_with_kwargs,
-                       m._forward_hooks_always_called)):
-            for hid in [k for k, fn in dicts[0].items() if fn in hooks]:
-                for d in dicts:
-                    d.pop(hid, None)
     return model
 
 

@@ -118,6 +118,21 @@ class LossScaler:
         self.last_step_skipped: bool | None = None
 
     @property
+    def scale(self) -> float:
+        """The current loss scale (a Python float)."""
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self._scale = float(value)
+        # the same value as a tensor, multiplied into the loss: under torch.compile a changing
+        # scale is then a graph input, never a constant that forces a recompile; a new tensor
+        # (not an in-place update) so a graph that saved the old one stays valid
+        device = self.__dict__.get("_scale_t", torch.empty(())).device
+        value = self._scale if self._scale <= torch.finfo(torch.float32).max else math.inf
+        self._scale_t = torch.full((), value, dtype=torch.float32, device=device)
+
+    @property
     def loss_scale(self) -> float:
         """Alias of :attr:`scale`."""
         return self.scale
@@ -135,7 +150,12 @@ class LossScaler:
         """
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"scale_loss expects a torch.Tensor; received {type(loss).__name__}.")
-        return loss if self.scale == 1.0 else loss * self.scale
+        if not self.dynamic and self.scale == 1.0:  # fixed at 1: nothing to multiply
+            return loss
+        scale = self._scale_t
+        if scale.device != loss.device:
+            scale = self._scale_t = scale.to(loss.device)
+        return loss * (scale if loss.dtype == scale.dtype else scale.to(loss.dtype))
 
     def update(self, found_inf: bool) -> None:
         """Record one step's verdict (True: some gradient was inf/NaN); if dynamic, adjust scale.

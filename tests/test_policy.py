@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mixprec
+from mixprec import engine
 from mixprec import policy as policy_mod
 from mixprec.policy import (Policy, get_policy, global_policy, policy_scope, set_global_policy,
                             set_policy)
@@ -402,14 +403,14 @@ def test_set_get_policy_and_remove():
     assert set_policy(m, "bf16-mixed") is m
     assert get_policy(m) == Policy("bf16-mixed") and get_policy(m).name == "bf16-mixed"
     assert get_policy(m[0]) is None  # attached to the module, not copied to children
-    assert len(m._forward_pre_hooks) == 1 and len(m._forward_hooks) == 1
-    set_policy(m, Policy("16-mixed"))  # replacing does not stack hooks
+    assert engine.has_boundary(m) and not m._forward_pre_hooks and not m._forward_hooks
+    set_policy(m, Policy("16-mixed"))  # replacing does not stack boundaries
     assert get_policy(m) == Policy("16-mixed")
-    assert len(m._forward_pre_hooks) == 1 and len(m._forward_hooks) == 1
+    assert engine.has_boundary(m) and isinstance(m.__dict__["forward"].inner, type(None))
     assert "_mixprec_policy" not in m.state_dict()
     assert set_policy(m, None) is m
     assert get_policy(m) is None
-    assert len(m._forward_pre_hooks) == 0 and len(m._forward_hooks) == 0
+    assert not engine.has_boundary(m) and "forward" not in m.__dict__
     set_policy(m, None)  # removing twice is fine
     assert get_policy(m) is None
     x = torch.randn(2, 3)
@@ -423,7 +424,7 @@ def test_set_policy_type_errors():
     m = nn.Linear(2, 2)
     with pytest.raises(ValueError):
         set_policy(m, "bogus")
-    assert get_policy(m) is None and len(m._forward_pre_hooks) == 0
+    assert get_policy(m) is None and not engine.has_boundary(m)
 
 
 def test_module_with_policy_pickles():

@@ -13,6 +13,7 @@ Use ``torch.compile(model, backend=mixprec.graph.backend())`` or :func:`compile`
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -62,14 +63,39 @@ def backend(policy: PolicyLike | None = None, *, compiler: str = "inductor",
     return mixprec_backend
 
 
+class _Compiled(nn.Module):
+    """``model`` behind its own compiled entry function (state dict keys as torch.compile's)."""
+
+    def __init__(self, model: nn.Module, entry: Callable) -> None:
+        super().__init__()
+        self._orig_mod = model
+        self.__dict__["_entry"] = entry
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._entry(*args, **kwargs)
+
+
+_entries = itertools.count()
+
+
 def compile(model: nn.Module, policy: PolicyLike | None = None, *, compiler: str = "inductor",
             **options: Any) -> nn.Module:
     """``torch.compile(model, backend=backend(policy, ...))``, marked as graph-converted.
 
     The mark tells :func:`mixprec.initialize` that the casts live in the graph: it then stores
     weights and wraps the optimizer for the level, without installing the eager engine.
+
+    Each call compiles its own entry function: dynamo caches compiled code per code object,
+    and a plain ``torch.compile(model)`` shares ``Module.__call__``'s with every model of the
+    process -- after a few models its recompile limit sends the rest to eager mode, where
+    16-bit weights without the pass's casts fail.
     """
-    compiled = torch.compile(model, backend=backend(policy, compiler=compiler, **options))
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        return model(*args, **kwargs)
+
+    entry.__code__ = entry.__code__.replace(co_name=f"mixprec_graph_entry_{next(_entries)}")
+    compiled = _Compiled(model, torch.compile(entry, backend=backend(policy, compiler=compiler,
+                                                                     **options)))
     model.__dict__[GRAPH_ATTR] = True
     compiled.__dict__[GRAPH_ATTR] = True
     return compiled
