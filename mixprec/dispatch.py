@@ -113,19 +113,19 @@ def push(frame: Frame, cache_enabled: bool | None = None) -> _Saved:
     if not _DEVICES:
         _DEVICES.append(_devices())
     devices = _DEVICES[0]
-    if _synced[0] != cast_table._version[0] and not torch.compiler.is_compiling():
+    if _synced[0] != cast_table._version[0] and not torch.compiler.is_dynamo_compiling():
         sync(first=True)
     saved = _Saved([(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                     for d in devices], torch.is_autocast_cache_enabled())
-    if torch.compiler.is_exporting():
+    if torch.compiler.is_dynamo_compiling():  # a graph node: the compiler's tracing pushes it
+        _enter_traced(frame.dtype, frame.kernels, bool(frame.fp32_inside))
+    elif torch.compiler.is_exporting():
         # torch.export records ops above the autocast keys, where these kernels never run:
         # apply the rules at the Python level instead, so the program stores the casts
         _state.frames.append(frame)
         saved.mode = _ExportMode()
         saved.mode.__enter__()
         return saved
-    if torch.compiler.is_compiling():  # a graph node: the compiler's tracing pushes it
-        _enter_traced(frame.dtype, frame.kernels, bool(frame.fp32_inside))
     else:
         _state.frames.append(frame)
         if frame.dtype is not None:
@@ -152,7 +152,7 @@ def pop(frame: Frame, saved: _Saved) -> None:
         saved.mode.__exit__(None, None, None)
         _state.frames.pop()
         return
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         _exit_traced()
     elif not _state.frames or _state.frames[-1] is not frame:
         raise RuntimeError("mixprec.autocast regions were exited out of order.")
@@ -277,7 +277,7 @@ def apply_rule(rule: str | None, name: str, frame: Frame | None, low: torch.dtyp
 def _rule_kernel(name: str, device: str, op: Any) -> Callable:
     key = _KEYS[device]
     without = DispatchKeySet(key)
-    trule = torch_rule(device, name)
+    trule = _torch_rule(device, name)
 
     def apply(rule: str | None, frame: Frame | None, args: tuple, kwargs: dict) -> Any:
         with torch._C._ExcludeDispatchKeyGuard(without):
@@ -369,9 +369,24 @@ def _overloads(name: str, mutable: bool = False) -> list[tuple[str, Any]]:
     return out
 
 
+_torch_has: dict[str, frozenset[str]] = {}
+
+
+def _torch_rule(device: str, name: str) -> str | None:
+    """torch.autocast's rule for ``name`` on ``device`` in the running torch: the recorded rule
+    where this torch registers a kernel (asked once, before mixprec registers any), else None."""
+    if not _torch_has:
+        names = torch._C._dispatch_get_all_op_names()
+        for dev, key in _KEYS.items():
+            _torch_has[dev] = frozenset(
+                n[len("aten::"):].split(".")[0] for n in names if n.startswith("aten::")
+                and torch._C._dispatch_has_kernel_for_dispatch_key(n, key.name))
+    return torch_rule(device, name) if name in _torch_has[device] else None
+
+
 def needs_kernel(device: str, name: str, rule: str | None, opted_out: bool) -> bool:
     """True when mixprec's rule for ``name`` on ``device`` differs from what torch does."""
-    trule = torch_rule(device, name)
+    trule = _torch_rule(device, name)
     if opted_out:  # also where torch has no rule: the op's inner aten ops may have one
         return True
     if rule is None:

@@ -304,9 +304,13 @@ def unscale_and_check_(tensors: Sequence[torch.Tensor], inv_scale: float | torch
                 continue
             except (NotImplementedError, RuntimeError):
                 _NO_FUSED_KERNEL.add(key)
-        # Fallback, still on device: check first (the kernel checks the unscaled input).
-        all_finite = torch.stack([torch.isfinite(t).all() for t in group]).all()
-        found_inf.masked_fill_(~all_finite, 1.0)
+        # Fallback, still on device: check first (the kernel checks the unscaled input). The
+        # max-abs of each tensor is inf or NaN exactly when it holds one: one multi-tensor
+        # kernel, not two launches per tensor (what made bf16 steps host-bound on a GPU).
+        nonempty = [t for t in group if t.numel()]
+        if nonempty:
+            peaks = torch.stack(torch._foreach_norm(nonempty, math.inf))
+            found_inf.masked_fill_(~torch.isfinite(peaks).all(), 1.0)
         if isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0:
             torch._foreach_mul_(group, inv.reshape(()))
 

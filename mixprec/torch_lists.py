@@ -5,9 +5,10 @@ device unless the cast table gives it a different rule. This table says what tor
 that the engine knows where the two differ (only there does it install a kernel of its own) and
 what to do when one of its kernels is reached outside a mixprec region (it behaves as torch).
 
-The lists are torch's, read from its dispatcher: an op is here exactly when torch registers an
-autocast kernel for it on that device; a test checks that against the running torch, so a
-torch upgrade that changes the lists fails loudly instead of drifting.
+The lists are torch 2.13's, read from its dispatcher: an op is here exactly when torch registers
+an autocast kernel for it on that device (a test checks this against torch 2.13). On another
+torch version the engine asks the dispatcher which ops have a kernel and uses a recorded rule
+only for those.
 
 Rules: ``"lower"`` (cast to the autocast dtype), ``"fp32"`` (cast to float32; torch's
 "fp32_set_opt_dtype" ops such as ``sum`` and ``softmax`` are included: they too compute and

@@ -53,7 +53,7 @@ def test_fp32_inside_keeps_norms_16bit_at_o2():
     opt = torch.optim.AdamW(model.parameters())
     model, opt = mixprec.initialize(model, opt, level="O2", dtype=BF16)
     seen = {}
-    model[1].register_forward_hook(lambda m, a, out: seen.setdefault("ln", out.dtype))
+    model[1].register_forward_hook(lambda m, a, out: seen.update(ln=out.dtype))
     out = model(torch.randn(3, 8, device="cuda"))
     assert seen["ln"] == BF16 and out.dtype == F32 and model[1].weight.dtype == F32
 

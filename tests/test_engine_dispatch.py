@@ -30,6 +30,8 @@ print(json.dumps({key: sorted({n[6:].split(".")[0] for n in names if n.startswit
 """
 
 
+@pytest.mark.skipif(not torch.__version__.startswith("2.13"),
+                    reason="the lists are recorded from torch 2.13")
 def test_torch_lists_match_the_running_torch():
     """The data table names exactly the ops torch registers autocast kernels for (asked in a
     fresh process: here mixprec's own kernels are registered on the same keys)."""
