@@ -8,13 +8,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from test_engine_dispatch import _Block, _Net
 from torch import nn
 
 import mixprec
-from test_engine_dispatch import _Block, _Net
-
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 

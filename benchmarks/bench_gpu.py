@@ -1,0 +1,242 @@
+"""Training steps on a CUDA GPU: GPT-2-small-shaped and ResNet-50-shaped, every mode in one run.
+
+    python benchmarks/bench_gpu.py --device cuda --json results_gpu.json
+    python benchmarks/bench_gpu.py --device cpu --smoke     # the code path, tiny shapes (tests)
+
+Synthetic data (random tokens / images: nothing is downloaded). Modes: fp32 with TF32 off and
+on, torch.autocast fp16 + GradScaler, torch.autocast bf16, mixprec.autocast bf16, mixprec O1/O2/O3
+in fp16 and bf16, and the graph pass under torch.compile (bf16, O2 storage). Every round times
+every mode once, in turn; ratios are medians of per-round ratios against torch.autocast of the
+same 16-bit dtype (fp32 rows against bf16), measured in the same run. Peak memory is measured
+afterwards, one mode at a time. The header names GPU, driver, CUDA and torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mixprec.bench.runner import Trainer
+from mixprec.benchmarking import step_workload
+from mixprec.models import GPT, GPTConfig
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+@dataclass(frozen=True)
+class Mode:
+    label: str
+    trainer_mode: str
+    dtype: torch.dtype
+    tf32: bool = False
+
+    @property
+    def reference(self) -> str:
+        return "torch.autocast fp16" if self.dtype == FP16 and self.trainer_mode != "fp32" \
+            else "torch.autocast bf16"
+
+
+MODES = [
+    Mode("fp32", "fp32", BF16), Mode("fp32 + TF32", "fp32", BF16, tf32=True),
+    Mode("torch.autocast fp16", "torch-autocast", FP16),
+    Mode("torch.autocast bf16", "torch-autocast", BF16),
+    Mode("mixprec.autocast bf16", "mixprec-autocast", BF16),
+    *(Mode(f"mixprec {lv} {n}", lv, d) for n, d in (("fp16", FP16), ("bf16", BF16))
+      for lv in ("O1", "O2", "O3")),
+    Mode("graph+compile bf16", "graph+compile", BF16),
+]
+
+
+@dataclass
+class Row:
+    workload: str
+    mode: str
+    items_per_step: int
+    unit: str
+    times: list[float] = field(default_factory=list)
+    vs_torch: float | None = None
+    peak_mb: float | None = None
+    final_loss: float | None = None
+    skipped: int = 0
+    error: str | None = None
+    reference_label: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times) if self.times else float("nan")
+
+
+def _ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+
+
+def workloads(device: str, smoke: bool) -> dict[str, tuple[Any, int, str]]:
+    """name -> (workload, items per step, unit)."""
+    gcfg = (GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=2, n_embd=32) if smoke
+            else GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768))
+    gbatch = 2 if smoke else 8
+
+    def tokens(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randint(0, gcfg.vocab_size, (gbatch, gcfg.block_size + 1), generator=g)
+        x = x.to(device)
+        return x[:, :-1], x[:, 1:]
+
+    out = {"gpt2-small": (step_workload(
+        "gpt2-small", f"GPT {gcfg.n_layer}x{gcfg.n_embd}, context {gcfg.block_size}, batch "
+        f"{gbatch}, AdamW", lambda: GPT(gcfg).to(device),
+        lambda ps: torch.optim.AdamW(ps, lr=3e-4), tokens, _ce), gbatch * gcfg.block_size,
+        "tokens")}
+    try:
+        import torchvision
+    except ImportError:
+        return out
+    side, ibatch = (32, 2) if smoke else (224, 64)
+
+    def images(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(ibatch, 3, side, side, generator=g).to(device)
+        return x, torch.randint(0, 1000, (ibatch,), generator=g).to(device)
+
+    out["resnet50"] = (step_workload(
+        "resnet50", f"ResNet-50, {side}x{side}, batch {ibatch}, SGD momentum",
+        lambda: torchvision.models.resnet50(weights=None).to(device),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), images,
+        lambda out, y: F.cross_entropy(out.float(), y)), ibatch, "images")
+    return out
+
+
+def _tf32(on: bool) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
+
+
+def run(device: str, smoke: bool, rounds: int, steps: int, modes: list[Mode],
+        log: Any = print) -> list[Row]:
+    rows: list[Row] = []
+    for name, (wl, items, unit) in workloads(device, smoke).items():
+        trainers = {}
+        res = {m.label: Row(name, m.label, items, unit, reference_label=m.reference)
+               for m in modes}
+        for m in modes:
+            _tf32(m.tf32)
+            try:
+                trainers[m.label] = Trainer(wl, None, m.trainer_mode, m.dtype, 0, 0)
+            except Exception as e:  # report the mode as failed, keep the others
+                res[m.label].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        for r in range(rounds + 1):  # round 0: warm-up (and compilation)
+            for m in modes:
+                t = trainers.get(m.label)
+                if t is None:
+                    continue
+                _tf32(m.tf32)
+                try:
+                    dt = sum(t.step()[0] for _ in range(steps)) / steps
+                except Exception as e:
+                    res[m.label].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    del trainers[m.label]
+                    continue
+                if r:
+                    res[m.label].times.append(dt)
+            log(f"{name}: round {r}/{rounds}")
+        for m in modes:
+            row, t = res[m.label], trainers.get(m.label)
+            if t is None:
+                continue
+            row.final_loss = t.step()[1]
+            row.skipped = t.skipped_steps
+            ref = res.get(m.reference)
+            if ref is not None and ref.times:
+                row.vs_torch = statistics.median(b / a for a, b in zip(row.times, ref.times))
+        del trainers
+        if device == "cuda":
+            for m in modes:
+                if res[m.label].error or "compile" in m.trainer_mode:
+                    continue  # compiling again for one number is not worth its minutes
+                _tf32(m.tf32)
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                t = Trainer(wl, None, m.trainer_mode, m.dtype, 0, 0)
+                t.step()
+                t.step()
+                res[m.label].peak_mb = torch.cuda.max_memory_allocated() / 2**20
+                del t
+        rows.extend(res.values())
+    _tf32(False)
+    return rows
+
+
+def machine(device: str) -> str:
+    if device != "cuda":
+        from mixprec.hardware import check
+
+        return f"{check(device, verbose=False).name} (CPU smoke run)"
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                 "--format=csv,noheader"], capture_output=True, text=True,
+                                timeout=30).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        driver = "unknown"
+    return (f"{torch.cuda.get_device_name()}, driver {driver}, CUDA {torch.version.cuda}")
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = ["| workload | mode | step (ms) | throughput | speed vs torch.autocast | "
+             "peak memory (MB) | final loss | skipped |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.error:
+            lines.append(f"| {r.workload} | {r.mode} | failed: {r.error} | | | | | |")
+            continue
+        v = r.vs_torch
+        ratio = ("-" if v is None else "reference" if r.mode == r.reference_label else
+                 f"{v:.2f}x faster" if v >= 1.005 else f"{1 / v:.2f}x slower" if v <= 0.995
+                 else "same")
+        mem = "-" if r.peak_mb is None else f"{r.peak_mb:.0f}"
+        lines.append(f"| {r.workload} | {r.mode} | {r.median * 1e3:.1f} | "
+                     f"{r.items_per_step / r.median:,.0f} {r.unit}/s | {ratio} | {mem} | "
+                     f"{r.final_loss:.3f} | {r.skipped} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes: exercise the code path")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3, help="steps per mode per round")
+    p.add_argument("--modes", nargs="+", help="labels to run (default: all)")
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU is visible to torch here. Run it on a GPU "
+                         "machine, or use --device cpu --smoke to exercise the code path.")
+    if args.device == "cpu" and not args.smoke:
+        raise SystemExit("The GPU shapes would take hours on a CPU: pass --smoke with "
+                         "--device cpu.")
+    modes = [m for m in MODES if not args.modes or m.label in args.modes]
+    if any(m.trainer_mode == "graph+compile" for m in modes) and args.device == "cpu":
+        modes = [m for m in modes if m.trainer_mode != "graph+compile"]  # minutes of compiling
+    t0 = time.time()
+    rows = run(args.device, args.smoke, args.rounds, args.steps, modes)
+    header = (f"{datetime.date.today()} · {machine(args.device)} · torch {torch.__version__} · "
+              f"{args.rounds} rounds x {args.steps} steps · {time.time() - t0:.0f} s")
+    print()
+    print(header)
+    print()
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": header, "rows": [
+                {**{k: v for k, v in r.__dict__.items() if k != "times"}, "median": r.median,
+                 "times": r.times} for r in rows]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
