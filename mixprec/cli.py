@@ -39,17 +39,23 @@ def _demo(args: argparse.Namespace) -> int:
     from mixprec import demo
     from mixprec.hardware import check
 
-    report = check(verbose=False)
+    report = check("cpu", verbose=False)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
+    chosen = dtype or (report.best_dtype if report.best_dtype != torch.float32
+                       else torch.bfloat16)
+    fast = demo._is_fast(report, chosen)
     print(f"mixprec demo: the Keras guide's MLP on MNIST-1D (generated locally), {args.steps} "
-          f"steps per mode, batch {args.batch}, on {report.name} with torch {torch.__version__}")
+          f"steps per mode, batch {args.batch}, on {report.name} "
+          f"[{' '.join(report.features) or 'no AVX512/AMX flags'}] with torch {torch.__version__}")
+    if not fast:
+        print(f"{chosen} is not fast on this CPU ({report.dtypes[str(chosen)[6:]].reason}); "
+              f"the 16-bit levels run for at most {args.budget:.0f} s each, to show their "
+              "memory and accuracy.")
     results = demo.run_demo(steps=args.steps, levels=tuple(args.levels), batch=args.batch,
-                            seed=args.seed, progress=not args.no_progress)
+                            seed=args.seed, progress=not args.no_progress, dtype=chosen,
+                            budget=args.budget)
     _print_table(demo.HEADERS, demo.format_results(results), "fp32 vs mixed precision")
-    best = min(results[1:], key=lambda r: r.median_step, default=None)
-    if best is not None:
-        base = results[0]
-        print(f"{best.mode} steps are {base.median_step / best.median_step:.2f}x faster than "
-              f"fp32; test accuracy {best.accuracy:.1%} vs {base.accuracy:.1%}.")
+    print(demo.verdict(results, report, chosen))
     return 0
 
 
@@ -109,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--levels", nargs="+", default=["O0", "O1", "O2"],
                    choices=["O0", "O1", "O2", "O3"], help="O0 is the fp32 baseline; put it first")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--dtype", choices=["bf16", "fp16"], default=None,
+                   help="16-bit dtype (default: the fast one here, per `mixprec check`)")
+    d.add_argument("--budget", type=float, default=20.0, metavar="SECONDS",
+                   help="where the 16-bit dtype is slow here, train each 16-bit level at most "
+                        "this long (default 20)")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(run=_demo)
     b = sub.add_parser("bench", help="time-to-accuracy benchmarks: every mode, one run")

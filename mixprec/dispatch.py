@@ -154,7 +154,7 @@ def pop(frame: Frame, saved: _Saved) -> None:
         return
     if torch.compiler.is_dynamo_compiling():
         _exit_traced()
-    elif not _state.frames or _state.frames[-1] is not frame:
+    elif not _state.frames or _state.frames[-1] != frame:
         raise RuntimeError("mixprec.autocast regions were exited out of order.")
     else:
         _state.frames.pop()

@@ -1,5 +1,7 @@
 """The console entry point and the benchmark harness run end to end (tiny sizes)."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -11,7 +13,51 @@ def test_demo_runs_and_reports_every_mode(capsys):
     assert cli.main(["demo", "--steps", "3", "--batch", "64", "--levels", "O0", "O2",
                      "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "fp32" in out and "O2" in out and "faster than fp32" in out
+    assert "fp32" in out and "O2" in out
+    assert "faster than fp32 here" in out or "16-bit is not faster here" in out
+
+
+def _no_bf16_cpu():
+    from mixprec import hardware
+
+    flags = frozenset({"avx2", "fma"})  # an AVX2-only EPYC: bf16 emulated
+    return hardware.HardwareReport("cpu", "AMD EPYC (no AVX512)", tuple(sorted(flags)),
+                                   hardware._cpu_support(flags))
+
+
+def test_demo_on_a_cpu_without_fast_16bit_is_bounded_and_honest(monkeypatch, capsys):
+    import mixprec
+    from mixprec import hardware
+
+    report = _no_bf16_cpu()
+    assert report.best_dtype == torch.float32
+    monkeypatch.setattr(mixprec, "check", lambda *a, **k: report)
+    monkeypatch.setattr(hardware, "check", lambda *a, **k: report)
+    assert cli.main(["demo", "--steps", "12", "--batch", "64", "--levels", "O0", "O2",
+                     "--budget", "0.001", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "is not fast on this CPU" in out and "at most 0 s each" in out
+    cells = [[c.strip() for c in re.split(r"│|\|| {2,}", line) if c.strip()]
+             for line in out.splitlines()]  # a rich table, or the plain two-space one
+    rows = {c[0]: c for c in cells if c and c[0] in ("fp32", "O2 bf16")}
+    assert rows["fp32"][1] == "12" and rows["O2 bf16"][1] == "3"  # the 16-bit level stopped
+    last = out.strip().splitlines()[-1]
+    assert "faster than fp32" in last or "16-bit is not faster here" in last
+
+
+def test_verdict_never_calls_a_slowdown_a_speed_up():
+    report = _no_bf16_cpu()
+    base = demo.DemoResult("fp32", 0.010, 0.8, 2.3, 0.5, 400 * 2**20, 0, 60)
+    slow = demo.DemoResult("O2 bf16", 0.700, 0.79, 2.3, 0.6, 240 * 2**20, 0, 3)
+    text = demo.verdict([base, slow], report, torch.bfloat16)
+    assert text.startswith("16-bit is not faster here (")
+    assert "70.0x the fp32 step time" in text and "40% less peak memory" in text
+    assert "faster than fp32" not in text.split(". On a GPU")[0]
+    fast = demo.DemoResult("O2 bf16", 0.005, 0.8, 2.3, 0.5, 240 * 2**20, 0, 60)
+    assert demo.verdict([base, fast], report, torch.bfloat16).startswith(
+        "O2 bf16 steps are 2.00x faster than fp32 here")
+    assert demo.speed_words(0.03) == "33.33x slower" and demo.speed_words(1.8) == "1.80x faster"
+    assert demo.format_results([base, slow])[1][3] == "70.00x slower"
 
 
 def test_demo_results_are_real_measurements():

@@ -53,7 +53,7 @@ def test_locate_and_range_audit_on_cuda_tensors():
     with mixprec.range_audit(model) as audit:
         model(x)
     assert audit.stats  # per-module statistics, gathered from CUDA tensors
-    assert max(s.absmax for s in audit.stats.values()) > 6e4
+    assert max(s.absmax for s in audit.stats.values()) > 1e3  # the scaled-up activations
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
