@@ -49,8 +49,9 @@ def _demo(args: argparse.Namespace) -> int:
           f"[{' '.join(report.features) or 'no AVX512/AMX flags'}] with torch {torch.__version__}")
     if not fast:
         print(f"{chosen} is not fast on this CPU ({report.dtypes[str(chosen)[6:]].reason}); "
-              f"the 16-bit levels run for at most {args.budget:.0f} s each, to show their "
-              "memory and accuracy.")
+              f"to keep the run short the MLP is {demo.SLOW_WIDTH} wide (not 4096) and the "
+              f"16-bit levels train for at most {args.budget:.0f} s each, to show their memory "
+              "and accuracy.")
     results = demo.run_demo(steps=args.steps, levels=tuple(args.levels), batch=args.batch,
                             seed=args.seed, progress=not args.no_progress, dtype=chosen,
                             budget=args.budget)
@@ -67,8 +68,18 @@ def _bench(args: argparse.Namespace) -> int:
     from mixprec.bench.workloads import WORKLOADS, make_large_mnist1d
     from mixprec.progress import make_progress
 
+    from mixprec.hardware import check
+
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     command = "mixprec bench " + " ".join(args.argv)
+    hw = check("cpu", verbose=False)
+    support = hw.dtypes.get(str(dtype)[6:])
+    time_budget = args.time_budget
+    if support is None or not (support.supported and support.fast):
+        time_budget = time_budget or (10.0 if args.quick else 60.0)
+        print(f"{dtype} is not fast on {hw.name} ({support.reason if support else 'unknown'}): "
+              f"each mode trains for at most {time_budget:.0f} s, so the 16-bit modes show "
+              "their memory and per-step cost here, not their speed on a GPU or a bf16 CPU.")
     out = pathlib.Path(args.out)
     results = {}
     for name in args.workloads:
@@ -81,7 +92,7 @@ def _bench(args: argparse.Namespace) -> int:
             tasks = {m: ui.add(f"{name} {m}", steps) for m in args.modes}
             modes = runner.run_workload(
                 wl, list(args.modes), dtype=dtype, batch_size=args.batch_size, steps=steps,
-                time_budget=args.time_budget, quick=args.quick, seed=args.seed,
+                time_budget=time_budget, quick=args.quick, seed=args.seed,
                 memory=not args.no_memory, max_batch_mb=args.max_batch,
                 on_step=lambda m, step, loss: ui.advance(tasks[m]))
         results[name] = (wl, modes)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 import mixprec
+from mixprec.bench.report import speed_words
+from mixprec.hardware import MixprecPerformanceWarning
 from mixprec.memory import PeakMemory
 from mixprec.models import SeedMLP
 from mixprec.progress import make_progress
@@ -74,7 +77,7 @@ def _batches(n: int, batch: int, steps: int, seed: int) -> Iterator[torch.Tensor
 def train_one(data: dict[str, torch.Tensor], level: str, dtype: torch.dtype | None, steps: int,
               batch: int = 512, lr: float = 1e-3, seed: int = 0,
               on_step: Callable[[], None] | None = None,
-              time_budget: float | None = None) -> DemoResult:
+              time_budget: float | None = None, hidden: int = 4096) -> DemoResult:
     """Train the seed MLP at ``level`` for ``steps`` steps and evaluate on the test split.
 
     With ``time_budget`` (seconds) training stops early once it has used that much time (after
@@ -85,7 +88,7 @@ def train_one(data: dict[str, torch.Tensor], level: str, dtype: torch.dtype | No
     losses: list[float] = []
     with PeakMemory() as mem:
         torch.manual_seed(seed)
-        model = SeedMLP(x.shape[1], 4096, 10)
+        model = SeedMLP(x.shape[1], hidden, 10)
         opt: Any = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
         model, opt = mixprec.initialize(model, opt, level=level, dtype=dtype)
         for idx in _batches(len(x), batch, steps, seed):
@@ -124,31 +127,29 @@ def run_demo(steps: int = 60, levels: tuple[str, ...] | None = None, batch: int 
     if dtype is None:
         dtype = fast if fast != torch.float32 else torch.bfloat16
     slow = not _is_fast(report, dtype)
+    hidden = SLOW_WIDTH if slow else 4096
     levels = levels or ("O0", "O1", "O2")
     data = load_mnist1d()
     results = []
     bar = make_progress(progress)
-    with bar as ui:
+    with bar as ui, warnings.catch_warnings():
+        if slow:  # the caller has told the user already; do not repeat it per level
+            warnings.simplefilter("ignore", MixprecPerformanceWarning)
         for level in levels:
             task = ui.add(f"{'fp32' if level == 'O0' else level}", steps)
             results.append(train_one(data, level, None if level == "O0" else dtype, steps, batch,
                                      seed=seed, on_step=lambda t=task: ui.advance(t),
-                                     time_budget=budget if slow and level != "O0" else None))
+                                     time_budget=budget if slow and level != "O0" else None,
+                                     hidden=hidden))
     return results
+
+
+SLOW_WIDTH = 1024  # the MLP's width where 16-bit is emulated: 1/16 of the FLOPs of 4096
 
 
 def _is_fast(report: Any, dtype: torch.dtype) -> bool:
     support = report.dtypes.get(str(dtype).replace("torch.", ""))
     return bool(support is not None and support.supported and support.fast)
-
-
-def speed_words(ratio: float) -> str:
-    """``fp32 time / mode time`` in words: a ratio below 1 is a slowdown, never a speed-up."""
-    if ratio >= 1.005:
-        return f"{ratio:.2f}x faster"
-    if ratio <= 0.995:
-        return f"{1 / ratio:.2f}x slower"
-    return "same speed"
 
 
 def verdict(results: list[DemoResult], report: Any, dtype: torch.dtype) -> str:

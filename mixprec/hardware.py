@@ -25,6 +25,7 @@ Design choices:
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import warnings
 from dataclasses import dataclass, field
@@ -177,7 +178,23 @@ def _read_cpu() -> tuple[str, frozenset[str]]:
     if not flags:  # no x86 flags line: torch only tells the vector width, never bf16/fp16 units
         capability = str(torch.backends.cpu.get_cpu_capability())
         flags = frozenset({"avx512f"}) if capability.startswith("AVX512") else frozenset()
-    return name or platform.processor() or platform.machine() or "unknown CPU", flags
+    return (name or platform.processor() or platform.machine() or "unknown CPU",
+            _usable_flags(flags, os.environ.get("ONEDNN_MAX_CPU_ISA", "")))
+
+
+_ONEDNN_16BIT = frozenset({"avx512_bf16", "amx_bf16", "amx_tile", "amx_int8", "avx512_fp16"})
+
+
+def _usable_flags(flags: frozenset[str], max_isa: str) -> frozenset[str]:
+    """``flags`` less the 16-bit units oneDNN may not use under ``ONEDNN_MAX_CPU_ISA`` (pure).
+
+    An ISA cap below AVX512_CORE_BF16 makes bf16 matmuls emulated (measured ~80x slower than
+    fp32), whatever the hardware has.
+    """
+    isa = max_isa.strip().upper()
+    if not isa or isa in ("ALL", "DEFAULT") or "BF16" in isa or "AMX" in isa or "AVX10" in isa:
+        return flags
+    return flags - _ONEDNN_16BIT
 
 
 def _resolve_device(device: str | torch.device | None) -> str:

@@ -36,7 +36,7 @@ def test_demo_on_a_cpu_without_fast_16bit_is_bounded_and_honest(monkeypatch, cap
     assert cli.main(["demo", "--steps", "12", "--batch", "64", "--levels", "O0", "O2",
                      "--budget", "0.001", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "is not fast on this CPU" in out and "at most 0 s each" in out
+    assert "is not fast on this CPU" in out and "at most 0 s each" in out and "1024 wide" in out
     cells = [[c.strip() for c in re.split(r"│|\|| {2,}", line) if c.strip()]
              for line in out.splitlines()]  # a rich table, or the plain two-space one
     rows = {c[0]: c for c in cells if c and c[0] in ("fp32", "O2 bf16")}

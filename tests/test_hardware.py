@@ -284,3 +284,14 @@ def test_import_does_not_initialize_cuda():
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_an_isa_cap_below_bf16_makes_bf16_slow():
+    from mixprec.hardware import _cpu_support, _usable_flags
+
+    flags = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    assert _usable_flags(flags, "") == flags
+    assert _usable_flags(flags, "avx512_core_amx") == flags
+    capped = _usable_flags(flags, "AVX2")
+    assert capped == frozenset({"avx2", "avx512f"})
+    assert not _cpu_support(capped)["bfloat16"].fast and _cpu_support(flags)["bfloat16"].fast

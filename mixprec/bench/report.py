@@ -18,7 +18,8 @@ import torch
 from mixprec.bench.runner import ModeResult
 from mixprec.bench.workloads import BenchWorkload
 
-__all__ = ["HEADERS", "SCHEMA", "markdown", "meta", "rows", "to_json", "write_json", "write_plots"]
+__all__ = ["HEADERS", "SCHEMA", "markdown", "meta", "rows", "speed_words", "to_json", "write_json",
+           "write_plots"]
 
 SCHEMA = "mixprec.bench/1"
 HEADERS = ["mode", "step", "per s", "vs fp32", "vs torch", "peak", "final", "to target", "skip",
@@ -63,6 +64,17 @@ def write_json(doc: dict[str, Any], path: pathlib.Path) -> None:
     path.write_text(json.dumps(_round(doc), separators=(",", ":")) + "\n")
 
 
+def speed_words(ratio: float | None) -> str:
+    """A time ratio (baseline / mode) in words: below 1 is a slowdown, never a speed-up."""
+    if ratio is None:
+        return "-"
+    if ratio >= 1.005:
+        return f"{ratio:.2f}x faster"
+    if ratio <= 0.995:
+        return f"{1 / ratio:.2f}x slower"
+    return "same speed"
+
+
 def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
     return "-" if v is None else f"{format(v, spec)}{suffix}"
 
@@ -78,7 +90,7 @@ def rows(wl: BenchWorkload, modes: dict[str, ModeResult]) -> list[list[str]]:
     for r in modes.values():
         out.append([
             r.mode, f"{r.median_step * 1e3:.0f}ms", _si(r.throughput),
-            _fmt(r.speedup_vs_fp32, ".2f", "x"), _fmt(r.speedup_vs_torch, ".2f", "x"),
+            speed_words(r.speedup_vs_fp32), speed_words(r.speedup_vs_torch),
             _fmt(None if r.peak_bytes is None else r.peak_bytes / 2**20, ".0f", "MB"),
             "-" if r.final_metric is None else metric.format(r.final_metric),
             _fmt(r.time_to_target, ".1f", "s"), str(r.skipped_steps),

@@ -202,7 +202,7 @@ def apply(gm: fx.GraphModule, c: Colouring, low: torch.dtype, *,
                 continue
             if c.processable(n):
                 if i > 0 and (name in _DATA_PORT_ONLY
-                              or name in _DATA_PORT_WHEN_LOW and c.is_low(n)):
+                              or name in _DATA_PORT_WHEN_LOW and c.is_low(n) and _on_cpu(n)):
                     continue
                 if _is_scalar(p) and not all(_is_scalar(q) for q in _tensor_args(n)):
                     continue
@@ -244,6 +244,13 @@ def _output_want(p: fx.Node, dt: dict, output_dtype: torch.dtype | None) -> torc
     if orig in COLOURABLE and output_dtype is not None:
         return output_dtype
     return orig
+
+
+def _on_cpu(n: fx.Node) -> bool:
+    """True when ``n``'s first input is a CPU tensor: CPU norm kernels take a 16-bit input with
+    float32 weights (and keep them exact); CUDA's want one dtype, so there the weights are cast."""
+    v = meta_val(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+    return getattr(getattr(v, "device", None), "type", "cpu") == "cpu"
 
 
 def _tensor_args(n: fx.Node) -> list[fx.Node]:
