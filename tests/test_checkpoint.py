@@ -172,3 +172,24 @@ def test_fp32_state_dict_without_optimizer_and_with_buffers():
     torch.manual_seed(1)
     plain = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
     plain.load_state_dict(sd, strict=True)
+
+
+def test_save_checkpoint_is_durable_and_replaces_a_stale_temporary_file(tmp_path, monkeypatch):
+    import os
+
+    from mixprec import distributed as mpd
+
+    model, opt = build("O2", BF16)
+    train(model, opt, range(2))
+    path = tmp_path / "ckpt.pt"
+    (tmp_path / "ckpt.pt.tmp").write_bytes(b"left by a save that was killed")
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    mpd.save_checkpoint(path, model, opt)
+    assert len(synced) == 2  # the file before the rename, the directory after it
+    assert not (tmp_path / "ckpt.pt.tmp").exists()
+    fresh, fresh_opt = build("O2", BF16)
+    mpd.load_checkpoint(path, fresh, fresh_opt)
+    for a, b in zip(fresh.parameters(), model.parameters()):
+        assert_bitwise(a.detach(), b.detach())

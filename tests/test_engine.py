@@ -770,3 +770,44 @@ def test_promote_ops_accept_another_16bit_dtype_in_a_region():
         assert torch.cat([a, a]).dtype == torch.float16
         assert torch.cat([a, a.float()]).dtype == torch.float32
         assert torch.stack([a, a.to(torch.bfloat16)]).dtype == torch.float32
+
+
+def test_boundary_casts_dataclass_and_pytree_outputs():
+    import dataclasses
+
+    from torch.utils import _pytree
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+        extras: list
+        step: int = 0
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        hidden: torch.Tensor
+
+    class Pair:
+        def __init__(self, a, b):
+            self.a, self.b = a, b
+
+    _pytree.register_pytree_node(Pair, lambda p: ([p.a, p.b], None),
+                                 lambda xs, _: Pair(*xs))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return Out(y, [y, Frozen(y)], 3), Pair(y, y.double())
+
+    net = Net()
+    model, _ = mixprec.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2",
+                                  dtype=BF16)
+    out, pair = model(rn(2, 4))
+    assert isinstance(out, Out) and out.step == 3
+    assert out.logits.dtype == F32 and out.extras[0].dtype == F32
+    assert isinstance(out.extras[1], Frozen) and out.extras[1].hidden.dtype == F32
+    assert isinstance(pair, Pair) and pair.a.dtype == F32 and pair.b.dtype == torch.float64

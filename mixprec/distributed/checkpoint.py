@@ -96,11 +96,27 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
     if not _dist() or dist.get_rank() == 0:
         state = {"format": _FORMAT, "model": _unwrap(model).state_dict(),
                  "optimizer": optimizer.state_dict()}
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)  # a crash mid-write never leaves a truncated checkpoint
+        _atomic_save(state, path)
     if _dist():
         dist.barrier()
+
+
+def _atomic_save(state: Any, path: Path) -> None:
+    """Write ``state`` to ``path`` so that a crash or power loss leaves the old file or the new
+    one, never a truncated or empty one: write a temporary file, flush and fsync it, rename it
+    over ``path``, fsync the directory. A ``.tmp`` left by an interrupted save is replaced."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:  # "wb" truncates a stale temporary file
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if hasattr(os, "O_DIRECTORY"):  # POSIX: make the rename itself durable
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module,
