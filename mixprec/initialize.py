@@ -110,6 +110,9 @@ def _resolve(level: str | None, dtype: Any, policy: PolicyLike | None, device: t
     level = level or "O1"
     if level not in LEVELS:
         raise ValueError(f"Unknown level {level!r}; expected one of {sorted(LEVELS)}.")
+    if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating dtype (torch.bfloat16 or torch.float16 for "
+                        f"O1-O3), received {dtype}.")
     if dtype is None:
         dtype = torch.float32 if level == "O0" else default_dtype(device)
     elif isinstance(dtype, str):
@@ -117,6 +120,9 @@ def _resolve(level: str | None, dtype: Any, policy: PolicyLike | None, device: t
             dtype = Policy(compute_dtype=dtype).compute_dtype
         except ValueError:
             dtype = as_policy(dtype).compute_dtype
+    if level == "O0" and dtype != torch.float32:
+        raise ValueError(f"Level O0 trains in float32, so dtype={dtype} would be ignored: drop "
+                         "dtype=, or choose O1, O2 or O3 to train in it.")
     if level != "O0" and dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"Level {level} needs a 16-bit dtype (torch.bfloat16 or torch.float16), "
                          f"received {dtype}. Use level='O0' for float32 training.")
@@ -223,6 +229,11 @@ def initialize(models: nn.Module | Sequence[nn.Module],
             set_policy(target, module_policy)
     first = next((p for m in model_list for p in m.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
+    if device.type == "meta":
+        raise ValueError("initialize received a model on the 'meta' device: its parameters have "
+                         "no data to cast or copy into fp32 masters. Materialize it first "
+                         "(model.to_empty(device=...) then load or initialize the weights), "
+                         "then call initialize.")
     level, dtype, props = _resolve(level, dtype, policy, device, dict(overrides))
     if level != "O0":
         warn_if_slow(dtype, device, stacklevel=3)
@@ -302,8 +313,7 @@ def scale_loss(loss: Tensor,
     if not opts or not all(isinstance(o, MixedPrecisionOptimizer) for o in opts):
         raise TypeError("scale_loss expects the optimizer(s) returned by mixprec.initialize, "
                         f"received {[type(o).__name__ for o in opts]}.")
-    if not isinstance(loss, Tensor):
-        raise TypeError(f"scale_loss expects a loss tensor, received {type(loss).__name__}.")
+    _check_loss(loss)
     if any(o.slots is not opts[0].slots for o in opts[1:]):
         raise ValueError("scale_loss got optimizers from different initialize calls, which have "
                          "different loss scalers; initialize every model and optimizer a loss "
@@ -325,6 +335,24 @@ def scale_loss(loss: Tensor,
             for f in flags:
                 if f is not None and f is not own:
                     o.share_verdict(f)
+
+
+def _check_loss(loss: Any) -> None:
+    """A clear error for a loss backward cannot take (instead of autograd's)."""
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"scale_loss expects a loss tensor, received {type(loss).__name__}.")
+    if not (loss.is_floating_point() or loss.is_complex()):
+        raise TypeError(f"The loss is a {loss.dtype} tensor: gradients need a floating loss. "
+                        "Compute it from the model's outputs in floating point (e.g. "
+                        "F.cross_entropy(logits, target)).")
+    if loss.numel() != 1:
+        raise ValueError(f"The loss must be a single number, received shape "
+                         f"{tuple(loss.shape)}: reduce it first (loss.mean() or loss.sum()).")
+    if not loss.requires_grad:
+        raise ValueError("The loss does not require grad, so backward has nothing to "
+                         "differentiate: it was computed under torch.no_grad()/inference_mode(), "
+                         "from detached tensors, or from a model whose parameters all have "
+                         "requires_grad=False.")
 
 
 @torch.no_grad()

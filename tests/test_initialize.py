@@ -93,15 +93,47 @@ def test_every_level_trains_and_matches_fp32(opt_name):
             assert set(dtypes.values()) == {BF16} and opt._pairs == []
 
 
-def test_o0_keeps_fp32_and_no_scaling_even_with_fp16_dtype():
+def test_o0_refuses_a_16bit_dtype_it_would_ignore():
     m, o = model_and_opt()
-    m, o = initialize(m, o, "O0", FP16)
+    with pytest.raises(ValueError, match=r"O0 trains in float32, so dtype=torch.float16"):
+        initialize(m, o, "O0", FP16)
+    with pytest.raises(TypeError, match=r"floating dtype .* received torch.int8"):
+        initialize(m, o, "O0", torch.int8)
+    with pytest.raises(TypeError, match=r"floating dtype .* received torch.int8"):
+        initialize(m, o, "O2", torch.int8)
+
+
+def test_o0_keeps_fp32_and_no_scaling():
+    m, o = model_and_opt()
+    m, o = initialize(m, o, "O0", FP32)
     assert all(p.dtype == FP32 for p in m.parameters())
     assert o.loss_scale == 1.0  # the table: O0 has no loss scaling
     x, y = regression_data(8)
     out = m(x)
     assert out.dtype == FP32
     torch.testing.assert_close(out, make_model()(x), rtol=0, atol=0)  # plain fp32 forward
+
+
+def test_meta_device_model_is_refused_with_the_fix():
+    with torch.device("meta"):
+        m = make_model()
+    with pytest.raises(ValueError, match=r"'meta' device.*to_empty"):
+        initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), "O2", BF16)
+
+
+@pytest.mark.parametrize("make_loss, exc, match", [
+    (lambda out: out.float(), ValueError, r"single number, received shape \(8, 4\).*mean"),
+    (lambda out: out.sum().long(), TypeError, r"torch.int64 tensor.*floating"),
+    (lambda out: out.detach().float().mean(), ValueError, r"does not require grad"),
+    (lambda out: 3.0, TypeError, r"received float"),
+], ids=["non-scalar", "integer", "no-grad", "not-a-tensor"])
+def test_bad_losses_get_a_mixprec_error(make_loss, exc, match):
+    m, o = model_and_opt()
+    m, o = initialize(m, o, "O2", BF16)
+    x, _ = regression_data(8)
+    with pytest.raises(exc, match=match):
+        o.backward(make_loss(m(x)))
+    o.zero_grad()
 
 
 def test_master_weights_and_keep_norm_overrides_at_o2_o3():
