@@ -257,6 +257,18 @@ class LossScaler:
                 f"skipped_steps={self.skipped_steps})")
 
 
+def _dense_real(t: Any) -> Any:
+    """The dense, real view that holds ``t``'s numbers, for in-place checks and scaling: the
+    stored values of a sparse tensor, the (real, imag) pairs of a complex one."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.layout == torch.sparse_coo:
+        t = t._values()
+    elif t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        t = t.values()
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def unscale_and_check_(tensors: Sequence[torch.Tensor], inv_scale: float | torch.Tensor,
                        found_inf: torch.Tensor) -> None:
     """Multiply ``tensors`` in place by ``inv_scale``; set ``found_inf`` to 1.0 on any inf/NaN.
@@ -282,10 +294,12 @@ def unscale_and_check_(tensors: Sequence[torch.Tensor], inv_scale: float | torch
         # (MixedPrecisionOptimizer.reduce_flags), once per step.
         local = getattr(t, "_local_tensor", None)
         t = local if isinstance(local, torch.Tensor) else t
+        t = _dense_real(t)
         if not (isinstance(t, torch.Tensor) and t.is_floating_point()
                 and t.layout == torch.strided):
             what = f"{t.dtype} {t.layout}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise TypeError(f"tensors[{i}] must be a dense floating tensor; received {what}.")
+            raise TypeError(f"tensors[{i}] must be a floating tensor (dense or sparse, real or "
+                            f"complex); received {what}.")
         if t.device != device:
             raise ValueError(f"tensors[{i}] is on {t.device} but found_inf is on {device}; "
                              f"call once per device with a found_inf on that device.")

@@ -262,7 +262,7 @@ class MixedPrecisionOptimizer(Optimizer):
         for p, master in self._pairs:
             if p.grad is None:
                 continue
-            if master.grad is None:
+            if master.grad is None and p.grad.layout == torch.strided:
                 buf = self._grad_buffers.get(id(master))
                 if buf is None or buf.shape != p.grad.shape or buf.device != p.grad.device:
                     buf = torch.empty(p.grad.shape, dtype=self.master_dtype, device=p.grad.device)
