@@ -15,9 +15,12 @@ inputs and outputs (``fp32_inside``).
 
 Without masters (O3), ``update="nearest" | "kahan" | "stochastic"`` runs the optimizer's math in
 fp32 on temporaries and writes the 16-bit weights back with that rounding, with optimizer state
-stored per ``state_dtype`` (:mod:`mixprec.lean`). The default ``update=None`` keeps the pre-#7
-behaviour (the optimizer steps the 16-bit weights in 16-bit arithmetic), so existing O3 code and
-checkpoints are unchanged; ``"kahan"`` is the recommended setting for pure 16-bit training.
+stored per ``state_dtype`` (:mod:`mixprec.lean`). ``update=None`` lets the optimizer step the
+16-bit weights in 16-bit arithmetic; that is the default for bf16, so existing O3 code and
+checkpoints are unchanged. For fp16 with an Adam-family optimizer (``betas`` in its defaults)
+the default is ``"kahan"``: in fp16 arithmetic Adam's eps rounds to 0 and its second moment
+underflows, which turned weights NaN on the first step. ``"kahan"`` is the recommended setting
+for pure 16-bit training; pass ``update=None`` explicitly to keep 16-bit arithmetic.
 
 A non-finite gradient skips the step at every level, with or without loss scaling. The model is
 modified in place (hooks, parameter storage) and returned.
@@ -257,6 +260,11 @@ def initialize(models: nn.Module | Sequence[nn.Module],
             engine.install_boundary(m)
         m.__dict__[_MARK] = level
 
+    if props["cast_params"] and not props["master_weights"] and dtype == torch.float16 and \
+            "update" not in props["lean"] and any("betas" in o.defaults for o in opt_list):
+        # fp16 Adam-family state and arithmetic without masters: eps rounds to 0, the second
+        # moment underflows, weights go NaN on the first steps. Run the update in fp32.
+        props["lean"]["update"] = "kahan"
     if props["cast_params"] and not props["master_weights"] and \
             props["lean"].get("update") is None:
         _warn_vanishing_eps(opt_list, dtype)  # an update mode does its arithmetic in fp32

@@ -396,7 +396,13 @@ def test_dtype_strings(spelling, expected):
 def test_o3_fp16_warns_when_adam_eps_vanishes():
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.warns(RuntimeWarning, match="eps=1e-08, which rounds to 0 in torch.float16"):
-        initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O3", torch.float16)
+        initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O3", torch.float16,
+                   update=None)  # explicitly 16-bit arithmetic
+    model = nn.Sequential(nn.Linear(4, 4))
+    with warnings.catch_warnings():  # the default for fp16 Adam is an fp32 update: no warning
+        warnings.simplefilter("error", RuntimeWarning)
+        _, opt = initialize(model, torch.optim.AdamW(model.parameters()), "O3", torch.float16)
+        assert opt.lean is not None
     model = nn.Sequential(nn.Linear(4, 4))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)

@@ -80,3 +80,18 @@ def test_complex_parameters_train_and_stay_complex(level, dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert model.phase.grad is None or model.phase.grad.dtype == torch.complex64
+
+
+def test_fp16_o3_with_adamw_and_no_update_mode_trains():
+    """The default used to step AdamW in fp16: NaN weights on step 1, then every step skipped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = mixprec.initialize(model, opt, level="O3", dtype=torch.float16)
+    assert opt.lean is not None  # the update runs in fp32 temporaries
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+    losses = _train(model, [opt], [(x, y)] * 30,
+                    lambda m, a, b: (m(a).float() - b).pow(2).mean())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert losses[-1] < 0.5 * losses[0] and opt.skipped_steps <= 3
