@@ -16,6 +16,7 @@ from mixprec.initialize import fp32_state_dict
 from mixprec.initialize import initialize
 from mixprec.initialize import scale_loss
 from mixprec.lean import stochastic_round
+from mixprec.norms import register_norm
 from mixprec.keras import LossScaleOptimizer
 from mixprec.loss_scale import LossScaler
 from mixprec.optimizer import MixedPrecisionOptimizer
@@ -67,6 +68,7 @@ __all__ = [
     "op_stats",
     "policy_scope",
     "range_audit",
+    "register_norm",
     "register_op",
     "scale_loss",
     "set_global_policy",

@@ -36,7 +36,8 @@ from torch.overrides import TorchFunctionMode
 from mixprec import engine
 from mixprec.cast_table import FP32, resolve_op, rule_for
 from mixprec.hardware import default_dtype
-from mixprec.initialize import _MARK, _NORMS, fp32_state_dict
+from mixprec.initialize import _MARK, fp32_state_dict
+from mixprec.norms import is_norm
 from mixprec.policy import Policy, PolicyLike, as_policy, get_policy
 
 __all__ = ["INFERENCE_ATTR", "InferenceInfo", "for_inference", "inference_info", "storage_plan",
@@ -170,7 +171,7 @@ def storage_plan(model: nn.Module, dtype: torch.dtype, example_inputs: Any = Non
         pol = get_policy(m)
         if pol is not None:
             why = None if pol.param_dtype in _LOW else f"set_policy({pol.name}) on {prefix!r}"
-        if isinstance(m, _NORMS):
+        if is_norm(m):
             why = f"normalization layer {type(m).__name__}"
         if prefix in keep or any(isinstance(k, type) and isinstance(m, k) for k in keep):
             why = f"keep_fp32 ({prefix or type(m).__name__})"

@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 from mixprec import engine
 from mixprec.hardware import default_dtype, warn_if_slow
 from mixprec.loss_scale import LossScaler
+from mixprec.norms import is_norm
 from mixprec.optimizer import LossSlot, MixedPrecisionOptimizer
 from mixprec.policy import Policy, PolicyLike, as_policy, get_policy, set_policy
 
@@ -61,8 +62,6 @@ _SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interva
 _LEAN_KEYS = ("update", "state_dtype", "update_seed")
 _OVERRIDES = ("keep_norm_fp32", "master_weights", "loss_scale", "cast_model_outputs",
               "num_losses", "fp32_inside", "kernels", *_LEAN_KEYS, *_SCALER_KEYS)
-_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
-          *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
 _MARK = "_mixprec_initialized"
 
 
@@ -82,18 +81,30 @@ def _level_from_policy(policy: Policy) -> str:
     return "O1" if policy.param_dtype == torch.float32 else "O3"
 
 
+def _overflows(before: Tensor, after: Tensor) -> bool:
+    """True when the cast made a finite value infinite."""
+    return bool((torch.isfinite(before) & ~torch.isfinite(after)).any())
+
+
 def _cast_storage(module: nn.Module, dtype: torch.dtype, keep_norm: bool) -> None:
     """Store parameters and floating buffers in ``dtype``; Parameter objects keep identity."""
     own = get_policy(module)
     if own is not None:
         dtype = own.param_dtype
-    if not (keep_norm and isinstance(module, _NORMS)):
+    if not (keep_norm and is_norm(module)):
         for p in module.parameters(recurse=False):
             if p.is_floating_point() and p.dtype != torch.float64:
                 p.data = p.data.to(dtype)
         for name, b in module.named_buffers(recurse=False):
             if b is not None and b.is_floating_point() and b.dtype != torch.float64:
-                module._buffers[name] = b.to(dtype)
+                cast = b.to(dtype)
+                if _overflows(b, cast):  # e.g. 1e5 in fp16: inf, then NaN outputs, all skipped
+                    warnings.warn(
+                        f"Buffer {type(module).__name__}.{name} holds values outside {dtype}'s "
+                        f"range (max |x| = {b.abs().max().item():.3g}); it stays "
+                        f"{b.dtype}.", RuntimeWarning, stacklevel=4)
+                    continue
+                module._buffers[name] = cast
     for child in module.children():
         _cast_storage(child, dtype, keep_norm)
 

@@ -95,3 +95,109 @@ def test_fp16_o3_with_adamw_and_no_update_mode_trains():
                     lambda m, a, b: (m(a).float() - b).pow(2).mean())
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert losses[-1] < 0.5 * losses[0] and opt.skipped_steps <= 3
+
+
+# --------------------------------------------------------------------------- norms
+
+def _hf(name):
+    transformers = pytest.importorskip("transformers")
+    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, intermediate_size=64, vocab_size=64,
+                  max_position_embeddings=32)
+    if name == "gemma":
+        common["head_dim"] = 16
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gemma": "Gemma"}[name]
+    cfg = getattr(transformers, f"{prefix}Config")
+    model_cls = f"{prefix}ForCausalLM"
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(cfg(**common))
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma"])
+def test_hand_written_rmsnorms_stay_fp32_at_o2_and_train(name):
+    model = _hf(name)
+    fp32_twin = _hf(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
+    norms = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+    assert len(norms) == 2 * 2 + 1  # two per layer and the final one
+    assert all(m.weight.dtype == torch.float32 for _, m in norms)
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(12):
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+    fp32_twin.load_state_dict(mixprec.fp32_state_dict(model, opt), strict=True)
+    assert all(p.dtype == torch.float32 for p in fp32_twin.parameters())
+
+
+def test_the_norm_rule_and_register_norm():
+    from mixprec.norms import is_norm, register_norm
+
+    class ScaleNorm(nn.Module):  # hand-written, by the naming convention
+        def __init__(self):
+            super().__init__()
+            self.g = nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return x / x.norm(dim=-1, keepdim=True) * self.g
+
+    class PreNorm(nn.Module):  # a container named ...Norm: not a norm
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+    class Scaler(nn.Module):  # a norm under another name
+        def __init__(self):
+            super().__init__()
+            self.g = nn.Parameter(torch.ones(4))
+
+    assert is_norm(ScaleNorm()) and is_norm(nn.LayerNorm(4)) and is_norm(nn.BatchNorm1d(4))
+    assert not is_norm(PreNorm()) and not is_norm(Scaler()) and not is_norm(nn.Linear(4, 4))
+    register_norm(Scaler)
+    register_norm(ScaleNorm, False)
+    try:
+        assert is_norm(Scaler()) and not is_norm(ScaleNorm())
+        model = nn.Sequential(nn.Linear(4, 4), Scaler(), ScaleNorm())
+        model, _ = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      level="O2", dtype=torch.bfloat16)
+        assert model[1].g.dtype == torch.float32 and model[2].g.dtype == torch.bfloat16
+    finally:
+        from mixprec import norms
+
+        norms._registered.pop(Scaler, None)
+        norms._registered.pop(ScaleNorm, None)
+    with pytest.raises(TypeError, match="nn.Module subclass"):
+        register_norm(int)
+
+
+# --------------------------------------------------------------------------- buffers
+
+class _Scaled(nn.Module):
+    def __init__(self, scale: float):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), scale))
+        self.register_buffer("shift", torch.full((4,), 0.5))
+
+    def forward(self, x):
+        return self.lin(x) / self.scale + self.shift
+
+
+def test_buffers_that_overflow_16bit_stay_fp32_with_a_warning():
+    model = _Scaled(1e5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match=r"_Scaled.scale holds values outside torch.float16"):
+        model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.float16)
+    assert model.scale.dtype == torch.float32 and model.shift.dtype == torch.float16
+    x = torch.randn(3, 4)
+    loss = model(x).float().pow(2).mean()
+    assert torch.isfinite(loss)
+    opt.backward(loss)
+    opt.step()
+    assert not opt.step_skipped

@@ -44,7 +44,8 @@ from torch.optim import Optimizer
 
 from mixprec.distributed.verdicts import require_process_group, sync_verdicts
 from mixprec.hardware import default_dtype
-from mixprec.initialize import _NORMS, LEVELS, initialize
+from mixprec.initialize import LEVELS, initialize
+from mixprec.norms import is_norm
 from mixprec.optimizer import MixedPrecisionOptimizer
 from mixprec.policy import Policy, PolicyLike, as_policy
 
@@ -171,7 +172,7 @@ def initialize_fsdp(model: nn.Module,
 
     if keep_norm_fp32:
         norm_policy = MixedPrecisionPolicy(reduce_dtype=_F32, cast_forward_inputs=False)
-        for m in [m for m in model.modules() if isinstance(m, _NORMS) and m is not model]:
+        for m in [m for m in model.modules() if is_norm(m) and m is not model]:
             if any(True for _ in m.parameters()):
                 fully_shard(m, mp_policy=norm_policy, **common)
     for m in reversed(_selected(model, units)):  # innermost first
