@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -283,10 +284,62 @@ def initialize(models: nn.Module | Sequence[nn.Module],
     wrapped = [MixedPrecisionOptimizer(o, slots, master_weights=props["master_weights"],
                                        **props["lean"])
                for o in opt_list]
+    refresh = _LoadRefresh(wrapped)
+    for m in model_list:
+        m.register_load_state_dict_pre_hook(refresh.before)
+        m.register_load_state_dict_post_hook(refresh.after)
     out_models = model_list if many_models else model_list[0]
     if optimizers is None:
         return out_models
     return out_models, (wrapped if many_opts else wrapped[0])
+
+
+class _LoadRefresh:
+    """Keeps fp32 masters (and Kahan compensation) in step with ``model.load_state_dict``.
+
+    Loading weights after initialize (build, initialize, load pretrained) writes the model's
+    16-bit parameters; without this the next step would copy the stale masters back over them.
+    The masters take the *loaded* values (an fp32 checkpoint, e.g. from :func:`fp32_state_dict`,
+    round-trips exactly), and a loaded parameter's compensation is reset. Parameters are matched
+    by identity, so a deep copy of the model (new parameters) never touches these optimizers.
+    """
+
+    def __init__(self, optimizers: list[MixedPrecisionOptimizer]) -> None:
+        self.masters: dict[int, tuple[weakref.ref, Tensor]] = {}
+        self.lean: dict[int, tuple[weakref.ref, Any]] = {}
+        for o in optimizers:
+            for p, master in o._pairs:
+                self.masters[id(p)] = (weakref.ref(p), master)
+            if o.lean is not None:
+                for g in o.param_groups:
+                    for p in g["params"]:
+                        self.lean[id(p)] = (weakref.ref(p), o.lean)
+        self.pending: list[tuple[Tensor, Any, Tensor]] = []
+
+    def before(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str,
+               *args: Any) -> None:
+        for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+            src = state_dict.get(name)
+            if not isinstance(src, Tensor):
+                continue
+            for table in (self.masters, self.lean):
+                hit = table.get(id(p))
+                if hit is not None and hit[0]() is p:
+                    self.pending.append((p, hit[1], src))
+
+    @torch.no_grad()
+    def after(self, module: nn.Module, incompatible: Any) -> None:
+        pending, self.pending = self.pending, []
+        for p, target, src in pending:
+            if isinstance(target, Tensor):
+                if src.shape != target.shape or (
+                        src.dtype != target.dtype and torch.equal(target.to(src.dtype), src)):
+                    continue  # a 16-bit copy of this very master (a resume): keep its precision
+                target.copy_(src)
+            else:  # a LeanUpdate: the loaded weight starts with no rounding residual
+                comp = target.compensation.get(p)
+                if comp is not None:
+                    comp.zero_()
 
 
 def _refuse_wrapped(m: nn.Module) -> None:

@@ -201,3 +201,66 @@ def test_buffers_that_overflow_16bit_stay_fp32_with_a_warning():
     opt.backward(loss)
     opt.step()
     assert not opt.step_skipped
+
+
+# --------------------------------------------------------------------------- loading weights
+
+@pytest.mark.parametrize("level,update", [("O1", None), ("O2", None), ("O3", None),
+                                          ("O3", "kahan")])
+def test_load_state_dict_after_initialize_is_not_undone_by_the_next_step(level, update):
+    torch.manual_seed(0)
+    pretrained = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: a step must not move anything
+    kw = {"update": update} if update else {}
+    model, opt = mixprec.initialize(model, opt, level=level, dtype=torch.bfloat16, **kw)
+    model.load_state_dict(pretrained.state_dict())  # build, initialize, load pretrained
+    opt.backward(model(torch.randn(4, 8)).float().sum())
+    opt.step()
+    state = mixprec.fp32_state_dict(model, opt)
+    for key, ref in pretrained.state_dict().items():
+        if level in ("O1", "O2") or "1." in key:  # fp32 params and masters: exact
+            assert torch.equal(state[key], ref), key
+        else:  # O3 stores 16-bit weights: the loaded values, rounded once
+            assert torch.equal(state[key], ref.to(torch.bfloat16).float()), key
+
+
+def test_fp32_state_dict_round_trips_into_an_o2_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
+    for _ in range(3):
+        opt.backward(model(torch.randn(4, 8)).float().pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    saved = mixprec.fp32_state_dict(model, opt)
+    torch.manual_seed(5)
+    other = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    other, other_opt = mixprec.initialize(other, other_opt, level="O2", dtype=torch.bfloat16)
+    other.load_state_dict(saved)
+    again = mixprec.fp32_state_dict(other, other_opt)
+    assert all(torch.equal(again[k], v) for k, v in saved.items())  # exact, through masters
+
+
+def test_resuming_optimizer_first_then_model_keeps_the_exact_masters():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
+    for _ in range(3):
+        opt.backward(model(torch.randn(4, 8)).float().pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    ckpt = {"model": model.state_dict(), "opt": opt.state_dict()}
+    truth = mixprec.fp32_state_dict(model, opt)
+    torch.manual_seed(5)
+    other = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    other, other_opt = mixprec.initialize(other, other_opt, level="O2", dtype=torch.bfloat16)
+    other_opt.load_state_dict(ckpt["opt"])
+    other.load_state_dict(ckpt["model"])  # 16-bit copies of the masters: no new information
+    again = mixprec.fp32_state_dict(other, other_opt)
+    assert all(torch.equal(again[k], v) for k, v in truth.items())
