@@ -15,6 +15,7 @@ from mixprec.inference import for_inference
 from mixprec.initialize import fp32_state_dict
 from mixprec.initialize import initialize
 from mixprec.initialize import scale_loss
+import mixprec.clipping  # noqa: F401  (wraps torch.nn.utils.clip_grad_norm_)
 from mixprec.lean import stochastic_round
 from mixprec.norms import register_norm
 from mixprec.keras import LossScaleOptimizer

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from mixprec.clipping import register_masters
 from mixprec.lean import LeanUpdate, StateDtype
 from mixprec.loss_scale import LossScaler, unscale_and_check_
 
@@ -124,6 +125,7 @@ class MixedPrecisionOptimizer(Optimizer):
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
         for group in optimizer.param_groups:
             group["params"] = [self._master_for(p) for p in group["params"]]
+        register_masters(self._pairs)  # torch's clip_grad_norm_ on model params reaches these
         self.lean: LeanUpdate | None = None
         if update is not None:
             self.lean = LeanUpdate(optimizer, update, state_dtype=state_dtype or "auto",

@@ -3,6 +3,7 @@ parameters, frozen parameters, buffers, loading weights after initialize, clippi
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -264,3 +265,23 @@ def test_resuming_optimizer_first_then_model_keeps_the_exact_masters():
     other.load_state_dict(ckpt["model"])  # 16-bit copies of the masters: no new information
     again = mixprec.fp32_state_dict(other, other_opt)
     assert all(torch.equal(again[k], v) for k, v in truth.items())
+
+
+# --------------------------------------------------------------------------- clipping
+
+def test_torch_clip_grad_norm_on_model_parameters_clips_the_masters():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    ref = copy.deepcopy(net)
+    x = torch.randn(8, 8)
+    loss = ref(x).pow(2).mean()
+    loss.backward()
+    true_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
+    model, opt = mixprec.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                    level="O2", dtype=torch.bfloat16)
+    opt.backward(model(x).float().pow(2).mean())
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    torch.testing.assert_close(norm, true_norm, rtol=0.05, atol=0)  # all six, not the 2 fp32
+    clipped = torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(m.grad) for m in opt.master_params()]))
+    torch.testing.assert_close(clipped, torch.tensor(0.1), rtol=1e-3, atol=0)
