@@ -61,9 +61,11 @@ LEVELS: dict[str, dict[str, Any]] = {
 _SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis",
                 "min_scale", "max_scale")
 _LEAN_KEYS = ("update", "state_dtype", "update_seed")
-_OVERRIDES = ("keep_norm_fp32", "master_weights", "loss_scale", "cast_model_outputs",
+_OVERRIDES = ("keep_norm_fp32", "keep_frozen_fp32", "master_weights", "loss_scale",
+              "cast_model_outputs",
               "num_losses", "fp32_inside", "kernels", *_LEAN_KEYS, *_SCALER_KEYS)
 _MARK = "_mixprec_initialized"
+FROZEN_ATTR = "_mixprec_frozen_fp32"  # id(param) -> (weakref, fp32 copy), keep_frozen_fp32
 
 
 def _as_list(obj: Any, kind: type, what: str) -> tuple[list[Any], bool]:
@@ -150,6 +152,10 @@ def _resolve(level: str | None, dtype: Any, policy: PolicyLike | None, device: t
                          "the parameters are already float32.")
     if overrides.get("fp32_inside") and not props["engine"]:
         raise ValueError("fp32_inside only applies with the eager engine (O1-O3).")
+    if overrides.get("keep_frozen_fp32") and not props["cast_params"]:
+        raise ValueError(f"keep_frozen_fp32 only applies where parameters are cast (O2, O3); "
+                         f"level {level} keeps every parameter in float32.")
+    props["keep_frozen_fp32"] = bool(overrides.pop("keep_frozen_fp32", False))
     for key in ("keep_norm_fp32", "master_weights", "fp32_inside", "kernels",
                 "cast_model_outputs"):
         if key in overrides:
@@ -255,6 +261,10 @@ def initialize(models: nn.Module | Sequence[nn.Module],
 
     for m in model_list:
         if props["cast_params"]:
+            if props["keep_frozen_fp32"]:  # exact fp32 values for fp32_state_dict, 4 B/param
+                m.__dict__[FROZEN_ATTR] = {
+                    id(p): (weakref.ref(p), p.detach().float().clone())
+                    for p in m.parameters() if not p.requires_grad and p.is_floating_point()}
             _cast_storage(m, dtype, bool(props["keep_norm_fp32"]))
         elif level == "O0":
             _cast_storage(m, torch.float32, False)
@@ -284,7 +294,7 @@ def initialize(models: nn.Module | Sequence[nn.Module],
     wrapped = [MixedPrecisionOptimizer(o, slots, master_weights=props["master_weights"],
                                        **props["lean"])
                for o in opt_list]
-    refresh = _LoadRefresh(wrapped)
+    refresh = _LoadRefresh(wrapped, model_list)
     for m in model_list:
         m.register_load_state_dict_pre_hook(refresh.before)
         m.register_load_state_dict_post_hook(refresh.after)
@@ -304,8 +314,12 @@ class _LoadRefresh:
     by identity, so a deep copy of the model (new parameters) never touches these optimizers.
     """
 
-    def __init__(self, optimizers: list[MixedPrecisionOptimizer]) -> None:
+    def __init__(self, optimizers: list[MixedPrecisionOptimizer],
+                 models: list[nn.Module]) -> None:
         self.masters: dict[int, tuple[weakref.ref, Tensor]] = {}
+        for model in models:  # keep_frozen_fp32 copies are masters without an optimizer
+            for m in model.modules():
+                self.masters.update(m.__dict__.get(FROZEN_ATTR, {}))
         self.lean: dict[int, tuple[weakref.ref, Any]] = {}
         for o in optimizers:
             for p, master in o._pairs:
@@ -441,6 +455,10 @@ def fp32_state_dict(model: nn.Module, optimizer: MixedPrecisionOptimizer | None 
     if lean is not None:
         masters.update({id(p): p.detach().float() + c.float()
                         for p, c in lean.compensation.items()})
+    for m in model.modules():
+        for key, (ref, fp32) in m.__dict__.get(FROZEN_ATTR, {}).items():
+            if ref() is not None:
+                masters.setdefault(key, fp32)
     by_id = {id(p): p for p in model.parameters()}
     out: dict[str, Tensor] = {}
     named = dict(model.named_parameters(remove_duplicate=False))

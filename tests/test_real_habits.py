@@ -285,3 +285,24 @@ def test_torch_clip_grad_norm_on_model_parameters_clips_the_masters():
     clipped = torch.linalg.vector_norm(torch.stack(
         [torch.linalg.vector_norm(m.grad) for m in opt.master_params()]))
     torch.testing.assert_close(clipped, torch.tensor(0.1), rtol=1e-3, atol=0)
+
+
+# --------------------------------------------------------------------------- frozen parameters
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_frozen_parameters_at_o2(keep):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    model[0].requires_grad_(False)  # a frozen backbone
+    exact = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16,
+                                    keep_frozen_fp32=keep)
+    assert model[0].weight.dtype == torch.bfloat16  # stored 16-bit either way
+    state = mixprec.fp32_state_dict(model, opt)
+    rounded = exact["0.weight"].to(torch.bfloat16).float()
+    assert torch.equal(state["0.weight"], exact["0.weight"] if keep else rounded)
+    if keep:  # loading new frozen weights refreshes the fp32 copy too
+        new = {k: v + 1 for k, v in exact.items()}
+        model.load_state_dict(new)
+        assert torch.equal(mixprec.fp32_state_dict(model, opt)["0.weight"], new["0.weight"])
