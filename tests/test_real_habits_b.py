@@ -1,0 +1,61 @@
+"""Real training habits mixprec was not written against (second part): tune by a user metric,
+plain DDP after initialize, fp16 O3 with eps-based optimizers, sparse and complex gradients
+under overflow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+
+BF16, FP16 = torch.bfloat16, torch.float16
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+
+
+# -- tune with a user metric -----------------------------------------------------------------------
+def _accuracy_calls():
+    calls = []
+
+    def accuracy(logits, y):
+        calls.append(torch.is_grad_enabled())
+        return (logits.argmax(-1) == y).float().mean()
+
+    return accuracy, calls
+
+
+def test_tune_by_a_user_metric_keeps_the_planted_layer():
+    from tests.test_tune import Net, _data
+
+    accuracy, calls = _accuracy_calls()
+    model = Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = mixprec.tune(model, _data(), metric=accuracy, dtype=FP16, tolerance=0.01)
+    assert plan.fp32_modules == ["amp"] and plan.passed
+    assert plan.before.metric_drop > 0.05  # all-fp16: non-finite logits, accuracy falls
+    assert plan.after.metric == plan.after.metric_ref  # tuned: the fp32 accuracy
+    assert calls and not any(calls)  # the metric always ran under no_grad
+    assert all(p.grad is None for p in model.parameters())  # no backward in metric mode
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert "metric" in plan.explain() and plan.as_dict()["after"]["loss"] is None
+    # bf16 keeps the fp32 accuracy with everything in 16-bit: an empty plan
+    assert mixprec.tune(Net(), _data(), metric=accuracy, dtype=BF16, tolerance=0.01).policies == {}
+
+
+def test_tune_explains_how_to_pass_an_accuracy_metric():
+    # before: an accuracy passed as loss_fn died in backward with
+    # "element 0 of tensors does not require grad"
+    from tests.test_tune import Net, _data
+
+    accuracy, _ = _accuracy_calls()
+    with pytest.raises(ValueError, match="does not require grad.*pass it as metric=fn"):
+        mixprec.tune(Net(), _data(), accuracy, FP16)
+    with pytest.raises(ValueError, match="one of them; received both"):
+        mixprec.tune(Net(), _data(), nn.functional.cross_entropy, FP16, metric=accuracy)
+    with pytest.raises(ValueError, match="one of them; received neither"):
+        mixprec.tune(Net(), _data(), dtype=FP16)
+    with pytest.raises(TypeError, match="metric must return a number"):
+        mixprec.tune(Net(), _data(), metric=lambda out, y: "high", dtype=FP16)
