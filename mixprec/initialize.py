@@ -288,6 +288,12 @@ def initialize(models: nn.Module | Sequence[nn.Module],
     for m in model_list:
         m.register_load_state_dict_pre_hook(refresh.before)
         m.register_load_state_dict_post_hook(refresh.after)
+    if wrapped:  # a plain DDP(model) later: its ranks must skip the same steps
+        from mixprec.distributed.verdicts import watch_ddp
+
+        for m in model_list:
+            own = {id(p) for p in m.parameters()}
+            watch_ddp(m, [o for o in wrapped if any(id(p) in own for p in o.model_params())])
     out_models = model_list if many_models else model_list[0]
     if optimizers is None:
         return out_models

@@ -59,3 +59,39 @@ def test_tune_explains_how_to_pass_an_accuracy_metric():
         mixprec.tune(Net(), _data(), dtype=FP16)
     with pytest.raises(TypeError, match="metric must return a number"):
         mixprec.tune(Net(), _data(), metric=lambda out, y: "high", dtype=FP16)
+
+
+# -- plain DDP detection (the 2-rank runs are in tests/test_distributed.py) ------------------------
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _train_losses(model, opt, steps=15):
+    torch.manual_seed(1)
+    x, y = torch.randn(32, 16), torch.randn(32, 4)
+    losses = []
+    for _ in range(steps):
+        loss = (model(x).float() - y).pow(2).mean()
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_the_ddp_watch_hook_is_inert_without_ddp_and_copies_do_not_report():
+    import copy
+    import io
+
+    model = _mlp()
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2",
+                                    BF16)
+    losses = _train_losses(model, opt, steps=3)
+    assert opt.reduce_flags is None and opt._plain_ddp is None  # no DDP ran: nothing adopted
+    assert losses[-1] < losses[0]
+    hook = next(h for h in model._forward_pre_hooks.values() if type(h).__name__ == "_DDPWatch")
+    assert [r() for r in hook.refs] == [opt]
+    torch.save(hook, io.BytesIO())  # a class, not a closure: it pickles (without its refs)
+    clone = copy.deepcopy(hook)
+    assert clone.refs == []  # a copied model has other parameters: it reports to no one
