@@ -95,3 +95,24 @@ def test_the_ddp_watch_hook_is_inert_without_ddp_and_copies_do_not_report():
     torch.save(hook, io.BytesIO())  # a class, not a closure: it pickles (without its refs)
     clone = copy.deepcopy(hook)
     assert clone.refs == []  # a copied model has other parameters: it reports to no one
+
+
+# -- fp16 O3 with optimizers whose eps vanishes in fp16 --------------------------------------------
+@pytest.mark.parametrize("optim", [torch.optim.RMSprop, torch.optim.AdamW, torch.optim.NAdam])
+def test_fp16_o3_default_update_is_fp32_math_when_eps_vanishes(optim):
+    # before (RMSprop, no betas): 16-bit arithmetic, NaN weights, 14 of 15 steps skipped
+    model = _mlp()
+    model, opt = mixprec.initialize(model, optim(model.parameters(), lr=1e-3), "O3", FP16)
+    assert opt.lean is not None and opt.lean.update == "kahan"
+    losses = _train_losses(model, opt)
+    assert opt.skipped_steps == 0
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert losses[-1] < 0.9 * losses[0]
+
+
+def test_fp16_o3_explicit_update_none_still_warns_for_rmsprop():
+    model = _mlp()
+    with pytest.warns(RuntimeWarning, match="eps=1e-08, which rounds to 0 in torch.float16"):
+        _, opt = mixprec.initialize(model, torch.optim.RMSprop(model.parameters()), "O3", FP16,
+                                    update=None)
+    assert opt.lean is None
