@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import mixprec
+from mixprec.loss_scale import unscale_and_check_
 
 BF16, FP16 = torch.bfloat16, torch.float16
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
@@ -116,3 +117,116 @@ def test_fp16_o3_explicit_update_none_still_warns_for_rmsprop():
         _, opt = mixprec.initialize(model, torch.optim.RMSprop(model.parameters()), "O3", FP16,
                                     update=None)
     assert opt.lean is None
+
+
+# -- sparse and complex gradients under overflow (training at every level: test_real_habits.py) ---
+def _init(model, opt, level, dtype, **kw):
+    return mixprec.initialize(model, opt, level=level, dtype=dtype, **kw)
+
+
+class Bag(nn.Module):
+    """Embedding with sparse gradients (SparseAdam's use case) and a target per row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 4, sparse=True)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.emb(idx)
+
+
+def _sparse_run(level, dtype, steps=12, overflow_at=None):
+    torch.manual_seed(0)
+    model = Bag()
+    opt = torch.optim.SparseAdam(model.parameters(), lr=0.05)
+    model, opt = _init(model, opt, level, dtype)
+    idx, target = torch.tensor([1, 3, 3, 7]), torch.ones(4, 4)
+    losses, skipped = [], []
+    for i in range(steps):
+        loss = (model(idx).float() - target).pow(2).mean()
+        if i == overflow_at:
+            loss = loss * float("inf")
+            before = ([p.detach().clone() for p in opt.master_params()],
+                      {k: {n: torch.as_tensor(v).clone() for n, v in st.items()}
+                       for k, st in opt.state.items()})
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        skipped.append(opt.step_skipped)
+        if i == overflow_at:
+            masters, state = before
+            for a, b in zip(opt.master_params(), masters):
+                assert torch.equal(a.detach(), b)
+            for k, st in opt.state.items():
+                for n, v in st.items():
+                    assert torch.equal(torch.as_tensor(v), state[k][n])
+    return model, opt, losses, skipped
+
+
+@pytest.mark.parametrize("level,dtype", [("O0", None), ("O2", FP16)])
+def test_sparse_overflow_still_skips_and_leaves_weights_and_state(level, dtype):
+    _, opt, losses, skipped = _sparse_run(level, dtype, steps=6, overflow_at=3)
+    assert skipped == [False, False, False, True, False, False]
+    assert opt.skipped_steps == 1
+    assert losses[5] < losses[0]
+
+
+def test_unscale_and_check_scales_sparse_values_and_flags_nonfinite_ones():
+    i = torch.tensor([[0, 2]])
+    g = torch.sparse_coo_tensor(i, torch.tensor([4.0, 8.0]), (3,), check_invariants=True)
+    found = torch.zeros(1)
+    unscale_and_check_([g], 0.25, found)
+    assert found.item() == 0 and g.to_dense().tolist() == [1.0, 0.0, 2.0]
+    bad = torch.sparse_coo_tensor(i, torch.tensor([1.0, float("nan")]), (3,), check_invariants=True)
+    unscale_and_check_([bad], 1.0, found)
+    assert found.item() == 1
+    with pytest.raises(TypeError, match=r"tensors\[0\] must be a floating .*received torch.int64"):
+        unscale_and_check_([torch.ones(2, dtype=torch.int64)], 1.0, torch.zeros(1))
+
+
+class Phase(nn.Module):
+    """A real layer followed by a complex (phase/amplitude) parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.w = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x).float().to(torch.complex64) * self.w).abs()
+
+
+@pytest.mark.parametrize("level,dtype", [("O2", FP16), ("O3", BF16), ("O0", None)])
+def test_complex_parameters_train_skip_an_overflow_and_stay_complex64(level, dtype):
+    torch.manual_seed(0)
+    model = Phase()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    model, opt = _init(model, opt, level, dtype)
+    x = torch.randn(8, 4)
+    losses = []
+    for i in range(10):
+        loss = (model(x).float() - 1).pow(2).mean()
+        if i == 4:  # an overflow: the complex parameter must not move either
+            w = model.w.detach().clone()
+            opt.backward(loss * float("inf"))
+            opt.step()
+            assert opt.step_skipped and torch.equal(model.w.detach(), w)
+            opt.zero_grad()
+            continue
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert model.w.dtype == torch.complex64
+    assert opt.skipped_steps == 1
+    assert losses[-1] < 0.6 * losses[0]
+
+
+def test_complex_gradient_checked_on_both_parts():
+    g = torch.tensor([1 + 2j, complex(3, float("inf"))], dtype=torch.complex64)
+    found = torch.zeros(1)
+    unscale_and_check_([g[:1]], 0.5, found)
+    assert found.item() == 0 and g[0].item() == complex(0.5, 1.0)
+    unscale_and_check_([g], 1.0, found)
+    assert found.item() == 1
