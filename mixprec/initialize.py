@@ -18,8 +18,9 @@ fp32 on temporaries and writes the 16-bit weights back with that rounding, with 
 stored per ``state_dtype`` (:mod:`mixprec.lean`). ``update=None`` lets the optimizer step the
 16-bit weights in 16-bit arithmetic; that is the default for bf16, so existing O3 code and
 checkpoints are unchanged. For fp16 with an Adam-family optimizer (``betas`` in its defaults)
-the default is ``"kahan"``: in fp16 arithmetic Adam's eps rounds to 0 and its second moment
-underflows, which turned weights NaN on the first step. ``"kahan"`` is the recommended setting
+or any optimizer whose ``eps`` rounds to 0 in fp16 (RMSprop's 1e-8), the default is
+``"kahan"``: in fp16 arithmetic such an eps rounds to 0 and Adam's second moment underflows,
+which turned weights NaN on the first step. ``"kahan"`` is the recommended setting
 for pure 16-bit training; pass ``update=None`` explicitly to keep 16-bit arithmetic.
 
 A non-finite gradient skips the step at every level, with or without loss scaling. The model is
@@ -283,7 +284,8 @@ def initialize(models: nn.Module | Sequence[nn.Module],
         m.__dict__[_MARK] = level
 
     if props["cast_params"] and not props["master_weights"] and dtype == torch.float16 and \
-            "update" not in props["lean"] and any("betas" in o.defaults for o in opt_list):
+            "update" not in props["lean"] and (any("betas" in o.defaults for o in opt_list)
+                                               or _vanishing_eps(opt_list, dtype)):
         # fp16 Adam-family state and arithmetic without masters: eps rounds to 0, the second
         # moment underflows, weights go NaN on the first steps. Run the update in fp32.
         props["lean"]["update"] = "kahan"
@@ -298,6 +300,12 @@ def initialize(models: nn.Module | Sequence[nn.Module],
     for m in model_list:
         m.register_load_state_dict_pre_hook(refresh.before)
         m.register_load_state_dict_post_hook(refresh.after)
+    if wrapped:  # a plain DDP(model) later: its ranks must skip the same steps
+        from mixprec.distributed.verdicts import watch_ddp
+
+        for m in model_list:
+            own = {id(p) for p in m.parameters()}
+            watch_ddp(m, [o for o in wrapped if any(id(p) in own for p in o.model_params())])
     out_models = model_list if many_models else model_list[0]
     if optimizers is None:
         return out_models
@@ -370,20 +378,29 @@ def _refuse_wrapped(m: nn.Module) -> None:
                         "which shards with a matching MixedPrecisionPolicy.")
 
 
-def _warn_vanishing_eps(optimizers: list[Optimizer], dtype: torch.dtype) -> None:
-    """Without masters the optimizer's arithmetic runs in ``dtype``: an ``eps`` that rounds to 0
-    there (Adam's 1e-8 in fp16) turns a zero gradient into 0/0 = NaN on the first step."""
+def _vanishing_eps(optimizers: list[Optimizer], dtype: torch.dtype) -> tuple[int, float] | None:
+    """``(optimizer index, eps)`` of the first ``eps`` that rounds to 0 in ``dtype``, or None."""
     tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # smallest subnormal
     for i, o in enumerate(optimizers):
         for group in o.param_groups:
             eps = group.get("eps")
             if isinstance(eps, float) and 0 < eps < tiny:
-                warnings.warn(
-                    f"Optimizer {i} has eps={eps:g}, which rounds to 0 in {dtype} (smallest "
-                    f"positive value {tiny:.3g}); without fp32 master weights its update can "
-                    "divide 0 by 0. Use master_weights=True (O2), or eps >= 1e-4.",
-                    RuntimeWarning, stacklevel=3)
-                return
+                return i, eps
+    return None
+
+
+def _warn_vanishing_eps(optimizers: list[Optimizer], dtype: torch.dtype) -> None:
+    """Without masters the optimizer's arithmetic runs in ``dtype``: an ``eps`` that rounds to 0
+    there (Adam's 1e-8 in fp16) turns a zero gradient into 0/0 = NaN on the first step."""
+    tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # smallest subnormal
+    found = _vanishing_eps(optimizers, dtype)
+    if found is not None:
+        i, eps = found
+        warnings.warn(
+            f"Optimizer {i} has eps={eps:g}, which rounds to 0 in {dtype} (smallest positive "
+            f"value {tiny:.3g}); without fp32 master weights its update can divide 0 by 0. Use "
+            "update='kahan', master_weights=True (O2), or eps >= 1e-4.",
+            RuntimeWarning, stacklevel=3)
 
 
 @contextlib.contextmanager

@@ -121,6 +121,9 @@ class MixedPrecisionOptimizer(Optimizer):
         # Distributed training sets this to reduce the verdict flags across ranks (in one
         # collective) so every rank skips the same steps; it returns the reduced flags.
         self.reduce_flags: Callable[[list[Tensor]], list[Tensor]] | None = None
+        # A plain DistributedDataParallel seen running the model (weakref; set by
+        # mixprec.distributed.verdicts.watch_ddp): the next step makes the verdicts global.
+        self._plain_ddp: Any = None
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
         for group in optimizer.param_groups:
@@ -331,6 +334,10 @@ class MixedPrecisionOptimizer(Optimizer):
         """Process raw grads, read every verdict with one host sync, update the scalers."""
         if self._has_raw_grads():
             self._unscale(1.0)  # plain loss.backward() (alone or after scaled ones): unscaled
+        if getattr(self, "_plain_ddp", None) is not None:
+            from mixprec.distributed.verdicts import adopt_ddp
+
+            adopt_ddp(self)  # DDP(model) without wrap_ddp: same verdict on every rank
         slots = [self.slots[i] for i in sorted(self._touched)]
         flags = list(self._found.values())
         all_flags = flags + [p for s in slots for p in s.pending]

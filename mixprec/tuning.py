@@ -20,6 +20,10 @@ Design (Intel Neural Compressor's accuracy-driven fallback and TE's per-layer st
    pruning, not an exhaustive search, which is exponential). fp16 backward runs are scaled by
    the largest of 2**15, 2**10, 2**5, 1 that keeps the gradients finite, as a dynamic loss
    scaler would settle.
+   With ``metric=`` the criterion is the user's metric instead (higher is better, e.g.
+   accuracy): a run passes when its metric, averaged over the batches and computed under
+   ``torch.no_grad``, is at most ``tolerance`` below the fp32 run's (an absolute drop, in the
+   metric's units). Forward passes only: a metric has no gradient to compare.
 4. **Result.** A :class:`TunePlan` maps module paths to policies: ``"float32"`` for kept
    modules, and ``mixed_<dtype>`` for their direct children so that only the kept module's own
    ops leave 16-bit. :func:`mixprec.set_policy` accepts each entry; ``plan.apply(model)``
@@ -51,16 +55,36 @@ _BOUNDARY = "_mixprec_boundary"
 
 @dataclass
 class RunError:
-    """How far one mixed-precision run is from fp32 (relative, worst batch)."""
+    """How far one mixed-precision run is from fp32.
+
+    Loss mode: relative loss and global-gradient errors, worst batch. Metric mode (``tune(...,
+    metric=fn)``): ``metric`` is the run's mean metric over the batches and ``metric_ref`` the
+    fp32 run's; ``loss`` and ``grad`` are NaN (not measured).
+    """
 
     loss: float
     grad: float
     loss_scale: float
+    metric: float | None = None
+    metric_ref: float | None = None
+
+    @property
+    def metric_drop(self) -> float | None:
+        """``metric_ref - metric`` (inf when the run's metric is not finite)."""
+        if self.metric is None or self.metric_ref is None:
+            return None
+        return self.metric_ref - self.metric if math.isfinite(self.metric) else math.inf
 
     def within(self, tol: float) -> bool:
+        drop = self.metric_drop
+        if drop is not None:
+            return drop <= tol
         return self.loss <= tol and self.grad <= tol
 
     def __str__(self) -> str:
+        if self.metric_drop is not None:
+            return (f"metric {self.metric:.4g} (fp32 {self.metric_ref:.4g}, drop "
+                    f"{self.metric_drop:.3g})")
         return f"loss error {self.loss:.3g}, gradient error {self.grad:.3g}"
 
 
@@ -110,7 +134,7 @@ class TunePlan(Mapping):
                 "fp32_modules": self.fp32_modules, "reasons": self.reasons,
                 "sensitivity": {k: (v if math.isfinite(v) else "inf")
                                 for k, v in self.sensitivity.items()},
-                "before": vars(self.before), "after": vars(self.after),
+                "before": _plain(vars(self.before)), "after": _plain(vars(self.after)),
                 "passed": self.passed, "evaluations": self.evaluations}
 
     def explain(self, top: int = 5) -> str:
@@ -171,9 +195,11 @@ def _first_float(obj: Any) -> Tensor | None:
 
 
 class _Tuner:
-    def __init__(self, model: nn.Module, batches: list[tuple[Any, Any]], loss_fn: Callable,
-                 dtype: torch.dtype, seed: int):
+    def __init__(self, model: nn.Module, batches: list[tuple[Any, Any]],
+                 loss_fn: Callable | None, dtype: torch.dtype, seed: int,
+                 metric: Callable[[Any, Any], Any] | None = None):
         self.model, self.batches, self.loss_fn = model, batches, loss_fn
+        self.metric = metric
         self.dtype, self.seed = dtype, seed
         self.low = Policy(param_dtype=torch.float32, compute_dtype=dtype,
                           output_dtype=torch.float32)
@@ -182,16 +208,37 @@ class _Tuner:
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.evaluations = 0
 
-    def _forward(self, batch: tuple[Any, Any]) -> Tensor:
-        x, y = batch
+    def _output(self, x: Any) -> Any:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            out = self.model(*x) if isinstance(x, tuple) else self.model(x)
-        loss = self.loss_fn(out, y)
+            return self.model(*x) if isinstance(x, tuple) else self.model(x)
+
+    def _forward(self, batch: tuple[Any, Any]) -> Tensor:
+        x, y = batch
+        loss = self.loss_fn(self._output(x), y)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError(f"loss_fn must return a scalar tensor, received {type(loss).__name__}"
                             f"{'' if not isinstance(loss, Tensor) else list(loss.shape)}.")
+        if torch.is_grad_enabled() and not loss.requires_grad:
+            raise ValueError(
+                "loss_fn returned a value that does not require grad (an accuracy-style "
+                "function, or one computed under no_grad/detach): tune's default criterion "
+                "compares gradients with fp32. To search by such a metric, pass it as "
+                "metric=fn (higher is better) instead of loss_fn.")
         return loss.float().reshape(())
+
+    @torch.no_grad()
+    def _metric(self) -> float:
+        """The metric averaged over the batches (NaN/inf if a batch's metric is not finite)."""
+        values = []
+        for x, y in self.batches:
+            value = self.metric(self._output(x), y)
+            try:
+                values.append(float(value))
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(f"metric must return a number (or a 1-element tensor); received "
+                                f"{type(value).__name__}.") from None
+        return sum(values) / len(values)
 
     def _grads(self) -> list[Tensor | None]:
         return [None if p.grad is None else p.grad.detach().clone() for _, p in self.params]
@@ -223,6 +270,18 @@ class _Tuner:
         self.ref_loss, self.ref_grads = [], []
         try:
             mode = _OwnOps(stack)
+            if self.metric is not None:  # forward only; the metric's fp32 value is the reference
+                with torch.no_grad():
+                    for x, _ in self.batches:
+                        outs = {}
+                        with mode:
+                            self._output(x)
+                        self.ref_out.append(outs)
+                self.ref_metric = self._metric()
+                if not math.isfinite(self.ref_metric):
+                    raise ValueError(f"The fp32 metric is {self.ref_metric}: tune needs a metric "
+                                     "that is finite on the fp32 model.")
+                return [p for p in self.named if mode.counts.get(p, 0) > 0]
             for batch in self.batches:
                 outs = {}
                 with mode:
@@ -296,6 +355,13 @@ class _Tuner:
         self.evaluations += 1
         assignment = self.plan(fp32)
         self._set(assignment)
+        if self.metric is not None:
+            try:
+                with autocast(self.dtype):
+                    value = self._metric()
+            finally:
+                self._clear(assignment)
+            return RunError(math.nan, math.nan, 1.0, value, self.ref_metric)
         loss_err = grad_err = 0.0
         used = 1.0
         try:
@@ -351,20 +417,33 @@ def _as_batches(batch: Any) -> list[tuple[Any, Any]]:
     return out
 
 
-def tune(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], Tensor],
+def tune(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], Tensor] | None = None,
          dtype: torch.dtype | str = torch.float16, tolerance: float = 0.05, *,
+         metric: Callable[[Any, Any], Any] | None = None,
          candidates: list[str] | None = None, max_evaluations: int = 64,
          seed: int = 0) -> TunePlan:
-    """Find the fewest modules to keep in float32 so loss and gradients match fp32.
+    """Find the fewest modules to keep in float32 so loss and gradients (or a metric) match fp32.
 
     Args:
         model: an fp32 model not yet passed to :func:`mixprec.initialize`.
         batch: ``(inputs, target)`` or a list of them (real data); ``inputs`` is a tensor or a
             tuple of positional arguments. The loss is ``loss_fn(model(inputs), target)``.
-        loss_fn: returns a scalar loss.
+        loss_fn: returns a scalar loss that requires grad; the search compares loss and
+            gradients with fp32. Give ``loss_fn`` or ``metric``, not both.
         dtype: the 16-bit compute dtype to tune for.
-        tolerance: the largest relative error of the loss and of the global gradient (each,
-            worst batch) accepted against fp32.
+        tolerance: with ``loss_fn``, the largest relative error of the loss and of the global
+            gradient (each, worst batch) accepted against fp32; with ``metric``, the largest
+            drop of the metric (absolute, in its units, e.g. 0.01 = one accuracy point)
+            below fp32's.
+        metric: ``metric(model(inputs), target) -> number``, **higher is better** (accuracy,
+            F1, BLEU, negated error ...). Evaluated under ``torch.no_grad``, averaged over the
+            batches; the search then keeps modules in fp32 until the 16-bit run's metric is
+            within ``tolerance`` of the fp32 run's. No backward pass is run. Example::
+
+                def accuracy(logits, y):
+                    return (logits.argmax(-1) == y).float().mean()
+
+                plan = mixprec.tune(model, batches, metric=accuracy, tolerance=0.01)
         candidates: module paths to choose from (default: every module running its own ops).
         max_evaluations: cap on full forward/backward evaluations in the search.
         seed: RNG seed set before every forward, so dropout matches across runs.
@@ -389,10 +468,18 @@ def tune(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], Tensor],
     if bad:
         raise ValueError(f"tune compares against fp32 and needs fp32 parameters; {bad[:3]} are "
                          "not float32.")
+    if (loss_fn is None) == (metric is None):
+        raise ValueError("tune needs loss_fn (search by loss and gradient error) or metric= "
+                         "(search by your higher-is-better metric, e.g. accuracy), one of "
+                         f"them; received {'both' if metric is not None else 'neither'}.")
+    for name, fn in (("loss_fn", loss_fn), ("metric", metric)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable(outputs, target); received "
+                            f"{type(fn).__name__}.")
     batches = _as_batches(batch)
     saved_policies = {n: get_policy(m) for n, m in model.named_modules()}
     saved_grads = [(p, p.grad) for p in model.parameters()]
-    tuner = _Tuner(model, batches, loss_fn, dtype, seed)
+    tuner = _Tuner(model, batches, loss_fn, dtype, seed, metric)
     for n, m in model.named_modules():
         if saved_policies[n] is not None:
             set_policy(m, None)
@@ -437,6 +524,13 @@ def tune(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], Tensor],
             set_policy(m, saved_policies[n])
         for p, g in saved_grads:
             p.grad = g
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    """JSON-safe numbers: NaN (not measured) -> None, inf -> "inf"."""
+    return {k: (None if isinstance(v, float) and math.isnan(v) else
+                "inf" if isinstance(v, float) and math.isinf(v) else v)
+            for k, v in values.items()}
 
 
 def _name(dtype: torch.dtype) -> str:

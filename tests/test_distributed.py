@@ -82,6 +82,25 @@ def test_without_verdict_sync_the_ranks_diverge(ranks):
     assert "differ across ranks" in r0["assert_in_sync"]
 
 
+@pytest.mark.parametrize("mode", ["O2-fp16", "O1-bf16", "O0-fp32"])
+def test_plain_ddp_after_initialize_skips_on_every_rank(ranks, mode):
+    """DDP(model) without wrap_ddp, replicas seeded differently: before, rank 1 alone skipped
+    the poisoned step and the ranks' weights and masters differed from then on."""
+    r0, r1 = (res[mode] for res in result(ranks, "plain_ddp"))
+    for r in (r0, r1):
+        assert r["skipped"] == [False, False, True, False]
+        assert r["params_equal_across_ranks"] and r["masters_equal_across_ranks"]
+        assert r["verdicts_reduced"]
+    assert r0["scales"] == r1["scales"]
+
+
+def test_plain_ddp_built_before_initialize_is_refused_at_the_first_step(ranks):
+    for res in result(ranks, "plain_ddp"):
+        msg = res["ddp_before_initialize"]
+        assert "built before mixprec.initialize" in msg and "its bucket torch.float32" in msg
+        assert "mixprec.distributed.wrap_ddp(model, optimizer)" in msg
+
+
 def test_fsdp_inf_in_one_shard_skips_on_both_ranks(ranks):
     r0, r1 = (res["fsdp"] for res in result(ranks, "fsdp_gpt"))
     assert r0["skipped_steps"] == r1["skipped_steps"] == 1

@@ -150,7 +150,9 @@ def scenario_skip_one_rank() -> dict:
                                         level="O2", dtype=torch.float16, init_scale=1024.0)
         ddp = mpd.wrap_ddp(model, opt)
         if not synced:
-            opt.reduce_flags = None  # control: each rank decides alone
+            # control: each rank decides alone (an identity reducer, so that the plain-DDP
+            # detection, which only acts on reduce_flags=None, leaves it alone)
+            opt.reduce_flags = lambda flags: flags
         skipped, scales = [], []
         for step in range(4):
             x, y = batch(step)
@@ -172,6 +174,50 @@ def scenario_skip_one_rank() -> dict:
             "skipped": skipped, "scales": scales, "skipped_steps": opt.skipped_steps,
             "params_equal_across_ranks": all(bitwise_equal(params, o) for o in others),
             "assert_in_sync": in_sync}
+    return out
+
+
+def scenario_plain_ddp() -> dict:
+    """``DDP(model)`` built by the user after ``initialize`` (no wrap_ddp), replicas seeded
+    differently per rank: an inf on rank 1 only must skip the step on both ranks."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    for name, level, dtype, extra in (("O2-fp16", "O2", torch.float16, {"init_scale": 1024.0}),
+                                      ("O1-bf16", "O1", torch.bfloat16, {}),
+                                      ("O0-fp32", "O0", None, {})):
+        model = mlp(RANK)  # a different init per rank: DDP broadcasts rank 0's parameters
+        model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                        level=level, dtype=dtype, **extra)
+        ddp = DDP(model)
+        skipped, scales = [], []
+        for step in range(4):
+            x, y = batch(step)
+            opt.backward(mse(ddp, local(x), local(y)))
+            if step == 2:
+                poison_local_grad(opt, inject=RANK == 1)
+            opt.step()
+            opt.zero_grad()
+            skipped.append(opt.step_skipped)
+            scales.append(opt.loss_scale)
+        params, masters = flat(model.parameters()), flat(opt.master_params())
+        out[name] = {"skipped": skipped, "scales": scales,
+                     "params_equal_across_ranks": all(bitwise_equal(params, o)
+                                                      for o in gathered(params)),
+                     "masters_equal_across_ranks": all(bitwise_equal(masters, o)
+                                                       for o in gathered(masters)),
+                     "verdicts_reduced": opt.reduce_flags is not None}
+    model = mlp(0)
+    ddp = DDP(model)  # built before initialize: stale buckets, refused at the first step
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    level="O2", dtype=torch.bfloat16)
+    x, y = batch(0)
+    opt.backward(mse(ddp, local(x), local(y)))
+    try:
+        opt.step()
+        out["ddp_before_initialize"] = "ok"
+    except RuntimeError as e:
+        out["ddp_before_initialize"] = str(e)
     return out
 
 
