@@ -95,14 +95,21 @@ def measure(model: str, phase: str, modes: list[str], rounds: int, dtype: torch.
     with _CallCounter() as counter, torch.no_grad():
         trainers[modes[0]].model(x)
     times: dict[str, list[float]] = {m: [] for m in modes}
+    failed: dict[str, str] = {}
     for r in range(rounds + 1):
         for m in modes:
-            dt = timers[m]()
+            if m in failed:
+                continue
+            try:
+                dt = timers[m]()
+            except Exception as e:  # noqa: BLE001 - one broken mode must not hide the others
+                failed[m] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+                continue
             if r:  # round 0 warms up (and compiles)
                 times[m].append(dt)
     ref = times.get("torch-autocast")
-    rows = []
-    for m in modes:
+    rows = [{"model": model, "phase": phase, "mode": m, "error": e} for m, e in failed.items()]
+    for m in [m for m in modes if m not in failed]:
         med = statistics.median(times[m])
         ratio = statistics.median(a / b for a, b in zip(times[m], ref)) if ref else None
         extra = (med - statistics.median(ref)) / counter.calls * 1e6 if ref else None
@@ -125,6 +132,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| model | phase | mode | median (ms) | x torch.autocast | extra us/call |",
              "|---|---|---|---|---|---|"]
     for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['model']} | {r['phase']} | {r['mode']} | failed: {r['error']} | "
+                         "| |")
+            continue
         ratio = "-" if r["vs_torch"] is None else f"{r['vs_torch']:.2f}x"
         extra = "-" if r["extra_us_per_call"] is None else f"{r['extra_us_per_call']:+.1f}"
         lines.append(f"| {r['model']} | {r['phase']} | {r['mode']} | {r['ms']:.3f} | {ratio} | "
