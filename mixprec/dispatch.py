@@ -117,7 +117,8 @@ def push(frame: Frame, cache_enabled: bool | None = None) -> _Saved:
         sync(first=True)
     saved = _Saved([(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                     for d in devices], torch.is_autocast_cache_enabled())
-    if torch.compiler.is_dynamo_compiling():  # a graph node: the compiler's tracing pushes it
+    tracing = torch.compiler.is_dynamo_compiling()
+    if tracing:  # a graph node: the compiler's tracing pushes it
         _enter_traced(frame.dtype, frame.kernels, bool(frame.fp32_inside))
     elif torch.compiler.is_exporting():
         # torch.export records ops above the autocast keys, where these kernels never run:
@@ -138,9 +139,9 @@ def push(frame: Frame, cache_enabled: bool | None = None) -> _Saved:
             torch.set_autocast_enabled(d, False)
     else:
         for d, _, was in saved.autocast:
-            if was != frame.dtype:
+            if was != frame.dtype and not tracing:
                 # torch's cache is keyed by the weight alone: a copy in another 16-bit dtype
-                # must not be served to this region
+                # must not be served to this region (compiled code has no such cache)
                 torch.clear_autocast_cache()
             torch.set_autocast_dtype(d, frame.dtype)
             torch.set_autocast_enabled(d, True)
@@ -152,19 +153,20 @@ def pop(frame: Frame, saved: _Saved) -> None:
         saved.mode.__exit__(None, None, None)
         _state.frames.pop()
         return
-    if torch.compiler.is_dynamo_compiling():
+    tracing = torch.compiler.is_dynamo_compiling()
+    if tracing:
         _exit_traced()
     elif not _state.frames or _state.frames[-1] != frame:
         raise RuntimeError("mixprec.autocast regions were exited out of order.")
     else:
         _state.frames.pop()
     for d, on, dt in saved.autocast:
-        if frame.dtype is not None and dt != frame.dtype:
+        if frame.dtype is not None and dt != frame.dtype and not tracing:
             torch.clear_autocast_cache()
         torch.set_autocast_dtype(d, dt)
         torch.set_autocast_enabled(d, on)
     torch.set_autocast_cache_enabled(saved.cache)
-    if torch.autocast_decrement_nesting() == 0:
+    if torch.autocast_decrement_nesting() == 0 and not tracing:
         torch.clear_autocast_cache()
 
 
@@ -447,6 +449,20 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     if _state.frames:
         torch.clear_autocast_cache()  # weights changed in place inside a region
 
+
+def _dynamo_traces_autocast_setters() -> bool:
+    """torch >= 2.13's dynamo records torch.set_autocast_dtype and autocast_increment_nesting in
+    the graph; older ones graph-break on them, half-way through :func:`push`."""
+    rules = getattr(getattr(torch._dynamo, "trace_rules", None),
+                    "torch_c_binding_in_graph_functions", {})
+    return "torch.set_autocast_dtype" in rules and "torch._C.autocast_increment_nesting" in rules
+
+
+if not _dynamo_traces_autocast_setters():
+    # Older dynamo: run push/pop eagerly (one clean graph break at each module boundary) rather
+    # than half-traced, which left a frame pushed by a graph node without its pop.
+    push = torch._dynamo.disable(push)
+    pop = torch._dynamo.disable(pop)
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 

