@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import subprocess
 import time
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec.bench.runner import Trainer
-from mixprec.benchmarking import step_workload
+from mixprec.benchmarking import emit, step_workload
 from mixprec.models import GPT, GPTConfig
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -129,7 +128,7 @@ def run(device: str, smoke: bool, rounds: int, steps: int, modes: list[Mode],
             _tf32(m.tf32)
             try:
                 trainers[m.label] = Trainer(wl, None, m.trainer_mode, m.dtype, 0, 0)
-            except Exception as e:  # report the mode as failed, keep the others
+            except Exception as e:  # noqa: BLE001 - report the mode as failed, keep the others
                 res[m.label].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         for r in range(rounds + 1):  # round 0: warm-up (and compilation)
             for m in modes:
@@ -139,7 +138,7 @@ def run(device: str, smoke: bool, rounds: int, steps: int, modes: list[Mode],
                 _tf32(m.tf32)
                 try:
                     dt = sum(t.step()[0] for _ in range(steps)) / steps
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - one broken mode keeps the rest
                     res[m.label].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
                     del trainers[m.label]
                     continue
@@ -181,15 +180,15 @@ def machine(device: str) -> str:
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
                                  "--format=csv,noheader"], capture_output=True, text=True,
-                                timeout=30).stdout.strip().splitlines()[0]
+                                timeout=30, check=False).stdout.strip().splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         driver = "unknown"
     return (f"{torch.cuda.get_device_name()}, driver {driver}, CUDA {torch.version.cuda}")
 
 
 def format_table(rows: list[Row]) -> str:
-    lines = ["| workload | mode | step (ms) | throughput | speed vs torch.autocast | "
-             "peak memory (MB) | final loss | skipped |", "|---|---|---|---|---|---|---|---|"]
+    lines = [("| workload | mode | step (ms) | throughput | speed vs torch.autocast | "
+              "peak memory (MB) | final loss | skipped |"), "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.error:
             lines.append(f"| {r.workload} | {r.mode} | failed: {r.error} | | | | | |")
@@ -227,15 +226,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = run(args.device, args.smoke, args.rounds, args.steps, modes)
     header = (f"{datetime.date.today()} · {machine(args.device)} · torch {torch.__version__} · "
               f"{args.rounds} rounds x {args.steps} steps · {time.time() - t0:.0f} s")
-    print()
-    print(header)
-    print()
-    print(format_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": header, "rows": [
-                {**{k: v for k, v in r.__dict__.items() if k != "times"}, "median": r.median,
-                 "times": r.times} for r in rows]}, f, indent=1)
+    emit(header, format_table(rows), args.json, {"rows": [
+        {**{k: v for k, v in r.__dict__.items() if k != "times"}, "median": r.median,
+         "times": r.times} for r in rows]})
 
 
 if __name__ == "__main__":

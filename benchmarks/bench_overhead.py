@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import time
 from typing import Any
@@ -25,7 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mixprec.bench.runner import Trainer
-from mixprec.benchmarking import step_workload
+from mixprec.benchmarking import emit, step_workload
 from mixprec.hardware import check
 from mixprec.models import GPT, GPTConfig
 
@@ -164,13 +163,7 @@ def main() -> None:
         for phase in args.phases:
             rows += measure(model, phase, args.modes, args.rounds, dtype, args.device)
             print(f"{model} {phase} done", flush=True)
-    print()
-    print(header)
-    print()
-    print(format_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"header": header, "rows": rows}, f, indent=1)
+    emit(header, format_table(rows), args.json, {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from mixprec.bench.workloads import BenchWorkload
 from mixprec.memory import PeakMemory
 from mixprec.models import GPT, GPTConfig, SeedMLP
 
-__all__ = ["MODES", "WORKLOADS", "build_step", "count_casts", "format_table", "run",
+__all__ = ["MODES", "WORKLOADS", "build_step", "count_casts", "emit", "format_table", "run",
            "step_workload"]
 
 
@@ -142,6 +142,19 @@ def count_casts(step: Callable[[], Any], warmup: int = 2) -> int:
     # 0-dim casts are optimizer step counters and Python scalars, not tensors of the model
     return sum(1 for e in prof.events() if e.name == "aten::_to_copy"
                and e.input_shapes and e.input_shapes[0])
+
+
+def emit(header: str, table: str, path: str | None, doc: dict[str, Any]) -> None:
+    """Print a benchmark's header and table; write ``doc`` (with the header) to ``path``."""
+    print()
+    print(header)
+    print()
+    print(table)
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump({"header": header, **doc}, f, indent=1)
 
 
 def format_table(results: list[Result]) -> str:

@@ -102,9 +102,9 @@ def test_fp16_o3_with_adamw_and_no_update_mode_trains():
 
 def _hf(name):
     transformers = pytest.importorskip("transformers")
-    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, intermediate_size=64, vocab_size=64,
-                  max_position_embeddings=32)
+    common = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 64,
+              "max_position_embeddings": 32}
     if name == "gemma":
         common["head_dim"] = 16
     prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gemma": "Gemma"}[name]
@@ -227,40 +227,32 @@ def test_load_state_dict_after_initialize_is_not_undone_by_the_next_step(level, 
             assert torch.equal(state[key], ref.to(torch.bfloat16).float()), key
 
 
-def test_fp32_state_dict_round_trips_into_an_o2_model():
-    torch.manual_seed(0)
+def _o2_pair(seed: int, steps: int):
+    torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
-    for _ in range(3):
+    for _ in range(steps):
         opt.backward(model(torch.randn(4, 8)).float().pow(2).mean())
         opt.step()
         opt.zero_grad()
+    return model, opt
+
+
+def test_fp32_state_dict_round_trips_into_an_o2_model():
+    model, opt = _o2_pair(0, 3)
     saved = mixprec.fp32_state_dict(model, opt)
-    torch.manual_seed(5)
-    other = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
-    other, other_opt = mixprec.initialize(other, other_opt, level="O2", dtype=torch.bfloat16)
+    other, other_opt = _o2_pair(5, 0)
     other.load_state_dict(saved)
     again = mixprec.fp32_state_dict(other, other_opt)
     assert all(torch.equal(again[k], v) for k, v in saved.items())  # exact, through masters
 
 
 def test_resuming_optimizer_first_then_model_keeps_the_exact_masters():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
-    for _ in range(3):
-        opt.backward(model(torch.randn(4, 8)).float().pow(2).mean())
-        opt.step()
-        opt.zero_grad()
+    model, opt = _o2_pair(0, 3)
     ckpt = {"model": model.state_dict(), "opt": opt.state_dict()}
     truth = mixprec.fp32_state_dict(model, opt)
-    torch.manual_seed(5)
-    other = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
-    other, other_opt = mixprec.initialize(other, other_opt, level="O2", dtype=torch.bfloat16)
+    other, other_opt = _o2_pair(5, 0)
     other_opt.load_state_dict(ckpt["opt"])
     other.load_state_dict(ckpt["model"])  # 16-bit copies of the masters: no new information
     again = mixprec.fp32_state_dict(other, other_opt)

@@ -94,4 +94,4 @@ def test_hf_llama_trains_on_cuda_at_o2():
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    assert losses[-1] < 0.6 * losses[0] and all(v == v for v in losses)
+    assert losses[-1] < 0.6 * losses[0] and all(torch.isfinite(torch.tensor(losses)))

@@ -59,7 +59,7 @@ def test_fp16_trains_with_dynamic_scaling_on_the_fused_kernel(level):
     loss_scale._NO_FUSED_KERNEL.discard(("cuda", FP16))
     model, opt = _build(level, FP16, update="kahan" if level == "O3" else None)
     losses, skipped = _train(model, opt, _data())
-    assert losses[-1] < 0.5 * losses[0] and all(map(lambda v: v == v, losses))
+    assert losses[-1] < 0.5 * losses[0] and all(torch.isfinite(torch.tensor(losses)))
     assert sum(skipped) <= 2  # at most the first overshooting scale
     assert ("cuda", FP16) not in loss_scale._NO_FUSED_KERNEL  # the fused kernel did the work
     assert opt.loss_scale >= 1.0
@@ -116,7 +116,7 @@ def test_fused_adamw_behind_fp32_masters():
     fused_model, fused_opt = _build("O2", FP16, fused=True)
     plain_model, plain_opt = _build("O2", FP16, fused=False)
     fused_losses, _ = _train(fused_model, fused_opt, data)
-    plain_losses, _ = _train(plain_model, plain_opt, data)
+    _train(plain_model, plain_opt, data)
     assert fused_losses[-1] < 0.5 * fused_losses[0]
     for (_, a), (_, b) in zip(fused_opt._pairs, plain_opt._pairs):
         assert a.dtype == torch.float32
