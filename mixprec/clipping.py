@@ -1,4 +1,5 @@
-"""``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` made right for fp32 masters.
+"""``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` on model parameters, made right for
+fp32 masters.
 
 At O2 the gradients that the optimizer steps live on the fp32 master weights; the 16-bit model
 parameters hold none after ``opt.backward``. The common torch idiom
@@ -51,14 +52,15 @@ def _wrap(original: Any) -> Any:
         return original
 
     @functools.wraps(original)
-    def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Tensor:
+    def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         if _master_of:
             params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
             parameters = [_swap(p) for p in params]
         return original(parameters, *args, **kwargs)
 
-    clip_grad_norm_._mixprec_wrapped = True  # type: ignore[attr-defined]
-    return clip_grad_norm_
+    clip._mixprec_wrapped = True  # type: ignore[attr-defined]
+    return clip
 
 
 torch.nn.utils.clip_grad_norm_ = _wrap(torch.nn.utils.clip_grad_norm_)
+torch.nn.utils.clip_grad_value_ = _wrap(torch.nn.utils.clip_grad_value_)

@@ -86,8 +86,9 @@ def _level_from_policy(policy: Policy) -> str:
 
 
 def _overflows(before: Tensor, after: Tensor) -> bool:
-    """True when the cast made a finite value infinite."""
-    return bool((torch.isfinite(before) & ~torch.isfinite(after)).any())
+    """True when the cast made a finite value infinite, or a nonzero value zero."""
+    return bool((torch.isfinite(before) & ~torch.isfinite(after)).any()
+                or ((before != 0) & (after == 0)).any())
 
 
 def _cast_storage(module: nn.Module, dtype: torch.dtype, keep_norm: bool) -> None:
@@ -105,7 +106,8 @@ def _cast_storage(module: nn.Module, dtype: torch.dtype, keep_norm: bool) -> Non
                 if _overflows(b, cast):  # e.g. 1e5 in fp16: inf, then NaN outputs, all skipped
                     warnings.warn(
                         f"Buffer {type(module).__name__}.{name} holds values outside {dtype}'s "
-                        f"range (max |x| = {b.abs().max().item():.3g}); it stays "
+                        f"range (|x| up to {b.abs().max().item():.3g}, nonzero values that "
+                        f"would flush to 0 or overflow); it stays "
                         f"{b.dtype}.", RuntimeWarning, stacklevel=4)
                     continue
                 module._buffers[name] = cast
@@ -297,9 +299,11 @@ def initialize(models: nn.Module | Sequence[nn.Module],
                                        **props["lean"])
                for o in opt_list]
     refresh = _LoadRefresh(wrapped, model_list)
-    for m in model_list:
-        m.register_load_state_dict_pre_hook(refresh.before)
-        m.register_load_state_dict_post_hook(refresh.after)
+    for model in model_list:
+        for m in model.modules():  # every module: a submodule may be loaded on its own
+            if m._parameters:
+                m.register_load_state_dict_pre_hook(refresh.before)
+                m.register_load_state_dict_post_hook(refresh.after)
     if wrapped:  # a plain DDP(model) later: its ranks must skip the same steps
         from mixprec.distributed.verdicts import watch_ddp
 
@@ -340,28 +344,31 @@ class _LoadRefresh:
 
     def before(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str,
                *args: Any) -> None:
-        for name, p in module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
-            src = state_dict.get(name)
-            if not isinstance(src, Tensor):
+        for name, p in module._parameters.items():
+            src = state_dict.get(prefix + name)
+            if p is None or not isinstance(src, Tensor):
                 continue
             for table in (self.masters, self.lean):
                 hit = table.get(id(p))
                 if hit is not None and hit[0]() is p:
-                    self.pending.append((p, hit[1], src))
+                    same = src.dtype == p.dtype and torch.equal(src, p.detach())
+                    self.pending.append((p, hit[1], src, same))
 
     @torch.no_grad()
     def after(self, module: nn.Module, incompatible: Any) -> None:
         pending, self.pending = self.pending, []
-        for p, target, src in pending:
+        for p, target, src, same in pending:
             if isinstance(target, Tensor):
                 if src.shape != target.shape or (
                         src.dtype != target.dtype and torch.equal(target.to(src.dtype), src)):
                     continue  # a 16-bit copy of this very master (a resume): keep its precision
                 target.copy_(src)
-            else:  # a LeanUpdate: the loaded weight starts with no rounding residual
-                comp = target.compensation.get(p)
-                if comp is not None:
-                    comp.zero_()
+                continue
+            comp = target.compensation.get(p)  # a LeanUpdate's Kahan buffer
+            if comp is not None and not same and src.dtype.itemsize > p.dtype.itemsize:
+                # a wider load (pretrained fp32): keep the residual of rounding it. A 16-bit
+                # load keeps the buffer: it is a resume, whose optimizer state restored it.
+                comp.copy_((src.to(torch.float32) - p.float()).to(comp.dtype))
 
 
 def _refuse_wrapped(m: nn.Module) -> None:

@@ -129,6 +129,7 @@ class MixedPrecisionOptimizer(Optimizer):
         for group in optimizer.param_groups:
             group["params"] = [self._master_for(p) for p in group["params"]]
         register_masters(self._pairs)  # torch's clip_grad_norm_ on model params reaches these
+        self._versions = [p._version for p, _ in self._pairs]
         self.lean: LeanUpdate | None = None
         if update is not None:
             self.lean = LeanUpdate(optimizer, update, state_dtype=state_dtype or "auto",
@@ -376,14 +377,28 @@ class MixedPrecisionOptimizer(Optimizer):
             return None
         for hook in self._optimizer_step_pre_hooks.values():
             hook(self, (), {})
+        self._adopt_model_writes()
         result = self.optimizer.step() if self.lean is None else self.lean.step()
         if self._pairs:
             torch._foreach_copy_([p for p, _ in self._pairs], [m for _, m in self._pairs])
+            self._versions = [p._version for p, _ in self._pairs]
         for hook in self._optimizer_step_post_hooks.values():
             hook(self, (), {})
         for _, master in self._pairs:  # used up: a loop that only zeroes the model's grads
             master.grad = None         # must not add them into the next step (as in Apex)
         return result
+
+    def _adopt_model_writes(self) -> None:
+        """A 16-bit weight written since the last step (``with torch.no_grad(): w.fill_(...)``,
+        a load into a submodule) gives its value to the master, which the step would otherwise
+        copy back over it. Only weights whose version counter moved are compared; a weight that
+        is the master rounded (e.g. a resume) leaves the more precise master alone."""
+        versions = self.__dict__.get("_versions")
+        if versions is None or len(versions) != len(self._pairs):
+            return
+        for (p, master), seen in zip(self._pairs, versions):
+            if p._version != seen and not torch.equal(master.to(p.dtype), p):
+                master.copy_(p)
 
     def _drop_grads(self) -> None:
         for p in self.master_params():

@@ -223,8 +223,55 @@ def test_load_state_dict_after_initialize_is_not_undone_by_the_next_step(level, 
     for key, ref in pretrained.state_dict().items():
         if level in ("O1", "O2") or "1." in key:  # fp32 params and masters: exact
             assert torch.equal(state[key], ref), key
+        elif update == "kahan":  # weight + compensation: the rounding residual is kept
+            assert ((state[key] - ref).abs() <= ref.abs() * 2**-15).all(), key
         else:  # O3 stores 16-bit weights: the loaded values, rounded once
             assert torch.equal(state[key], ref.to(torch.bfloat16).float()), key
+
+
+def test_loading_a_submodule_or_writing_a_weight_in_place_reaches_the_masters():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # a step that must not move anything
+    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
+    fresh = nn.Linear(8, 2)
+    model[1].load_state_dict(fresh.state_dict())  # a submodule on its own
+    with torch.no_grad():
+        model[0].weight.fill_(0.25)  # an in-place write
+    opt.backward(model(torch.randn(4, 8)).float().sum())
+    opt.step()
+    state = mixprec.fp32_state_dict(model, opt)
+    assert torch.equal(state["1.weight"], fresh.weight.detach())  # exact: fp32 load
+    assert torch.equal(state["0.weight"], torch.full((8, 8), 0.25))
+
+
+def test_o3_kahan_resume_optimizer_first_is_bit_exact():
+    def build():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        return mixprec.initialize(m, o, level="O3", dtype=torch.bfloat16, update="kahan")
+
+    g = torch.Generator().manual_seed(4)
+    data = [torch.randn(4, 8, generator=g) for _ in range(6)]
+
+    def train(m, o, xs):
+        for x in xs:
+            o.backward(m(x).float().pow(2).mean())
+            o.step()
+            o.zero_grad()
+
+    straight, s_opt = build()
+    train(straight, s_opt, data)
+    model, opt = build()
+    train(model, opt, data[:3])
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    model, opt = build()
+    opt.load_state_dict(ckpt["opt"])  # optimizer first, then the model
+    model.load_state_dict(ckpt["model"])
+    train(model, opt, data[3:])
+    for a, b in zip(model.parameters(), straight.parameters()):
+        assert torch.equal(a, b)
 
 
 def _o2_pair(seed: int, steps: int):
@@ -298,3 +345,18 @@ def test_frozen_parameters_at_o2(keep):
         new = {k: v + 1 for k, v in exact.items()}
         model.load_state_dict(new)
         assert torch.equal(mixprec.fp32_state_dict(model, opt)["0.weight"], new["0.weight"])
+
+
+def test_clip_grad_value_on_model_parameters_reaches_the_masters():
+    model, opt = _o2_pair(0, 0)
+    opt.backward(model(torch.randn(4, 8) * 100).float().pow(2).mean())
+    torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+    assert all(m.grad.abs().max() <= 1e-3 for m in opt.master_params())
+
+
+def test_a_buffer_that_would_flush_to_zero_stays_fp32():
+    model = _Scaled(1e-9)  # 1e-9 is below fp16's smallest subnormal
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="flush to 0"):
+        model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.float16)
+    assert model.scale.dtype == torch.float32
