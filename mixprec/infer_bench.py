@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.bench.report import speed_words
 from mixprec.inference import _call, for_inference
 
 __all__ = ["VARIANTS", "VariantResult", "add_parser", "compare_variants", "to_json", "to_markdown"]
@@ -172,7 +173,7 @@ def _onnx_variant(model: nn.Module, inputs: Any, path: str
 
 
 _HEADERS = ["variant", "backend", "max abs err", "mean abs err", "cosine", "metric",
-            "median ms", "p90 ms", "speed-up", "vs torch fp32", "size MB", "note"]
+            "median ms", "p90 ms", "vs fp32", "vs torch fp32", "size MB", "note"]
 
 
 def to_markdown(results: Sequence[VariantResult], metric_name: str = "metric") -> str:
@@ -181,10 +182,10 @@ def to_markdown(results: Sequence[VariantResult], metric_name: str = "metric") -
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         metric = "-" if r.metric is None else f"{r.metric:.6g}"
-        vs = "-" if r.vs_torch_fp32 is None else f"{r.vs_torch_fp32:.2f}x"
+        vs = speed_words(r.vs_torch_fp32)
         lines.append(f"| {r.variant} | {r.backend} | {r.max_abs:.3g} | {r.mean_abs:.3g} | "
                      f"{r.cosine:.6f} | {metric} | {r.latency_ms:.2f} | {r.p90_ms:.2f} | "
-                     f"{r.speedup:.2f}x | {vs} | {r.size_mb:.2f} | {r.note} |")
+                     f"{speed_words(r.speedup)} | {vs} | {r.size_mb:.2f} | {r.note} |")
     return "\n".join(lines)
 
 
