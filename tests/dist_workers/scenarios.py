@@ -142,6 +142,21 @@ def scenario_wire_dtype() -> dict:
     return out
 
 
+def _train_poisoned(ddp, opt):
+    """Four steps; at step 2 rank 1 alone gets an inf gradient. Returns (skipped, scales)."""
+    skipped, scales = [], []
+    for step in range(4):
+        x, y = batch(step)
+        opt.backward(mse(ddp, local(x), local(y)))
+        if step == 2:
+            poison_local_grad(opt, inject=RANK == 1)
+        opt.step()
+        opt.zero_grad()
+        skipped.append(opt.step_skipped)
+        scales.append(opt.loss_scale)
+    return skipped, scales
+
+
 def scenario_skip_one_rank() -> dict:
     out = {}
     for synced in (True, False):
@@ -153,16 +168,7 @@ def scenario_skip_one_rank() -> dict:
             # control: each rank decides alone (an identity reducer, so that the plain-DDP
             # detection, which only acts on reduce_flags=None, leaves it alone)
             opt.reduce_flags = lambda flags: flags
-        skipped, scales = [], []
-        for step in range(4):
-            x, y = batch(step)
-            opt.backward(mse(ddp, local(x), local(y)))
-            if step == 2:
-                poison_local_grad(opt, inject=RANK == 1)
-            opt.step()
-            opt.zero_grad()
-            skipped.append(opt.step_skipped)
-            scales.append(opt.loss_scale)
+        skipped, scales = _train_poisoned(ddp, opt)
         params = flat(model.parameters())
         others = gathered(params)
         try:
@@ -190,16 +196,7 @@ def scenario_plain_ddp() -> dict:
         model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                         level=level, dtype=dtype, **extra)
         ddp = DDP(model)
-        skipped, scales = [], []
-        for step in range(4):
-            x, y = batch(step)
-            opt.backward(mse(ddp, local(x), local(y)))
-            if step == 2:
-                poison_local_grad(opt, inject=RANK == 1)
-            opt.step()
-            opt.zero_grad()
-            skipped.append(opt.step_skipped)
-            scales.append(opt.loss_scale)
+        skipped, scales = _train_poisoned(ddp, opt)
         params, masters = flat(model.parameters()), flat(opt.master_params())
         out[name] = {"skipped": skipped, "scales": scales,
                      "params_equal_across_ranks": all(bitwise_equal(params, o)
