@@ -287,3 +287,13 @@ def test_a_failed_save_keeps_the_old_checkpoint_and_leaves_no_tmp(tmp_path, monk
         mpd.save_checkpoint(path, model, opt)
     assert path.read_bytes() == old
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def test_a_model_partly_on_the_meta_device_is_refused_naming_the_tensor():
+    # before: only the first parameter's device was checked; a meta submodule got through
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
+    with pytest.raises(ValueError, match=r"'meta' device \('1.weight' is a meta tensor\).*"
+                                         r"to_empty"):
+        mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", BF16)
+    assert model[0].weight.dtype == torch.float32  # refused before anything was cast
