@@ -345,6 +345,11 @@ class _LoadRefresh:
                         self.lean[id(p)] = (weakref.ref(p), o.lean)
         self.pending: list[tuple[Tensor, Any, Tensor]] = []
 
+    def __getstate__(self) -> dict[str, Any]:
+        # weakrefs do not pickle, and a pickled model is a copy with other parameters: its
+        # hooks refresh nothing (torch.save(model) must keep working after initialize)
+        return {"masters": {}, "lean": {}, "pending": []}
+
     def before(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str,
                *args: Any) -> None:
         for name, p in module._parameters.items():

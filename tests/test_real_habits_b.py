@@ -297,3 +297,18 @@ def test_a_model_partly_on_the_meta_device_is_refused_naming_the_tensor():
                                          r"to_empty"):
         mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", BF16)
     assert model[0].weight.dtype == torch.float32  # refused before anything was cast
+
+
+def test_an_initialized_model_still_pickles_whole(tmp_path):
+    # before: the load_state_dict refresh hooks held weakrefs, so torch.save(model) raised
+    # "cannot pickle 'weakref.ReferenceType' object"
+    model, opt = _ckpt_pair()
+    _train_losses(model, opt, steps=2)
+    torch.save(model, tmp_path / "model.pt")
+    copy = torch.load(tmp_path / "model.pt", weights_only=False)
+    for a, b in zip(copy.parameters(), model.parameters()):
+        assert torch.equal(a, b) and a.dtype == b.dtype
+    masters = [m.detach().clone() for m in opt.master_params()]
+    copy.load_state_dict({k: torch.zeros_like(v) for k, v in copy.state_dict().items()})
+    for m, before in zip(opt.master_params(), masters):  # the copy's hooks reach no optimizer
+        assert torch.equal(m.detach(), before)
