@@ -253,11 +253,14 @@ def initialize(models: nn.Module | Sequence[nn.Module],
             set_policy(target, module_policy)
     first = next((p for m in model_list for p in m.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
-    if device.type == "meta":
-        raise ValueError("initialize received a model on the 'meta' device: its parameters have "
-                         "no data to cast or copy into fp32 masters. Materialize it first "
-                         "(model.to_empty(device=...) then load or initialize the weights), "
-                         "then call initialize.")
+    on_meta = next((name for m in model_list for name, t in (*m.named_parameters(),
+                                                             *m.named_buffers())
+                    if t.device.type == "meta"), None)
+    if on_meta is not None:  # all of the model, or part of it (a lazily built submodule)
+        raise ValueError(f"initialize received a model on the 'meta' device ({on_meta!r} is "
+                         "a meta tensor): its parameters have no data to cast or copy into "
+                         "fp32 masters. Materialize it first (model.to_empty(device=...) then "
+                         "load or initialize the weights), then call initialize.")
     level, dtype, props = _resolve(level, dtype, policy, device, dict(overrides))
     if level != "O0":
         warn_if_slow(dtype, device, stacklevel=3)
@@ -341,6 +344,11 @@ class _LoadRefresh:
                     for p in g["params"]:
                         self.lean[id(p)] = (weakref.ref(p), o.lean)
         self.pending: list[tuple[Tensor, Any, Tensor]] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        # weakrefs do not pickle, and a pickled model is a copy with other parameters: its
+        # hooks refresh nothing (torch.save(model) must keep working after initialize)
+        return {"masters": {}, "lean": {}, "pending": []}
 
     def before(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str,
                *args: Any) -> None:

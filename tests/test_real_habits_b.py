@@ -230,3 +230,85 @@ def test_complex_gradient_checked_on_both_parts():
     assert found.item() == 0 and g[0].item() == complex(0.5, 1.0)
     unscale_and_check_([g], 1.0, found)
     assert found.item() == 1
+
+
+# -- durable checkpoints ---------------------------------------------------------------------------
+def _ckpt_pair():
+    model = _mlp()
+    return mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", BF16)
+
+
+def test_save_checkpoint_fsyncs_the_file_before_the_rename_and_the_directory_after(
+        tmp_path, monkeypatch):
+    import os
+    import stat
+
+    from mixprec import distributed as mpd
+
+    model, opt = _ckpt_pair()
+    path = tmp_path / "ckpt.pt"
+    (tmp_path / "ckpt.pt.tmp").write_bytes(b"left by a save that was killed")
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        kind = "dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+        size = os.fstat(fd).st_size
+        events.append(("fsync", kind, size))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.basename(src), os.path.basename(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    mpd.save_checkpoint(path, model, opt)
+    assert [e[:2] for e in events] == [("fsync", "file"), ("replace", "ckpt.pt.tmp"),
+                                       ("fsync", "dir")]
+    assert events[0][2] == path.stat().st_size  # the whole new file was on disk before the rename
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # the stale .tmp is gone
+
+
+def test_a_failed_save_keeps_the_old_checkpoint_and_leaves_no_tmp(tmp_path, monkeypatch):
+    from mixprec import distributed as mpd
+
+    model, opt = _ckpt_pair()
+    path = tmp_path / "ckpt.pt"
+    mpd.save_checkpoint(path, model, opt)
+    old = path.read_bytes()
+
+    def disk_full(obj, f, *args, **kwargs):
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        mpd.save_checkpoint(path, model, opt)
+    assert path.read_bytes() == old
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def test_a_model_partly_on_the_meta_device_is_refused_naming_the_tensor():
+    # before: only the first parameter's device was checked; a meta submodule got through
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
+    with pytest.raises(ValueError, match=r"'meta' device \('1.weight' is a meta tensor\).*"
+                                         r"to_empty"):
+        mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", BF16)
+    assert model[0].weight.dtype == torch.float32  # refused before anything was cast
+
+
+def test_an_initialized_model_still_pickles_whole(tmp_path):
+    # before: the load_state_dict refresh hooks held weakrefs, so torch.save(model) raised
+    # "cannot pickle 'weakref.ReferenceType' object"
+    model, opt = _ckpt_pair()
+    _train_losses(model, opt, steps=2)
+    torch.save(model, tmp_path / "model.pt")
+    copy = torch.load(tmp_path / "model.pt", weights_only=False)
+    for a, b in zip(copy.parameters(), model.parameters()):
+        assert torch.equal(a, b) and a.dtype == b.dtype
+    masters = [m.detach().clone() for m in opt.master_params()]
+    copy.load_state_dict({k: torch.zeros_like(v) for k, v in copy.state_dict().items()})
+    for m, before in zip(opt.master_params(), masters):  # the copy's hooks reach no optimizer
+        assert torch.equal(m.detach(), before)

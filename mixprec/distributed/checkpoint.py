@@ -104,12 +104,17 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
 def _atomic_save(state: Any, path: Path) -> None:
     """Write ``state`` to ``path`` so that a crash or power loss leaves the old file or the new
     one, never a truncated or empty one: write a temporary file, flush and fsync it, rename it
-    over ``path``, fsync the directory. A ``.tmp`` left by an interrupted save is replaced."""
+    over ``path``, fsync the directory. A ``.tmp`` left by a killed save is replaced; a save
+    that fails with an exception (disk full, unpicklable state) removes its own."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:  # "wb" truncates a stale temporary file
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:  # "wb" truncates a stale temporary file
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     if hasattr(os, "O_DIRECTORY"):  # POSIX: make the rename itself durable
         fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
