@@ -66,7 +66,7 @@ _OVERRIDES = ("keep_norm_fp32", "keep_frozen_fp32", "master_weights", "loss_scal
               "cast_model_outputs",
               "num_losses", "fp32_inside", "kernels", *_LEAN_KEYS, *_SCALER_KEYS)
 _MARK = "_mixprec_initialized"
-FROZEN_ATTR = "_mixprec_frozen_fp32"  # id(param) -> (weakref, fp32 copy), keep_frozen_fp32
+FROZEN_ATTR = "_mixprec_frozen_fp32"  # {param name in its module: fp32 copy}, keep_frozen_fp32
 
 
 def _as_list(obj: Any, kind: type, what: str) -> tuple[list[Any], bool]:
@@ -268,9 +268,11 @@ def initialize(models: nn.Module | Sequence[nn.Module],
     for m in model_list:
         if props["cast_params"]:
             if props["keep_frozen_fp32"]:  # exact fp32 values for fp32_state_dict, 4 B/param
-                m.__dict__[FROZEN_ATTR] = {
-                    id(p): (weakref.ref(p), p.detach().float().clone())
-                    for p in m.parameters() if not p.requires_grad and p.is_floating_point()}
+                for sub in m.modules():  # by name, so the model still pickles
+                    frozen = {n: p.detach().float().clone() for n, p in sub._parameters.items()
+                              if p is not None and not p.requires_grad and p.is_floating_point()}
+                    if frozen:
+                        sub.__dict__[FROZEN_ATTR] = frozen
             _cast_storage(m, dtype, bool(props["keep_norm_fp32"]))
         elif level == "O0":
             _cast_storage(m, torch.float32, False)
@@ -334,7 +336,9 @@ class _LoadRefresh:
         self.masters: dict[int, tuple[weakref.ref, Tensor]] = {}
         for model in models:  # keep_frozen_fp32 copies are masters without an optimizer
             for m in model.modules():
-                self.masters.update(m.__dict__.get(FROZEN_ATTR, {}))
+                for name, fp32 in m.__dict__.get(FROZEN_ATTR, {}).items():
+                    p = m._parameters[name]
+                    self.masters[id(p)] = (weakref.ref(p), fp32)
         self.lean: dict[int, tuple[weakref.ref, Any]] = {}
         for o in optimizers:
             for p, master in o._pairs:
@@ -488,9 +492,10 @@ def fp32_state_dict(model: nn.Module, optimizer: MixedPrecisionOptimizer | None 
         masters.update({id(p): p.detach().float() + c.float()
                         for p, c in lean.compensation.items()})
     for m in model.modules():
-        for key, (ref, fp32) in m.__dict__.get(FROZEN_ATTR, {}).items():
-            if ref() is not None:
-                masters.setdefault(key, fp32)
+        for name, fp32 in m.__dict__.get(FROZEN_ATTR, {}).items():
+            p = m._parameters.get(name)
+            if p is not None:
+                masters.setdefault(id(p), fp32)
     by_id = {id(p): p for p in model.parameters()}
     out: dict[str, Tensor] = {}
     named = dict(model.named_parameters(remove_duplicate=False))

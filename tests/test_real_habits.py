@@ -360,3 +360,20 @@ def test_a_buffer_that_would_flush_to_zero_stays_fp32():
     with pytest.warns(RuntimeWarning, match="flush to 0"):
         model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.float16)
     assert model.scale.dtype == torch.float32
+
+
+def test_a_model_with_frozen_fp32_copies_pickles_and_keeps_them(tmp_path):
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    exact = model[0].weight.detach().clone()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16,
+                                    keep_frozen_fp32=True)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    copy_ = torch.load(buf, weights_only=False)
+    assert torch.equal(mixprec.fp32_state_dict(copy_)["0.weight"], exact)
