@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mixprec.bench.report import speed_words
 from mixprec.bench.runner import Trainer
 from mixprec.benchmarking import emit, step_workload
 from mixprec.models import GPT, GPTConfig
@@ -114,7 +115,8 @@ def workloads(device: str, smoke: bool) -> dict[str, tuple[Any, int, str]]:
 
 def _tf32(on: bool) -> None:
     torch.backends.cuda.matmul.allow_tf32 = on
-    torch.backends.cudnn.allow_tf32 = on
+    if torch.cuda.is_available():  # cuDNN flags mean nothing on a CPU smoke run
+        torch.backends.cudnn.allow_tf32 = on
 
 
 def run(device: str, smoke: bool, rounds: int, steps: int, modes: list[Mode],
@@ -128,7 +130,7 @@ def run(device: str, smoke: bool, rounds: int, steps: int, modes: list[Mode],
             _tf32(m.tf32)
             try:
                 trainers[m.label] = Trainer(wl, None, m.trainer_mode, m.dtype, 0, 0)
-            except Exception as e:  # noqa: BLE001 - report the mode as failed, keep the others
+            except Exception as e:
                 res[m.label].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         for r in range(rounds + 1):  # round 0: warm-up (and compilation)
             for m in modes:
@@ -138,7 +140,7 @@ def run(device: str, smoke: bool, rounds: int, steps: int, modes: list[Mode],
                 _tf32(m.tf32)
                 try:
                     dt = sum(t.step()[0] for _ in range(steps)) / steps
-                except Exception as e:  # noqa: BLE001 - one broken mode keeps the rest
+                except Exception as e:
                     res[m.label].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
                     del trainers[m.label]
                     continue
@@ -193,10 +195,7 @@ def format_table(rows: list[Row]) -> str:
         if r.error:
             lines.append(f"| {r.workload} | {r.mode} | failed: {r.error} | | | | | |")
             continue
-        v = r.vs_torch
-        ratio = ("-" if v is None else "reference" if r.mode == r.reference_label else
-                 f"{v:.2f}x faster" if v >= 1.005 else f"{1 / v:.2f}x slower" if v <= 0.995
-                 else "same")
+        ratio = "reference" if r.mode == r.reference_label else speed_words(r.vs_torch)
         mem = "-" if r.peak_mb is None else f"{r.peak_mb:.0f}"
         lines.append(f"| {r.workload} | {r.mode} | {r.median * 1e3:.1f} | "
                      f"{r.items_per_step / r.median:,.0f} {r.unit}/s | {ratio} | {mem} | "

@@ -41,9 +41,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     report = check("cpu", verbose=False)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
-    chosen = dtype or (report.best_dtype if report.best_dtype != torch.float32
-                       else torch.bfloat16)
-    fast = demo._is_fast(report, chosen)
+    chosen = demo.pick_dtype(report, dtype)
+    fast = report.is_fast(chosen)
     print(f"mixprec demo: the Keras guide's MLP on MNIST-1D (generated locally), {args.steps} "
           f"steps per mode, batch {args.batch}, on {report.name} "
           f"[{' '.join(report.features) or 'no AVX512/AMX flags'}] with torch {torch.__version__}")
@@ -83,17 +82,16 @@ def _bench(args: argparse.Namespace) -> int:
 
     from mixprec.bench import report, runner
     from mixprec.bench.workloads import WORKLOADS, make_large_mnist1d
-    from mixprec.progress import make_progress
-
     from mixprec.demo import SLOW_WIDTH
     from mixprec.hardware import check
+    from mixprec.progress import make_progress
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     command = "mixprec bench " + " ".join(args.argv)
     hw = check("cpu", verbose=False)
     support = hw.dtypes.get(str(dtype)[6:])
     time_budget = args.time_budget
-    slow = support is None or not (support.supported and support.fast)
+    slow = not hw.is_fast(dtype)
     if slow:
         time_budget = time_budget or (10.0 if args.quick else 60.0)
         print(f"{dtype} is not fast on {hw.name} ({support.reason if support else 'unknown'}): "

@@ -123,10 +123,8 @@ def run_demo(steps: int = 60, levels: tuple[str, ...] | None = None, batch: int 
     seconds of training.
     """
     report = mixprec.check("cpu", verbose=False)
-    fast = report.best_dtype
-    if dtype is None:
-        dtype = fast if fast != torch.float32 else torch.bfloat16
-    slow = not _is_fast(report, dtype)
+    dtype = pick_dtype(report, dtype)
+    slow = not report.is_fast(dtype)
     hidden = SLOW_WIDTH if slow else 4096
     levels = levels or ("O0", "O1", "O2")
     data = load_mnist1d()
@@ -147,9 +145,11 @@ def run_demo(steps: int = 60, levels: tuple[str, ...] | None = None, batch: int 
 SLOW_WIDTH = 1024  # the MLP's width where 16-bit is emulated: 1/16 of the FLOPs of 4096
 
 
-def _is_fast(report: Any, dtype: torch.dtype) -> bool:
-    support = report.dtypes.get(str(dtype).replace("torch.", ""))
-    return bool(support is not None and support.supported and support.fast)
+def pick_dtype(report: Any, dtype: torch.dtype | None) -> torch.dtype:
+    """``dtype``, else the fast 16-bit dtype here, else bf16 (run anyway, for its memory)."""
+    if dtype is not None:
+        return dtype
+    return report.best_dtype if report.best_dtype != torch.float32 else torch.bfloat16
 
 
 def verdict(results: list[DemoResult], report: Any, dtype: torch.dtype) -> str:

@@ -25,6 +25,7 @@ is updated in place inside a region (kernels on the common in-place update ops) 
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from collections.abc import Callable
@@ -101,18 +102,21 @@ class _Saved:
     mode: Any = None  # the export mode entered by this push, if any
 
 
+@functools.cache
 def _devices() -> tuple[str, ...]:
+    """Device types whose torch.autocast state a region sets (asked once: hot path)."""
     return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
-_DEVICES: list[tuple[str, ...]] = []
+def _enter(frame: Frame) -> None:
+    _state.frames.append(frame)
+    if frame.dtype is not None:
+        _last[frame.dtype] = frame
 
 
 def push(frame: Frame, cache_enabled: bool | None = None) -> _Saved:
     """Enter ``frame``: switch torch.autocast on (or off) for it; return what :func:`pop` restores."""
-    if not _DEVICES:
-        _DEVICES.append(_devices())
-    devices = _DEVICES[0]
+    devices = _devices()
     if _synced[0] != cast_table._version[0] and not torch.compiler.is_dynamo_compiling():
         sync(first=True)
     saved = _Saved([(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
@@ -128,9 +132,7 @@ def push(frame: Frame, cache_enabled: bool | None = None) -> _Saved:
         saved.mode.__enter__()
         return saved
     else:
-        _state.frames.append(frame)
-        if frame.dtype is not None:
-            _last[frame.dtype] = frame
+        _enter(frame)
     torch.autocast_increment_nesting()
     if cache_enabled is not None:
         torch.set_autocast_cache_enabled(cache_enabled and saved.cache)
@@ -138,11 +140,11 @@ def push(frame: Frame, cache_enabled: bool | None = None) -> _Saved:
         for d in devices:
             torch.set_autocast_enabled(d, False)
     else:
-        for d, _, was in saved.autocast:
-            if was != frame.dtype and not tracing:
-                # torch's cache is keyed by the weight alone: a copy in another 16-bit dtype
-                # must not be served to this region (compiled code has no such cache)
-                torch.clear_autocast_cache()
+        if not tracing and any(was != frame.dtype for _, _, was in saved.autocast):
+            # torch's cache is keyed by the weight alone: a copy in another 16-bit dtype must
+            # not be served to this region (compiled code has no such cache)
+            torch.clear_autocast_cache()
+        for d in devices:
             torch.set_autocast_dtype(d, frame.dtype)
             torch.set_autocast_enabled(d, True)
     return saved
@@ -160,9 +162,10 @@ def pop(frame: Frame, saved: _Saved) -> None:
         raise RuntimeError("mixprec.autocast regions were exited out of order.")
     else:
         _state.frames.pop()
+    if not tracing and frame.dtype is not None and any(
+            dt != frame.dtype for _, _, dt in saved.autocast):
+        torch.clear_autocast_cache()  # the copies made for this region's dtype
     for d, on, dt in saved.autocast:
-        if frame.dtype is not None and dt != frame.dtype and not tracing:
-            torch.clear_autocast_cache()
         torch.set_autocast_dtype(d, dt)
         torch.set_autocast_enabled(d, on)
     torch.set_autocast_cache_enabled(saved.cache)
@@ -177,10 +180,7 @@ def pop(frame: Frame, saved: _Saved) -> None:
 def _enter_traced(dtype: torch.dtype | None, kernels: str, fp32_inside: bool) -> None:
     if _synced[0] != cast_table._version[0]:
         sync(first=True)
-    frame = Frame(dtype, kernels, FP32_INSIDE_OPS if fp32_inside else frozenset())
-    _state.frames.append(frame)
-    if dtype is not None:
-        _last[dtype] = frame
+    _enter(Frame(dtype, kernels, FP32_INSIDE_OPS if fp32_inside else frozenset()))
 
 
 @torch.fx.node.has_side_effect
@@ -203,12 +203,17 @@ def _frame_for_kernel(device: str) -> Frame | None:
 
 # -- casts ------------------------------------------------------------------------------------
 
+def cast_leaf(t: torch.Tensor, dtype: torch.dtype, only_low: bool = False) -> torch.Tensor:
+    """``t`` in ``dtype`` if it is floating and not fp64 (with ``only_low``: only if 16-bit)."""
+    if t.is_floating_point() and t.dtype != dtype and t.dtype != torch.float64 and (
+            not only_low or t.dtype in _LOW):
+        return t.to(dtype)
+    return t
+
+
 def _cast(obj: Any, dtype: torch.dtype, only_low: bool) -> Any:
     if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() and obj.dtype != dtype and obj.dtype != torch.float64 and (
-                not only_low or obj.dtype in _LOW):
-            return obj.to(dtype)
-        return obj
+        return cast_leaf(obj, dtype, only_low)
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cast(x, dtype, only_low) for x in obj)
     return obj
@@ -220,13 +225,18 @@ def _cast_all(args: tuple, kwargs: dict, dtype: torch.dtype, only_low: bool = Fa
             {k: _cast(v, dtype, only_low) for k, v in kwargs.items()} if kwargs else kwargs)
 
 
-def _float_dtypes(obj: Any, found: set) -> None:
+def float_dtypes(obj: Any, found: set) -> set:
+    """Add the dtypes of the floating tensors in ``obj`` (nested lists, tuples, dicts)."""
     if isinstance(obj, torch.Tensor):
         if obj.is_floating_point():
             found.add(obj.dtype)
     elif isinstance(obj, (list, tuple)):
         for x in obj:
-            _float_dtypes(x, found)
+            float_dtypes(x, found)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            float_dtypes(x, found)
+    return found
 
 
 def _has_dtype_arg(args: tuple, kwargs: dict) -> bool:
@@ -262,8 +272,8 @@ def apply_rule(rule: str | None, name: str, frame: Frame | None, low: torch.dtyp
         return op(*args, **kwargs)
     if rule == PROMOTE:
         found: set = set()
-        _float_dtypes(args, found)
-        _float_dtypes(tuple(kwargs.values()), found)
+        float_dtypes(args, found)
+        float_dtypes(kwargs, found)
         if len(found) > 1 and torch.float64 not in found:
             if frame is None and set(_LOW) <= found:  # as torch.autocast does
                 raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")

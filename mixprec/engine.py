@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils import _pytree
 
 from mixprec import dispatch
-from mixprec.dispatch import FP32_INSIDE_OPS, Frame
+from mixprec.dispatch import FP32_INSIDE_OPS, Frame, cast_leaf
 from mixprec.policy import Policy, PolicyLike, as_policy, get_policy, global_policy
 
 __all__ = [
@@ -68,13 +68,6 @@ class Boundary:
     cast_outputs: bool = True
 
 
-def _cast_leaf(obj: Any, dtype: torch.dtype, only_low: bool) -> Any:
-    if obj.is_floating_point() and obj.dtype != torch.float64 and obj.dtype != dtype and (
-            not only_low or obj.dtype in _LOW):
-        return obj.to(dtype)
-    return obj
-
-
 def cast_tree(obj: Any, dtype: torch.dtype, *, only_low: bool = False) -> Any:
     """Cast every floating tensor (not fp64) in a nested structure to ``dtype``.
 
@@ -84,7 +77,7 @@ def cast_tree(obj: Any, dtype: torch.dtype, *, only_low: bool = False) -> Any:
     inputs to float32).
     """
     if isinstance(obj, torch.Tensor):
-        return _cast_leaf(obj, dtype, only_low)
+        return cast_leaf(obj, dtype, only_low)
     if isinstance(obj, (list, tuple)):
         items = [cast_tree(x, dtype, only_low=only_low) for x in obj]
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
@@ -115,14 +108,6 @@ def cast_tree(obj: Any, dtype: torch.dtype, *, only_low: bool = False) -> Any:
         leaves = [cast_tree(x, dtype, only_low=only_low) for x in leaves]
         return _pytree.tree_unflatten(leaves, spec)
     return obj
-
-
-def _float_dtypes(obj: Any, found: set[torch.dtype]) -> set[torch.dtype]:
-    """Add the dtypes of the floating tensors in ``obj`` (any nested structure) to ``found``."""
-    for leaf in _pytree.tree_leaves(obj):
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-            found.add(leaf.dtype)
-    return found
 
 
 def _frame_for(policy: Policy | None, kernels: str, fp32_inside: bool = False) -> Frame:

@@ -101,6 +101,11 @@ class HardwareReport:
     features: tuple[str, ...]
     dtypes: dict[str, DtypeSupport] = field(hash=False)
 
+    def is_fast(self, dtype: torch.dtype) -> bool:
+        """True when ``dtype`` is supported and fast on this device."""
+        support = self.dtypes.get(str(dtype).replace("torch.", ""))
+        return bool(support is not None and support.supported and support.fast)
+
     @property
     def best_dtype(self) -> torch.dtype:
         """The best fast 16-bit dtype (bf16 preferred: fp32 range, no loss scaling), else fp32."""

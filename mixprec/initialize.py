@@ -44,7 +44,7 @@ from mixprec import engine
 from mixprec.hardware import default_dtype, warn_if_slow
 from mixprec.loss_scale import LossScaler
 from mixprec.norms import is_norm
-from mixprec.optimizer import LossSlot, MixedPrecisionOptimizer
+from mixprec.optimizer import LossSlot, MixedPrecisionOptimizer, rounds_to
 from mixprec.policy import Policy, PolicyLike, as_policy, get_policy, set_policy
 
 __all__ = ["LEVELS", "initialize", "scale_loss", "fp32_state_dict"]
@@ -371,8 +371,7 @@ class _LoadRefresh:
         pending, self.pending = self.pending, []
         for p, target, src, same in pending:
             if isinstance(target, Tensor):
-                if src.shape != target.shape or (
-                        src.dtype != target.dtype and torch.equal(target.to(src.dtype), src)):
+                if src.shape != target.shape or rounds_to(target, src):
                     continue  # a 16-bit copy of this very master (a resume): keep its precision
                 target.copy_(src)
                 continue

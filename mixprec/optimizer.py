@@ -18,7 +18,7 @@ Design (``shared/reference/apex.md`` §1.5-1.6, §2; ``torch_amp.md`` §3):
   overflow in one loss skips only the optimizers whose gradients it produced.
 * Without masters, ``update`` ("nearest" | "kahan" | "stochastic") hands the step to
   :class:`mixprec.lean.LeanUpdate`: fp32 arithmetic on per-chunk temporaries, written back to
-  the 16-bit weights with that rounding (issue #7). ``update=None`` keeps the inner optimizer
+  the 16-bit weights with that rounding. ``update=None`` keeps the inner optimizer
   stepping the 16-bit parameters itself. A skipped step never reaches the updater, so
   compensation buffers, 16-bit state and the rounding generators stay untouched.
 """
@@ -74,6 +74,12 @@ class LossSlot:
             values = read_flags(self.pending)
         self.scaler.update(any(v != 0 for v in values))
         self.pending.clear()
+
+
+def rounds_to(master: Tensor, value: Tensor) -> bool:
+    """True when ``value`` is ``master`` in ``value``'s (narrower) dtype: it says nothing the
+    more precise master does not, so the master is kept."""
+    return value.dtype != master.dtype and torch.equal(master.to(value.dtype), value)
 
 
 class MixedPrecisionOptimizer(Optimizer):
@@ -397,7 +403,7 @@ class MixedPrecisionOptimizer(Optimizer):
         if versions is None or len(versions) != len(self._pairs):
             return
         for (p, master), seen in zip(self._pairs, versions):
-            if p._version != seen and not torch.equal(master.to(p.dtype), p):
+            if p._version != seen and not rounds_to(master, p):
                 master.copy_(p)
 
     def _drop_grads(self) -> None:

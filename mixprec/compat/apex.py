@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 import mixprec
 from mixprec import engine
-from mixprec.engine import _float_dtypes
+from mixprec.dispatch import float_dtypes
 from mixprec.hardware import default_dtype
 from mixprec.loss_scale import LossScaler
 from mixprec.optimizer import LossSlot, MixedPrecisionOptimizer
@@ -400,7 +400,7 @@ def _cast_wrapper(fn: Callable, kind: str) -> Callable:
             low = torch.get_autocast_dtype("cpu")  # the engine sets it to the region's dtype
             return fn(*engine.cast_tree(args, low), **engine.cast_tree(kwargs, low))
         if kind == "promote":
-            found = _float_dtypes(kwargs, _float_dtypes(args, set()))
+            found = float_dtypes(kwargs, float_dtypes(args, set()))
             if not (len(found) > 1 and torch.float32 in found):
                 return fn(*args, **kwargs)
         args, kwargs = engine.cast_tree(args, torch.float32), engine.cast_tree(kwargs,
@@ -493,8 +493,8 @@ for _name in ("initialize", "scale_loss", "master_params", "state_dict", "load_s
     setattr(amp, _name, globals()[_name])
 amp.AmpOptimizer = AmpOptimizer  # type: ignore[attr-defined]
 
-from mixprec.compat.fp16_optimizer import FP16_Optimizer  # noqa: E402
-from mixprec.compat import fp16_optimizer as fp16_utils  # noqa: E402
+from mixprec.compat import fp16_optimizer as fp16_utils
+from mixprec.compat.fp16_optimizer import FP16_Optimizer
 
 _INSTALLED: list[str] = []
 
