@@ -1,19 +1,143 @@
-"""The README's op table is generated from the cast table and must not drift."""
+"""The docs are tested like code: every ```python block runs, the op table is generated.
 
+Blocks of one file run in order in one shared namespace, as a reader following along would run
+them, in a temporary working directory (examples may write files). A block directly preceded by
+``<!-- not run: <reason> -->`` (it needs torchrun, a GPU or a network) is only parsed.
+"""
+
+from __future__ import annotations
+
+import ast
 import pathlib
+import re
 import runpy
+import textwrap
+
+import pytest
+import torch
+
+import mixprec
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOC_FILES = [README, ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+# a fenced python block, possibly indented (inside a list item); the closing fence has the same
+# indent as the opening one
+FENCE = re.compile(
+    r"^(?P<indent>[ \t]*)```python[ \t]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$",
+    re.MULTILINE | re.DOTALL,
+)
+NOT_RUN = re.compile(r"<!--\s*not run:\s*(?P<reason>\S.*?)\s*-->")
+# "issue #12", "#12", "(#7)" -- but not an HTML entity (&#39;) or a URL fragment (page#12)
+ISSUE_REF = re.compile(r"(?<![\w&/])#\d+\b")
 
 
-def test_readme_op_table_is_generated_from_the_cast_table():
+def code_blocks(text: str) -> list[tuple[int, str, str | None]]:
+    """(first code line, dedented source, not-run reason or None) for every python block."""
+    blocks = []
+    for m in FENCE.finditer(text):
+        line = text.count("\n", 0, m.start()) + 2  # the line after the opening fence
+        body = m.group("body")
+        indent = m.group("indent")
+        if indent:
+            body = "".join(
+                ln[len(indent) :] if ln.startswith(indent) else ln
+                for ln in body.splitlines(keepends=True)
+            )
+        before = text[: m.start()].rstrip().rsplit("\n", 1)[-1]
+        marker = NOT_RUN.search(before)
+        blocks.append((line, textwrap.dedent(body), marker.group("reason") if marker else None))
+    return blocks
+
+
+def run_blocks(name: str, text: str) -> dict:
+    """Run (or only parse) a file's blocks in order in one namespace; return the namespace."""
+    namespace: dict = {"__name__": "__docs__"}
+    for line, source, reason in code_blocks(text):
+        where = f"{name}, block at line {line}"
+        try:
+            tree = ast.parse(source, filename=where)
+        except SyntaxError as e:
+            raise AssertionError(f"{where} does not parse: {e}") from e
+        if reason is not None:
+            continue
+        try:
+            exec(compile(tree, where, "exec"), namespace)
+        except Exception as e:
+            raise AssertionError(f"{where} failed: {type(e).__name__}: {e}") from e
+    return namespace
+
+
+FILES_WITH_CODE = [p for p in DOC_FILES if p.exists() and code_blocks(p.read_text())]
+
+
+@pytest.mark.parametrize("path", FILES_WITH_CODE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_python_block_runs(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    policy = mixprec.global_policy()
+    try:
+        run_blocks(str(path.relative_to(ROOT)), path.read_text())
+    finally:
+        mixprec.set_global_policy(policy)
+
+
+def test_the_block_runner_shares_a_namespace_and_skips_marked_blocks():
+    text = textwrap.dedent(
+        """\
+        ```python
+        a = 2
+        ```
+
+        <!-- not run: needs a GPU -->
+        ```python
+        raise RuntimeError("must not run")
+        ```
+
+        - a list item:
+
+          ```python
+          b = a * 3
+          ```
+        """
+    )
+    blocks = code_blocks(text)
+    assert [(line, reason) for line, _, reason in blocks] == [(2, None), (7, "needs a GPU"), (13, None)]
+    assert run_blocks("t.md", text)["b"] == 6
+    with pytest.raises(AssertionError, match=r"t\.md, block at line 2 failed: NameError"):
+        run_blocks("t.md", "```python\nundefined_name\n```\n")
+    with pytest.raises(AssertionError, match=r"line 3 does not parse"):
+        run_blocks("t.md", "<!-- not run: x -->\n```python\ndef (:\n```\n")
+
+
+def test_readme_examples_run_and_are_not_all_skipped():
+    ran = [b for b in code_blocks(README.read_text()) if b[2] is None]
+    assert len(ran) >= 5
+
+
+def test_readme_is_short():
+    lines = README.read_text().count("\n")
+    assert lines <= 220, f"README.md has {lines} lines; keep it at most 220 (details go in docs/)"
+
+
+@pytest.mark.parametrize("path", [p for p in DOC_FILES if p.exists()], ids=lambda p: p.name)
+def test_docs_name_no_internal_paths_or_issue_numbers(path):
+    text = path.read_text()
+    assert "shared/" not in text, f"{path.name} names a path outside the repository (shared/...)"
+    refs = [m.group(0) for m in ISSUE_REF.finditer(text)]
+    assert not refs, f"{path.name} refers to issues {refs}: move that to benchmarks/NOTES.md"
+    assert not re.search(r"\bissue\s+#?\d", text, re.IGNORECASE), f"{path.name} cites an issue"
+
+
+def test_op_table_is_generated_from_the_cast_table():
     gen = runpy.run_path(str(ROOT / "tools" / "gen_op_table.py"))
-    text = (ROOT / "README.md").read_text()
-    assert gen["render"](text) == text, "README op table is stale: run python tools/gen_op_table.py"
+    text = gen["TARGET"].read_text()
+    assert gen["render"](text) == text, "the op table is stale: run python tools/gen_op_table.py"
 
 
 def test_readme_gives_the_test_command_ci_runs():
-    text = (ROOT / "README.md").read_text()
+    text = README.read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m pytest -q" in text and "python -m pytest -q" in ci
     assert "mixprec demo" in text
