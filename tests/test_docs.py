@@ -29,8 +29,8 @@ FENCE = re.compile(
     re.MULTILINE | re.DOTALL,
 )
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(?P<reason>\S.*?)\s*-->")
-# "issue #12", "#12", "(#7)" -- but not an HTML entity (&#39;) or a URL fragment (page#12)
-ISSUE_REF = re.compile(r"(?<![\w&/])#\d+\b")
+# "issue #12", "#12", "(#7)", "apex#180" -- but not an HTML entity (&#39;)
+ISSUE_REF = re.compile(r"(?<!&)#\d+\b")
 
 
 def code_blocks(text: str) -> list[tuple[int, str, str | None]]:
