@@ -41,10 +41,7 @@ def code_blocks(text: str) -> list[tuple[int, str, str | None]]:
         body = m.group("body")
         indent = m.group("indent")
         if indent:
-            body = "".join(
-                ln[len(indent) :] if ln.startswith(indent) else ln
-                for ln in body.splitlines(keepends=True)
-            )
+            body = "".join(ln.removeprefix(indent) for ln in body.splitlines(keepends=True))
         before = text[: m.start()].rstrip().rsplit("\n", 1)[-1]
         marker = NOT_RUN.search(before)
         blocks.append((line, textwrap.dedent(body), marker.group("reason") if marker else None))
@@ -103,7 +100,11 @@ def test_the_block_runner_shares_a_namespace_and_skips_marked_blocks():
         """
     )
     blocks = code_blocks(text)
-    assert [(line, reason) for line, _, reason in blocks] == [(2, None), (7, "needs a GPU"), (13, None)]
+    assert [(line, reason) for line, _, reason in blocks] == [
+        (2, None),
+        (7, "needs a GPU"),
+        (13, None),
+    ]
     assert run_blocks("t.md", text)["b"] == 6
     with pytest.raises(AssertionError, match=r"t\.md, block at line 2 failed: NameError"):
         run_blocks("t.md", "```python\nundefined_name\n```\n")

@@ -20,7 +20,9 @@ TARGET = pathlib.Path(__file__).resolve().parent.parent / "docs" / "ops.md"
 
 def render(text: str) -> str:
     if BEGIN not in text or END not in text:
-        raise ValueError(f"{TARGET} has no {BEGIN} ... {END} markers; put them where the table goes")
+        raise ValueError(
+            f"{TARGET} has no {BEGIN} ... {END} markers; put them where the table goes"
+        )
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{BEGIN}\n{table_markdown()}\n{END}{tail}"
