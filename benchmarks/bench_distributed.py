@@ -5,7 +5,7 @@
 Re-launches itself under ``torch.distributed.run`` (gloo on CPU). Every mode is built once and
 timed in interleaved rounds (each round times every mode in turn); the table shows medians and
 the median of per-round ratios against the fp32 DDP baseline, because host noise here is large.
-Workload: the GPT of mixprec.models at width 128, 2 layers, context 64, global batch 16.
+Workload: the GPT of mixprec.bench.models at width 128, 2 layers, context 64, global batch 16.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _run(args: argparse.Namespace) -> None:
 
     import mixprec
     import mixprec.distributed as mpd
-    from mixprec.models import GPT, Block, GPTConfig
+    from mixprec.bench.models import GPT, Block, GPTConfig
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from mixprec.bench.report import speed_words
 from mixprec.bench.runner import Trainer
-from mixprec.benchmarking import emit, step_workload
-from mixprec.models import GPT, GPTConfig
+from mixprec.bench.steps import emit, step_workload
+from mixprec.bench.models import GPT, GPTConfig
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -176,7 +176,7 @@ def run(device: str, smoke: bool, rounds: int, steps: int, modes: list[Mode],
 
 def machine(device: str) -> str:
     if device != "cuda":
-        from mixprec.hardware import check
+        from mixprec.core.hardware import check
 
         return f"{check(device, verbose=False).name} (CPU smoke run)"
     try:

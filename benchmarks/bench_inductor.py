@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mixprec.models import GPT, GPTConfig
+from mixprec.bench.models import GPT, GPTConfig
 
 
 def make(mode: str, batch: int):

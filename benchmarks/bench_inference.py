@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from mixprec.infer_bench import _workload, compare_variants, to_json, to_markdown
+from mixprec.inference.bench import _workload, compare_variants, to_json, to_markdown
 
 VARIANTS = ["fp32", "bf16", "fp16", "int8-mixed", "int8-wo"]
 # workload -> (timing batch, train steps, train batch, timing iters per round)

@@ -34,7 +34,7 @@ import torch
 
 import mixprec
 from mixprec.bench.workloads import WORKLOADS
-from mixprec.memory import PeakMemory
+from mixprec.core.memory import PeakMemory
 
 MODES: dict[str, dict[str, Any] | None] = {
     "fp32": None,

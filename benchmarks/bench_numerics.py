@@ -1,6 +1,6 @@
 """Overhead of the numerics toolkit on the GPT workload: locator, op stats, both.
 
-Every mode trains the same GPT (``mixprec.models.GPT``, default config: 4 layers, width 384,
+Every mode trains the same GPT (``mixprec.bench.models.GPT``, default config: 4 layers, width 384,
 context 256) with AdamW under ``mixprec.autocast(bfloat16)``. Modes run in interleaved rounds
 -- each round times every mode once, in turn -- and the overhead is the median of the
 per-round ratios to the plain step (absolute times drift on this shared machine).
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import mixprec
-from mixprec.models import GPT, GPTConfig
+from mixprec.bench.models import GPT, GPTConfig
 
 MODES = ("plain", "locator", "op_stats", "locator+op_stats")
 

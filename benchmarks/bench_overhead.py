@@ -24,9 +24,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mixprec.bench.runner import Trainer
-from mixprec.benchmarking import emit, step_workload
-from mixprec.hardware import check
-from mixprec.models import GPT, GPTConfig
+from mixprec.bench.steps import emit, step_workload
+from mixprec.core.hardware import check
+from mixprec.bench.models import GPT, GPTConfig
 
 MODES = ("fp32", "torch-autocast", "mixprec-autocast", "O1", "O2", "O3", "graph")
 MODELS = {

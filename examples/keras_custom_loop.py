@@ -125,7 +125,7 @@ def main() -> None:
     args = parser.parse_args()
     data = None
     if args.mnist1d:
-        from mixprec.demo import load_mnist1d
+        from mixprec.bench.workloads import load_mnist1d
 
         d = load_mnist1d()
         data = (d["x"], d["y"], d["x_test"], d["y_test"])

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import mixprec
 import mixprec.distributed as mpd
-from mixprec.models import GPT, GPTConfig
+from mixprec.bench.models import GPT, GPTConfig
 
 
 def batch(step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

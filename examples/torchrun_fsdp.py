@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import mixprec.distributed as mpd
-from mixprec.models import GPT, Block, GPTConfig
+from mixprec.bench.models import GPT, Block, GPTConfig
 
 
 def batch(step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

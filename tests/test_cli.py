@@ -6,7 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import benchmarking, cli, demo
+from mixprec import cli
+from mixprec.bench import steps as benchmarking
+from mixprec.bench import workloads
+from mixprec.cli import demo
 
 
 def test_demo_runs_and_reports_every_mode(capsys):
@@ -18,7 +21,7 @@ def test_demo_runs_and_reports_every_mode(capsys):
 
 
 def _no_bf16_cpu():
-    from mixprec import hardware
+    from mixprec.core import hardware
 
     flags = frozenset({"avx2", "fma"})  # an AVX2-only EPYC: bf16 emulated
     return hardware.HardwareReport("cpu", "AMD EPYC (no AVX512)", tuple(sorted(flags)),
@@ -27,7 +30,7 @@ def _no_bf16_cpu():
 
 def test_demo_on_a_cpu_without_fast_16bit_is_bounded_and_honest(monkeypatch, capsys):
     import mixprec
-    from mixprec import hardware
+    from mixprec.core import hardware
 
     report = _no_bf16_cpu()
     assert report.best_dtype == torch.float32
@@ -61,7 +64,7 @@ def test_verdict_never_calls_a_slowdown_a_speed_up():
 
 
 def test_demo_results_are_real_measurements():
-    data = demo.load_mnist1d()
+    data = workloads.load_mnist1d()
     assert data["x"].shape == (4000, 40) and data["x_test"].shape == (1000, 40)
     r = demo.train_one(data, "O2", torch.bfloat16, steps=4, batch=64)
     assert 0.0 <= r.accuracy <= 1.0 and r.median_step > 0 and r.skipped_steps == 0

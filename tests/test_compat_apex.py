@@ -558,7 +558,7 @@ def test_register_functions_decorators_and_disable_casts():
     assert probe.seen == [torch.float32]  # sigmoid registered as a float function
     assert ns.custom(torch.ones(1), torch.ones(1)) == (torch.float32, torch.float32)  # outside
     amp.reset()
-    assert mixprec.cast_table.rule_for(torch.sigmoid) is None
+    assert mixprec.core.cast_table.rule_for(torch.sigmoid) is None
     assert ns.custom.__name__ == "<lambda>" and not hasattr(ns.custom, "__wrapped__")
 
 

@@ -14,7 +14,7 @@ import mixprec
 from mixprec.bench.workloads import MNIST1DCNN
 from mixprec.graph import convert
 from mixprec.graph.compare import compare_with_eager
-from mixprec.models import GPT, GPTConfig, SeedMLP
+from mixprec.bench.models import GPT, GPTConfig, SeedMLP
 
 SMALL_GPT = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=2, n_embd=32)
 

@@ -1,4 +1,4 @@
-"""Tests for mixprec.engine and mixprec.kernels: regions, gradients, the cast cache, module
+"""Tests for mixprec.core.engine and mixprec.core.kernels: regions, gradients, the cast cache, module
 policy boundaries, attention, a model-level run and the public import surface."""
 
 from __future__ import annotations
@@ -15,11 +15,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
-from mixprec import dispatch, engine, kernels
-from mixprec.models import GPT, GPTConfig
-from mixprec.policy import set_global_policy, set_policy
+from mixprec.core import dispatch
+from mixprec.core import engine
+from mixprec.core import kernels
+from mixprec.bench.models import GPT, GPTConfig
+from mixprec.core.engine import set_policy
+from mixprec.core.policy import set_global_policy
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
 REPO = Path(__file__).resolve().parents[1]
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -753,7 +756,7 @@ def test_public_names():
 
 
 def test_import_does_not_initialize_cuda():
-    code = ("import torch, mixprec, mixprec.engine, mixprec.kernels, mixprec.models\n"
+    code = ("import torch, mixprec, mixprec.core.engine, mixprec.core.kernels, mixprec.bench.models\n"
             "assert not torch.cuda.is_initialized(), 'CUDA initialized'\n"
             "from mixprec import *\n"
             "print('ok', len(mixprec.__all__))\n")

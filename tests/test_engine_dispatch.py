@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from mixprec import dispatch
-from mixprec.cast_table import DEFAULT_TABLE, cast_rules
-from mixprec.torch_lists import TORCH_AUTOCAST
+from mixprec.core import dispatch
+from mixprec.core.cast_table import DEFAULT_TABLE, cast_rules
+from mixprec.core.torch_lists import TORCH_AUTOCAST
 
 BF16 = torch.bfloat16
 

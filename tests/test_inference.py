@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec import engine
-from mixprec.inference import inference_info
-from mixprec.quantize import Int8WeightOnly, cosine_error
+from mixprec.core import engine
+from mixprec.inference.prepare import inference_info
+from mixprec.inference.quantize import Int8WeightOnly, cosine_error
 
 
 class Net(nn.Module):

@@ -11,7 +11,7 @@ from torch import nn
 import mixprec
 from tests.training_helpers import INF, assert_tree_bitwise, make_model, mse, poisoned
 
-warnings.filterwarnings("ignore", category=Warning, module="mixprec.hardware")
+warnings.filterwarnings("ignore", category=Warning, module="mixprec.core.hardware")
 
 
 class Blowup(nn.Module):
@@ -145,7 +145,7 @@ def test_nonfinite_input_data_is_reported_as_input():
 
 
 def test_causal_attention_masks_are_not_reported():
-    from mixprec.models import GPT, GPTConfig
+    from mixprec.bench.models import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32))
@@ -188,7 +188,7 @@ def test_bad_arguments_are_rejected():
 def test_uninitialized_buffers_are_not_reported():
     """``torch.empty`` may hold garbage NaNs (the optimizer's grad buffers do): its output is
     not judged, while an op that writes NaN into such a buffer still is."""
-    from mixprec.locate import _op_info
+    from mixprec.numerics.locate import _op_info
 
     for op in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
                torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default):

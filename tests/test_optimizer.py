@@ -23,7 +23,7 @@ from training_helpers import (INF, NAN, assert_bitwise, assert_tree_bitwise, mak
 
 from mixprec import initialize, scale_loss
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
 BF16, FP16 = torch.bfloat16, torch.float16
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.range_audit import EXP_MIN
+from mixprec.numerics.range_audit import EXP_MIN
 
 
 def _finfo_fractions(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):

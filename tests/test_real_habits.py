@@ -14,7 +14,7 @@ import mixprec
 
 LEVELS = [("O0", None), ("O1", torch.bfloat16), ("O2", torch.bfloat16), ("O3", torch.bfloat16),
           ("O2", torch.float16)]
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
 
 def _train(model, opts, batches, loss_fn):
@@ -138,7 +138,7 @@ def test_hand_written_rmsnorms_stay_fp32_at_o2_and_train(name):
 
 
 def test_the_norm_rule_and_register_norm():
-    from mixprec.norms import is_norm, register_norm
+    from mixprec.core.norms import is_norm, register_norm
 
     class ScaleNorm(nn.Module):  # hand-written, by the naming convention
         def __init__(self):
@@ -169,7 +169,7 @@ def test_the_norm_rule_and_register_norm():
                                       level="O2", dtype=torch.bfloat16)
         assert model[1].g.dtype == torch.float32 and model[2].g.dtype == torch.bfloat16
     finally:
-        from mixprec import norms
+        from mixprec.core import norms
 
         norms._registered.pop(Scaler, None)
         norms._registered.pop(ScaleNorm, None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from mixprec.cast_table import table_markdown
+from mixprec.core.cast_table import table_markdown
 
 BEGIN, END = "<!-- op-table:begin -->", "<!-- op-table:end -->"
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"

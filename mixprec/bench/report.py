@@ -27,7 +27,7 @@ HEADERS = ["mode", "step", "per s", "vs fp32", "vs torch", "peak", "final", "to 
 
 
 def meta(command: str, dtype: torch.dtype, seed: int, quick: bool) -> dict[str, Any]:
-    from mixprec.hardware import check
+    from mixprec.core.hardware import check
 
     report = check(verbose=False)
     return {"date": datetime.date.today().isoformat(), "device": report.device,

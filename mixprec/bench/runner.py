@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 import mixprec
 from mixprec.bench.workloads import BenchWorkload
-from mixprec.memory import PeakMemory
+from mixprec.core.memory import PeakMemory
 
 __all__ = ["MODES", "ModeResult", "Trainer", "max_batch", "run_workload", "time_to_target"]
 

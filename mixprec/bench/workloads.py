@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixprec.bench.corpus import CharCorpus, build_corpus
-from mixprec.models import GPT, GPTConfig, SeedMLP
+from mixprec.bench.models import GPT, GPTConfig, SeedMLP
 
-__all__ = ["MNIST1DCNN", "WORKLOADS", "BenchWorkload", "cross_entropy", "make_large_mnist1d"]
+__all__ = ["MNIST1DCNN", "WORKLOADS", "BenchWorkload", "cross_entropy", "load_mnist1d",
+           "make_large_mnist1d"]
 
 QUICK_CORPUS_CHARS = 400_000
 _MNIST_EVAL_CHUNK = 1000
@@ -97,11 +98,18 @@ class MNIST1DCNN(nn.Module):
         return self.linear(x.flatten(1))
 
 
-def _generate_mnist1d(num_samples: int, seed: int = 42) -> dict[str, Tensor]:
-    from mnist1d.data import get_dataset_args, make_dataset
-
+def load_mnist1d(seed: int = 42, num_samples: int | None = None) -> dict[str, Tensor]:
+    """MNIST-1D generated locally: ``x, y, x_test, y_test``. The default is the standard
+    dataset (4000 train / 1000 test); ``num_samples`` splits 80/20 the same way."""
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise RuntimeError("MNIST-1D needs the 'mnist1d' package: pip install 'mixprec[bench]'."
+                           ) from exc
     args = get_dataset_args()
-    args.num_samples, args.seed = num_samples, seed
+    args.seed = seed
+    if num_samples is not None:
+        args.num_samples = num_samples
     data = make_dataset(args)
     return {k: torch.as_tensor(data[k], dtype=torch.float32 if k.startswith("x") else torch.long)
             for k in ("x", "y", "x_test", "y_test")}
@@ -110,9 +118,7 @@ def _generate_mnist1d(num_samples: int, seed: int = 42) -> dict[str, Tensor]:
 @functools.lru_cache(maxsize=2)
 def _mnist1d(quick: bool) -> dict[str, Tensor]:
     if quick:  # 1000 train / 250 test: generated in ~1 s instead of ~4 s
-        return _generate_mnist1d(1250)
-    from mixprec.demo import load_mnist1d
-
+        return load_mnist1d(num_samples=1250)
     return load_mnist1d()  # the standard dataset: 4000 train / 1000 test, seed 42
 
 
@@ -124,7 +130,7 @@ def prepare_mnist1d(quick: bool, seed: int) -> dict[str, Tensor]:
 @functools.lru_cache(maxsize=1)
 def make_large_mnist1d(num_samples: int = 50_000, seed: int = 42) -> dict[str, Tensor]:
     """A larger MNIST-1D set (80/20 split) for timing; slow to generate (~3.5 s per 5000)."""
-    return _generate_mnist1d(num_samples, seed)
+    return load_mnist1d(seed, num_samples)
 
 
 def mnist1d_batches(data: dict[str, Tensor], batch_size: int, seed: int

@@ -42,11 +42,11 @@ import torch
 from torch import Tensor, nn
 
 import mixprec
-from mixprec import engine
-from mixprec.dispatch import float_dtypes
-from mixprec.hardware import default_dtype
-from mixprec.loss_scale import LossScaler
-from mixprec.optimizer import LossSlot, MixedPrecisionOptimizer
+from mixprec.core import engine
+from mixprec.core.dispatch import float_dtypes
+from mixprec.core.hardware import default_dtype
+from mixprec.core.loss_scale import LossScaler
+from mixprec.core.optimizer import LossSlot, MixedPrecisionOptimizer
 
 __all__ = ["amp", "AmpOptimizer", "FP16_Optimizer", "install", "uninstall"]
 
@@ -419,7 +419,7 @@ def _register(module: Any, name: str, kind: str) -> None:
         raise ValueError(f"No function named {name} in module {module}.")
     fn = getattr(module, name)
     if any(module is ns for ns in _TORCH_NAMESPACES):
-        from mixprec.cast_table import rule_for
+        from mixprec.core.cast_table import rule_for
 
         _state.registered.append((None, name, (fn, rule_for(fn))))
         mixprec.register_op(fn, _RULES[kind])  # the engine sees every spelling of a torch op

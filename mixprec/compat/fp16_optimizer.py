@@ -27,8 +27,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from mixprec.loss_scale import LossScaler
-from mixprec.optimizer import LossSlot, MixedPrecisionOptimizer
+from mixprec.core.loss_scale import LossScaler
+from mixprec.core.optimizer import LossSlot, MixedPrecisionOptimizer
 
 __all__ = ["FP16_Optimizer", "FP16Model", "convert_network", "network_to_half",
            "to_python_float"]

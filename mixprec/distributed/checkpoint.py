@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mixprec.initialize import fp32_state_dict
-from mixprec.optimizer import MixedPrecisionOptimizer
+from mixprec.core.initialize import fp32_state_dict
+from mixprec.core.optimizer import MixedPrecisionOptimizer
 
 __all__ = ["fp32_full_state_dict", "load_checkpoint", "save_checkpoint"]
 

@@ -21,12 +21,29 @@ Design (``shared/reference/torch_amp.md`` §4.3, ``beyond.md`` §5.3-5.4):
 * **Same verdict everywhere.** :func:`wrap_ddp` installs
   :func:`mixprec.distributed.sync_verdicts` on the optimizers.
 
+**Plain DDP.** A model prepared by ``initialize`` and then wrapped with a plain
+``DistributedDataParallel(model)`` (not :func:`mixprec.distributed.wrap_ddp`) is detected:
+:func:`watch_ddp` (which ``initialize`` runs through its model hooks) notes, during the forward pass, the DDP whose
+forward is running (``DistributedDataParallel._active_ddp_module``, set by DDP's default C++
+reducer path), and the optimizer's next ``step()`` calls :func:`adopt_ddp` before reading its
+verdicts: it broadcasts the fp32 masters from the group's first rank (DDP broadcast only the
+16-bit parameters) and installs the :class:`FlagReducer` on DDP's process group -- what
+``wrap_ddp`` does, less its 16-bit gradient all-reduce. Doing it at ``step()`` keeps the
+collectives where every rank is anyway; the forward only records (evaluation on one rank
+never blocks). DDP's compiled Python-reducer mode does not set the marker and is not detected:
+use ``wrap_ddp`` there.
+
+The core imports nothing from here: this module registers :func:`watch_ddp` in
+``initialize.MODEL_HOOKS`` and :func:`adopt_ddp` in ``optimizer.SETTLE_HOOKS`` when it is
+imported, which ``import mixprec`` does wherever ``torch.distributed`` is available.
+
 gloo on torch 2.13 sums, maxes and averages bf16 and fp16 natively (checked with 2 ranks), so
 the CPU path communicates real 16-bit tensors: half the bytes of fp32.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at run time.
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,16 +52,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mixprec import engine
+from mixprec.core import engine, initialize, optimizer
 from mixprec.distributed.verdicts import (
     _optimizers,
     assert_in_sync,
     require_process_group,
     sync_verdicts,
 )
-from mixprec.optimizer import MixedPrecisionOptimizer
+from mixprec.core.optimizer import MixedPrecisionOptimizer
 
-__all__ = ["AllReduceHook", "wrap_ddp"]
+__all__ = ["AllReduceHook", "adopt_ddp", "watch_ddp", "wrap_ddp"]
 
 _MARK = "_mixprec_initialized"  # set by mixprec.initialize on every model it prepared
 _WIRE = (torch.float16, torch.bfloat16, torch.float32)
@@ -250,3 +267,63 @@ def wrap_ddp(model: nn.Module,
         sync_verdicts(opts, process_group)
         assert_in_sync(opts, process_group)
     return ddp
+
+
+class _DDPWatch:
+    """Forward pre-hook of :func:`watch_ddp`: a class (not a closure) so the model pickles."""
+
+    def __init__(self, optimizers: Sequence[MixedPrecisionOptimizer]):
+        self.refs = [weakref.ref(o) for o in optimizers]
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel._active_ddp_module
+        if ddp is None:
+            return
+        for ref in self.refs:
+            opt = ref()
+            if opt is not None and opt.reduce_flags is None and opt._plain_ddp is None:
+                opt._plain_ddp = weakref.ref(ddp)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"refs": []}  # weakrefs do not pickle; a copied model has other parameters
+
+
+def watch_ddp(model: nn.Module, optimizers: Sequence[MixedPrecisionOptimizer]) -> None:
+    """Let ``optimizers`` notice a plain ``DistributedDataParallel`` running ``model``.
+
+    A forward pre-hook on ``model`` records the running DDP on every optimizer whose verdicts
+    are not reduced yet; their next ``step()`` then calls :func:`adopt_ddp`. The hook costs an
+    attribute read per forward and issues no collective.
+    """
+    if optimizers and dist.is_available():
+        model.register_forward_pre_hook(_DDPWatch(optimizers))
+
+
+@torch.no_grad()
+def adopt_ddp(optimizer: MixedPrecisionOptimizer) -> None:
+    """Make ``optimizer`` safe under the plain DDP it was seen in; a collective on DDP's group.
+
+    Raises if that DDP was built before ``initialize`` changed the parameter dtypes (its
+    buckets are stale and gradients are not averaged correctly).
+    """
+    if optimizer._plain_ddp is None:
+        return  # no plain DDP seen since the last step: the common case, one attribute read
+    ref, optimizer._plain_ddp = optimizer._plain_ddp, None
+    ddp = ref() if ref is not None else None
+    if ddp is None or optimizer.reduce_flags is not None:
+        return
+    stale = _stale_buckets(ddp)
+    if stale:
+        raise RuntimeError("This model runs inside a DistributedDataParallel built before "
+                           f"mixprec.initialize changed the parameter dtypes "
+                           f"({'; '.join(stale[:3])}): its buckets no longer match and the "
+                           f"ranks would silently diverge. {_ORDER_FIX}")
+    group = ddp.process_group
+    _broadcast_masters([optimizer], group)
+    sync_verdicts(optimizer, group)
+
+
+initialize.MODEL_HOOKS.append(watch_ddp)
+optimizer.SETTLE_HOOKS.append(adopt_ddp)

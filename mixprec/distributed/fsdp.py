@@ -43,11 +43,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from mixprec.distributed.verdicts import require_process_group, sync_verdicts
-from mixprec.hardware import default_dtype
-from mixprec.initialize import LEVELS, initialize
-from mixprec.norms import is_norm
-from mixprec.optimizer import MixedPrecisionOptimizer
-from mixprec.policy import Policy, PolicyLike, as_policy
+from mixprec.core.hardware import default_dtype
+from mixprec.core.initialize import LEVELS, initialize
+from mixprec.core.norms import is_norm
+from mixprec.core.optimizer import MixedPrecisionOptimizer
+from mixprec.core.policy import Policy, PolicyLike, as_policy
 
 __all__ = ["fsdp_mp_policy", "initialize_fsdp"]
 

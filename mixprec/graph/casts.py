@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from mixprec.cast_table import PROMOTE, current_table
+from mixprec.core.cast_table import PROMOTE, current_table
 from mixprec.graph.paint import (CAST_OPS, COLOURABLE, DROP_OPS, SOURCE_OPS, Colouring,
                                   meta_val, node_op)
 

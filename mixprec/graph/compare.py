@@ -52,7 +52,7 @@ def compare_with_eager(model: torch.nn.Module, converted: Any, *inputs: Any,
     ``converted`` is ``mixprec.convert(model, ...)`` (they share parameters). Returns one entry
     per differing op: ``{"op", "eager", "graph", "why"}``; an empty list means they agree.
     """
-    from mixprec.engine import autocast
+    from mixprec.core.engine import autocast
 
     options = converted.options
     if options["fp32_inside"]:

@@ -21,7 +21,7 @@ import torch
 from torch import fx, nn
 
 from mixprec.graph.convert import GRAPH_ATTR
-from mixprec.policy import PolicyLike
+from mixprec.core.policy import PolicyLike
 
 __all__ = ["backend", "compile"]
 

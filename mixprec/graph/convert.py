@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 from mixprec.graph import paint
 from mixprec.graph.report import PrecisionReport
 from mixprec.graph.rewrite import PassResult, rewrite
-from mixprec.policy import Policy, PolicyLike, as_policy, global_policy
+from mixprec.core.policy import Policy, PolicyLike, as_policy, global_policy
 
 __all__ = ["ConvertedModule", "convert", "capture"]
 
@@ -195,7 +195,7 @@ def _default_policy(policy: PolicyLike | None) -> Policy:
     g = global_policy()
     if g.compute_dtype != torch.float32:
         return g
-    from mixprec.hardware import default_dtype
+    from mixprec.core.hardware import default_dtype
 
     return Policy("mixed_bfloat16" if default_dtype() == torch.bfloat16 else "mixed_float16")
 
@@ -227,7 +227,7 @@ def convert(model: nn.Module, example_inputs: Any, policy: PolicyLike | None = N
         raise TypeError(f"convert takes an nn.Module, received {type(model).__name__}.")
     if getattr(model, GRAPH_ATTR, False):
         raise ValueError("This model was already converted: convert the original model once.")
-    from mixprec import engine
+    from mixprec.core import engine
 
     if getattr(model, "_mixprec_level", None) or model.__dict__.get(engine.BOUNDARY_ATTR):
         raise ValueError("convert the float32 model before mixprec.initialize: initialize "

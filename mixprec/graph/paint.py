@@ -2,10 +2,10 @@
 
 Design (``shared/reference/keras_graph.md`` §4.3-4.4, TensorFlow's ``auto_mixed_precision``):
 
-* The four lists come from :mod:`mixprec.cast_table`, the same data the eager engine reads:
+* The four lists come from :mod:`mixprec.core.cast_table`, the same data the eager engine reads:
   ``lower`` ops are the **allow** list, ``fp32`` ops the **deny** list, ``promote`` ops and
-  :data:`~mixprec.cast_table.GRAPH_INFER` the **infer** list, and
-  :data:`~mixprec.cast_table.GRAPH_CLEAR` the **clear** list. With ``fp32_inside`` the ops whose
+  :data:`~mixprec.core.cast_table.GRAPH_INFER` the **infer** list, and
+  :data:`~mixprec.core.cast_table.GRAPH_CLEAR` the **clear** list. With ``fp32_inside`` the ops whose
   16-bit kernels accumulate in float32 (layer norm, softmax) move from deny to infer, as in eager.
   An op in no list is a float32 boundary (grappler's rule for unknown ops).
 * A node is *processable* when its output is a float32 tensor (or a tuple of them, read through
@@ -18,7 +18,7 @@ Design (``shared/reference/keras_graph.md`` §4.3-4.4, TensorFlow's ``auto_mixed
 
 The graph is any ``torch.fx`` graph whose nodes carry dtype metadata (``meta["val"]`` from
 torch.export / dynamo, or ``meta["tensor_meta"]`` from ``ShapeProp``), at the ATen level or the
-torch level: ops are named by :func:`mixprec.cast_table.op_name` in both.
+torch level: ops are named by :func:`mixprec.core.cast_table.op_name` in both.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import torch
 from torch import fx
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from mixprec.cast_table import FP32, GRAPH_CLEAR, GRAPH_INFER, LOWER, PROMOTE, current_table
-from mixprec.cast_table import op_name
-from mixprec.engine import FP32_INSIDE_OPS
+from mixprec.core.cast_table import FP32, GRAPH_CLEAR, GRAPH_INFER, LOWER, PROMOTE, current_table
+from mixprec.core.cast_table import op_name
+from mixprec.core.engine import FP32_INSIDE_OPS
 
 __all__ = ["ALLOW", "DENY", "INFER", "CLEAR", "LISTS", "Lists", "Colouring", "build_lists",
            "colour", "is_multi", "meta_val", "node_op"]

@@ -21,7 +21,7 @@ import torch
 from transformers import Trainer
 
 import mixprec
-from mixprec.optimizer import MixedPrecisionOptimizer
+from mixprec.core.optimizer import MixedPrecisionOptimizer
 
 __all__ = ["MixprecTrainer"]
 

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 import mixprec
-from mixprec.optimizer import MixedPrecisionOptimizer
+from mixprec.core.optimizer import MixedPrecisionOptimizer
 
 try:  # the unified package first, then the standalone one
     from lightning.pytorch.plugins.precision import Precision as _Precision

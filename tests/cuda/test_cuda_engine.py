@@ -12,7 +12,7 @@ from test_engine_dispatch import _Block, _Net
 from torch import nn
 
 import mixprec
-from mixprec import dispatch
+from mixprec.core import dispatch
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 

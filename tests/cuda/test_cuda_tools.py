@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.models import GPT, GPTConfig
+from mixprec.bench.models import GPT, GPTConfig
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
 
 def test_check_reports_the_real_capability():

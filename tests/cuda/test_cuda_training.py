@@ -14,10 +14,10 @@ from torch import nn
 from training_helpers import assert_bitwise, assert_tree_bitwise, mse, poisoned
 
 import mixprec
-from mixprec import loss_scale
+from mixprec.core import loss_scale
 
 BF16, FP16 = torch.bfloat16, torch.float16
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
 
 def _model(seed: int = 0) -> nn.Module:

@@ -25,7 +25,7 @@ from torch import nn
 
 import mixprec
 import mixprec.distributed as mpd
-from mixprec.models import GPT, GPTConfig
+from mixprec.bench.models import GPT, GPTConfig
 
 INF = float("inf")
 RANK = WORLD = 0
@@ -374,7 +374,7 @@ def _train_gpt(fsdp: bool, steps: int) -> dict:
     model = GPT(GPT_SMALL)
     make = lambda ps: torch.optim.AdamW(ps, lr=3e-3)  # noqa: E731
     if fsdp:
-        from mixprec.models import Block
+        from mixprec.bench.models import Block
 
         model, opt = mpd.initialize_fsdp(model, make, level="O2", dtype=torch.bfloat16,
                                          units=Block)

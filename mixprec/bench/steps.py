@@ -20,8 +20,8 @@ from torch import Tensor, nn
 
 from mixprec.bench.runner import MODES, Trainer
 from mixprec.bench.workloads import BenchWorkload
-from mixprec.memory import PeakMemory
-from mixprec.models import GPT, GPTConfig, SeedMLP
+from mixprec.core.memory import PeakMemory
+from mixprec.bench.models import GPT, GPTConfig, SeedMLP
 
 __all__ = ["MODES", "WORKLOADS", "build_step", "count_casts", "emit", "format_table", "run",
            "step_workload"]

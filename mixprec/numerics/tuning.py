@@ -44,8 +44,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec.locate import iter_tensors
-from mixprec.policy import Policy, get_policy, set_policy
+from mixprec.numerics.locate import iter_tensors
+from mixprec.core.engine import set_policy
+from mixprec.core.policy import Policy, get_policy
 
 __all__ = ["TunePlan", "tune"]
 
@@ -350,7 +351,7 @@ class _Tuner:
         return worst
 
     def evaluate(self, fp32: list[str]) -> RunError:
-        from mixprec.engine import autocast
+        from mixprec.core.engine import autocast
 
         self.evaluations += 1
         assignment = self.plan(fp32)

@@ -4,7 +4,7 @@ Design (chosen by measurement, see ``benchmarks/NOTES.md``): a mixprec region *i
 ``torch.autocast`` region -- torch's C++ kernels lower matmuls and convolutions and keep its
 weight-cast cache, at C++ cost -- plus Python kernels registered with ``torch.library`` on the
 ``AutocastCPU``/``AutocastCUDA`` dispatch keys for exactly the ops whose cast-table rule differs
-from torch's rule on that device (:mod:`mixprec.torch_lists`): on CPU the fp32 ops torch leaves
+from torch's rule on that device (:mod:`mixprec.core.torch_lists`): on CPU the fp32 ops torch leaves
 in 16-bit (softmax, norms, reductions, exp/log/pow...), a few matmul variants, the promote ops
 that need a cast, the attention kernel choice; on CUDA the fp32-inside norms and softmax and
 ``binary_cross_entropy``. Every other op costs nothing extra. A function mode seeing every
@@ -36,9 +36,10 @@ import torch
 from torch._C import DispatchKey, DispatchKeySet
 from torch.overrides import TorchFunctionMode
 
-from mixprec import cast_table, kernels
-from mixprec.cast_table import FP32, LOWER, PROMOTE
-from mixprec.torch_lists import TORCH_AUTOCAST, torch_rule
+from mixprec.core import cast_table
+from mixprec.core import kernels
+from mixprec.core.cast_table import FP32, LOWER, PROMOTE
+from mixprec.core.torch_lists import TORCH_AUTOCAST, torch_rule
 
 __all__ = ["FP32_INSIDE_OPS", "NATIVE_PROMOTE", "Frame", "depth", "pop", "push", "top"]
 

@@ -31,7 +31,7 @@ __all__ = ["add_parser", "builtin_model", "load_factory", "run_report"]
 
 def builtin_model(seed: int = 0) -> tuple[nn.Module, tuple[Tensor, Tensor], Callable]:
     """A 2-layer character GPT (width 128, context 64) and one batch of 8 random sequences."""
-    from mixprec.models import GPT, GPTConfig
+    from mixprec.bench.models import GPT, GPTConfig
 
     torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab_size=96, block_size=64, n_layer=2, n_head=4, n_embd=128))
@@ -83,7 +83,7 @@ def run_report(model: nn.Module, batch: Any, loss_fn: Callable | None, *, dtype:
                plots: bool = True) -> dict[str, Any]:
     """Run every tool; print sections; return the JSON-ready report (and write files)."""
     from mixprec import initialize, lint, locate_nonfinite, op_stats, range_audit, tune
-    from mixprec.engine import autocast
+    from mixprec.core.engine import autocast
 
     name = str(dtype).replace("torch.", "")
     doc: dict[str, Any] = {"model": type(model).__name__, "dtype": name,

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from mixprec.loss_scale import LossScaler, unscale_and_check_
+from mixprec.core.loss_scale import LossScaler, unscale_and_check_
 
 __all__ = ["LossScaleOptimizer"]
 

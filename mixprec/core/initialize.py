@@ -15,7 +15,7 @@ inputs and outputs (``fp32_inside``).
 
 Without masters (O3), ``update="nearest" | "kahan" | "stochastic"`` runs the optimizer's math in
 fp32 on temporaries and writes the 16-bit weights back with that rounding, with optimizer state
-stored per ``state_dtype`` (:mod:`mixprec.lean`). ``update=None`` lets the optimizer step the
+stored per ``state_dtype`` (:mod:`mixprec.core.lean`). ``update=None`` lets the optimizer step the
 16-bit weights in 16-bit arithmetic; that is the default for bf16, so existing O3 code and
 checkpoints are unchanged. For fp16 with an Adam-family optimizer (``betas`` in its defaults)
 or any optimizer whose ``eps`` rounds to 0 in fp16 (RMSprop's 1e-8), the default is
@@ -33,21 +33,32 @@ import contextlib
 import copy
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from mixprec import engine
-from mixprec.hardware import default_dtype, warn_if_slow
-from mixprec.loss_scale import LossScaler
-from mixprec.norms import is_norm
-from mixprec.optimizer import LossSlot, MixedPrecisionOptimizer, rounds_to
-from mixprec.policy import Policy, PolicyLike, as_policy, get_policy, set_policy
+from mixprec.core import engine
+from mixprec.core.hardware import default_dtype, warn_if_slow
+from mixprec.core.loss_scale import LossScaler
+from mixprec.core.norms import is_norm
+from mixprec.core.optimizer import (
+    LossSlot,
+    MixedPrecisionOptimizer,
+    _check_loss,
+    rounds_to,
+    scale_loss,
+)
+from mixprec.core.policy import Policy, PolicyLike, as_policy, get_policy
 
-__all__ = ["LEVELS", "initialize", "scale_loss", "fp32_state_dict"]
+__all__ = ["LEVELS", "MODEL_HOOKS", "initialize", "scale_loss", "fp32_state_dict"]
+
+#: ``hook(model, optimizers)``, run for each model :func:`initialize` returns, with the wrapped
+#: optimizers that step its parameters. The distributed layer adds one that notices a later
+#: plain ``DDP(model)``; a registry keeps the core free of imports from the tools above it.
+MODEL_HOOKS: list[Callable[[nn.Module, list[MixedPrecisionOptimizer]], None]] = []
 
 LEVELS: dict[str, dict[str, Any]] = {
     "O0": dict(cast_params=False, engine=False, keep_norm_fp32=None, master_weights=False,
@@ -205,7 +216,7 @@ def initialize(models: nn.Module | Sequence[nn.Module],
             ``kernels``, the :class:`LossScaler` settings (``init_scale``,
             ``growth_interval``, ``hysteresis``, ``min_scale``, ...) and, without masters,
             ``update`` (None | "nearest" | "kahan" | "stochastic"), ``state_dtype`` ("auto" |
-            dtype | {key: dtype}) and ``update_seed`` (int) -- see :mod:`mixprec.lean`.
+            dtype | {key: dtype}) and ``update_seed`` (int) -- see :mod:`mixprec.core.lean`.
 
     Returns:
         ``model`` or ``(model, optimizer)``, with lists where lists were given.
@@ -250,7 +261,7 @@ def initialize(models: nn.Module | Sequence[nn.Module],
             except AttributeError:
                 raise ValueError(f"The policy map names module {path!r}, which "
                                  f"{type(model_list[0]).__name__} does not have.") from None
-            set_policy(target, module_policy)
+            engine.set_policy(target, module_policy)
     first = next((p for m in model_list for p in m.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
     on_meta = next((name for m in model_list for name, t in (*m.named_parameters(),
@@ -309,12 +320,11 @@ def initialize(models: nn.Module | Sequence[nn.Module],
             if m._parameters:
                 m.register_load_state_dict_pre_hook(refresh.before)
                 m.register_load_state_dict_post_hook(refresh.after)
-    if wrapped:  # a plain DDP(model) later: its ranks must skip the same steps
-        from mixprec.distributed.verdicts import watch_ddp
-
-        for m in model_list:
-            own = {id(p) for p in m.parameters()}
-            watch_ddp(m, [o for o in wrapped if any(id(p) in own for p in o.model_params())])
+    for m in model_list if wrapped else ():  # e.g. a plain DDP(model) later: same skips
+        own = {id(p) for p in m.parameters()}
+        mine = [o for o in wrapped if any(id(p) in own for p in o.model_params())]
+        for hook in MODEL_HOOKS:
+            hook(m, mine)
     out_models = model_list if many_models else model_list[0]
     if optimizers is None:
         return out_models
@@ -419,61 +429,6 @@ def _warn_vanishing_eps(optimizers: list[Optimizer], dtype: torch.dtype) -> None
             f"value {tiny:.3g}); without fp32 master weights its update can divide 0 by 0. Use "
             "update='kahan', master_weights=True (O2), or eps >= 1e-4.",
             RuntimeWarning, stacklevel=3)
-
-
-@contextlib.contextmanager
-def scale_loss(loss: Tensor,
-               optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer],
-               loss_id: int = 0) -> Iterator[Tensor]:
-    """Yield ``loss`` times the current scale of loss ``loss_id``; call ``.backward()`` on it.
-
-    On exit the gradients of every given optimizer are unscaled into fp32 master gradients and
-    checked for inf/NaN (one fused pass, no host sync); the next ``step()`` acts on the verdict.
-    """
-    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    if not opts or not all(isinstance(o, MixedPrecisionOptimizer) for o in opts):
-        raise TypeError("scale_loss expects the optimizer(s) returned by mixprec.initialize, "
-                        f"received {[type(o).__name__ for o in opts]}.")
-    _check_loss(loss)
-    if any(o.slots is not opts[0].slots for o in opts[1:]):
-        raise ValueError("scale_loss got optimizers from different initialize calls, which have "
-                         "different loss scalers; initialize every model and optimizer a loss "
-                         "touches in one call (lists of models and optimizers).")
-    slot = opts[0].slot(loss_id)
-    for o in opts:
-        o.prepare_backward()
-    try:
-        yield slot.scaler.scale_loss(loss)
-    except BaseException:
-        for o in opts:  # the backward failed: give back the grads stashed for accumulation
-            o._restore_stash()
-        raise
-    flags = [o.record_backward(loss_id) for o in opts]
-    # One loss, one verdict: a non-finite gradient anywhere in this loss's gradients skips every
-    # optimizer it produced gradients for (Apex semantics), not only the one holding it.
-    for o, own in zip(opts, flags):
-        if own is not None:
-            for f in flags:
-                if f is not None and f is not own:
-                    o.share_verdict(f)
-
-
-def _check_loss(loss: Any) -> None:
-    """A clear error for a loss backward cannot take (instead of autograd's)."""
-    if not isinstance(loss, Tensor):
-        raise TypeError(f"scale_loss expects a loss tensor, received {type(loss).__name__}.")
-    if not (loss.is_floating_point() or loss.is_complex()):
-        raise TypeError(f"The loss is a {loss.dtype} tensor: gradients need a floating loss. "
-                        "Compute it from the model's outputs in floating point (e.g. "
-                        "F.cross_entropy(logits, target)).")
-    if loss.numel() != 1:
-        raise ValueError(f"The loss must be a single number, received shape "
-                         f"{tuple(loss.shape)}: reduce it first (loss.mean() or loss.sum()).")
-    if not loss.requires_grad:
-        raise ValueError("The loss does not require grad, so backward has nothing to "
-                         "differentiate: it was computed under torch.no_grad()/inference_mode(), "
-                         "from detached tensors, or from a model whose parameters all have "
-                         "requires_grad=False.")
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ Design (``shared/reference/apex.md`` §1.5-1.6, §2; ``torch_amp.md`` §3):
 * One loss scaler per loss (``num_losses``), shared by every optimizer the loss touches; an
   overflow in one loss skips only the optimizers whose gradients it produced.
 * Without masters, ``update`` ("nearest" | "kahan" | "stochastic") hands the step to
-  :class:`mixprec.lean.LeanUpdate`: fp32 arithmetic on per-chunk temporaries, written back to
+  :class:`mixprec.core.lean.LeanUpdate`: fp32 arithmetic on per-chunk temporaries, written back to
   the 16-bit weights with that rounding. ``update=None`` keeps the inner optimizer
   stepping the 16-bit parameters itself. A skipped step never reaches the updater, so
   compensation buffers, 16-bit state and the rounding generators stay untouched.
@@ -25,20 +25,26 @@ Design (``shared/reference/apex.md`` §1.5-1.6, §2; ``torch_amp.md`` §3):
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from mixprec.clipping import register_masters
-from mixprec.lean import LeanUpdate, StateDtype
-from mixprec.loss_scale import LossScaler, unscale_and_check_
+from mixprec.core.clipping import register_masters
+from mixprec.core.lean import LeanUpdate, StateDtype
+from mixprec.core.loss_scale import LossScaler, unscale_and_check_
 
-__all__ = ["MixedPrecisionOptimizer"]
+__all__ = ["SETTLE_HOOKS", "MixedPrecisionOptimizer", "scale_loss"]
+
+#: ``hook(optimizer)``, run by every step before it reads its verdicts. The distributed layer
+#: adds one (a plain ``DDP(model)`` seen running the model: the ranks must skip together). A
+#: registry rather than an import: the core imports nothing above it.
+SETTLE_HOOKS: list[Callable[[MixedPrecisionOptimizer], None]] = []
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -92,7 +98,7 @@ class MixedPrecisionOptimizer(Optimizer):
     Hold an LR scheduler on skipped steps with ``if not opt.step_skipped: sched.step()``.
 
     ``update``, ``state_dtype``, ``update_seed``: the memory-lean 16-bit step (no masters); see
-    :mod:`mixprec.lean`. ``lean`` is the :class:`~mixprec.lean.LeanUpdate` (None without).
+    :mod:`mixprec.core.lean`. ``lean`` is the :class:`~mixprec.core.lean.LeanUpdate` (None without).
     """
 
     def __init__(self, optimizer: Optimizer, slots: list[LossSlot], *,
@@ -127,8 +133,8 @@ class MixedPrecisionOptimizer(Optimizer):
         # Distributed training sets this to reduce the verdict flags across ranks (in one
         # collective) so every rank skips the same steps; it returns the reduced flags.
         self.reduce_flags: Callable[[list[Tensor]], list[Tensor]] | None = None
-        # A plain DistributedDataParallel seen running the model (weakref; set by
-        # mixprec.distributed.verdicts.watch_ddp): the next step makes the verdicts global.
+        # A plain DistributedDataParallel seen running the model (weakref; set by the
+        # distributed layer's forward hook): its settle hook makes the next verdicts global.
         self._plain_ddp: Any = None
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
@@ -320,8 +326,6 @@ class MixedPrecisionOptimizer(Optimizer):
 
     def backward(self, loss: Tensor, loss_id: int = 0, **kwargs: Any) -> None:
         """``scale_loss(loss, self, loss_id)`` then ``backward()`` in one call."""
-        from mixprec.initialize import scale_loss
-
         with scale_loss(loss, self, loss_id=loss_id) as scaled:
             scaled.backward(**kwargs)
 
@@ -341,10 +345,8 @@ class MixedPrecisionOptimizer(Optimizer):
         """Process raw grads, read every verdict with one host sync, update the scalers."""
         if self._has_raw_grads():
             self._unscale(1.0)  # plain loss.backward() (alone or after scaled ones): unscaled
-        if getattr(self, "_plain_ddp", None) is not None:
-            from mixprec.distributed.verdicts import adopt_ddp
-
-            adopt_ddp(self)  # DDP(model) without wrap_ddp: same verdict on every rank
+        for hook in SETTLE_HOOKS:  # e.g. DDP(model) without wrap_ddp: same verdict everywhere
+            hook(self)
         slots = [self.slots[i] for i in sorted(self._touched)]
         flags = list(self._found.values())
         all_flags = flags + [p for s in slots for p in s.pending]
@@ -463,3 +465,58 @@ class MixedPrecisionOptimizer(Optimizer):
             slot.pending.clear()
         self.skipped_steps = int(state_dict["skipped_steps"])
         self.step_skipped = bool(state_dict.get("step_skipped", False))
+
+
+@contextlib.contextmanager
+def scale_loss(loss: Tensor,
+               optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer],
+               loss_id: int = 0) -> Iterator[Tensor]:
+    """Yield ``loss`` times the current scale of loss ``loss_id``; call ``.backward()`` on it.
+
+    On exit the gradients of every given optimizer are unscaled into fp32 master gradients and
+    checked for inf/NaN (one fused pass, no host sync); the next ``step()`` acts on the verdict.
+    """
+    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if not opts or not all(isinstance(o, MixedPrecisionOptimizer) for o in opts):
+        raise TypeError("scale_loss expects the optimizer(s) returned by mixprec.initialize, "
+                        f"received {[type(o).__name__ for o in opts]}.")
+    _check_loss(loss)
+    if any(o.slots is not opts[0].slots for o in opts[1:]):
+        raise ValueError("scale_loss got optimizers from different initialize calls, which have "
+                         "different loss scalers; initialize every model and optimizer a loss "
+                         "touches in one call (lists of models and optimizers).")
+    slot = opts[0].slot(loss_id)
+    for o in opts:
+        o.prepare_backward()
+    try:
+        yield slot.scaler.scale_loss(loss)
+    except BaseException:
+        for o in opts:  # the backward failed: give back the grads stashed for accumulation
+            o._restore_stash()
+        raise
+    flags = [o.record_backward(loss_id) for o in opts]
+    # One loss, one verdict: a non-finite gradient anywhere in this loss's gradients skips every
+    # optimizer it produced gradients for (Apex semantics), not only the one holding it.
+    for o, own in zip(opts, flags):
+        if own is not None:
+            for f in flags:
+                if f is not None and f is not own:
+                    o.share_verdict(f)
+
+
+def _check_loss(loss: Any) -> None:
+    """A clear error for a loss backward cannot take (instead of autograd's)."""
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"scale_loss expects a loss tensor, received {type(loss).__name__}.")
+    if not (loss.is_floating_point() or loss.is_complex()):
+        raise TypeError(f"The loss is a {loss.dtype} tensor: gradients need a floating loss. "
+                        "Compute it from the model's outputs in floating point (e.g. "
+                        "F.cross_entropy(logits, target)).")
+    if loss.numel() != 1:
+        raise ValueError(f"The loss must be a single number, received shape "
+                         f"{tuple(loss.shape)}: reduce it first (loss.mean() or loss.sum()).")
+    if not loss.requires_grad:
+        raise ValueError("The loss does not require grad, so backward has nothing to "
+                         "differentiate: it was computed under torch.no_grad()/inference_mode(), "
+                         "from detached tensors, or from a model whose parameters all have "
+                         "requires_grad=False.")

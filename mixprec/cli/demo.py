@@ -28,28 +28,13 @@ import torch.nn.functional as F
 
 import mixprec
 from mixprec.bench.report import speed_words
-from mixprec.hardware import MixprecPerformanceWarning
-from mixprec.memory import PeakMemory
-from mixprec.models import SeedMLP
-from mixprec.progress import make_progress
+from mixprec.core.hardware import MixprecPerformanceWarning
+from mixprec.core.memory import PeakMemory
+from mixprec.bench.models import SeedMLP
+from mixprec.bench.workloads import load_mnist1d
+from mixprec.cli.progress import make_progress
 
-__all__ = ["DemoResult", "format_results", "load_mnist1d", "run_demo", "speed_words", "verdict"]
-
-
-def load_mnist1d(seed: int = 42) -> dict[str, torch.Tensor]:
-    """The standard MNIST-1D dataset (4000 train / 1000 test), generated locally."""
-    try:
-        from mnist1d.data import get_dataset_args, make_dataset
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise RuntimeError("The demo needs the 'mnist1d' package: pip install 'mixprec[bench]'."
-                           ) from exc
-    args = get_dataset_args()
-    args.seed = seed
-    data = make_dataset(args)
-    return {"x": torch.as_tensor(data["x"], dtype=torch.float32),
-            "y": torch.as_tensor(data["y"], dtype=torch.long),
-            "x_test": torch.as_tensor(data["x_test"], dtype=torch.float32),
-            "y_test": torch.as_tensor(data["y_test"], dtype=torch.long)}
+__all__ = ["DemoResult", "format_results", "run_demo", "speed_words", "verdict"]
 
 
 @dataclass

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mixprec.locate import iter_tensors
+from mixprec.numerics.locate import iter_tensors
 
 __all__ = ["RangeAudit", "RangeStats", "range_audit"]
 
@@ -269,9 +269,9 @@ class RangeAudit:
     def plot(self, path: str, kind: str = "gradient",
              dtypes: Sequence[torch.dtype] = (torch.float16,)) -> str:
         """Write a PNG histogram of log2|values| in the style of Micikevicius et al., Fig. 3."""
-        from mixprec.range_plot import plot_histogram
+        from mixprec.numerics.range_plot import plot_histogram
 
-        return plot_histogram(self, path, kind, dtypes)
+        return plot_histogram(self, path, kind, dtypes, exp_min=EXP_MIN)
 
 
 def range_audit(model: nn.Module, modules: Iterable[str | nn.Module] | None = None, *,

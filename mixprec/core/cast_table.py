@@ -14,7 +14,7 @@ Rules (the Apex / torch.autocast / grappler vocabulary, see ``shared/reference/a
 * ``"promote"`` -- ops with several floating inputs run in the widest of them (float32 beats
   16-bit; a float16/bfloat16 mix goes to float32 instead of raising).
 * anything unlisted runs as ``torch.autocast`` runs it on the device (mostly in the dtype of its
-  inputs; see :mod:`mixprec.torch_lists`).
+  inputs; see :mod:`mixprec.core.torch_lists`).
 
 Ops are keyed by their base name ("mm", "softmax", "layer_norm"), so ``torch.softmax``,
 ``Tensor.softmax``, ``F.softmax`` and ``torch.ops.aten.softmax.int`` share one entry; ``add_``

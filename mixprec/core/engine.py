@@ -1,14 +1,14 @@
 """The eager mixed-precision engine: ``with mixprec.autocast(torch.bfloat16): ...``.
 
 Mechanism (chosen by measurement, see ``benchmarks/NOTES.md``): a region is a ``torch.autocast``
-region plus a mixprec frame on this thread's stack (:mod:`mixprec.dispatch`). torch's C++
+region plus a mixprec frame on this thread's stack (:mod:`mixprec.core.dispatch`). torch's C++
 autocast kernels lower matmuls and convolutions and cache one 16-bit copy of each weight per
 region; mixprec's own kernels, registered on the autocast dispatch keys for only the ops whose
 cast-table rule differs from torch's on that device, apply the rest: float32 for softmax, norms,
 reductions, exp/log/pow and losses on every device, promotion instead of an error for a
 float16/bfloat16 mix, 16-bit-in/out norms and softmax with ``fp32_inside``. The host cost is
 torch.autocast's plus a few microseconds per op that mixprec actually handles; ops the table
-does not list follow torch.autocast's rule for the device (:mod:`mixprec.torch_lists`).
+does not list follow torch.autocast's rule for the device (:mod:`mixprec.core.torch_lists`).
 
 Because the state lives where torch.autocast keeps its own, ``torch.utils.checkpoint``
 recomputes a region's forward with the same dtypes, and autograd replays the recorded casts:
@@ -32,9 +32,16 @@ import torch
 from torch import nn
 from torch.utils import _pytree
 
-from mixprec import dispatch
-from mixprec.dispatch import FP32_INSIDE_OPS, Frame, cast_leaf
-from mixprec.policy import Policy, PolicyLike, as_policy, get_policy, global_policy
+from mixprec.core import dispatch
+from mixprec.core.dispatch import FP32_INSIDE_OPS, Frame, cast_leaf
+from mixprec.core.policy import (
+    POLICY_ATTR,
+    Policy,
+    PolicyLike,
+    as_policy,
+    get_policy,
+    global_policy,
+)
 
 __all__ = [
     "FP32_INSIDE_OPS",
@@ -43,6 +50,7 @@ __all__ = [
     "install_boundary",
     "is_active",
     "remove_boundary",
+    "set_policy",
 ]
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -126,7 +134,7 @@ class autocast:
         cache_enabled: keep one 16-bit copy of each weight for the region (default True).
         kernels: ``"auto"`` (default) swaps in mixprec's kernels where they were measured
             faster -- today the decomposed attention for CPU bfloat16 training, see
-            :mod:`mixprec.kernels`; ``"torch"`` always runs torch's own kernels.
+            :mod:`mixprec.core.kernels`; ``"torch"`` always runs torch's own kernels.
 
     Forward only: call ``backward`` outside the region (autograd replays the recorded casts).
 
@@ -154,7 +162,7 @@ class autocast:
     def __enter__(self) -> autocast:
         if self.enabled:
             if self.policy.is_lower:
-                from mixprec.hardware import warn_if_slow
+                from mixprec.core.hardware import warn_if_slow
 
                 warn_if_slow(self.policy.compute_dtype)
             frame = _frame_for(self.policy, self.kernels)
@@ -260,3 +268,26 @@ def remove_boundary(module: nn.Module) -> None:
             del module.__dict__["forward"]
         else:
             module.__dict__["forward"] = wrapper.inner
+
+
+def set_policy(module: nn.Module, policy: PolicyLike | None) -> nn.Module:
+    """Attach ``policy`` to ``module``; it wins over the global policy for the whole subtree.
+
+    The module then computes in ``policy.compute_dtype``: its floating inputs are cast on entry
+    and its outputs to ``policy.output_dtype`` on exit, inside or outside a
+    ``mixprec.autocast`` region. ``Policy("float32")`` keeps a subtree in full precision.
+    Storage (``param_dtype``) is applied by :func:`mixprec.initialize`. ``None`` removes it.
+
+    Returns:
+        The module, for chaining.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"set_policy expects an nn.Module, received {type(module).__name__}.")
+    if policy is None:
+        if hasattr(module, POLICY_ATTR):
+            delattr(module, POLICY_ATTR)
+        remove_boundary(module)
+        return module
+    object.__setattr__(module, POLICY_ATTR, as_policy(policy))
+    install_boundary(module)
+    return module

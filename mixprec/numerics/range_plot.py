@@ -1,7 +1,7 @@
 """PNG of a range audit's log2 histogram, in the style of Micikevicius et al. 2017, Fig. 3.
 
-Kept apart from :mod:`mixprec.range_audit` because it needs matplotlib (an optional extra): the
-audit itself needs torch only. The figure shows the share of nonzero values per binade
+Kept apart from :mod:`mixprec.numerics.range_audit` because it needs matplotlib (an optional
+extra): the audit itself needs torch only, and calls this module, never the other way round. The figure shows the share of nonzero values per binade
 ``[2**k, 2**(k+1))``, the fraction of exact zeros in the title, and for each 16-bit dtype its
 smallest subnormal, smallest normal and max; with a loss scale ``S`` a second marker shows where
 fp16's range sits once gradients are multiplied by ``S`` (the range shifts left by log2 S).
@@ -20,7 +20,8 @@ __all__ = ["plot_histogram"]
 
 
 def plot_histogram(audit: Any, path: str, kind: str,
-                   dtypes: Sequence[torch.dtype] = (torch.float16,)) -> str:
+                   dtypes: Sequence[torch.dtype] = (torch.float16,), *, exp_min: int) -> str:
+    """Write the PNG; bin ``i`` of the audit's histograms holds binade ``exp_min + i``."""
     try:
         import matplotlib
 
@@ -29,8 +30,6 @@ def plot_histogram(audit: Any, path: str, kind: str,
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("audit.plot needs matplotlib: pip install 'mixprec[bench]' or "
                           "pip install matplotlib.") from e
-    from mixprec.range_audit import EXP_MIN
-
     stats = audit.merged(kind)
     hist = stats.hist.double()
     total = stats.nonzero + stats.zeros
@@ -38,7 +37,7 @@ def plot_histogram(audit: Any, path: str, kind: str,
     if stats.nonzero:
         nz = torch.nonzero(hist).flatten()
         lo, hi = int(nz.min()), int(nz.max()) + 1
-        xs = [EXP_MIN + i for i in range(lo, hi)]
+        xs = [exp_min + i for i in range(lo, hi)]
         ax.bar(xs, (hist[lo:hi] / stats.nonzero).tolist(), width=0.9, align="edge",
                color="#4c72b0", label=f"{kind}s (nonzero)")
     scale = audit.loss_scale

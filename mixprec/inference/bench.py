@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from mixprec.bench.report import speed_words
-from mixprec.inference import _call, for_inference
+from mixprec.inference.inputs import call_model
+from mixprec.inference.prepare import for_inference
 
 __all__ = ["VARIANTS", "VariantResult", "add_parser", "compare_variants", "to_json", "to_markdown"]
 
@@ -59,7 +60,7 @@ class VariantResult:
 
 
 def _flat(out: Any) -> torch.Tensor:
-    from mixprec.export import _flat_outputs
+    from mixprec.inference.export import _flat_outputs
 
     return torch.cat([t.detach().double().flatten() for t in _flat_outputs(out)])
 
@@ -82,7 +83,7 @@ def compare_variants(model: nn.Module, inputs: Any, *, variants: Sequence[str] =
         inputs: one batch (tensor, tuple or dict), used for errors, int8 selection and timing.
         variants: names from :data:`VARIANTS`.
         backends: ``"torch"`` and/or ``"onnxruntime"`` (CPU provider; int8 dynamic is skipped
-            there, bf16 runs as bf16 storage + fp32 compute, see :mod:`mixprec.export`).
+            there, bf16 runs as bf16 storage + fp32 compute, see :mod:`mixprec.inference.export`).
         metric: ``metric(forward) -> float``, with ``forward(inputs) -> output``; e.g. test
             accuracy or perplexity evaluated through that variant.
         rounds / iters: timing rounds, and calls per variant per round.
@@ -102,13 +103,13 @@ def compare_variants(model: nn.Module, inputs: Any, *, variants: Sequence[str] =
             opts.update(int8_modules="auto", int8_tolerance=int8_tolerance)
         m = for_inference(model, pol, inputs, **opts)
         if "torch" in backends:
-            built[(name, "torch")] = (lambda m=m: _call(m, inputs), lambda x, m=m: _call(m, x),
+            built[(name, "torch")] = (lambda m=m: call_model(m, inputs), lambda x, m=m: call_model(m, x),
                                       _size_mb(m), _int8_note(m))
         if "onnxruntime" in backends and opts.get("int8") != "dynamic":
             built[(name, "onnxruntime")] = _onnx_variant(m, inputs, os.path.join(
                 tmp, f"{name}.onnx"))
     with torch.no_grad():
-        ref = _flat(_call(for_inference(model, torch.float32), inputs))
+        ref = _flat(call_model(for_inference(model, torch.float32), inputs))
         outs = {k: _flat(v[0]()) for k, v in built.items()}
         times: dict[tuple[str, str], list[float]] = {k: [] for k in built}
         for fn in built.values():  # warm-up
@@ -138,7 +139,7 @@ def compare_variants(model: nn.Module, inputs: Any, *, variants: Sequence[str] =
 
 
 def _int8_note(model: nn.Module) -> str:
-    from mixprec.inference import inference_info
+    from mixprec.inference.prepare import inference_info
 
     info = inference_info(model)
     if info is None or not info.int8:
@@ -150,7 +151,7 @@ def _int8_note(model: nn.Module) -> str:
 
 def _onnx_variant(model: nn.Module, inputs: Any, path: str
                   ) -> tuple[Callable[[], Any], Callable[[Any], Any], float, str]:
-    from mixprec.export import _as_args, _feeds, export, ort_session
+    from mixprec.inference.export import _as_args, _feeds, export, ort_session
 
     result = export(model, inputs, path, check=False)
     sess = ort_session(path, threads=torch.get_num_threads(), spin=False)  # fair interleaving
@@ -240,10 +241,10 @@ SENTENCES = ["Mixed precision keeps matmuls in 16-bit and risky ops in float32."
 def _min_cosine_metric(model: nn.Module, inputs: Any) -> Callable[[Callable[[Any], Any]], float]:
     """``metric(forward)``: the smallest per-row cosine similarity of ``forward(inputs)`` to the
     fp32 ``model``'s output (for sentence embeddings: the worst sentence)."""
-    from mixprec.export import _flat_outputs
+    from mixprec.inference.export import _flat_outputs
 
     with torch.no_grad():
-        ref = _flat_outputs(_call(model, inputs))[0].double()
+        ref = _flat_outputs(call_model(model, inputs))[0].double()
 
     def metric(forward: Callable[[Any], Any]) -> float:
         with torch.no_grad():
@@ -280,7 +281,7 @@ def _workload(name: str, batch: int, train_steps: int, seed: int, *,
     else:
         data = wl.prepare(name == "char-gpt", seed)  # full MNIST-1D; the quick corpus
     if name == "char-gpt" and gpt_config:
-        from mixprec.models import GPT, GPTConfig
+        from mixprec.bench.models import GPT, GPTConfig
 
         try:
             layers, width = (int(v) for v in gpt_config.lower().split("x"))

@@ -40,8 +40,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.cast_table import FP32, LOWER, rule_for
-from mixprec.inference import _call, for_inference, inference_info, to_fp32_twin
+from mixprec.core.cast_table import FP32, LOWER, rule_for
+from mixprec.inference.inputs import call_model
+from mixprec.inference.prepare import for_inference, inference_info, to_fp32_twin
 
 __all__ = ["ExportError", "ExportResult", "export", "mix_onnx", "onnx_rule", "ort_can_run",
            "ort_session"]
@@ -422,7 +423,7 @@ def export(model: nn.Module, example_inputs: Any, path: str | os.PathLike,
                           "the ONNX exporter cannot trace. Build the model with "
                           "int8='weight_only' to export int8 weights.")
     with torch.no_grad():
-        reference = _flat_outputs(_call(model, example_inputs))
+        reference = _flat_outputs(call_model(model, example_inputs))
     path = os.fspath(path)
     if format == "torch":
         return _export_torch(model, args, kwargs, path, dtype, reference, check, min_cosine)

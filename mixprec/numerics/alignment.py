@@ -102,7 +102,7 @@ def lint(model: nn.Module, dtype: torch.dtype | str = torch.bfloat16, *, target:
     Returns:
         A :class:`LintReport`; each finding says how to pad.
     """
-    from mixprec.policy import Policy
+    from mixprec.core.policy import Policy
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"lint expects an nn.Module, received {type(model).__name__}.")

@@ -12,8 +12,9 @@ Design (see ``shared/reference/keras_graph.md`` §1 and STYLE.md §7):
 * "Mixed" policies return float32 outputs (the Keras guide's advice, made the default): the last
   layer's softmax and the loss then see float32 without user code.
 * The global policy is process-wide (as in Keras); :func:`policy_scope` sets it for a block.
-  :func:`set_policy` attaches a policy to one module, which then wins for its subtree; the
-  eager engine (``mixprec.autocast``) applies it.
+  ``mixprec.set_policy`` (in :mod:`mixprec.core.engine`, which installs the module boundary
+  that applies it) attaches a policy to one module, which then wins for its subtree; this module
+  only stores and reads it (:func:`get_policy`), so policies depend on nothing above them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ __all__ = [
     "global_policy",
     "policy_scope",
     "set_global_policy",
-    "set_policy",
 ]
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -242,34 +242,9 @@ def policy_scope(policy: PolicyLike) -> Iterator[Policy]:
         set_global_policy(previous)
 
 
-_ATTR = "_mixprec_policy"
-
-
-def set_policy(module: nn.Module, policy: PolicyLike | None) -> nn.Module:
-    """Attach ``policy`` to ``module``; it wins over the global policy for the whole subtree.
-
-    The module then computes in ``policy.compute_dtype``: its floating inputs are cast on entry
-    and its outputs to ``policy.output_dtype`` on exit, inside or outside a
-    ``mixprec.autocast`` region. ``Policy("float32")`` keeps a subtree in full precision.
-    Storage (``param_dtype``) is applied by :func:`mixprec.initialize`. ``None`` removes it.
-
-    Returns:
-        The module, for chaining.
-    """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"set_policy expects an nn.Module, received {type(module).__name__}.")
-    from mixprec import engine as _engine  # the engine installs the boundary hooks
-
-    if policy is None:
-        if hasattr(module, _ATTR):
-            delattr(module, _ATTR)
-        _engine.remove_boundary(module)
-        return module
-    object.__setattr__(module, _ATTR, as_policy(policy))
-    _engine.install_boundary(module)
-    return module
+POLICY_ATTR = "_mixprec_policy"  # where set_policy stores a module's policy
 
 
 def get_policy(module: nn.Module) -> Policy | None:
-    """The policy attached to ``module`` by :func:`set_policy`, or None."""
-    return getattr(module, _ATTR, None)
+    """The policy attached to ``module`` by ``mixprec.set_policy``, or None."""
+    return getattr(module, POLICY_ATTR, None)

@@ -27,6 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mixprec.core.engine import set_policy
+from mixprec.inference.inputs import call_model
+
 __all__ = ["INT8_MODES", "Int8WeightOnly", "cosine_error", "int8_candidates", "quantize_int8"]
 
 INT8_MODES = ("dynamic", "weight_only")
@@ -115,16 +118,12 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> nn.Module:
 
 
 def _mark_fp32(module: nn.Module) -> None:
-    from mixprec.policy import set_policy
-
     set_policy(module, "float32")  # torch.ao's int8 kernels take and return float32
 
 
 def _run(model: nn.Module, inputs: Any) -> Any:
-    from mixprec.inference import _call
-
     with torch.no_grad():
-        return _call(model, inputs)
+        return call_model(model, inputs)
 
 
 def quantize_int8(model: nn.Module, modules: str | Iterable[str] = "auto", *,

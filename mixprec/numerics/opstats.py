@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec.locate import iter_tensors
+from mixprec.numerics.locate import iter_tensors
 
 __all__ = ["CATEGORIES", "OpStats", "op_stats"]
 

@@ -18,7 +18,7 @@ Keras policy rule that "mixed" models return float32, ``keras_graph.md`` §1):
   root: inputs cast at entry, ``fp32_inside`` norms/softmax, float32 outputs), so inference
   numerics match what the model was trained with. ``engine="graph"`` hands the model to the
   graph-rewrite pass ``mixprec.convert`` instead, where that pass exists.
-* **int8 mixing** is delegated to :mod:`mixprec.quantize` (``int8=`` option).
+* **int8 mixing** is delegated to :mod:`mixprec.inference.quantize` (``int8=`` option).
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from mixprec import engine
-from mixprec.cast_table import FP32, resolve_op, rule_for
-from mixprec.hardware import default_dtype
-from mixprec.initialize import _MARK, fp32_state_dict
-from mixprec.norms import is_norm
-from mixprec.policy import Policy, PolicyLike, as_policy, get_policy
+from mixprec.core import engine
+from mixprec.core.cast_table import FP32, resolve_op, rule_for
+from mixprec.core.hardware import default_dtype
+from mixprec.core.initialize import _MARK, fp32_state_dict
+from mixprec.core.norms import is_norm
+from mixprec.core.policy import Policy, PolicyLike, as_policy, get_policy
+from mixprec.inference.inputs import call_model
 
 __all__ = ["INFERENCE_ATTR", "InferenceInfo", "for_inference", "inference_info", "storage_plan",
            "strip_engine", "to_fp32_twin"]
@@ -132,14 +133,6 @@ class _ConsumerTrace(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _call(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
-
-
 def storage_plan(model: nn.Module, dtype: torch.dtype, example_inputs: Any = None, *,
                  keep_fp32: Iterable[str | type] = ()) -> tuple[dict[str, torch.dtype],
                                                                 dict[str, str]]:
@@ -196,7 +189,7 @@ def storage_plan(model: nn.Module, dtype: torch.dtype, example_inputs: Any = Non
                    if k in plan}
         trace = _ConsumerTrace(watched)
         with torch.no_grad(), trace:
-            _call(model, example_inputs)
+            call_model(model, example_inputs)
         for key, op in trace.fp32_ops.items():
             if plan[key] != torch.float32:
                 plan[key] = torch.float32
@@ -231,7 +224,7 @@ def for_inference(model: nn.Module, policy: PolicyLike | None = None,
             optimizer: the ``initialize`` optimizer; its fp32 master weights are used.
             keep_fp32: module names or types to keep in float32.
             int8: None, ``"dynamic"`` (torch int8 GEMM, CPU) or ``"weight_only"`` (portable,
-                exportable); see :func:`mixprec.quantize.quantize_int8`.
+                exportable); see :func:`mixprec.inference.quantize.quantize_int8`.
             int8_modules: ``"auto"`` (accuracy-driven choice, needs ``example_inputs``) or a
                 list of Linear/Conv module names.
             int8_tolerance: error budget for ``"auto"`` (1 - cosine similarity, default 1e-3).
@@ -301,7 +294,7 @@ def for_inference(model: nn.Module, policy: PolicyLike | None = None,
             raise ValueError("int8_modules='auto' chooses modules by accuracy and needs "
                              "example_inputs; pass them or list the modules explicitly.")
         with torch.no_grad():
-            reference = _call(out, example_inputs)
+            reference = call_model(out, example_inputs)
     if mode == "graph":  # the graph pass owns casts and storage: hand it the fp32 model
         out = _graph_convert(out, pol, example_inputs)
         plan = {k: t.dtype for k, t in out.state_dict().items() if t.is_floating_point()}
@@ -319,7 +312,7 @@ def for_inference(model: nn.Module, policy: PolicyLike | None = None,
                                      if plan.get(k) == torch.float32}, engine=mode)
     out.__dict__[INFERENCE_ATTR] = info
     if int8 is not None:
-        from mixprec.quantize import quantize_int8
+        from mixprec.inference.quantize import quantize_int8
 
         out, chosen = quantize_int8(
             out, options.get("int8_modules", "auto"), mode=int8, example_inputs=example_inputs,
@@ -331,17 +324,8 @@ def for_inference(model: nn.Module, policy: PolicyLike | None = None,
 
 
 def _graph_convert(model: nn.Module, policy: Policy, example_inputs: Any) -> nn.Module:
-    import mixprec
+    from mixprec.graph.convert import convert  # the graph pass sits beside this tool
 
-    convert = getattr(mixprec, "convert", None)
-    if not callable(convert):
-        try:
-            from mixprec.graph.convert import convert
-        except ImportError:
-            convert = None
-    if convert is None:
-        raise RuntimeError("engine='graph' needs the graph-rewrite pass mixprec.convert, which "
-                           "this mixprec version does not have; use engine='eager'.")
     if example_inputs is None:
         raise ValueError("engine='graph' traces the model and needs example_inputs.")
     if isinstance(example_inputs, Mapping):

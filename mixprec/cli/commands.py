@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from mixprec import report_cli
+from mixprec.numerics import report as report_cli
 
 __all__ = ["main"]
 
@@ -36,8 +36,8 @@ def _print_table(headers: list[str], rows: list[list[str]], title: str) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from mixprec import demo
-    from mixprec.hardware import check
+    from mixprec.cli import demo
+    from mixprec.core.hardware import check
 
     report = check("cpu", verbose=False)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
@@ -63,7 +63,7 @@ def _narrow(wl: object, width: int) -> object:
     """The workload with a narrower model, where 16-bit matmuls are emulated (~80x slower)."""
     import dataclasses
 
-    from mixprec.models import GPT, GPTConfig, SeedMLP
+    from mixprec.bench.models import GPT, GPTConfig, SeedMLP
 
     if wl.name == "seed-mlp":
         return dataclasses.replace(
@@ -82,9 +82,9 @@ def _bench(args: argparse.Namespace) -> int:
 
     from mixprec.bench import report, runner
     from mixprec.bench.workloads import WORKLOADS, make_large_mnist1d
-    from mixprec.demo import SLOW_WIDTH
-    from mixprec.hardware import check
-    from mixprec.progress import make_progress
+    from mixprec.cli.demo import SLOW_WIDTH
+    from mixprec.core.hardware import check
+    from mixprec.cli.progress import make_progress
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     command = "mixprec bench " + " ".join(args.argv)
@@ -101,7 +101,7 @@ def _bench(args: argparse.Namespace) -> int:
               "GPU or a bf16 CPU.")
         import warnings
 
-        from mixprec.hardware import MixprecPerformanceWarning
+        from mixprec.core.hardware import MixprecPerformanceWarning
 
         warnings.simplefilter("ignore", MixprecPerformanceWarning)  # said once, above
     out = pathlib.Path(args.out)
@@ -137,7 +137,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from mixprec.hardware import check
+    from mixprec.core.hardware import check
 
     check(args.device, verbose=True)
     return 0
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("check", help="which 16-bit dtypes are supported and fast here")
     c.add_argument("--device", default=None)
     c.set_defaults(run=_check)
-    __import__("mixprec.infer_bench", fromlist=["add_parser"]).add_parser(sub)
+    __import__("mixprec.inference.bench", fromlist=["add_parser"]).add_parser(sub)
     report_cli.add_parser(sub)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)[1:]

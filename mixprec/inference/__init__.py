@@ -1,0 +1,19 @@
+"""Inference: a trained model served in mixed precision, exported, or stored in int8.
+
+* :mod:`~mixprec.inference.prepare` -- ``for_inference``: an eval-mode mixed-precision model;
+* :mod:`~mixprec.inference.export` -- ``export`` to ONNX or a ``torch.export`` program, casts
+  stored in the graph;
+* :mod:`~mixprec.inference.quantize` -- int8 storage for chosen Linear/Conv layers;
+* :mod:`~mixprec.inference.bench` -- latency, throughput and accuracy of each way to serve.
+"""
+
+from mixprec.inference.prepare import INFERENCE_ATTR
+from mixprec.inference.prepare import InferenceInfo
+from mixprec.inference.prepare import for_inference
+from mixprec.inference.prepare import inference_info
+from mixprec.inference.prepare import storage_plan
+from mixprec.inference.prepare import strip_engine
+from mixprec.inference.prepare import to_fp32_twin
+
+__all__ = ["INFERENCE_ATTR", "InferenceInfo", "for_inference", "inference_info", "storage_plan",
+           "strip_engine", "to_fp32_twin"]
