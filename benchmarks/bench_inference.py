@@ -1,4 +1,4 @@
-"""Inference benchmark (issue #10): train with mixprec, then compare inference variants to fp32.
+"""Inference benchmark: train with mixprec, then compare inference variants to fp32.
 
 Workloads (bounded so the whole run takes ~5-10 minutes on a shared 2-core CPU):
 

@@ -1,20 +1,20 @@
-"""Pure 16-bit training (issue #7): accuracy, validation loss, peak memory, step time, bytes/param.
+"""Pure 16-bit training: accuracy, validation loss, peak memory, step time, bytes/param.
 
     python benchmarks/bench_lean.py                        # MNIST-1D CNN + char-GPT, ~10 min
     python benchmarks/bench_lean.py --cnn-steps 300 --gpt-steps 10   # smoke run
     python benchmarks/bench_lean.py --workloads lsq        # least squares only, ~20 s
 
 Modes: fp32, O2 (fp32 masters), O3 with update="nearest" / "kahan" / "stochastic" (fp32 math on
-temporaries, state_dtype="auto"), and O3 with the pre-#7 step (update=None, memory rows only).
+temporaries, state_dtype="auto"), and O3 with the old 16-bit-arithmetic step (update=None, memory rows only).
 Training is round-robin: each round gives every mode one step on the same batch, and only that
 step is timed, so step-time ratios compare modes that saw the same machine at the same moment
 (medians of per-round ratios). Peak memory is measured afterwards in a fresh subprocess per mode
 (model + optimizer built inside ``PeakMemory``, two steps), so no mode inherits another's
 allocator state; bytes per parameter come from :func:`mixprec.footprint` in the same process.
 
-``lsq`` is the small-update regime on its own (``beyond.md`` §11, test 2): least squares on 64 x 16
+``lsq`` is the small-update regime on its own: least squares on 64 x 16
 Gaussian data, SGD lr 2e-3 for 3000 steps from a bf16 Linear(16, 1); it reports the final MSE
-(evaluated in fp32 from the 16-bit weights), with the pre-#7 O3 step as an extra mode.
+(evaluated in fp32 from the 16-bit weights), with the old O3 step (16-bit arithmetic) as an extra mode.
 """
 
 from __future__ import annotations

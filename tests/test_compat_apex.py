@@ -1,5 +1,5 @@
 """mixprec.compat.apex: Apex's amp namespace and FP16_Optimizer, tested the way Apex's own L0
-amp suite tests Apex (shared/reference/apex.md §4), on CPU, plus the documented differences."""
+amp suite tests Apex, on CPU, plus the documented differences."""
 
 from __future__ import annotations
 

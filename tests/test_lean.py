@@ -1,4 +1,4 @@
-"""Pure 16-bit training with compensated / stochastically rounded updates (issue #7).
+"""Pure 16-bit training with compensated / stochastically rounded updates.
 
 Covers: the 1.0 + 1e-3 x 10,000 experiment per update mode, unbiasedness of stochastic rounding
 (a z-test with a power check against truncation), reproducibility, equality of the fp32 math with
@@ -91,7 +91,7 @@ def _sr_sigma(start=1.0, steps=10_000, delta=1e-3):
 
 def test_ten_thousand_small_updates_nearest_stalls_kahan_and_stochastic_do_not():
     fp32 = 1.0 + 10_000 * 1e-3
-    # the pre-#7 O3 step (bf16 arithmetic) and fp32 math rounded to nearest both stall at 1.0
+    # the old O3 step (bf16 arithmetic) and fp32 math rounded to nearest both stall at 1.0
     assert torch.equal(_accumulate("nearest", chains=4), torch.ones(4))
     assert torch.equal(_accumulate(None, chains=4, steps=100), torch.ones(4))  # every step lost
     kahan = _accumulate("kahan", chains=4)

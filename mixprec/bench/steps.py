@@ -1,6 +1,6 @@
 """Step-time and memory benchmarks: every mode in one process, as ratios, interleaved.
 
-Design (``shared/reference/PERF_NOTES.md``): absolute times on a shared machine drift 10-20% over
+Design (measured on the shared CI machines, see ``benchmarks/NOTES.md``): absolute times on a shared machine drift 10-20% over
 an hour and identical code differs by up to 7% between rounds, so each round times every mode
 once, in turn, and speed-ups are the median of the per-round ratios -- never numbers from
 different runs. Peak memory is measured in a separate pass (one mode at a time, model and

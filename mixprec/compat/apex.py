@@ -1,6 +1,6 @@
 """Apex drop-in: ``from mixprec.compat.apex import amp`` runs old ``apex.amp`` code on mixprec.
 
-Design (``shared/reference/apex.md`` §1-2): the ``amp`` namespace keeps Apex's signatures,
+Design (``docs/design.md``, "Compatibility layers"): the ``amp`` namespace keeps Apex's signatures,
 defaults and return shapes, and translates each call to mixprec -- ``amp.initialize`` to
 :func:`mixprec.initialize`, ``amp.scale_loss`` to :func:`mixprec.scale_loss`, the
 ``register_*_function`` calls to the cast table. Opt-level properties are resolved here with

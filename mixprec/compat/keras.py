@@ -1,6 +1,6 @@
 """Keras-style loss scaling for custom PyTorch training loops: ``mixprec.LossScaleOptimizer``.
 
-Design (``shared/reference/keras_graph.md`` §2): the tf-keras API that the Keras mixed-precision
+Design (``docs/design.md``, "Compatibility layers"): the tf-keras API that the Keras mixed-precision
 guide teaches -- ``get_scaled_loss``, ``get_unscaled_gradients``, ``apply_gradients`` -- wrapped
 around any ``torch.optim.Optimizer``, so the guide's custom loop ports line by line
 (``tape.gradient`` becomes ``torch.autograd.grad``). Keras' dynamic rule is reproduced exactly
@@ -9,7 +9,7 @@ on top of :class:`mixprec.LossScaler`: start at ``initial_scale`` (2**15), doubl
 1 (tf-keras' floor). ``apply_gradients`` checks every gradient with one fused kernel and one host
 sync; a non-finite step leaves parameters and optimizer state untouched.
 
-Choices where Keras' two versions differ (table in keras_graph.md §2.5): ``iterations`` counts
+Choices where Keras' two versions (tf-keras and Keras 3) differ: ``iterations`` counts
 applied steps only (Keras 3: a skipped step does not advance the schedule); the misuse warning
 of tf-keras is kept. PyTorch additions: ``step()`` for loops that call
 ``get_scaled_loss(loss).backward()`` (gradients in ``.grad`` are unscaled there), ``zero_grad``,

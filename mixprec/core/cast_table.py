@@ -3,8 +3,7 @@
 This table is data. The eager engine (``mixprec.autocast``), the graph pass and the generated op
 table in the README all read it, so they cannot drift apart.
 
-Rules (the Apex / torch.autocast / grappler vocabulary, see ``shared/reference/apex.md`` §1.10,
-``torch_amp.md`` §2):
+Rules (the Apex / torch.autocast / grappler vocabulary; ``docs/design.md``, "The cast table"):
 
 * ``"lower"`` -- compute-bound ops (matmul, conv, linear, attention, RNNs): floating inputs are
   cast to the 16-bit compute dtype; the kernels accumulate in float32 internally.

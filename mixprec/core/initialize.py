@@ -1,6 +1,6 @@
 """``mixprec.initialize``: one call that turns a model and optimizer into a mixed-precision pair.
 
-Design (Apex ``amp.initialize`` semantics, ``shared/reference/apex.md`` §1.2-1.5): an opt level is
+Design (Apex ``amp.initialize`` semantics; ``docs/design.md``, "Master weights and the optimizer"): an opt level is
 a bundle of properties; keyword overrides change single properties and are validated together.
 
 | level | parameters | forward | outputs | masters | loss scaling (fp16 / bf16) |

@@ -1,7 +1,7 @@
 """Memory-lean 16-bit updates: an fp32 step on temporaries, written back by nearest rounding,
 Kahan compensation or stochastic rounding.
 
-Design (``shared/reference/beyond.md`` §4.3, §11-12; Zamirai et al. 2020, Collage 2024):
+Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit updates"):
 
 * **One wrapper for any per-parameter optimizer.** Pure 16-bit training loses every update
   smaller than half an ulp of the weight. Rather than re-implementing SGD and AdamW, the

@@ -1,6 +1,6 @@
 """Loss scaling: a host-side scale state machine and a fused unscale + finite check.
 
-Design (``shared/reference/apex.md`` §1.12, ``torch_amp.md`` §3, ``keras_graph.md`` §2):
+Design (Apex, torch.amp and Keras loss scaling compared in ``docs/design.md``, "Loss scaling"):
 
 * :class:`LossScaler` keeps its state as Python numbers on the host: reading ``scale`` never
   syncs, and ``update(found_inf: bool)`` leaves the one device->host read to the caller (the

@@ -1,6 +1,6 @@
 """The mixed-precision optimizer: fp32 master weights, unscaling, and skipped steps.
 
-Design (``shared/reference/apex.md`` §1.5-1.6, §2; ``torch_amp.md`` §3):
+Design (``docs/design.md``, "Master weights and the optimizer"):
 
 * It wraps any ``torch.optim.Optimizer``. Where a model parameter is 16-bit it keeps an fp32
   *master* copy, puts the master into the inner optimizer's ``param_groups`` (so the optimizer

@@ -1,6 +1,6 @@
 """Dtype policies: which dtype parameters are stored in, computed in, and returned in.
 
-Design (see ``shared/reference/keras_graph.md`` §1 and STYLE.md §7):
+Design (Keras mixed-precision policies; ``docs/design.md``, "Policies"):
 
 * A :class:`Policy` is three dtypes -- ``param_dtype`` (storage, jmp's meaning; ``variable_dtype``
   is the Keras alias), ``compute_dtype`` and ``output_dtype`` -- plus the ``name`` it was spelled

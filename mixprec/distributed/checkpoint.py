@@ -1,6 +1,6 @@
 """Checkpoints under DDP and FSDP2, with the mixprec optimizer state (masters, loss scalers).
 
-Design (``shared/reference/torch_amp.md`` §4.4-4.5, ``beyond.md`` §5.3: DeepSpeed's FP16
+Design (``docs/design.md``, "Distributed training"; DeepSpeed's FP16
 optimizer forgets ``cur_hysteresis`` on save, a resumed run then diverges from an uninterrupted
 one):
 

@@ -1,6 +1,6 @@
 """DistributedDataParallel with mixprec: the order of wrapping and 16-bit gradient all-reduce.
 
-Design (``shared/reference/torch_amp.md`` §4.3, ``beyond.md`` §5.3-5.4):
+Design (``docs/design.md``, "Distributed training"):
 
 * **Order: ``initialize`` first, then DDP.** DDP sizes and types its gradient buckets from the
   parameters at construction; ``initialize`` (O2/O3) changes the parameters' dtype in place

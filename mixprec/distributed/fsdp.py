@@ -1,6 +1,6 @@
 """FSDP2 with mixprec: levels map onto ``fully_shard(..., mp_policy=MixedPrecisionPolicy)``.
 
-Design (``shared/reference/torch_amp.md`` §4.5, ``beyond.md`` §5.4):
+Design (``docs/design.md``, "Distributed training"):
 
 * **FSDP's fp32 shards are the master weights.** FSDP2 keeps each rank's parameter shard in
   fp32 and all-gathers it in ``param_dtype`` for forward and backward, so mixprec must not cast

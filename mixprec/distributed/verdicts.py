@@ -1,6 +1,6 @@
 """Rank-consistent overflow verdicts: every rank skips the same steps, every scaler agrees.
 
-Design (``shared/reference/torch_amp.md`` §4.3-4.5, ``beyond.md`` §5.3): each rank checks only
+Design (``docs/design.md``, "Distributed training"): each rank checks only
 the gradients it holds -- all of them under DDP, only its shard under FSDP -- so a non-finite
 value can be seen by one rank alone. If that rank skipped the step on its own, the ranks'
 weights and loss scales would drift apart without any error (DeepSpeed's ``CheckOverflow``

@@ -1,7 +1,7 @@
 """Rewrite a coloured FX graph: insert the fewest casts, retarget or remove the existing ones.
 
 Design (grappler's ``ChangeTypeAttrsAndAddCasts`` and ``MakeCastsAllowIfAllOutputsAllow``,
-``shared/reference/keras_graph.md`` §4.4 steps 14-15, plus three removals grappler leaves out):
+plus three removals grappler leaves out; ``docs/design.md``, "The graph pass"):
 
 * An ATen op computes in the dtype of its inputs, so colouring a node 16-bit means giving it
   16-bit inputs. Every producer whose dtype differs from what a consumer needs gets **one** cast

@@ -1,6 +1,6 @@
 """Colour an FX graph grappler-style: which nodes run in 16-bit, which stay float32, and why.
 
-Design (``shared/reference/keras_graph.md`` §4.3-4.4, TensorFlow's ``auto_mixed_precision``):
+Design (TensorFlow's ``auto_mixed_precision``; ``docs/design.md``, "The graph pass"):
 
 * The four lists come from :mod:`mixprec.core.cast_table`, the same data the eager engine reads:
   ``lower`` ops are the **allow** list, ``fp32`` ops the **deny** list, ``promote`` ops and

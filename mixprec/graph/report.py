@@ -1,6 +1,6 @@
 """The precision report: what the graph pass chose for every node, why, and what it cost.
 
-Grappler's weak spot (``keras_graph.md`` §4.6) is that users cannot see which parts of the model
+Grappler's weak spot (TensorFlow's ``auto_mixed_precision``) is that users cannot see which parts of the model
 ran in which dtype without VLOG dumps. Here the same facts are data: one row per op node (dtype,
 list, reason, module path), every cast with its size, grappler's summary line, and the bytes the
 ops write in 16-bit vs 32-bit. Print it for a terminal table, or ``to_dict()`` / ``to_json()``.

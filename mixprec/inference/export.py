@@ -1,7 +1,7 @@
 """``mixprec.export``: write a mixed-precision model as ONNX or as a ``torch.export`` program.
 
 Design (ONNX Runtime's and onnxconverter's "float16 conversion with a block list", driven by
-mixprec's own cast table instead of a hand-kept list; ``shared/reference/beyond.md``):
+mixprec's own cast table instead of a hand-kept list; ``docs/design.md``, "Inference and export"):
 
 * **ONNX = an fp32 export, then a precision pass on the ONNX graph.** The model's fp32 twin
   (16-bit weights widen exactly) goes through ``torch.onnx.export(dynamo=True)`` (opset 20 by

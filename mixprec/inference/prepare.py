@@ -1,7 +1,7 @@
 """``mixprec.for_inference``: a trained model turned into an eval-mode mixed-precision model.
 
-Design (the deployment half of the Apex O2 recipe, ``shared/reference/apex.md`` §1.4, and the
-Keras policy rule that "mixed" models return float32, ``keras_graph.md`` §1):
+Design (the deployment half of the Apex O2 recipe and the Keras policy rule that "mixed"
+models return float32; ``docs/design.md``, "Inference and export"):
 
 * **Storage follows the cast table, not a list of layer types.** A parameter or buffer is stored
   in the 16-bit compute dtype unless it must stay float32: it belongs to a normalization layer

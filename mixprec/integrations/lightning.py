@@ -1,6 +1,6 @@
 """A PyTorch Lightning precision plugin that runs mixprec levels: ``MixprecPrecision("O2")``.
 
-Design (``shared/reference/torch_amp.md`` §5.1): Lightning's ``MixedPrecision`` plugin is
+Design (``docs/design.md``, "Compatibility layers"): Lightning's ``MixedPrecision`` plugin is
 torch.autocast + GradScaler. This plugin swaps in mixprec at the four seams Lightning offers:
 
 * ``connect`` -- calls :func:`mixprec.initialize` on the LightningModule and its optimizers

@@ -2,7 +2,7 @@
 
 ``with mixprec.locate_nonfinite(model, opt) as loc: ...train...`` then ``print(loc.report())``.
 
-Design (``shared/reference/beyond.md`` §7.4, §10; ``torch_amp.md`` §6 item 8):
+Design (``docs/design.md``, "Numerics tools"):
 
 * **Where it looks.** A ``TorchDispatchMode`` sees every aten op that actually runs -- after
   torch.autocast and mixprec's casts, and *inside backward*, where module hooks see nothing.

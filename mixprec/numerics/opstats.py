@@ -2,7 +2,7 @@
 
 ``with mixprec.op_stats() as stats: ...`` then ``print(stats.table())`` or ``stats.as_dict()``.
 
-Design (Paddle's ``collect_operator_stats``, ``shared/reference/beyond.md`` §7.4):
+Design (Paddle's ``collect_operator_stats``; ``docs/design.md``, "Numerics tools"):
 
 * Counted at the aten level with a ``TorchDispatchMode``: these are the kernels that actually
   ran -- after torch.autocast and mixprec's cast table, after composite ops such as ``linear``

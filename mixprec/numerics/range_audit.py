@@ -3,8 +3,8 @@
 ``with mixprec.range_audit(model) as audit: ...a few fp32 or bf16 steps...`` then
 ``audit.summary()``, ``audit.recommended_loss_scale()``, ``audit.plot("grads.png")``.
 
-Design (Micikevicius et al. 2017, Fig. 3 and §3.2; ``shared/reference/beyond.md`` §11, §10 on
-TE's underflow/overflow statistics):
+Design (Micikevicius et al. 2017, Fig. 3 and §3.2, and Transformer Engine's underflow/overflow
+statistics; ``docs/design.md``, "Numerics tools"):
 
 * Forward hooks on the chosen modules see their outputs (activations); a tensor hook on each
   output sees the gradient arriving at it (the *activation gradient* of the paper's figure).

@@ -4,7 +4,7 @@
 ``plan.apply(model)`` (or ``mixprec.set_policy`` per entry) and ``print(plan.explain())``.
 
 Design (Intel Neural Compressor's accuracy-driven fallback and TE's per-layer statistics,
-``shared/reference/beyond.md`` §10; no AMP library tunes training precision):
+``docs/design.md``, "Numerics tools"; no AMP library tunes training precision):
 
 1. **Reference.** One fp32 forward and backward per batch: the loss, every parameter gradient
    and every candidate module's output. Candidates are the modules that run floating-point ops
