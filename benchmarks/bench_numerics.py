@@ -76,19 +76,28 @@ def main(argv: list[str] | None = None) -> int:
         for m in MODES:
             times[m].append(this[m])
             ratios[m].append(this[m] / this["plain"])
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{m} {this[m]:.3f}s" for m in MODES),
-              file=sys.stderr)
-    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-            "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(), "batch": args.batch, "rounds": args.rounds,
-            "command": "python benchmarks/bench_numerics.py " + " ".join(argv or sys.argv[1:])}
-    print(f"GPT (4 layers, width 384, context 256), batch {args.batch}, bf16 mixprec.autocast, "
-          f"AdamW; {args.rounds} interleaved rounds, best of {args.steps} steps per round")
+        print(
+            f"round {r + 1}/{args.rounds}: " + ", ".join(f"{m} {this[m]:.3f}s" for m in MODES),
+            file=sys.stderr,
+        )
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "batch": args.batch,
+        "rounds": args.rounds,
+        "command": "python benchmarks/bench_numerics.py " + " ".join(argv or sys.argv[1:]),
+    }
+    print(
+        f"GPT (4 layers, width 384, context 256), batch {args.batch}, bf16 mixprec.autocast, "
+        f"AdamW; {args.rounds} interleaved rounds, best of {args.steps} steps per round"
+    )
     print("| mode | median step (s) | overhead vs plain (median of per-round ratios) |")
     print("|---|---|---|")
     for m in MODES:
-        print(f"| {m} | {statistics.median(times[m]):.3f} | "
-              f"{statistics.median(ratios[m]):.3f}x |")
+        print(f"| {m} | {statistics.median(times[m]):.3f} | {statistics.median(ratios[m]):.3f}x |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "times": times, "ratios": ratios}, f, indent=2)

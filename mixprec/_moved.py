@@ -20,13 +20,31 @@ from typing import Any
 
 #: old module (relative to ``mixprec``) -> its new home
 MOVED: dict[str, str] = {
-    **{m: f"mixprec.core.{m}" for m in (
-        "policy", "cast_table", "torch_lists", "dispatch", "engine", "kernels", "norms",
-        "loss_scale", "optimizer", "clipping", "initialize", "lean", "hardware", "memory",
-        "footprint")},
+    **{
+        m: f"mixprec.core.{m}"
+        for m in (
+            "policy",
+            "cast_table",
+            "torch_lists",
+            "dispatch",
+            "engine",
+            "kernels",
+            "norms",
+            "loss_scale",
+            "optimizer",
+            "clipping",
+            "initialize",
+            "lean",
+            "hardware",
+            "memory",
+            "footprint",
+        )
+    },
     "keras": "mixprec.compat.keras",
-    **{m: f"mixprec.numerics.{m}" for m in (
-        "locate", "opstats", "range_audit", "range_plot", "tuning", "alignment")},
+    **{
+        m: f"mixprec.numerics.{m}"
+        for m in ("locate", "opstats", "range_audit", "range_plot", "tuning", "alignment")
+    },
     "report_cli": "mixprec.numerics.report",
     "export": "mixprec.inference.export",
     "quantize": "mixprec.inference.quantize",
@@ -49,9 +67,12 @@ class _MovedModule(types.ModuleType):
     def _target(self) -> types.ModuleType:
         if not self.__dict__["_warned"]:
             self.__dict__["_warned"] = True
-            warnings.warn(f"{self.__name__} is deprecated and will be removed: import from "
-                          f"{self._new} instead (public names also import from mixprec).",
-                          DeprecationWarning, stacklevel=3)
+            warnings.warn(
+                f"{self.__name__} is deprecated and will be removed: import from "
+                f"{self._new} instead (public names also import from mixprec).",
+                DeprecationWarning,
+                stacklevel=3,
+            )
         return importlib.import_module(self._new)
 
     def __getattr__(self, name: str) -> Any:

@@ -56,8 +56,10 @@ def test_targets_change_the_multiple():
 
     model = GPT(GPTConfig(vocab_size=96, block_size=8, n_layer=1, n_head=6, n_embd=384))
     tpu = mixprec.lint(model, "bf16", target="tpu")
-    assert _found(tpu) == {("blocks.0.attn", "head_dim", 64, 128), ("head", "out_features", 96,
-                                                                     128)}
+    assert _found(tpu) == {
+        ("blocks.0.attn", "head_dim", 64, 128),
+        ("head", "out_features", 96, 128),
+    }
     cpu = mixprec.lint(nn.Linear(24, 32), torch.bfloat16, target="cpu")
     assert _found(cpu) == {("", "in_features", 24, 32)}
     assert mixprec.lint(model, torch.float16).as_dict()["findings"] == []

@@ -1,7 +1,7 @@
 """Regenerate the README's op table from the cast table (the one source of truth).
 
-    python tools/gen_op_table.py          # rewrite README.md in place
-    python tools/gen_op_table.py --check  # exit 1 if README.md is out of date
+python tools/gen_op_table.py          # rewrite README.md in place
+python tools/gen_op_table.py --check  # exit 1 if README.md is out of date
 """
 
 from __future__ import annotations

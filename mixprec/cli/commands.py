@@ -43,17 +43,27 @@ def _demo(args: argparse.Namespace) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
     chosen = demo.pick_dtype(report, dtype)
     fast = report.is_fast(chosen)
-    print(f"mixprec demo: the Keras guide's MLP on MNIST-1D (generated locally), {args.steps} "
-          f"steps per mode, batch {args.batch}, on {report.name} "
-          f"[{' '.join(report.features) or 'no AVX512/AMX flags'}] with torch {torch.__version__}")
+    print(
+        f"mixprec demo: the Keras guide's MLP on MNIST-1D (generated locally), {args.steps} "
+        f"steps per mode, batch {args.batch}, on {report.name} "
+        f"[{' '.join(report.features) or 'no AVX512/AMX flags'}] with torch {torch.__version__}"
+    )
     if not fast:
-        print(f"{chosen} is not fast on this CPU ({report.dtypes[str(chosen)[6:]].reason}); "
-              f"to keep the run short the MLP is {demo.SLOW_WIDTH} wide (not 4096) and the "
-              f"16-bit levels train for at most {args.budget:.0f} s each, to show their memory "
-              "and accuracy.")
-    results = demo.run_demo(steps=args.steps, levels=tuple(args.levels), batch=args.batch,
-                            seed=args.seed, progress=not args.no_progress, dtype=chosen,
-                            budget=args.budget)
+        print(
+            f"{chosen} is not fast on this CPU ({report.dtypes[str(chosen)[6:]].reason}); "
+            f"to keep the run short the MLP is {demo.SLOW_WIDTH} wide (not 4096) and the "
+            f"16-bit levels train for at most {args.budget:.0f} s each, to show their memory "
+            "and accuracy."
+        )
+    results = demo.run_demo(
+        steps=args.steps,
+        levels=tuple(args.levels),
+        batch=args.batch,
+        seed=args.seed,
+        progress=not args.no_progress,
+        dtype=chosen,
+        budget=args.budget,
+    )
     _print_table(demo.HEADERS, demo.format_results(results), "fp32 vs mixed precision")
     print(demo.verdict(results, report, chosen))
     return 0
@@ -67,12 +77,16 @@ def _narrow(wl: object, width: int) -> object:
 
     if wl.name == "seed-mlp":
         return dataclasses.replace(
-            wl, make_model=lambda data: SeedMLP(data["x"].shape[1], width, 10),
-            description=wl.description.replace("4096-4096", f"{width}-{width}"))
+            wl,
+            make_model=lambda data: SeedMLP(data["x"].shape[1], width, 10),
+            description=wl.description.replace("4096-4096", f"{width}-{width}"),
+        )
     if wl.name == "char-gpt":
         return dataclasses.replace(
-            wl, make_model=lambda data: GPT(GPTConfig(n_layer=2, n_head=4, n_embd=128)),
-            description=wl.description.replace("4x384", "2x128"))
+            wl,
+            make_model=lambda data: GPT(GPTConfig(n_layer=2, n_head=4, n_embd=128)),
+            description=wl.description.replace("4x384", "2x128"),
+        )
     return wl
 
 
@@ -83,8 +97,8 @@ def _bench(args: argparse.Namespace) -> int:
     from mixprec.bench import report, runner
     from mixprec.bench.workloads import WORKLOADS, make_large_mnist1d
     from mixprec.cli.demo import SLOW_WIDTH
-    from mixprec.core.hardware import check
     from mixprec.cli.progress import make_progress
+    from mixprec.core.hardware import check
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     command = "mixprec bench " + " ".join(args.argv)
@@ -94,11 +108,13 @@ def _bench(args: argparse.Namespace) -> int:
     slow = not hw.is_fast(dtype)
     if slow:
         time_budget = time_budget or (10.0 if args.quick else 60.0)
-        print(f"{dtype} is not fast on {hw.name} ({support.reason if support else 'unknown'}): "
-              f"each mode trains for at most {time_budget:.0f} s, evaluates once at the end, and "
-              f"the seed MLP is {SLOW_WIDTH} wide (not 4096) and the GPT 2x128 (not 4x384), so "
-              "the 16-bit modes show their memory and per-step cost here, not their speed on a "
-              "GPU or a bf16 CPU.")
+        print(
+            f"{dtype} is not fast on {hw.name} ({support.reason if support else 'unknown'}): "
+            f"each mode trains for at most {time_budget:.0f} s, evaluates once at the end, and "
+            f"the seed MLP is {SLOW_WIDTH} wide (not 4096) and the GPT 2x128 (not 4x384), so "
+            "the 16-bit modes show their memory and per-step cost here, not their speed on a "
+            "GPU or a bf16 CPU."
+        )
         import warnings
 
         from mixprec.core.hardware import MixprecPerformanceWarning
@@ -110,22 +126,33 @@ def _bench(args: argparse.Namespace) -> int:
         wl = WORKLOADS[name]
         if args.mnist1d_samples and name in ("seed-mlp", "mnist1d-cnn"):
             n = args.mnist1d_samples  # a larger generated set for timing (80/20 split)
-            wl = dataclasses.replace(wl, prepare=lambda quick, seed: make_large_mnist1d(n))
+            wl = dataclasses.replace(wl, prepare=lambda quick, seed, n=n: make_large_mnist1d(n))
         if slow:
             wl = _narrow(wl, SLOW_WIDTH)
         steps = args.steps or (wl.quick_steps if args.quick else wl.steps)
         with make_progress(not args.no_progress) as ui:
             tasks = {m: ui.add(f"{name} {m}", steps) for m in args.modes}
             modes = runner.run_workload(
-                wl, list(args.modes), dtype=dtype, batch_size=args.batch_size, steps=steps,
-                time_budget=time_budget, quick=args.quick, seed=args.seed,
+                wl,
+                list(args.modes),
+                dtype=dtype,
+                batch_size=args.batch_size,
+                steps=steps,
+                time_budget=time_budget,
+                quick=args.quick,
+                seed=args.seed,
                 eval_every=steps if slow else None,
-                memory=not args.no_memory, max_batch_mb=args.max_batch,
-                on_step=lambda m, step, loss: ui.advance(tasks[m]))
+                memory=not args.no_memory,
+                max_batch_mb=args.max_batch,
+                on_step=lambda m, step, loss, tasks=tasks: ui.advance(tasks[m]),
+            )
         results[name] = (wl, modes)
         unit = "accuracy" if wl.metric == "accuracy" else "val loss"
-        _print_table(report.HEADERS, report.rows(wl, modes),
-                     f"{name}: {wl.description} ({unit}, target {wl.target})")
+        _print_table(
+            report.HEADERS,
+            report.rows(wl, modes),
+            f"{name}: {wl.description} ({unit}, target {wl.target})",
+        )
         if not args.no_plots:
             for path in report.write_plots(wl, modes, out):
                 print(f"wrote {path}")
@@ -144,40 +171,87 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mixprec", description="Automatic mixed precision "
-                                     "for PyTorch.")
+    parser = argparse.ArgumentParser(
+        prog="mixprec", description="Automatic mixed precision for PyTorch."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="train a model in fp32 and mixed precision, side by side")
     d.add_argument("--steps", type=int, default=60, help="training steps per mode (default 60)")
     d.add_argument("--batch", type=int, default=512)
-    d.add_argument("--levels", nargs="+", default=["O0", "O1", "O2"],
-                   choices=["O0", "O1", "O2", "O3"], help="O0 is the fp32 baseline; put it first")
+    d.add_argument(
+        "--levels",
+        nargs="+",
+        default=["O0", "O1", "O2"],
+        choices=["O0", "O1", "O2", "O3"],
+        help="O0 is the fp32 baseline; put it first",
+    )
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--dtype", choices=["bf16", "fp16"], default=None,
-                   help="16-bit dtype (default: the fast one here, per `mixprec check`)")
-    d.add_argument("--budget", type=float, default=20.0, metavar="SECONDS",
-                   help="where the 16-bit dtype is slow here, train each 16-bit level at most "
-                        "this long (default 20)")
+    d.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16"],
+        default=None,
+        help="16-bit dtype (default: the fast one here, per `mixprec check`)",
+    )
+    d.add_argument(
+        "--budget",
+        type=float,
+        default=20.0,
+        metavar="SECONDS",
+        help="where the 16-bit dtype is slow here, train each 16-bit level at most "
+        "this long (default 20)",
+    )
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(run=_demo)
     b = sub.add_parser("bench", help="time-to-accuracy benchmarks: every mode, one run")
-    b.add_argument("workloads", nargs="*", metavar="WORKLOAD",
-                   help=f"one or more of {', '.join(_WORKLOADS)} (default: all)")
-    b.add_argument("--modes", nargs="+", default=["fp32", "torch-autocast", "O1", "O2", "O3"],
-                   choices=["fp32", "torch-autocast", "mixprec-autocast", "O1", "O2", "O3",
-                            "graph", "graph+compile", "graph-O3", "graph+compile-O3"])
+    b.add_argument(
+        "workloads",
+        nargs="*",
+        metavar="WORKLOAD",
+        help=f"one or more of {', '.join(_WORKLOADS)} (default: all)",
+    )
+    b.add_argument(
+        "--modes",
+        nargs="+",
+        default=["fp32", "torch-autocast", "O1", "O2", "O3"],
+        choices=[
+            "fp32",
+            "torch-autocast",
+            "mixprec-autocast",
+            "O1",
+            "O2",
+            "O3",
+            "graph",
+            "graph+compile",
+            "graph-O3",
+            "graph+compile-O3",
+        ],
+    )
     b.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     b.add_argument("--batch-size", type=int, default=None)
     b.add_argument("--steps", type=int, default=None, help="training steps per mode")
-    b.add_argument("--time-budget", type=float, default=None,
-                   help="stop a mode once its training time exceeds this many seconds")
+    b.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="stop a mode once its training time exceeds this many seconds",
+    )
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--quick", action="store_true", help="small data and few steps (< 2 min)")
-    b.add_argument("--max-batch", type=float, default=None, metavar="MB",
-                   help="also find the largest batch (default x 2^k) whose step fits in MB")
-    b.add_argument("--mnist1d-samples", type=int, default=None, metavar="N",
-                   help="time the MNIST-1D workloads on a larger generated set of N samples "
-                        "(80/20 split) instead of the standard 4000/1000 one")
+    b.add_argument(
+        "--max-batch",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="also find the largest batch (default x 2^k) whose step fits in MB",
+    )
+    b.add_argument(
+        "--mnist1d-samples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="time the MNIST-1D workloads on a larger generated set of N samples "
+        "(80/20 split) instead of the standard 4000/1000 one",
+    )
     b.add_argument("--out", default="bench_out", help="folder for plots and results.json")
     b.add_argument("--json", default=None, help="results file (default OUT/results.json)")
     b.add_argument("--no-plots", action="store_true")

@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 
 import mixprec
-from mixprec.bench.report import speed_words
-from mixprec.core.hardware import MixprecPerformanceWarning
-from mixprec.core.memory import PeakMemory
 from mixprec.bench.models import SeedMLP
+from mixprec.bench.report import speed_words
 from mixprec.bench.workloads import load_mnist1d
 from mixprec.cli.progress import make_progress
+from mixprec.core.hardware import MixprecPerformanceWarning
+from mixprec.core.memory import PeakMemory
 
 __all__ = ["DemoResult", "format_results", "run_demo", "speed_words", "verdict"]
 
@@ -59,10 +59,18 @@ def _batches(n: int, batch: int, steps: int, seed: int) -> Iterator[torch.Tensor
                 yield idx
 
 
-def train_one(data: dict[str, torch.Tensor], level: str, dtype: torch.dtype | None, steps: int,
-              batch: int = 512, lr: float = 1e-3, seed: int = 0,
-              on_step: Callable[[], None] | None = None,
-              time_budget: float | None = None, hidden: int = 4096) -> DemoResult:
+def train_one(
+    data: dict[str, torch.Tensor],
+    level: str,
+    dtype: torch.dtype | None,
+    steps: int,
+    batch: int = 512,
+    lr: float = 1e-3,
+    seed: int = 0,
+    on_step: Callable[[], None] | None = None,
+    time_budget: float | None = None,
+    hidden: int = 4096,
+) -> DemoResult:
     """Train the seed MLP at ``level`` for ``steps`` steps and evaluate on the test split.
 
     With ``time_budget`` (seconds) training stops early once it has used that much time (after
@@ -94,13 +102,27 @@ def train_one(data: dict[str, torch.Tensor], level: str, dtype: torch.dtype | No
     accuracy = (pred == data["y_test"]).float().mean().item()
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}
     name = "fp32" if level == "O0" else f"{level} {short.get(dtype, str(dtype))}"
-    return DemoResult(name, statistics.median(times[2:] or times), accuracy, losses[0], losses[-1],
-                      mem.peak_bytes, opt.skipped_steps, len(times))
+    return DemoResult(
+        name,
+        statistics.median(times[2:] or times),
+        accuracy,
+        losses[0],
+        losses[-1],
+        mem.peak_bytes,
+        opt.skipped_steps,
+        len(times),
+    )
 
 
-def run_demo(steps: int = 60, levels: tuple[str, ...] | None = None, batch: int = 512,
-             seed: int = 0, progress: bool = True, dtype: torch.dtype | None = None,
-             budget: float = 20.0) -> list[DemoResult]:
+def run_demo(
+    steps: int = 60,
+    levels: tuple[str, ...] | None = None,
+    batch: int = 512,
+    seed: int = 0,
+    progress: bool = True,
+    dtype: torch.dtype | None = None,
+    budget: float = 20.0,
+) -> list[DemoResult]:
     """Train in fp32 and mixed levels; return one result per mode.
 
     ``dtype`` None picks the fast 16-bit dtype :func:`mixprec.check` reports for the CPU. Where
@@ -120,10 +142,19 @@ def run_demo(steps: int = 60, levels: tuple[str, ...] | None = None, batch: int 
             warnings.simplefilter("ignore", MixprecPerformanceWarning)
         for level in levels:
             task = ui.add(f"{'fp32' if level == 'O0' else level}", steps)
-            results.append(train_one(data, level, None if level == "O0" else dtype, steps, batch,
-                                     seed=seed, on_step=lambda t=task: ui.advance(t),
-                                     time_budget=budget if slow and level != "O0" else None,
-                                     hidden=hidden))
+            results.append(
+                train_one(
+                    data,
+                    level,
+                    None if level == "O0" else dtype,
+                    steps,
+                    batch,
+                    seed=seed,
+                    on_step=lambda t=task: ui.advance(t),
+                    time_budget=budget if slow and level != "O0" else None,
+                    hidden=hidden,
+                )
+            )
     return results
 
 
@@ -145,21 +176,26 @@ def verdict(results: list[DemoResult], report: Any, dtype: torch.dtype) -> str:
     best = min(mixed, key=lambda r: r.median_step)
     ratio = base.median_step / best.median_step
     lean = min(mixed, key=lambda r: r.peak_bytes or 0)
-    saved = (1 - lean.peak_bytes / base.peak_bytes) if lean.peak_bytes and base.peak_bytes \
-        else None
+    saved = (1 - lean.peak_bytes / base.peak_bytes) if lean.peak_bytes and base.peak_bytes else None
     memory = f"{lean.mode} uses {saved:.0%} less peak memory" if saved and saved > 0 else None
     name = str(dtype).replace("torch.", "")
     if ratio >= 1.005:
-        text = (f"{best.mode} steps are {speed_words(ratio)} than fp32 here; test accuracy "
-                f"{best.accuracy:.1%} vs {base.accuracy:.1%}")
+        text = (
+            f"{best.mode} steps are {speed_words(ratio)} than fp32 here; test accuracy "
+            f"{best.accuracy:.1%} vs {base.accuracy:.1%}"
+        )
         return text + (f"; {memory}." if memory else ".")
     support = report.dtypes.get(name)
     why = support.reason if support is not None else "no fast 16-bit unit"
-    text = (f"16-bit is not faster here ({why}): mixed precision costs "
-            f"{1 / ratio:.1f}x the fp32 step time on this machine")
+    text = (
+        f"16-bit is not faster here ({why}): mixed precision costs "
+        f"{1 / ratio:.1f}x the fp32 step time on this machine"
+    )
     text += f", but {memory}." if memory else "."
-    return text + (" On a GPU (tensor cores) or a CPU with AVX512_BF16/AMX expect 16-bit steps "
-                   "to be faster than fp32, with the same memory saving.")
+    return text + (
+        " On a GPU (tensor cores) or a CPU with AVX512_BF16/AMX expect 16-bit steps "
+        "to be faster than fp32, with the same memory saving."
+    )
 
 
 def format_results(results: list[DemoResult]) -> list[list[str]]:
@@ -168,11 +204,19 @@ def format_results(results: list[DemoResult]) -> list[list[str]]:
     rows = []
     for r in results:
         mem = "-" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.0f} MB"
-        rows.append([r.mode, str(r.steps), f"{r.median_step * 1e3:.0f} ms",
-                     "baseline" if r is results[0] else speed_words(base / r.median_step),
-                     f"{r.accuracy * 100:.1f}%", f"{r.final_loss:.3f}", mem, str(r.skipped_steps)])
+        rows.append(
+            [
+                r.mode,
+                str(r.steps),
+                f"{r.median_step * 1e3:.0f} ms",
+                "baseline" if r is results[0] else speed_words(base / r.median_step),
+                f"{r.accuracy * 100:.1f}%",
+                f"{r.final_loss:.3f}",
+                mem,
+                str(r.skipped_steps),
+            ]
+        )
     return rows
 
 
-HEADERS = ["mode", "steps", "step time", "vs fp32", "test acc", "final loss", "peak mem",
-           "skipped"]
+HEADERS = ["mode", "steps", "step time", "vs fp32", "test acc", "final loss", "peak mem", "skipped"]

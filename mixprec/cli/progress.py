@@ -13,7 +13,7 @@ class _Plain:
     def __enter__(self) -> _Plain:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         pass
 
     def add(self, name: str, total: int) -> list[Any]:
@@ -30,14 +30,18 @@ class _Rich:
     def __init__(self) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-        self.progress = Progress("[progress.description]{task.description}", BarColumn(),
-                                 MofNCompleteColumn(), TimeElapsedColumn())
+        self.progress = Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
 
     def __enter__(self) -> _Rich:
         self.progress.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.progress.__exit__(*exc)
 
     def add(self, name: str, total: int) -> Any:

@@ -51,27 +51,39 @@ class LossScaleOptimizer:
         optimizer.apply_gradients(zip(gradients, params))
     """
 
-    def __init__(self, optimizer: Optimizer, dynamic: bool = True,
-                 initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        dynamic: bool = True,
+        initial_scale: float = 2.0**15,
+        dynamic_growth_steps: int = 2000,
+    ) -> None:
         if isinstance(optimizer, LossScaleOptimizer):
             raise TypeError("LossScaleOptimizer cannot wrap another LossScaleOptimizer.")
         if not isinstance(optimizer, Optimizer):
-            raise TypeError(f'"optimizer" must be a torch.optim.Optimizer, but got: '
-                            f"{type(optimizer).__name__}.")
+            raise TypeError(
+                f'"optimizer" must be a torch.optim.Optimizer, but got: {type(optimizer).__name__}.'
+            )
         if not isinstance(dynamic, bool):
-            raise TypeError(f'"dynamic" argument to LossScaleOptimizer.__init__ must be a bool, '
-                            f"but got: {dynamic!r}")
+            raise TypeError(
+                f'"dynamic" argument to LossScaleOptimizer.__init__ must be a bool, '
+                f"but got: {dynamic!r}"
+            )
         if getattr(optimizer, "_mixprec_loss_scale_optimizer", False):
-            raise ValueError('"optimizer" is already wrapped by a LossScaleOptimizer; wrap each '
-                             "optimizer once.")
+            raise ValueError(
+                '"optimizer" is already wrapped by a LossScaleOptimizer; wrap each optimizer once.'
+            )
         self.inner_optimizer = optimizer
         self.dynamic = dynamic
         self.initial_scale = float(initial_scale)
         self.dynamic_growth_steps = int(dynamic_growth_steps)
         if dynamic:
-            self._scaler = LossScaler(self.initial_scale, growth_interval=self.dynamic_growth_steps,
-                                      min_scale=min(1.0, self.initial_scale),
-                                      max_scale=max(_MAX_SCALE, self.initial_scale))
+            self._scaler = LossScaler(
+                self.initial_scale,
+                growth_interval=self.dynamic_growth_steps,
+                min_scale=min(1.0, self.initial_scale),
+                max_scale=max(_MAX_SCALE, self.initial_scale),
+            )
         else:
             self._scaler = LossScaler(self.initial_scale, dynamic=False)
         self.iterations = 0
@@ -112,13 +124,18 @@ class LossScaleOptimizer:
         return bool(self._scaler.last_step_skipped)
 
     def get_config(self) -> dict[str, Any]:
-        return {"inner_optimizer": type(self.inner_optimizer).__name__, "dynamic": self.dynamic,
-                "initial_scale": self.initial_scale,
-                "dynamic_growth_steps": self.dynamic_growth_steps}
+        return {
+            "inner_optimizer": type(self.inner_optimizer).__name__,
+            "dynamic": self.dynamic,
+            "initial_scale": self.initial_scale,
+            "dynamic_growth_steps": self.dynamic_growth_steps,
+        }
 
     def __repr__(self) -> str:
-        return (f"LossScaleOptimizer({type(self.inner_optimizer).__name__}, loss_scale="
-                f"{self.loss_scale}, dynamic={self.dynamic})")
+        return (
+            f"LossScaleOptimizer({type(self.inner_optimizer).__name__}, loss_scale="
+            f"{self.loss_scale}, dynamic={self.dynamic})"
+        )
 
     # -- scaling ---------------------------------------------------------------------------
     def get_scaled_loss(self, loss: Tensor | Any) -> Tensor:
@@ -129,8 +146,10 @@ class LossScaleOptimizer:
         if callable(loss) and not isinstance(loss, Tensor):
             loss = loss()
         if not isinstance(loss, Tensor):
-            raise TypeError(f"get_scaled_loss expects a tensor (or a callable returning one); "
-                            f"received {type(loss).__name__}.")
+            raise TypeError(
+                f"get_scaled_loss expects a tensor (or a callable returning one); "
+                f"received {type(loss).__name__}."
+            )
         self._scaled = True
         if loss.dtype in _LOW:
             loss = loss.float()
@@ -159,10 +178,13 @@ class LossScaleOptimizer:
         pairs = [(g, v) for g, v in grads_and_vars]
         if not (self._scaled and self._unscaled) and not self._warned and self.dynamic:
             self._warned = True
-            warnings.warn("You forgot to call LossScaleOptimizer.get_scaled_loss() and "
-                          "LossScaleOptimizer.get_unscaled_gradients() before calling "
-                          "LossScaleOptimizer.apply_gradients(): the loss is not being scaled.",
-                          UserWarning, stacklevel=2)
+            warnings.warn(
+                "You forgot to call LossScaleOptimizer.get_scaled_loss() and "
+                "LossScaleOptimizer.get_unscaled_gradients() before calling "
+                "LossScaleOptimizer.apply_gradients(): the loss is not being scaled.",
+                UserWarning,
+                stacklevel=2,
+            )
         self._scaled = self._unscaled = False
         grads = [g for g, _ in pairs if g is not None]
         finite = self._all_finite(grads, 1.0)
@@ -181,8 +203,9 @@ class LossScaleOptimizer:
     def step(self) -> bool:
         """PyTorch-style step after ``get_scaled_loss(loss).backward()``: unscale ``.grad``,
         skip on inf/NaN, update the scale. Returns True if the step was applied."""
-        params = [p for g in self.inner_optimizer.param_groups for p in g["params"]
-                  if p.grad is not None]
+        params = [
+            p for g in self.inner_optimizer.param_groups for p in g["params"] if p.grad is not None
+        ]
         finite = self._all_finite([p.grad for p in params], 1.0 / self._scaler.scale)
         self._scaled = self._unscaled = False
         if finite:
@@ -218,8 +241,11 @@ class LossScaleOptimizer:
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"inner_optimizer": self.inner_optimizer.state_dict(),
-                "loss_scale": self._scaler.state_dict(), "iterations": self.iterations}
+        return {
+            "inner_optimizer": self.inner_optimizer.state_dict(),
+            "loss_scale": self._scaler.state_dict(),
+            "iterations": self.iterations,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.inner_optimizer.load_state_dict(state_dict["inner_optimizer"])

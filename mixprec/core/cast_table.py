@@ -29,51 +29,200 @@ from typing import Any
 
 import torch
 
-__all__ = ["FP32", "LOWER", "PROMOTE", "RULES", "DEFAULT_TABLE", "GRAPH_CLEAR", "GRAPH_INFER",
-           "cast_rules", "current_table",
-           "op_name", "register_op", "rule_for", "table_markdown"]
+__all__ = [
+    "DEFAULT_TABLE",
+    "FP32",
+    "GRAPH_CLEAR",
+    "GRAPH_INFER",
+    "LOWER",
+    "PROMOTE",
+    "RULES",
+    "cast_rules",
+    "current_table",
+    "op_name",
+    "register_op",
+    "rule_for",
+    "table_markdown",
+]
 
 LOWER, FP32, PROMOTE = "lower", "fp32", "promote"
 RULES = (LOWER, FP32, PROMOTE)
 
 _CATEGORIES: dict[str, dict[str, tuple[str, ...]]] = {
     LOWER: {
-        "matmul": ("linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "addmv", "addr",
-                   "mv", "einsum", "chain_matmul", "linalg_multi_dot", "_addmm_activation"),
-        "convolution": ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-                        "conv_transpose3d", "conv_tbc", "convolution", "_convolution", "prelu"),
+        "matmul": (
+            "linear",
+            "matmul",
+            "mm",
+            "bmm",
+            "baddbmm",
+            "addmm",
+            "addbmm",
+            "addmv",
+            "addr",
+            "mv",
+            "einsum",
+            "chain_matmul",
+            "linalg_multi_dot",
+            "_addmm_activation",
+        ),
+        "convolution": (
+            "conv1d",
+            "conv2d",
+            "conv3d",
+            "conv_transpose1d",
+            "conv_transpose2d",
+            "conv_transpose3d",
+            "conv_tbc",
+            "convolution",
+            "_convolution",
+            "prelu",
+        ),
         "attention": ("scaled_dot_product_attention", "_native_multi_head_attention"),
-        "recurrent": ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell",
-                      "rnn_tanh_cell", "rnn_relu_cell", "mkldnn_rnn_layer"),
+        "recurrent": (
+            "lstm",
+            "gru",
+            "rnn_tanh",
+            "rnn_relu",
+            "lstm_cell",
+            "gru_cell",
+            "rnn_tanh_cell",
+            "rnn_relu_cell",
+            "mkldnn_rnn_layer",
+        ),
     },
     FP32: {
         "softmax": ("softmax", "log_softmax", "softmin", "_softmax", "_log_softmax", "logsumexp"),
-        "normalization": ("layer_norm", "native_layer_norm", "group_norm", "rms_norm",
-                          "local_response_norm", "normalize"),
-        "reduction": ("sum", "nansum", "mean", "nanmean", "prod", "cumsum", "cumprod", "std",
-                      "var", "std_mean", "var_mean", "norm", "linalg_norm", "linalg_vector_norm",
-                      "linalg_matrix_norm", "frobenius_norm", "nuclear_norm", "dist", "pdist",
-                      "cdist", "renorm", "trace", "cosine_similarity"),
-        "pointwise": ("exp", "expm1", "log", "log10", "log2", "log1p", "pow", "float_power",
-                      "reciprocal", "rsqrt", "acos", "asin", "cosh", "sinh", "tan", "erfinv",
-                      "softplus"),
-        "loss": ("cross_entropy", "cross_entropy_loss", "nll_loss", "nll_loss2d",
-                 "binary_cross_entropy", "binary_cross_entropy_with_logits", "mse_loss",
-                 "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div", "poisson_nll_loss",
-                 "gaussian_nll_loss", "cosine_embedding_loss", "hinge_embedding_loss",
-                 "margin_ranking_loss", "multilabel_margin_loss",
-                 "multilabel_soft_margin_loss", "multi_margin_loss", "soft_margin_loss",
-                 "triplet_margin_loss", "ctc_loss"),
-        "linear algebra": ("inverse", "pinverse", "cholesky", "linalg_inv", "linalg_solve",
-                           "linalg_cholesky", "linalg_eigh", "linalg_svd", "svd", "qr"),
-        "fft": ("fft_fft", "fft_ifft", "fft_rfft", "fft_irfft", "fft_fft2", "fft_rfft2",
-                "fft_fftn", "fft_rfftn", "stft"),
+        "normalization": (
+            "layer_norm",
+            "native_layer_norm",
+            "group_norm",
+            "rms_norm",
+            "local_response_norm",
+            "normalize",
+        ),
+        "reduction": (
+            "sum",
+            "nansum",
+            "mean",
+            "nanmean",
+            "prod",
+            "cumsum",
+            "cumprod",
+            "std",
+            "var",
+            "std_mean",
+            "var_mean",
+            "norm",
+            "linalg_norm",
+            "linalg_vector_norm",
+            "linalg_matrix_norm",
+            "frobenius_norm",
+            "nuclear_norm",
+            "dist",
+            "pdist",
+            "cdist",
+            "renorm",
+            "trace",
+            "cosine_similarity",
+        ),
+        "pointwise": (
+            "exp",
+            "expm1",
+            "log",
+            "log10",
+            "log2",
+            "log1p",
+            "pow",
+            "float_power",
+            "reciprocal",
+            "rsqrt",
+            "acos",
+            "asin",
+            "cosh",
+            "sinh",
+            "tan",
+            "erfinv",
+            "softplus",
+        ),
+        "loss": (
+            "cross_entropy",
+            "cross_entropy_loss",
+            "nll_loss",
+            "nll_loss2d",
+            "binary_cross_entropy",
+            "binary_cross_entropy_with_logits",
+            "mse_loss",
+            "l1_loss",
+            "smooth_l1_loss",
+            "huber_loss",
+            "kl_div",
+            "poisson_nll_loss",
+            "gaussian_nll_loss",
+            "cosine_embedding_loss",
+            "hinge_embedding_loss",
+            "margin_ranking_loss",
+            "multilabel_margin_loss",
+            "multilabel_soft_margin_loss",
+            "multi_margin_loss",
+            "soft_margin_loss",
+            "triplet_margin_loss",
+            "ctc_loss",
+        ),
+        "linear algebra": (
+            "inverse",
+            "pinverse",
+            "cholesky",
+            "linalg_inv",
+            "linalg_solve",
+            "linalg_cholesky",
+            "linalg_eigh",
+            "linalg_svd",
+            "svd",
+            "qr",
+        ),
+        "fft": (
+            "fft_fft",
+            "fft_ifft",
+            "fft_rfft",
+            "fft_irfft",
+            "fft_fft2",
+            "fft_rfft2",
+            "fft_fftn",
+            "fft_rfftn",
+            "stft",
+        ),
     },
     PROMOTE: {
-        "binary": ("add", "sub", "rsub", "mul", "div", "true_divide", "atan2", "maximum",
-                   "minimum", "fmax", "fmin", "lerp", "addcmul", "addcdiv", "where", "dot", "vdot",
-                   "cross", "bilinear", "tensordot", "eq", "ne", "lt", "le", "gt", "ge",
-                   "equal"),
+        "binary": (
+            "add",
+            "sub",
+            "rsub",
+            "mul",
+            "div",
+            "true_divide",
+            "atan2",
+            "maximum",
+            "minimum",
+            "fmax",
+            "fmin",
+            "lerp",
+            "addcmul",
+            "addcdiv",
+            "where",
+            "dot",
+            "vdot",
+            "cross",
+            "bilinear",
+            "tensordot",
+            "eq",
+            "ne",
+            "lt",
+            "le",
+            "gt",
+            "ge",
+            "equal",
+        ),
         "sequence": ("cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack"),
         "indexing": ("index_put", "index_copy", "scatter_add", "index_add", "masked_scatter"),
     },
@@ -85,33 +234,145 @@ _CATEGORIES: dict[str, dict[str, tuple[str, ...]]] = {
 #
 # Clear: no numeric effect (views, data movement, selection, max-type ops, relu, dropout); a clear
 # op takes the colour of its neighbours, so casts land at the edges of clear runs.
-GRAPH_CLEAR: frozenset[str] = frozenset({
-    "view", "_unsafe_view", "reshape", "view_as", "reshape_as", "flatten", "unflatten",
-    "permute", "transpose", "t", "expand", "expand_as", "squeeze", "unsqueeze", "slice",
-    "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "getitem", "clone",
-    "contiguous", "alias", "detach", "relu", "relu6", "hardtanh", "max_pool1d", "max_pool2d",
-    "max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices",
-    "max_pool3d_with_indices", "adaptive_max_pool1d", "adaptive_max_pool2d", "dropout",
-    "native_dropout", "dropout1d", "dropout2d", "dropout3d", "feature_dropout",
-    "alpha_dropout", "pad", "constant_pad_nd", "reflection_pad1d", "reflection_pad2d",
-    "replication_pad1d", "replication_pad2d", "tril", "triu", "flip", "roll", "repeat",
-    "tile", "index_select", "gather", "take_along_dim", "masked_fill", "zeros_like",
-    "ones_like", "empty_like", "full_like", "neg", "abs", "sign", "max", "min", "amax", "amin",
-    "topk", "sort", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "identity",
-    "upsample_nearest1d", "upsample_nearest2d", "interpolate", "as_strided", "movedim",
-    "swapaxes", "diagonal", "ravel",
-})
+GRAPH_CLEAR: frozenset[str] = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "view_as",
+        "reshape_as",
+        "flatten",
+        "unflatten",
+        "permute",
+        "transpose",
+        "t",
+        "expand",
+        "expand_as",
+        "squeeze",
+        "unsqueeze",
+        "slice",
+        "select",
+        "narrow",
+        "split",
+        "split_with_sizes",
+        "chunk",
+        "unbind",
+        "getitem",
+        "clone",
+        "contiguous",
+        "alias",
+        "detach",
+        "relu",
+        "relu6",
+        "hardtanh",
+        "max_pool1d",
+        "max_pool2d",
+        "max_pool3d",
+        "max_pool1d_with_indices",
+        "max_pool2d_with_indices",
+        "max_pool3d_with_indices",
+        "adaptive_max_pool1d",
+        "adaptive_max_pool2d",
+        "dropout",
+        "native_dropout",
+        "dropout1d",
+        "dropout2d",
+        "dropout3d",
+        "feature_dropout",
+        "alpha_dropout",
+        "pad",
+        "constant_pad_nd",
+        "reflection_pad1d",
+        "reflection_pad2d",
+        "replication_pad1d",
+        "replication_pad2d",
+        "tril",
+        "triu",
+        "flip",
+        "roll",
+        "repeat",
+        "tile",
+        "index_select",
+        "gather",
+        "take_along_dim",
+        "masked_fill",
+        "zeros_like",
+        "ones_like",
+        "empty_like",
+        "full_like",
+        "neg",
+        "abs",
+        "sign",
+        "max",
+        "min",
+        "amax",
+        "amin",
+        "topk",
+        "sort",
+        "pixel_shuffle",
+        "pixel_unshuffle",
+        "channel_shuffle",
+        "identity",
+        "upsample_nearest1d",
+        "upsample_nearest2d",
+        "interpolate",
+        "as_strided",
+        "movedim",
+        "swapaxes",
+        "diagonal",
+        "ravel",
+    }
+)
 # Infer: numeric ops that are safe in 16-bit but not worth a cast on their own (activations,
 # elementwise math, the "promote" ops): 16-bit only when sandwiched between allow ops.
-GRAPH_INFER: frozenset[str] = frozenset({
-    "gelu", "silu", "tanh", "sigmoid", "hardswish", "hardsigmoid", "mish", "elu", "selu",
-    "celu", "leaky_relu", "rrelu", "softsign", "tanhshrink", "logsigmoid", "sqrt", "square",
-    "erf", "erfc", "sin", "cos", "clamp", "clip", "clamp_min", "clamp_max", "floor", "ceil",
-    "round", "trunc", "frac", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
-    "adaptive_avg_pool2d", "adaptive_avg_pool3d", "batch_norm", "instance_norm",
-    "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
-    "_native_batch_norm_legit_no_training", "upsample_bilinear2d", "upsample_linear1d",
-})
+GRAPH_INFER: frozenset[str] = frozenset(
+    {
+        "gelu",
+        "silu",
+        "tanh",
+        "sigmoid",
+        "hardswish",
+        "hardsigmoid",
+        "mish",
+        "elu",
+        "selu",
+        "celu",
+        "leaky_relu",
+        "rrelu",
+        "softsign",
+        "tanhshrink",
+        "logsigmoid",
+        "sqrt",
+        "square",
+        "erf",
+        "erfc",
+        "sin",
+        "cos",
+        "clamp",
+        "clip",
+        "clamp_min",
+        "clamp_max",
+        "floor",
+        "ceil",
+        "round",
+        "trunc",
+        "frac",
+        "avg_pool1d",
+        "avg_pool2d",
+        "avg_pool3d",
+        "adaptive_avg_pool1d",
+        "adaptive_avg_pool2d",
+        "adaptive_avg_pool3d",
+        "batch_norm",
+        "instance_norm",
+        "native_batch_norm",
+        "_native_batch_norm_legit",
+        "_native_batch_norm_legit_functional",
+        "_native_batch_norm_legit_no_training",
+        "upsample_bilinear2d",
+        "upsample_linear1d",
+    }
+)
 
 DEFAULT_TABLE: Mapping[str, str] = {
     name: rule
@@ -120,13 +381,38 @@ DEFAULT_TABLE: Mapping[str, str] = {
     for name in names
 }
 
-_DUNDER = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__add__": "add", "__radd__": "add",
-           "__sub__": "sub", "__rsub__": "rsub", "__mul__": "mul", "__rmul__": "mul",
-           "__truediv__": "div", "__rtruediv__": "div", "__div__": "div", "__rdiv__": "div",
-           "__pow__": "pow", "__rpow__": "pow", "__eq__": "eq", "__ne__": "ne", "__lt__": "lt",
-           "__le__": "le", "__gt__": "gt", "__ge__": "ge"}
-_INPLACE_DUNDER = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ipow__",
-                   "__imatmul__", "__setitem__"}
+_DUNDER = {
+    "__matmul__": "matmul",
+    "__rmatmul__": "matmul",
+    "__add__": "add",
+    "__radd__": "add",
+    "__sub__": "sub",
+    "__rsub__": "rsub",
+    "__mul__": "mul",
+    "__rmul__": "mul",
+    "__truediv__": "div",
+    "__rtruediv__": "div",
+    "__div__": "div",
+    "__rdiv__": "div",
+    "__pow__": "pow",
+    "__rpow__": "pow",
+    "__eq__": "eq",
+    "__ne__": "ne",
+    "__lt__": "lt",
+    "__le__": "le",
+    "__gt__": "gt",
+    "__ge__": "ge",
+}
+_INPLACE_DUNDER = {
+    "__iadd__",
+    "__isub__",
+    "__imul__",
+    "__itruediv__",
+    "__idiv__",
+    "__ipow__",
+    "__imatmul__",
+    "__setitem__",
+}
 
 
 def op_name(op: Any) -> tuple[str, bool]:
@@ -143,9 +429,11 @@ def op_name(op: Any) -> tuple[str, bool]:
     else:
         name = getattr(op, "__name__", None)
         if not isinstance(name, str):
-            raise TypeError(f"Cannot name op {op!r} (type {type(op).__name__}): expected a torch "
-                            "function, a torch.nn.functional function, a Tensor method, a "
-                            "torch.ops overload or an op name string.")
+            raise TypeError(
+                f"Cannot name op {op!r} (type {type(op).__name__}): expected a torch "
+                "function, a torch.nn.functional function, a Tensor method, a "
+                "torch.ops overload or an op name string."
+            )
     if name in _INPLACE_DUNDER:
         return name, True
     if name in _DUNDER:
@@ -175,8 +463,10 @@ def _changed() -> None:
 
 def _check_rule(rule: Any) -> str | None:
     if rule is not None and rule not in RULES:
-        raise ValueError(f"Unknown cast rule {rule!r}; expected one of {RULES} (or None to make "
-                         "the op run in its input dtype).")
+        raise ValueError(
+            f"Unknown cast rule {rule!r}; expected one of {RULES} (or None to make "
+            "the op run in its input dtype)."
+        )
     return rule
 
 
@@ -259,10 +549,8 @@ def _resolver() -> Callable[[Any], tuple[str, bool]]:
             result = op_name(func)
         except TypeError:
             result = ("", False)
-        try:
+        with contextlib.suppress(TypeError):  # an unhashable callable: not cached
             cache[func] = result
-        except TypeError:
-            pass
         return result
 
     return resolve

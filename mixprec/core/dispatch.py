@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.overrides import TorchFunctionMode
 
-from mixprec.core import cast_table
-from mixprec.core import kernels
+from mixprec.core import cast_table, kernels
 from mixprec.core.cast_table import FP32, LOWER, PROMOTE
 from mixprec.core.torch_lists import TORCH_AUTOCAST, torch_rule
 
@@ -49,21 +49,72 @@ _LOW = (torch.float16, torch.bfloat16)
 # ``fp32_inside`` they keep 16-bit inputs and outputs -- the seed's "memory-bound ops stay
 # 16-bit in and out, compute in fp32 inside" -- instead of paying for two casts.
 # The ATen spellings are listed too: the graph pass (mixprec.graph.paint) reads this set.
-FP32_INSIDE_OPS = frozenset({"layer_norm", "group_norm", "softmax", "log_softmax",
-                             "native_layer_norm", "native_group_norm", "_softmax",
-                             "_log_softmax"})
+FP32_INSIDE_OPS = frozenset(
+    {
+        "layer_norm",
+        "group_norm",
+        "softmax",
+        "log_softmax",
+        "native_layer_norm",
+        "native_group_norm",
+        "_softmax",
+        "_log_softmax",
+    }
+)
 
 # promote-rule ops whose native kernels already compute in the widest input dtype (torch's type
 # promotion): they need no cast and no kernel. 0-dim tensors and Python numbers do not widen
 # them, as in torch.
-NATIVE_PROMOTE = frozenset({
-    "add", "sub", "rsub", "mul", "div", "true_divide", "atan2", "maximum", "minimum", "fmax",
-    "fmin", "addcmul", "addcdiv", "where", "eq", "ne", "lt", "le", "gt", "ge", "equal", "cat",
-    "concat", "concatenate", "stack", "hstack", "vstack", "dstack"})
+NATIVE_PROMOTE = frozenset(
+    {
+        "add",
+        "sub",
+        "rsub",
+        "mul",
+        "div",
+        "true_divide",
+        "atan2",
+        "maximum",
+        "minimum",
+        "fmax",
+        "fmin",
+        "addcmul",
+        "addcdiv",
+        "where",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "equal",
+        "cat",
+        "concat",
+        "concatenate",
+        "stack",
+        "hstack",
+        "vstack",
+        "dstack",
+    }
+)
 
 # in-place ops that update weights (optimizers, EMA, manual SGD, load_state_dict, init)
-_INPLACE_UPDATES = ("add_", "sub_", "mul_", "div_", "copy_", "lerp_", "addcmul_", "addcdiv_",
-                    "zero_", "fill_", "clamp_", "normal_", "uniform_", "set_")
+_INPLACE_UPDATES = (
+    "add_",
+    "sub_",
+    "mul_",
+    "div_",
+    "copy_",
+    "lerp_",
+    "addcmul_",
+    "addcdiv_",
+    "zero_",
+    "fill_",
+    "clamp_",
+    "normal_",
+    "uniform_",
+    "set_",
+)
 
 _KEYS = {"cpu": DispatchKey.AutocastCPU, "cuda": DispatchKey.AutocastCUDA}
 
@@ -116,12 +167,15 @@ def _enter(frame: Frame) -> None:
 
 
 def push(frame: Frame, cache_enabled: bool | None = None) -> _Saved:
-    """Enter ``frame``: switch torch.autocast on (or off) for it; return what :func:`pop` restores."""
+    """Enter ``frame``: switch torch.autocast on (or off) for it; return what :func:`pop`
+    restores."""
     devices = _devices()
     if _synced[0] != cast_table._version[0] and not torch.compiler.is_dynamo_compiling():
         sync(first=True)
-    saved = _Saved([(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                    for d in devices], torch.is_autocast_cache_enabled())
+    saved = _Saved(
+        [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices],
+        torch.is_autocast_cache_enabled(),
+    )
     tracing = torch.compiler.is_dynamo_compiling()
     if tracing:  # a graph node: the compiler's tracing pushes it
         _enter_traced(frame.dtype, frame.kernels, bool(frame.fp32_inside))
@@ -163,8 +217,11 @@ def pop(frame: Frame, saved: _Saved) -> None:
         raise RuntimeError("mixprec.autocast regions were exited out of order.")
     else:
         _state.frames.pop()
-    if not tracing and frame.dtype is not None and any(
-            dt != frame.dtype for _, _, dt in saved.autocast):
+    if (
+        not tracing
+        and frame.dtype is not None
+        and any(dt != frame.dtype for _, _, dt in saved.autocast)
+    ):
         torch.clear_autocast_cache()  # the copies made for this region's dtype
     for d, on, dt in saved.autocast:
         torch.set_autocast_dtype(d, dt)
@@ -204,10 +261,15 @@ def _frame_for_kernel(device: str) -> Frame | None:
 
 # -- casts ------------------------------------------------------------------------------------
 
+
 def cast_leaf(t: torch.Tensor, dtype: torch.dtype, only_low: bool = False) -> torch.Tensor:
     """``t`` in ``dtype`` if it is floating and not fp64 (with ``only_low``: only if 16-bit)."""
-    if t.is_floating_point() and t.dtype != dtype and t.dtype != torch.float64 and (
-            not only_low or t.dtype in _LOW):
+    if (
+        t.is_floating_point()
+        and t.dtype != dtype
+        and t.dtype != torch.float64
+        and (not only_low or t.dtype in _LOW)
+    ):
         return t.to(dtype)
     return t
 
@@ -220,10 +282,13 @@ def _cast(obj: Any, dtype: torch.dtype, only_low: bool) -> Any:
     return obj
 
 
-def _cast_all(args: tuple, kwargs: dict, dtype: torch.dtype, only_low: bool = False
-              ) -> tuple[tuple, dict]:
-    return (tuple(_cast(a, dtype, only_low) for a in args),
-            {k: _cast(v, dtype, only_low) for k, v in kwargs.items()} if kwargs else kwargs)
+def _cast_all(
+    args: tuple, kwargs: dict, dtype: torch.dtype, only_low: bool = False
+) -> tuple[tuple, dict]:
+    return (
+        tuple(_cast(a, dtype, only_low) for a in args),
+        {k: _cast(v, dtype, only_low) for k, v in kwargs.items()} if kwargs else kwargs,
+    )
 
 
 def float_dtypes(obj: Any, found: set) -> set:
@@ -246,8 +311,16 @@ def _has_dtype_arg(args: tuple, kwargs: dict) -> bool:
 
 # -- kernels ----------------------------------------------------------------------------------
 
-def apply_rule(rule: str | None, name: str, frame: Frame | None, low: torch.dtype, args: tuple,
-               kwargs: dict, op: Callable) -> Any:
+
+def apply_rule(
+    rule: str | None,
+    name: str,
+    frame: Frame | None,
+    low: torch.dtype,
+    args: tuple,
+    kwargs: dict,
+    op: Callable,
+) -> Any:
     """Run ``op`` under ``rule`` (the cast table's rules, torch's ``"banned"``, or ``"input"``).
 
     ``low`` is the 16-bit dtype of ``"lower"``; ``frame`` None means torch.autocast's own
@@ -255,8 +328,7 @@ def apply_rule(rule: str | None, name: str, frame: Frame | None, low: torch.dtyp
     """
     if rule == LOWER:
         args, kwargs = _cast_all(args, kwargs, low)
-        if frame is not None and frame.kernels == "auto" and \
-                name == "scaled_dot_product_attention":
+        if frame is not None and frame.kernels == "auto" and name == "scaled_dot_product_attention":
             out = kernels.try_decomposed_attention(args, kwargs)
             if out is not None:
                 return out
@@ -265,8 +337,12 @@ def apply_rule(rule: str | None, name: str, frame: Frame | None, low: torch.dtyp
         if _has_dtype_arg(args, kwargs):
             return op(*args, **kwargs)
         first = args[0] if args else None
-        if frame is not None and name in frame.fp32_inside and \
-                isinstance(first, torch.Tensor) and first.dtype in _LOW:
+        if (
+            frame is not None
+            and name in frame.fp32_inside
+            and isinstance(first, torch.Tensor)
+            and first.dtype in _LOW
+        ):
             rest, kwargs = _cast_all(args[1:], kwargs, first.dtype)
             return op(first, *rest, **kwargs)
         args, kwargs = _cast_all(args, kwargs, torch.float32, only_low=True)
@@ -283,7 +359,8 @@ def apply_rule(rule: str | None, name: str, frame: Frame | None, low: torch.dtyp
     if rule == "banned":
         raise RuntimeError(
             f"torch.autocast refuses {name} (unsafe to autocast); use its *_with_logits form, "
-            "or run it under mixprec.autocast, which computes it in float32.")
+            "or run it under mixprec.autocast, which computes it in float32."
+        )
     return op(*args, **kwargs)  # "input": run in the inputs' dtype
 
 
@@ -294,8 +371,7 @@ def _rule_kernel(name: str, device: str, op: Any) -> Callable:
 
     def apply(rule: str | None, frame: Frame | None, args: tuple, kwargs: dict) -> Any:
         with torch._C._ExcludeDispatchKeyGuard(without):
-            return apply_rule(rule, name, frame, torch.get_autocast_dtype(device), args, kwargs,
-                              op)
+            return apply_rule(rule, name, frame, torch.get_autocast_dtype(device), args, kwargs, op)
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if _state.busy:  # re-entered through a Python mode's restored TLS (fake tensors)
@@ -339,8 +415,9 @@ def _inplace_kernel(device: str, op: Any) -> Callable:
 class _ExportMode(TorchFunctionMode):
     """The cast table applied to Python-level torch calls, while ``torch.export`` traces."""
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         frame = top()
         name, inplace = cast_table.resolve_op(func)
@@ -372,7 +449,8 @@ def _overloads(name: str, mutable: bool = False) -> list[tuple[str, Any]]:
     for overload in packet.overloads():
         try:  # TorchScript-only variants (list and number overloads) have no dispatcher entry
             torch._C._dispatch_find_schema_or_throw(
-                f"aten::{name}", "" if overload == "default" else overload)
+                f"aten::{name}", "" if overload == "default" else overload
+            )
         except RuntimeError:
             continue
         op = getattr(packet, overload)
@@ -392,8 +470,11 @@ def _torch_rule(device: str, name: str) -> str | None:
         names = torch._C._dispatch_get_all_op_names()
         for dev, key in _KEYS.items():
             _torch_has[dev] = frozenset(
-                n[len("aten::"):].split(".")[0] for n in names if n.startswith("aten::")
-                and torch._C._dispatch_has_kernel_for_dispatch_key(n, key.name))
+                n[len("aten::") :].split(".")[0]
+                for n in names
+                if n.startswith("aten::")
+                and torch._C._dispatch_has_kernel_for_dispatch_key(n, key.name)
+            )
     return torch_rule(device, name) if name in _torch_has[device] else None
 
 
@@ -444,8 +525,9 @@ def sync(first: bool = False) -> None:
                 for name in _INPLACE_UPDATES:
                     for qualname, op in _overloads(name, mutable=True):
                         _register(device, qualname, _inplace_kernel(device, op))
-            wanted |= {(device, q) for name in _INPLACE_UPDATES
-                       for q, _ in _overloads(name, mutable=True)}
+            wanted |= {
+                (device, q) for name in _INPLACE_UPDATES for q, _ in _overloads(name, mutable=True)
+            }
         for stale in set(_libs) - wanted:
             _libs.pop(stale)._destroy()  # torch's kernel (or the fallthrough) is back
         _synced[0] = version
@@ -464,8 +546,9 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 def _dynamo_traces_autocast_setters() -> bool:
     """torch >= 2.13's dynamo records torch.set_autocast_dtype and autocast_increment_nesting in
     the graph; older ones graph-break on them, half-way through :func:`push`."""
-    rules = getattr(getattr(torch._dynamo, "trace_rules", None),
-                    "torch_c_binding_in_graph_functions", {})
+    rules = getattr(
+        getattr(torch._dynamo, "trace_rules", None), "torch_c_binding_in_graph_functions", {}
+    )
     return "torch.set_autocast_dtype" in rules and "torch._C.autocast_increment_nesting" in rules
 
 
@@ -474,8 +557,6 @@ if not _dynamo_traces_autocast_setters():
     # than half-traced, which left a frame pushed by a graph node without its pop.
     push = torch._dynamo.disable(push)
     pop = torch._dynamo.disable(pop)
-
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 register_optimizer_step_post_hook(_after_step)
 cast_table._listeners.append(sync)

@@ -108,8 +108,9 @@ def cast_tree(obj: Any, dtype: torch.dtype, *, only_low: bool = False) -> Any:
         out = copy.copy(obj)
         for f in dataclasses.fields(obj):
             if hasattr(obj, f.name):
-                object.__setattr__(out, f.name,
-                                   cast_tree(getattr(obj, f.name), dtype, only_low=only_low))
+                object.__setattr__(
+                    out, f.name, cast_tree(getattr(obj, f.name), dtype, only_low=only_low)
+                )
         return out
     if type(obj) in _pytree.SUPPORTED_NODES:
         leaves, spec = _pytree.tree_flatten(obj)
@@ -146,12 +147,18 @@ class autocast:
         torch.bfloat16
     """
 
-    def __init__(self, dtype_or_policy: PolicyLike | None = None, *, enabled: bool = True,
-                 cache_enabled: bool = True, kernels: str = "auto"):
+    def __init__(
+        self,
+        dtype_or_policy: PolicyLike | None = None,
+        *,
+        enabled: bool = True,
+        cache_enabled: bool = True,
+        kernels: str = "auto",
+    ):
         if kernels not in _KERNELS:
             raise ValueError(f"kernels={kernels!r} is not one of {_KERNELS}.")
         policy = global_policy() if dtype_or_policy is None else as_policy(dtype_or_policy)
-        if policy.compute_dtype not in _LOW + (torch.float32, torch.float64):
+        if policy.compute_dtype not in (*_LOW, torch.float32, torch.float64):
             raise ValueError(f"autocast needs a floating compute dtype, received {policy}.")
         self.policy = policy
         self.enabled = enabled
@@ -195,8 +202,11 @@ def _boundary(module: nn.Module) -> Boundary | None:
     if policy is None:
         return None
     outer = dispatch.top()
-    return Boundary(policy, kernels=outer.kernels if outer else "auto",
-                    fp32_inside=bool(outer and outer.fp32_inside))
+    return Boundary(
+        policy,
+        kernels=outer.kernels if outer else "auto",
+        fp32_inside=bool(outer and outer.fp32_inside),
+    )
 
 
 class _Forward:
@@ -213,8 +223,9 @@ class _Forward:
         self.inner = inner  # an instance-level forward the module had, else None
 
     def _wrapped(self) -> Any:
-        return self.inner if self.inner is not None else \
-            type(self.module).forward.__get__(self.module)
+        return (
+            self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+        )
 
     @property
     def __signature__(self) -> inspect.Signature:

@@ -69,8 +69,12 @@ def _state_tensors(opt: Optimizer) -> list[Tensor]:
     return [v for st in opt.state.values() for v in st.values() if isinstance(v, Tensor)]
 
 
-def footprint(model: nn.Module, optimizer: Optimizer | None = None,
-              step: Callable[[], Any] | None = None, steps: int = 2) -> Footprint:
+def footprint(
+    model: nn.Module,
+    optimizer: Optimizer | None = None,
+    step: Callable[[], Any] | None = None,
+    steps: int = 2,
+) -> Footprint:
     """Count the bytes a training configuration keeps per parameter.
 
     Args:
@@ -91,8 +95,10 @@ def footprint(model: nn.Module, optimizer: Optimizer | None = None,
     if not isinstance(model, nn.Module):
         raise TypeError(f"footprint expects an nn.Module, received {type(model).__name__}.")
     if optimizer is not None and not isinstance(optimizer, Optimizer):
-        raise TypeError(f"footprint expects a torch.optim.Optimizer or None, received "
-                        f"{type(optimizer).__name__}.")
+        raise TypeError(
+            f"footprint expects a torch.optim.Optimizer or None, received "
+            f"{type(optimizer).__name__}."
+        )
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an int >= 1, received {steps!r}.")
     peak = None

@@ -33,12 +33,25 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DtypeSupport", "HardwareReport", "MixprecPerformanceWarning", "check",
-           "default_dtype", "warn_if_slow"]
+__all__ = [
+    "DtypeSupport",
+    "HardwareReport",
+    "MixprecPerformanceWarning",
+    "check",
+    "default_dtype",
+    "warn_if_slow",
+]
 
 #: CPU ISA flags worth reporting, in /proc/cpuinfo spelling.
 _CPU_FEATURES: tuple[str, ...] = (
-    "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_fp16",
+)
 
 #: Per dtype, ordered ``(flag or None, fast, reason)`` rules; the first whose flag is present
 #: (``None`` always matches) decides. Every CPU dtype is supported: torch has kernels for both.
@@ -50,10 +63,17 @@ _CPU_RULES: dict[str, tuple[tuple[str | None, bool, str], ...]] = {
     ),
     "float16": (
         ("amx_fp16", True, "AMX-FP16 tiles (oneDNN): fp16 matmul faster than fp32"),
-        ("avx512_fp16", False, "AVX512_FP16 present but torch's fp16 matmul does not use it; "
-         "measured about fp32 speed"),
-        (None, False, "no AVX512_FP16/AMX-FP16: fp16 matmul runs reference loops, "
-         "slower than fp32"),
+        (
+            "avx512_fp16",
+            False,
+            "AVX512_FP16 present but torch's fp16 matmul does not use it; "
+            "measured about fp32 speed",
+        ),
+        (
+            None,
+            False,
+            "no AVX512_FP16/AMX-FP16: fp16 matmul runs reference loops, slower than fp32",
+        ),
     ),
 }
 
@@ -143,8 +163,10 @@ def _cuda_support(capability: tuple[int, int], bf16_supported: bool) -> dict[str
 
     def reason(name: str, threshold: tuple[int, int]) -> str:
         has = cap >= threshold
-        return f"{cc} {'>=' if has else '<'} {threshold[0]}.{threshold[1]}: " \
-               f"{'' if has else 'no '}{name} tensor cores"
+        return (
+            f"{cc} {'>=' if has else '<'} {threshold[0]}.{threshold[1]}: "
+            f"{'' if has else 'no '}{name} tensor cores"
+        )
 
     bf16_reason = reason("bf16", _CUDA_BF16_TENSOR_CORES)
     if not bf16_supported:
@@ -152,8 +174,12 @@ def _cuda_support(capability: tuple[int, int], bf16_supported: bool) -> dict[str
     bf16_fast = bf16_supported and cap >= _CUDA_BF16_TENSOR_CORES
     return {
         "bfloat16": DtypeSupport(torch.bfloat16, bf16_supported, bf16_fast, bf16_reason),
-        "float16": DtypeSupport(torch.float16, True, cap >= _CUDA_FP16_TENSOR_CORES,
-                                reason("fp16", _CUDA_FP16_TENSOR_CORES)),
+        "float16": DtypeSupport(
+            torch.float16,
+            True,
+            cap >= _CUDA_FP16_TENSOR_CORES,
+            reason("fp16", _CUDA_FP16_TENSOR_CORES),
+        ),
     }
 
 
@@ -183,8 +209,10 @@ def _read_cpu() -> tuple[str, frozenset[str]]:
     if not flags:  # no x86 flags line: torch only tells the vector width, never bf16/fp16 units
         capability = str(torch.backends.cpu.get_cpu_capability())
         flags = frozenset({"avx512f"}) if capability.startswith("AVX512") else frozenset()
-    return (name or platform.processor() or platform.machine() or "unknown CPU",
-            _usable_flags(flags, os.environ.get("ONEDNN_MAX_CPU_ISA", "")))
+    return (
+        name or platform.processor() or platform.machine() or "unknown CPU",
+        _usable_flags(flags, os.environ.get("ONEDNN_MAX_CPU_ISA", "")),
+    )
 
 
 _ONEDNN_16BIT = frozenset({"avx512_bf16", "amx_bf16", "amx_tile", "amx_int8", "avx512_fp16"})
@@ -222,7 +250,7 @@ def _resolve_device(device: str | torch.device | None) -> str:
     return str(device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _report(device: str) -> HardwareReport:
     """Builds the (cached) report for a resolved device string."""
     if device == "cpu":
@@ -235,8 +263,9 @@ def _report(device: str) -> HardwareReport:
         with torch.cuda.device(index):
             bf16 = torch.cuda.is_bf16_supported()
         features = (f"sm_{capability[0]}{capability[1]}",)
-        return HardwareReport(device, torch.cuda.get_device_name(index), features,
-                              _cuda_support(capability, bf16))
+        return HardwareReport(
+            device, torch.cuda.get_device_name(index), features, _cuda_support(capability, bf16)
+        )
     return HardwareReport(device, device, (), _other_support(device.split(":")[0]))
 
 
@@ -275,8 +304,9 @@ def default_dtype(device: str | torch.device | None = None) -> torch.dtype:
 _warned: set[tuple[torch.dtype, str]] = set()
 
 
-def warn_if_slow(dtype: torch.dtype, device: str | torch.device | None = None, *,
-                 stacklevel: int = 2) -> None:
+def warn_if_slow(
+    dtype: torch.dtype, device: str | torch.device | None = None, *, stacklevel: int = 2
+) -> None:
     """Warns (once per dtype and device per process) if ``dtype`` is not fast on ``device``.
 
     Args:
@@ -295,9 +325,12 @@ def warn_if_slow(dtype: torch.dtype, device: str | torch.device | None = None, *
     if alternative == dtype or not report.dtypes[_NAMES[alternative]].fast:
         alternative = report.best_dtype  # a fast 16-bit dtype, or plain float32
     what = "is not expected to be faster than float32" if support.supported else "is unsupported"
-    warnings.warn(f"{dtype} {what} on {report.device} ({report.name}): {support.reason}. "
-                  f"Suggested alternative: {alternative}.",
-                  category=MixprecPerformanceWarning, stacklevel=stacklevel)
+    warnings.warn(
+        f"{dtype} {what} on {report.device} ({report.name}): {support.reason}. "
+        f"Suggested alternative: {alternative}.",
+        category=MixprecPerformanceWarning,
+        stacklevel=stacklevel,
+    )
 
 
 def _reset_warnings() -> None:

@@ -19,8 +19,16 @@ import torch
 
 __all__ = ["can_decompose_attention", "decomposed_attention", "try_decomposed_attention"]
 
-_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-                "enable_gqa")
+_SDPA_PARAMS = (
+    "query",
+    "key",
+    "value",
+    "attn_mask",
+    "dropout_p",
+    "is_causal",
+    "scale",
+    "enable_gqa",
+)
 
 _bias_cache: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -32,8 +40,9 @@ def _traced(t: torch.Tensor) -> bool:
     return is_fake(t)
 
 
-def _causal_bias(L: int, S: int, dtype: torch.dtype, device: torch.device,
-                 cache: bool = True) -> torch.Tensor:
+def _causal_bias(
+    L: int, S: int, dtype: torch.dtype, device: torch.device, cache: bool = True
+) -> torch.Tensor:
     key = (L, S, dtype, device)
     bias = _bias_cache.get(key) if cache else None
     if bias is None:
@@ -46,16 +55,31 @@ def _causal_bias(L: int, S: int, dtype: torch.dtype, device: torch.device,
     return bias
 
 
-def can_decompose_attention(q: Any, k: Any, v: Any, attn_mask: Any = None,
-                            dropout_p: float = 0.0, is_causal: bool = False,
-                            scale: float | None = None, enable_gqa: bool = False) -> bool:
+def can_decompose_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> bool:
     """True when :func:`decomposed_attention` is both exact in semantics and measured faster."""
-    return (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-            and isinstance(v, torch.Tensor) and q.device.type == "cpu"
-            and q.dtype == k.dtype == v.dtype == torch.bfloat16
-            and attn_mask is None and dropout_p == 0.0 and not enable_gqa
-            and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            and q.dim() >= 3 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2])
+    return (
+        isinstance(q, torch.Tensor)
+        and isinstance(k, torch.Tensor)
+        and isinstance(v, torch.Tensor)
+        and q.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype == torch.bfloat16
+        and attn_mask is None
+        and dropout_p == 0.0
+        and not enable_gqa
+        and torch.is_grad_enabled()
+        and (q.requires_grad or k.requires_grad or v.requires_grad)
+        and q.dim() >= 3
+        and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
+    )
 
 
 def try_decomposed_attention(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -72,12 +96,18 @@ def try_decomposed_attention(args: tuple, kwargs: dict) -> torch.Tensor | None:
     opts = {n: bound[n] for n in _SDPA_PARAMS[3:] if n in bound}
     if not can_decompose_attention(q, k, v, **opts):
         return None
-    return decomposed_attention(q, k, v, **{n: opts[n] for n in ("is_causal", "scale")
-                                            if n in opts})
+    return decomposed_attention(
+        q, k, v, **{n: opts[n] for n in ("is_causal", "scale") if n in opts}
+    )
 
 
-def decomposed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+def decomposed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
     """``softmax(q @ k^T * scale + causal_bias) @ v`` with 16-bit batched matmuls.
 
     Same semantics as ``F.scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)``

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -54,7 +54,7 @@ from torch.optim import Optimizer
 __all__ = ["UPDATES", "LeanUpdate", "StateDtype", "stochastic_round"]
 
 UPDATES = ("nearest", "kahan", "stochastic")
-StateDtype = Union[str, torch.dtype, dict, None]
+StateDtype = str | torch.dtype | dict | None
 _LOW = (torch.float16, torch.bfloat16)
 _FIRST_MOMENTS = ("exp_avg", "momentum_buffer")
 _BITS_PER_DRAW = 48  # random_(0, 2**48) on int64: three uniform 16-bit lanes per draw
@@ -66,8 +66,9 @@ _BITS_PER_DRAW = 48  # random_(0, 2**48) on int64: three uniform 16-bit lanes pe
 def _random16(n: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
     """``n`` uniform 16-bit integers in [0, 65536) as int32 (3 lanes of each 48-bit draw)."""
     draws = -(-n // 3)
-    raw = torch.empty(draws, dtype=torch.int64, device=device).random_(0, 2**_BITS_PER_DRAW,
-                                                                       generator=generator)
+    raw = torch.empty(draws, dtype=torch.int64, device=device).random_(
+        0, 2**_BITS_PER_DRAW, generator=generator
+    )
     lanes = raw.view(torch.int16).view(draws, 4)  # little-endian: lanes 0-2 uniform, lane 3 zero
     if sys.byteorder == "big":
         lanes = lanes[:, 1:]
@@ -101,8 +102,9 @@ def _sr_generic(x: Tensor, dtype: torch.dtype, generator: torch.Generator | None
     return torch.where(take, other, near)
 
 
-def stochastic_round(x: Tensor, dtype: torch.dtype = torch.bfloat16,
-                     generator: torch.Generator | None = None) -> Tensor:
+def stochastic_round(
+    x: Tensor, dtype: torch.dtype = torch.bfloat16, generator: torch.Generator | None = None
+) -> Tensor:
     """Round ``x`` (fp32) to ``dtype`` stochastically: each value goes to one of its two
     neighbours in ``dtype`` with probability proportional to closeness, so ``E[out] == x``.
 
@@ -112,14 +114,17 @@ def stochastic_round(x: Tensor, dtype: torch.dtype = torch.bfloat16,
         generator: a ``torch.Generator`` on ``x.device`` for reproducible draws.
     """
     if dtype not in _LOW:
-        raise ValueError(f"stochastic_round rounds to torch.bfloat16 or torch.float16, received "
-                         f"{dtype}.")
+        raise ValueError(
+            f"stochastic_round rounds to torch.bfloat16 or torch.float16, received {dtype}."
+        )
     if x.dtype != torch.float32:
-        raise TypeError(f"stochastic_round expects a float32 tensor, received {x.dtype}; "
-                        "call .float() first.")
+        raise TypeError(
+            f"stochastic_round expects a float32 tensor, received {x.dtype}; call .float() first."
+        )
     if dtype == torch.bfloat16:
-        return _sr_bf16_(x.detach().clone(memory_format=torch.contiguous_format),
-                         generator).to(dtype)
+        return _sr_bf16_(x.detach().clone(memory_format=torch.contiguous_format), generator).to(
+            dtype
+        )
     return _sr_generic(x, dtype, generator)
 
 
@@ -128,8 +133,10 @@ def stochastic_round(x: Tensor, dtype: torch.dtype = torch.bfloat16,
 
 def _state_policy(state_dtype: StateDtype) -> Any:
     """Validate ``state_dtype``; return a function ``(key, param dtype) -> storage dtype``."""
-    allowed = ("'auto' (first moments 16-bit, the rest fp32), torch.float32, torch.bfloat16, "
-               "torch.float16, or a dict {state key: dtype}")
+    allowed = (
+        "'auto' (first moments 16-bit, the rest fp32), torch.float32, torch.bfloat16, "
+        "torch.float16, or a dict {state key: dtype}"
+    )
     floats = (torch.float32, *_LOW)
     if state_dtype is None or state_dtype == "auto":
         return lambda key, low: low if key in _FIRST_MOMENTS else torch.float32
@@ -138,11 +145,12 @@ def _state_policy(state_dtype: StateDtype) -> Any:
             raise ValueError(f"state_dtype={state_dtype} is not allowed; use {allowed}.")
         return lambda key, low: state_dtype
     if isinstance(state_dtype, dict):
-        bad = {k: v for k, v in state_dtype.items()
-               if not isinstance(k, str) or v not in floats}
+        bad = {k: v for k, v in state_dtype.items() if not isinstance(k, str) or v not in floats}
         if bad:
-            raise ValueError(f"state_dtype has invalid entries {bad}; keys are state names "
-                             f"such as 'exp_avg', values one of {floats}.")
+            raise ValueError(
+                f"state_dtype has invalid entries {bad}; keys are state names "
+                f"such as 'exp_avg', values one of {floats}."
+            )
         table = dict(state_dtype)
         return lambda key, low: table.get(key, torch.float32)
     raise ValueError(f"state_dtype={state_dtype!r} is not allowed; use {allowed}.")
@@ -163,15 +171,27 @@ class LeanUpdate:
         chunk_elements: parameters per fp32 temporary chunk (whole parameters only).
     """
 
-    def __init__(self, optimizer: Optimizer, update: str, *, state_dtype: StateDtype = "auto",
-                 seed: int = 0, chunk_elements: int = 2**20):
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        update: str,
+        *,
+        state_dtype: StateDtype = "auto",
+        seed: int = 0,
+        chunk_elements: int = 2**20,
+    ):
         if update not in UPDATES:
-            raise ValueError(f"update={update!r} is not an update mode; expected one of "
-                             f"{UPDATES} (or None for the optimizer's own 16-bit step).")
+            raise ValueError(
+                f"update={update!r} is not an update mode; expected one of "
+                f"{UPDATES} (or None for the optimizer's own 16-bit step)."
+            )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"update_seed must be an int, received {seed!r}.")
-        if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int) or \
-                chunk_elements < 1:
+        if (
+            isinstance(chunk_elements, bool)
+            or not isinstance(chunk_elements, int)
+            or chunk_elements < 1
+        ):
             raise ValueError(f"chunk_elements must be an int >= 1, received {chunk_elements!r}.")
         self.optimizer = optimizer
         self.update = update
@@ -216,8 +236,10 @@ class LeanUpdate:
             for gi, plist in enumerate(saved):
                 ready = [p for p in plist if p.grad is not None]
                 if any(p.grad.is_sparse for p in ready):
-                    raise RuntimeError("update modes need dense gradients; a parameter has a "
-                                       "sparse gradient (use update=None for this optimizer).")
+                    raise RuntimeError(
+                        "update modes need dense gradients; a parameter has a "
+                        "sparse gradient (use update=None for this optimizer)."
+                    )
                 own = [p for p in ready if p.dtype not in _LOW]
                 if own:
                     result = self._inner_step(groups, gi, own)
@@ -234,8 +256,9 @@ class LeanUpdate:
         buf = self._scratch.get((name, device))
         if buf is None or buf.numel() < numel:
             size = max(numel, self.chunk_elements)
-            buf = self._scratch[(name, device)] = torch.empty(size, dtype=torch.float32,
-                                                              device=device)
+            buf = self._scratch[(name, device)] = torch.empty(
+                size, dtype=torch.float32, device=device
+            )
         return buf[:numel]
 
     def _inner_step(self, groups: list[dict], index: int, params: list[Tensor]) -> Any:
@@ -289,9 +312,12 @@ class LeanUpdate:
                     state[p] = st
             raise
         scratch = {flat.untyped_storage().data_ptr(), gflat.untyped_storage().data_ptr()}
-        scratch |= {v.untyped_storage().data_ptr() for t in w32 for v in
-                    (state.get(t) or {}).values() if isinstance(v, Tensor)
-                    and v.dtype == torch.float32 and v._base is not None}
+        scratch |= {
+            v.untyped_storage().data_ptr()
+            for t in w32
+            for v in (state.get(t) or {}).values()
+            if isinstance(v, Tensor) and v.dtype == torch.float32 and v._base is not None
+        }
         for t, p, st in zip(w32, chunk, originals):
             new = state.pop(t, None)
             t.grad = None
@@ -300,8 +326,7 @@ class LeanUpdate:
         self._write_back(chunk, w32, flat, comps, low, device)
         return result
 
-    def _widen_states(self, states: list[dict | None], device: torch.device
-                      ) -> list[dict | None]:
+    def _widen_states(self, states: list[dict | None], device: torch.device) -> list[dict | None]:
         """Copies of ``states`` with 16-bit tensors widened, one flat fp32 buffer per key."""
         out = [None if not st else dict(st) for st in states]
         by_key: dict[str, list[tuple[dict, Tensor]]] = {}
@@ -318,18 +343,27 @@ class LeanUpdate:
                 st[k] = w
         return out
 
-    def _narrow_state(self, new: dict[str, Any], old: dict[str, Any], low: torch.dtype,
-                      scratch: set[int]) -> dict[str, Any]:
+    def _narrow_state(
+        self, new: dict[str, Any], old: dict[str, Any], low: torch.dtype, scratch: set[int]
+    ) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, v in new.items():
-            if not isinstance(v, Tensor) or not v.is_floating_point() or k == "step" or \
-                    v.dim() == 0:
+            if (
+                not isinstance(v, Tensor)
+                or not v.is_floating_point()
+                or k == "step"
+                or v.dim() == 0
+            ):
                 out[k] = v
                 continue
             want = self._dtype_for(k, low)
             prev = old.get(k)
-            if isinstance(prev, Tensor) and prev.dtype == want and prev.shape == v.shape \
-                    and prev is not v:
+            if (
+                isinstance(prev, Tensor)
+                and prev.dtype == want
+                and prev.shape == v.shape
+                and prev is not v
+            ):
                 out[k] = prev.copy_(v)
             elif v.dtype != want or v.untyped_storage().data_ptr() in scratch:
                 out[k] = v.to(want, copy=True)
@@ -337,8 +371,15 @@ class LeanUpdate:
                 out[k] = v
         return out
 
-    def _write_back(self, chunk: list[Tensor], w32: list[Tensor], flat: Tensor,
-                    comps: list[Tensor], low: torch.dtype, device: torch.device) -> None:
+    def _write_back(
+        self,
+        chunk: list[Tensor],
+        w32: list[Tensor],
+        flat: Tensor,
+        comps: list[Tensor],
+        low: torch.dtype,
+        device: torch.device,
+    ) -> None:
         if self.update == "stochastic":
             gen = self.generator(device)
             if low == torch.bfloat16:
@@ -346,9 +387,13 @@ class LeanUpdate:
                 torch._foreach_copy_(chunk, w32)
             else:
                 rounded = _sr_generic(flat, low, gen)
-                torch._foreach_copy_(chunk, [v.view(p.shape) for v, p in
-                                             zip(rounded.split([p.numel() for p in chunk]),
-                                                 chunk)])
+                torch._foreach_copy_(
+                    chunk,
+                    [
+                        v.view(p.shape)
+                        for v, p in zip(rounded.split([p.numel() for p in chunk]), chunk)
+                    ],
+                )
             return
         torch._foreach_copy_(chunk, w32)  # round to nearest
         if comps:
@@ -358,10 +403,15 @@ class LeanUpdate:
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Compensation buffers (in parameter order) and generator states."""
-        return {"update": self.update, "seed": self.seed,
-                "compensation": [None if (c := self.compensation.get(p)) is None
-                                 else c.detach().clone() for p in self.params()],
-                "generators": {k: g.get_state() for k, g in self.generators.items()}}
+        return {
+            "update": self.update,
+            "seed": self.seed,
+            "compensation": [
+                None if (c := self.compensation.get(p)) is None else c.detach().clone()
+                for p in self.params()
+            ],
+            "generators": {k: g.get_state() for k, g in self.generators.items()},
+        }
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict[str, Any] | None) -> None:
@@ -372,19 +422,25 @@ class LeanUpdate:
             self.generators.clear()
             return
         if sd.get("update") != self.update:
-            raise ValueError(f"The checkpoint was saved with update={sd.get('update')!r}, this "
-                             f"optimizer uses update={self.update!r}; initialize with the same "
-                             "update mode to resume.")
+            raise ValueError(
+                f"The checkpoint was saved with update={sd.get('update')!r}, this "
+                f"optimizer uses update={self.update!r}; initialize with the same "
+                "update mode to resume."
+            )
         params = self.params()
         comps = sd["compensation"]
         if len(comps) != len(params):
-            raise ValueError(f"The checkpoint has {len(comps)} compensation entries, this "
-                             f"optimizer has {len(params)} parameters.")
+            raise ValueError(
+                f"The checkpoint has {len(comps)} compensation entries, this "
+                f"optimizer has {len(params)} parameters."
+            )
         for p, saved in zip(params, comps):
             mine = self.compensation.get(p)
             if (mine is None) != (saved is None):
-                raise ValueError("The checkpoint's compensation buffers do not match this "
-                                 "optimizer's 16-bit parameters (another model or level?).")
+                raise ValueError(
+                    "The checkpoint's compensation buffers do not match this "
+                    "optimizer's 16-bit parameters (another model or level?)."
+                )
             if mine is not None:
                 mine.copy_(saved)
         self.seed = int(sd.get("seed", self.seed))
@@ -401,6 +457,9 @@ class LeanUpdate:
             if not st or not src:
                 continue
             for k, v in src.items():
-                if isinstance(v, Tensor) and isinstance(st.get(k), Tensor) and \
-                        st[k].dtype != v.dtype:
+                if (
+                    isinstance(v, Tensor)
+                    and isinstance(st.get(k), Tensor)
+                    and st[k].dtype != v.dtype
+                ):
                     st[k] = v.detach().to(device=st[k].device, copy=True)

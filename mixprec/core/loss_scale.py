@@ -28,22 +28,36 @@ from typing import Any, Union
 
 import torch
 
-__all__ = ["LossScaler", "LossScaleSpec", "found_non_finite", "unscale_and_check_"]
+__all__ = ["LossScaleSpec", "LossScaler", "found_non_finite", "unscale_and_check_"]
 
 LossScaleSpec = Union[str, float, int, None, "LossScaler"]
 
-_DYNAMIC_ONLY = ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale",
-                 "max_scale")
-_CONFIG = ("init_scale", "dynamic", "enabled") + _DYNAMIC_ONLY
-_COUNTERS = ("scale", "growth_tracker", "hysteresis_tracker", "steps", "skipped_steps",
-             "last_step_skipped")
+_DYNAMIC_ONLY = (
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "hysteresis",
+    "min_scale",
+    "max_scale",
+)
+_CONFIG = ("init_scale", "dynamic", "enabled", *_DYNAMIC_ONLY)
+_COUNTERS = (
+    "scale",
+    "growth_tracker",
+    "hysteresis_tracker",
+    "steps",
+    "skipped_steps",
+    "last_step_skipped",
+)
 _NO_FUSED_KERNEL: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) that fell back
 
 
 def _number(name: str, value: Any, ok: Callable[[float], bool], allowed: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number ({allowed}); received {value!r} "
-                        f"of type {type(value).__name__}.")
+        raise TypeError(
+            f"{name} must be a real number ({allowed}); received {value!r} "
+            f"of type {type(value).__name__}."
+        )
     if not (math.isfinite(value) and ok(value)):
         raise ValueError(f"{name} must be {allowed}; received {value!r}.")
     return float(value)
@@ -51,8 +65,9 @@ def _number(name: str, value: Any, ok: Callable[[float], bool], allowed: str) ->
 
 def _integer(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {low}; received {value!r} "
-                        f"of type {type(value).__name__}.")
+        raise TypeError(
+            f"{name} must be an int >= {low}; received {value!r} of type {type(value).__name__}."
+        )
     if value < low:
         raise ValueError(f"{name} must be an int >= {low}; received {value}.")
     return value
@@ -87,29 +102,48 @@ class LossScaler:
         scaler.update(skip)
     """
 
-    def __init__(self, init_scale: float = 2.0**16, *, dynamic: bool = True,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, hysteresis: int = 1, min_scale: float = 1.0,
-                 max_scale: float = 2.0**24, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        *,
+        dynamic: bool = True,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        enabled: bool = True,
+    ) -> None:
         for name, flag in (("dynamic", dynamic), ("enabled", enabled)):
             if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool; received {flag!r}. For a spec such as "
-                                f"'dynamic' or 128.0 use LossScaler.from_spec(spec).")
+                raise TypeError(
+                    f"{name} must be a bool; received {flag!r}. For a spec such as "
+                    f"'dynamic' or 128.0 use LossScaler.from_spec(spec)."
+                )
         self.init_scale = _number("init_scale", init_scale, lambda v: v > 0, "finite and > 0")
-        self.growth_factor = _number("growth_factor", growth_factor, lambda v: v > 1,
-                                     "finite and > 1")
-        self.backoff_factor = _number("backoff_factor", backoff_factor, lambda v: 0 < v < 1,
-                                      "in the open interval (0, 1)")
+        self.growth_factor = _number(
+            "growth_factor", growth_factor, lambda v: v > 1, "finite and > 1"
+        )
+        self.backoff_factor = _number(
+            "backoff_factor", backoff_factor, lambda v: 0 < v < 1, "in the open interval (0, 1)"
+        )
         self.growth_interval = _integer("growth_interval", growth_interval, 1)
         self.hysteresis = _integer("hysteresis", hysteresis, 1)
         self.min_scale = _number("min_scale", min_scale, lambda v: v > 0, "finite and > 0")
-        self.max_scale = _number("max_scale", max_scale, lambda v: v >= self.min_scale,
-                                 f"finite and >= min_scale ({min_scale!r})")
+        self.max_scale = _number(
+            "max_scale",
+            max_scale,
+            lambda v: v >= self.min_scale,
+            f"finite and >= min_scale ({min_scale!r})",
+        )
         self.enabled = enabled
         self.dynamic = dynamic and enabled
         if self.dynamic and not self.min_scale <= self.init_scale <= self.max_scale:
-            raise ValueError(f"init_scale={init_scale!r} is outside [min_scale, max_scale] = "
-                             f"[{min_scale!r}, {max_scale!r}]; change init_scale or the bounds.")
+            raise ValueError(
+                f"init_scale={init_scale!r} is outside [min_scale, max_scale] = "
+                f"[{min_scale!r}, {max_scale!r}]; change init_scale or the bounds."
+            )
         self.scale = self.init_scale if enabled else 1.0
         self.growth_tracker = 0
         self.hysteresis_tracker = self.hysteresis
@@ -164,8 +198,10 @@ class LossScaler:
         caller's one explicit host sync per step.
         """
         if not isinstance(found_inf, bool):
-            raise TypeError(f"update() expects a bool; received {type(found_inf).__name__} "
-                            f"{found_inf!r}. For a flag tensor pass bool(flag) (syncs once).")
+            raise TypeError(
+                f"update() expects a bool; received {type(found_inf).__name__} "
+                f"{found_inf!r}. For a flag tensor pass bool(flag) (syncs once)."
+            )
         self.steps += 1
         self.skipped_steps += found_inf
         self.last_step_skipped = found_inf
@@ -193,28 +229,42 @@ class LossScaler:
         """
         if isinstance(spec, LossScaler):
             if kwargs:
-                raise ValueError(f"from_spec got an existing LossScaler and options "
-                                 f"{sorted(kwargs)}; build a new LossScaler instead.")
+                raise ValueError(
+                    f"from_spec got an existing LossScaler and options "
+                    f"{sorted(kwargs)}; build a new LossScaler instead."
+                )
             return spec
         if "dynamic" in kwargs:
-            raise ValueError("from_spec takes dynamic= from the spec: pass 'dynamic' for dynamic "
-                             "scaling or a number for a static scale.")
+            raise ValueError(
+                "from_spec takes dynamic= from the spec: pass 'dynamic' for dynamic "
+                "scaling or a number for a static scale."
+            )
         if spec is None:
             if kwargs:
-                raise ValueError(f"spec None disables loss scaling and takes no options; "
-                                 f"received {sorted(kwargs)}.")
+                raise ValueError(
+                    f"spec None disables loss scaling and takes no options; "
+                    f"received {sorted(kwargs)}."
+                )
             return cls(enabled=False)
         if isinstance(spec, str) and spec == "dynamic":
             return cls(dynamic=True, **kwargs)
-        if (isinstance(spec, (int, float)) and not isinstance(spec, bool)
-                and math.isfinite(spec) and spec > 0):
+        if (
+            isinstance(spec, (int, float))
+            and not isinstance(spec, bool)
+            and math.isfinite(spec)
+            and spec > 0
+        ):
             bad = sorted(k for k in kwargs if k in _DYNAMIC_ONLY or k == "init_scale")
             if bad:
-                raise ValueError(f"Static loss scale {spec!r} does not use {bad}: they only "
-                                 f"apply to dynamic scaling. Use spec 'dynamic' or drop them.")
+                raise ValueError(
+                    f"Static loss scale {spec!r} does not use {bad}: they only "
+                    f"apply to dynamic scaling. Use spec 'dynamic' or drop them."
+                )
             return cls(float(spec), dynamic=False, **kwargs)
-        raise ValueError(f"Unknown loss-scale spec {spec!r}. Allowed: 'dynamic', a finite "
-                         f"number > 0 (static scale), None (disabled) or a LossScaler.")
+        raise ValueError(
+            f"Unknown loss-scale spec {spec!r}. Allowed: 'dynamic', a finite "
+            f"number > 0 (static scale), None (disabled) or a LossScaler."
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Every config field and counter, as plain Python values."""
@@ -225,8 +275,9 @@ class LossScaler:
         missing = sorted(set(_CONFIG + _COUNTERS) - set(state_dict))
         unknown = sorted(set(state_dict) - set(_CONFIG + _COUNTERS), key=str)
         if missing or unknown:
-            raise ValueError(f"LossScaler state dict mismatch: missing keys {missing}, unknown "
-                           f"keys {unknown}.")
+            raise ValueError(
+                f"LossScaler state dict mismatch: missing keys {missing}, unknown keys {unknown}."
+            )
         sd = state_dict
         new = type(self)(**{k: sd[k] for k in _CONFIG})  # validates the config
         scale = _number("scale", sd["scale"], lambda v: v > 0, "finite and > 0")
@@ -235,26 +286,38 @@ class LossScaler:
             raise ValueError(f"scale={scale!r} must lie in [{lo!r}, {hi!r}] for this config.")
         _integer("growth_tracker", sd["growth_tracker"], 0)
         if _integer("hysteresis_tracker", sd["hysteresis_tracker"], 1) > new.hysteresis:
-            raise ValueError(f"hysteresis_tracker={sd['hysteresis_tracker']} exceeds "
-                             f"hysteresis={new.hysteresis}.")
+            raise ValueError(
+                f"hysteresis_tracker={sd['hysteresis_tracker']} exceeds "
+                f"hysteresis={new.hysteresis}."
+            )
         if _integer("skipped_steps", sd["skipped_steps"], 0) > _integer("steps", sd["steps"], 0):
             raise ValueError(f"skipped_steps={sd['skipped_steps']} exceeds steps={sd['steps']}.")
         last = sd["last_step_skipped"]
         if not isinstance(last, (bool, type(None))) or (last is None) != (sd["steps"] == 0):
-            raise ValueError(f"last_step_skipped must be None iff steps == 0, else a bool; "
-                             f"received {last!r} with steps={sd['steps']}.")
+            raise ValueError(
+                f"last_step_skipped must be None iff steps == 0, else a bool; "
+                f"received {last!r} with steps={sd['steps']}."
+            )
         self.__dict__.update(new.__dict__)
         for k in _COUNTERS:
             setattr(self, k, float(sd[k]) if k == "scale" else sd[k])
 
     def __repr__(self) -> str:
         mode = "dynamic" if self.dynamic else "static" if self.enabled else "disabled"
-        extra = (f", growth={self.growth_factor!r}/{self.growth_interval}, backoff="
-                 f"{self.backoff_factor!r}, hysteresis={self.hysteresis_tracker}/"
-                 f"{self.hysteresis}, bounds=[{self.min_scale!r}, {self.max_scale!r}], "
-                 f"growth_tracker={self.growth_tracker}") if self.dynamic else ""
-        return (f"LossScaler({mode}, scale={self.scale!r}{extra}, steps={self.steps}, "
-                f"skipped_steps={self.skipped_steps})")
+        extra = (
+            (
+                f", growth={self.growth_factor!r}/{self.growth_interval}, backoff="
+                f"{self.backoff_factor!r}, hysteresis={self.hysteresis_tracker}/"
+                f"{self.hysteresis}, bounds=[{self.min_scale!r}, {self.max_scale!r}], "
+                f"growth_tracker={self.growth_tracker}"
+            )
+            if self.dynamic
+            else ""
+        )
+        return (
+            f"LossScaler({mode}, scale={self.scale!r}{extra}, steps={self.steps}, "
+            f"skipped_steps={self.skipped_steps})"
+        )
 
 
 def _dense_real(t: Any) -> Any:
@@ -269,8 +332,9 @@ def _dense_real(t: Any) -> Any:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
-def unscale_and_check_(tensors: Sequence[torch.Tensor], inv_scale: float | torch.Tensor,
-                       found_inf: torch.Tensor) -> None:
+def unscale_and_check_(
+    tensors: Sequence[torch.Tensor], inv_scale: float | torch.Tensor, found_inf: torch.Tensor
+) -> None:
     """Multiply ``tensors`` in place by ``inv_scale``; set ``found_inf`` to 1.0 on any inf/NaN.
 
     One fused kernel call per dtype, no host sync. ``found_inf`` (1-element float32, on the
@@ -282,10 +346,15 @@ def unscale_and_check_(tensors: Sequence[torch.Tensor], inv_scale: float | torch
         inv_scale: Python number, or a 1-element floating tensor (moved to the device if needed).
         found_inf: Output flag, a 1-element float32 tensor.
     """
-    if not (isinstance(found_inf, torch.Tensor) and found_inf.dtype == torch.float32
-            and found_inf.numel() == 1):
-        raise TypeError(f"found_inf must be a 1-element float32 tensor, e.g. "
-                        f"torch.zeros(1, device=grad.device); received {found_inf!r}.")
+    if not (
+        isinstance(found_inf, torch.Tensor)
+        and found_inf.dtype == torch.float32
+        and found_inf.numel() == 1
+    ):
+        raise TypeError(
+            f"found_inf must be a 1-element float32 tensor, e.g. "
+            f"torch.zeros(1, device=grad.device); received {found_inf!r}."
+        )
     device = found_inf.device
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for i, t in enumerate(tensors):
@@ -295,14 +364,19 @@ def unscale_and_check_(tensors: Sequence[torch.Tensor], inv_scale: float | torch
         local = getattr(t, "_local_tensor", None)
         t = local if isinstance(local, torch.Tensor) else t
         t = _dense_real(t)
-        if not (isinstance(t, torch.Tensor) and t.is_floating_point()
-                and t.layout == torch.strided):
+        if not (
+            isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout == torch.strided
+        ):
             what = f"{t.dtype} {t.layout}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise TypeError(f"tensors[{i}] must be a floating tensor (dense or sparse, real or "
-                            f"complex); received {what}.")
+            raise TypeError(
+                f"tensors[{i}] must be a floating tensor (dense or sparse, real or "
+                f"complex); received {what}."
+            )
         if t.device != device:
-            raise ValueError(f"tensors[{i}] is on {t.device} but found_inf is on {device}; "
-                             f"call once per device with a found_inf on that device.")
+            raise ValueError(
+                f"tensors[{i}] is on {t.device} but found_inf is on {device}; "
+                f"call once per device with a found_inf on that device."
+            )
         groups.setdefault(t.dtype, []).append(t)
     if not groups:
         return

@@ -10,10 +10,10 @@ meant for comparing modes measured the same way, side by side.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import sys
-from typing import Any
 
 import torch
 
@@ -34,10 +34,8 @@ def _read_status(field: str) -> int | None:
 def _trim() -> None:
     gc.collect()
     if sys.platform.startswith("linux"):
-        try:
+        with contextlib.suppress(OSError):  # a libc without malloc_trim: nothing to hand back
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except OSError:
-            pass
 
 
 class PeakMemory:
@@ -66,7 +64,7 @@ class PeakMemory:
             self._start = _read_status("VmRSS") or 0
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._start

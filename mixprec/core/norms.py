@@ -24,9 +24,13 @@ from torch import nn
 
 __all__ = ["is_norm", "register_norm"]
 
-_TORCH_NORMS: tuple[type, ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm,
-                                  nn.LocalResponseNorm,
-                                  *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+_TORCH_NORMS: tuple[type, ...] = (
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
 _registered: dict[type, bool] = {}
 
 

@@ -101,19 +101,32 @@ class MixedPrecisionOptimizer(Optimizer):
     :mod:`mixprec.core.lean`. ``lean`` is the :class:`~mixprec.core.lean.LeanUpdate` (None without).
     """
 
-    def __init__(self, optimizer: Optimizer, slots: list[LossSlot], *,
-                 master_weights: bool = True, master_dtype: torch.dtype = torch.float32,
-                 update: str | None = None, state_dtype: StateDtype = None,
-                 update_seed: int = 0):
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        slots: list[LossSlot],
+        *,
+        master_weights: bool = True,
+        master_dtype: torch.dtype = torch.float32,
+        update: str | None = None,
+        state_dtype: StateDtype = None,
+        update_seed: int = 0,
+    ):
         if not isinstance(optimizer, Optimizer):
-            raise TypeError("MixedPrecisionOptimizer wraps a torch.optim.Optimizer, received "
-                            f"{type(optimizer).__name__}.")
+            raise TypeError(
+                "MixedPrecisionOptimizer wraps a torch.optim.Optimizer, received "
+                f"{type(optimizer).__name__}."
+            )
         if update is not None and master_weights:
-            raise ValueError(f"update={update!r} replaces fp32 master weights: it needs "
-                             "master_weights=False (the O3 default).")
+            raise ValueError(
+                f"update={update!r} replaces fp32 master weights: it needs "
+                "master_weights=False (the O3 default)."
+            )
         if update is None and (state_dtype is not None or update_seed != 0):
-            raise ValueError("state_dtype and update_seed apply to an update mode; pass "
-                             "update='nearest', 'kahan' or 'stochastic' as well.")
+            raise ValueError(
+                "state_dtype and update_seed apply to an update mode; pass "
+                "update='nearest', 'kahan' or 'stochastic' as well."
+            )
         self.optimizer = optimizer
         self.slots = slots
         self.master_weights = master_weights
@@ -144,12 +157,15 @@ class MixedPrecisionOptimizer(Optimizer):
         self._versions = [p._version for p, _ in self._pairs]
         self.lean: LeanUpdate | None = None
         if update is not None:
-            self.lean = LeanUpdate(optimizer, update, state_dtype=state_dtype or "auto",
-                                   seed=update_seed)
+            self.lean = LeanUpdate(
+                optimizer, update, state_dtype=state_dtype or "auto", seed=update_seed
+            )
 
     # -- delegation: schedulers and user code see the inner optimizer's groups and state -------
-    param_groups = property(lambda self: self.optimizer.param_groups,
-                            lambda self, v: setattr(self.optimizer, "param_groups", v))
+    param_groups = property(
+        lambda self: self.optimizer.param_groups,
+        lambda self, v: setattr(self.optimizer, "param_groups", v),
+    )
     state = property(lambda self: self.optimizer.state)
     defaults = property(lambda self: self.optimizer.defaults)
 
@@ -160,8 +176,10 @@ class MixedPrecisionOptimizer(Optimizer):
         self.__dict__.update(state)
 
     def __repr__(self) -> str:
-        return (f"MixedPrecisionOptimizer({self.optimizer!r}, masters={len(self._pairs)}, "
-                f"loss_scale={self.loss_scale})")
+        return (
+            f"MixedPrecisionOptimizer({self.optimizer!r}, masters={len(self._pairs)}, "
+            f"loss_scale={self.loss_scale})"
+        )
 
     def _master_for(self, p: Tensor) -> Tensor:
         if not (self.master_weights and p.dtype in _LOW):
@@ -202,8 +220,10 @@ class MixedPrecisionOptimizer(Optimizer):
 
     def slot(self, loss_id: int) -> LossSlot:
         if not 0 <= loss_id < len(self.slots):
-            raise ValueError(f"loss_id={loss_id} is out of range: this optimizer was initialized "
-                             f"with num_losses={len(self.slots)}; pass num_losses to initialize.")
+            raise ValueError(
+                f"loss_id={loss_id} is out of range: this optimizer was initialized "
+                f"with num_losses={len(self.slots)}; pass num_losses to initialize."
+            )
         return self.slots[loss_id]
 
     # -- gradients ------------------------------------------------------------------------------
@@ -353,11 +373,11 @@ class MixedPrecisionOptimizer(Optimizer):
         if self.reduce_flags is not None and all_flags:
             all_flags = self.reduce_flags(all_flags)
         values = read_flags(all_flags)
-        found = any(v != 0 for v in values[:len(flags)])
+        found = any(v != 0 for v in values[: len(flags)])
         offset = len(flags)
         for s in slots:
             n = len(s.pending)
-            s.flush(values[offset:offset + n])
+            s.flush(values[offset : offset + n])
             offset += n
         self._found.clear()
         self._touched.clear()
@@ -368,15 +388,16 @@ class MixedPrecisionOptimizer(Optimizer):
         if self._has_raw_grads():
             self._unscale(1.0)
         grads = [p for p in self.master_params() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type,
-                                              foreach=True)
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type, foreach=True)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Step the masters and copy them back, or skip the step on a non-finite gradient."""
         if closure is not None:
-            raise NotImplementedError("MixedPrecisionOptimizer.step does not take a closure: "
-                                      "compute the loss, call backward(loss), then step().")
+            raise NotImplementedError(
+                "MixedPrecisionOptimizer.step does not take a closure: "
+                "compute the loss, call backward(loss), then step()."
+            )
         found = self._settle()
         self.step_skipped = found
         if found:
@@ -393,7 +414,7 @@ class MixedPrecisionOptimizer(Optimizer):
         for hook in self._optimizer_step_post_hooks.values():
             hook(self, (), {})
         for _, master in self._pairs:  # used up: a loop that only zeroes the model's grads
-            master.grad = None         # must not add them into the next step (as in Apex)
+            master.grad = None  # must not add them into the next step (as in Apex)
         return result
 
     def _adopt_model_writes(self) -> None:
@@ -447,8 +468,10 @@ class MixedPrecisionOptimizer(Optimizer):
             raise KeyError(f"Not a MixedPrecisionOptimizer state dict: missing {sorted(missing)}.")
         masters = state_dict["masters"]
         if len(masters) != len(self._pairs):
-            raise ValueError(f"The checkpoint has {len(masters)} master weights, this optimizer "
-                             f"has {len(self._pairs)}: was it saved at another level or model?")
+            raise ValueError(
+                f"The checkpoint has {len(masters)} master weights, this optimizer "
+                f"has {len(self._pairs)}: was it saved at another level or model?"
+            )
         for (p, m), saved in zip(self._pairs, masters):
             m.copy_(saved)
             p.copy_(saved)
@@ -458,8 +481,10 @@ class MixedPrecisionOptimizer(Optimizer):
         if self.lean is not None:
             self.lean.restore_state_dtypes(state_dict["optimizer"])
         if len(state_dict["scalers"]) != len(self.slots):
-            raise ValueError(f"The checkpoint has {len(state_dict['scalers'])} loss scalers, this "
-                             f"optimizer has {len(self.slots)} (num_losses).")
+            raise ValueError(
+                f"The checkpoint has {len(state_dict['scalers'])} loss scalers, this "
+                f"optimizer has {len(self.slots)} (num_losses)."
+            )
         for slot, sd in zip(self.slots, state_dict["scalers"]):
             slot.scaler.load_state_dict(sd)
             slot.pending.clear()
@@ -468,9 +493,11 @@ class MixedPrecisionOptimizer(Optimizer):
 
 
 @contextlib.contextmanager
-def scale_loss(loss: Tensor,
-               optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer],
-               loss_id: int = 0) -> Iterator[Tensor]:
+def scale_loss(
+    loss: Tensor,
+    optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer],
+    loss_id: int = 0,
+) -> Iterator[Tensor]:
     """Yield ``loss`` times the current scale of loss ``loss_id``; call ``.backward()`` on it.
 
     On exit the gradients of every given optimizer are unscaled into fp32 master gradients and
@@ -478,13 +505,17 @@ def scale_loss(loss: Tensor,
     """
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     if not opts or not all(isinstance(o, MixedPrecisionOptimizer) for o in opts):
-        raise TypeError("scale_loss expects the optimizer(s) returned by mixprec.initialize, "
-                        f"received {[type(o).__name__ for o in opts]}.")
+        raise TypeError(
+            "scale_loss expects the optimizer(s) returned by mixprec.initialize, "
+            f"received {[type(o).__name__ for o in opts]}."
+        )
     _check_loss(loss)
     if any(o.slots is not opts[0].slots for o in opts[1:]):
-        raise ValueError("scale_loss got optimizers from different initialize calls, which have "
-                         "different loss scalers; initialize every model and optimizer a loss "
-                         "touches in one call (lists of models and optimizers).")
+        raise ValueError(
+            "scale_loss got optimizers from different initialize calls, which have "
+            "different loss scalers; initialize every model and optimizer a loss "
+            "touches in one call (lists of models and optimizers)."
+        )
     slot = opts[0].slot(loss_id)
     for o in opts:
         o.prepare_backward()
@@ -509,14 +540,20 @@ def _check_loss(loss: Any) -> None:
     if not isinstance(loss, Tensor):
         raise TypeError(f"scale_loss expects a loss tensor, received {type(loss).__name__}.")
     if not (loss.is_floating_point() or loss.is_complex()):
-        raise TypeError(f"The loss is a {loss.dtype} tensor: gradients need a floating loss. "
-                        "Compute it from the model's outputs in floating point (e.g. "
-                        "F.cross_entropy(logits, target)).")
+        raise TypeError(
+            f"The loss is a {loss.dtype} tensor: gradients need a floating loss. "
+            "Compute it from the model's outputs in floating point (e.g. "
+            "F.cross_entropy(logits, target))."
+        )
     if loss.numel() != 1:
-        raise ValueError(f"The loss must be a single number, received shape "
-                         f"{tuple(loss.shape)}: reduce it first (loss.mean() or loss.sum()).")
+        raise ValueError(
+            f"The loss must be a single number, received shape "
+            f"{tuple(loss.shape)}: reduce it first (loss.mean() or loss.sum())."
+        )
     if not loss.requires_grad:
-        raise ValueError("The loss does not require grad, so backward has nothing to "
-                         "differentiate: it was computed under torch.no_grad()/inference_mode(), "
-                         "from detached tensors, or from a model whose parameters all have "
-                         "requires_grad=False.")
+        raise ValueError(
+            "The loss does not require grad, so backward has nothing to "
+            "differentiate: it was computed under torch.no_grad()/inference_mode(), "
+            "from detached tensors, or from a model whose parameters all have "
+            "requires_grad=False."
+        )

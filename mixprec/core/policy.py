@@ -36,16 +36,31 @@ __all__ = [
 ]
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "f32": torch.float32, "fp32": torch.float32, "full": torch.float32,
-    "float": torch.float32, "32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "f16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32,
+    "f32": torch.float32,
+    "fp32": torch.float32,
+    "full": torch.float32,
+    "float": torch.float32,
+    "32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "f16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
     "16": torch.float16,
-    "float64": torch.float64, "f64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+    "float64": torch.float64,
+    "f64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
     "64": torch.float64,
 }
-_CANONICAL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-              torch.float64: "float64"}
+_CANONICAL = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float64: "float64",
+}
 _F32, _BF16, _F16, _F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 
 # name -> (param, compute, output). Keras, Lightning/Fabric and Accelerate spellings.
@@ -71,8 +86,14 @@ _NAMED: dict[str, tuple[torch.dtype, torch.dtype, torch.dtype]] = {
     "16": (_F32, _F16, _F32),
     "64": (_F64, _F64, _F64),
 }
-_JMP_KEYS = {"params": "param", "p": "param", "compute": "compute", "c": "compute",
-             "output": "output", "o": "output"}
+_JMP_KEYS = {
+    "params": "param",
+    "p": "param",
+    "compute": "compute",
+    "c": "compute",
+    "output": "output",
+    "o": "output",
+}
 
 _HELP = (
     "Accepted: Keras names ('float32', 'float16', 'bfloat16', 'mixed_float16', 'mixed_bfloat16'); "
@@ -88,13 +109,17 @@ PolicyLike = Union["Policy", str, torch.dtype, int]
 def _dtype(value: Any, role: str) -> torch.dtype:
     if isinstance(value, torch.dtype):
         if value not in _CANONICAL:  # also float8 etc.: floating for torch, not a policy dtype
-            raise ValueError(f"{role} must be a floating dtype (float32, bfloat16, float16 or "
-                             f"float64), received {value}. {_HELP}")
+            raise ValueError(
+                f"{role} must be a floating dtype (float32, bfloat16, float16 or "
+                f"float64), received {value}. {_HELP}"
+            )
         return value
     if isinstance(value, str) and value.strip().lower() in _DTYPE_NAMES:
         return _DTYPE_NAMES[value.strip().lower()]
-    raise ValueError(f"Cannot read {role}={value!r} as a floating dtype. Use one of "
-                     f"{sorted(set(_DTYPE_NAMES) - {'16', '32', '64'})} or a torch dtype.")
+    raise ValueError(
+        f"Cannot read {role}={value!r} as a floating dtype. Use one of "
+        f"{sorted(set(_DTYPE_NAMES) - {'16', '32', '64'})} or a torch dtype."
+    )
 
 
 def _parse(spec: Any) -> tuple[tuple[torch.dtype, torch.dtype, torch.dtype], str]:
@@ -104,8 +129,10 @@ def _parse(spec: Any) -> tuple[tuple[torch.dtype, torch.dtype, torch.dtype], str
         d = _dtype(spec, "policy dtype")
         return (d, d, d), _CANONICAL.get(d, str(d))
     if isinstance(spec, bool) or not isinstance(spec, (str, int)):
-        raise TypeError(f"A policy must be a string, a torch dtype or a Policy; received "
-                        f"{spec!r} (of type {type(spec).__name__}). {_HELP}")
+        raise TypeError(
+            f"A policy must be a string, a torch dtype or a Policy; received "
+            f"{spec!r} (of type {type(spec).__name__}). {_HELP}"
+        )
     text = str(spec).strip()
     key = text.lower()
     if key in _NAMED:
@@ -115,8 +142,10 @@ def _parse(spec: Any) -> tuple[tuple[torch.dtype, torch.dtype, torch.dtype], str
         for item in key.split(","):
             k, sep, v = (s.strip() for s in item.partition("="))
             if not sep or k not in _JMP_KEYS:
-                raise ValueError(f"Cannot parse policy {spec!r}: {item!r} is not 'key=dtype' with "
-                                 f"key one of params/compute/output (p/c/o). {_HELP}")
+                raise ValueError(
+                    f"Cannot parse policy {spec!r}: {item!r} is not 'key=dtype' with "
+                    f"key one of params/compute/output (p/c/o). {_HELP}"
+                )
             if _JMP_KEYS[k] in parts:
                 raise ValueError(f"Cannot parse policy {spec!r}: {k!r} given twice.")
             parts[_JMP_KEYS[k]] = _dtype(v, k)
@@ -141,14 +170,22 @@ class Policy:
         (torch.bfloat16, True)
     """
 
-    __slots__ = ("param_dtype", "compute_dtype", "output_dtype", "name")
+    # order matters: _setstate and __init__ zip values with these names
+    __slots__ = ("param_dtype", "compute_dtype", "output_dtype", "name")  # noqa: RUF023
     param_dtype: torch.dtype
     compute_dtype: torch.dtype
     output_dtype: torch.dtype
     name: str
 
-    def __init__(self, spec: PolicyLike | None = None, *, compute_dtype: Any = None,
-                 param_dtype: Any = None, output_dtype: Any = None, variable_dtype: Any = None):
+    def __init__(
+        self,
+        spec: PolicyLike | None = None,
+        *,
+        compute_dtype: Any = None,
+        param_dtype: Any = None,
+        output_dtype: Any = None,
+        variable_dtype: Any = None,
+    ):
         if param_dtype is not None and variable_dtype is not None:
             raise ValueError("Give param_dtype or its Keras alias variable_dtype, not both.")
         param_dtype = param_dtype if param_dtype is not None else variable_dtype
@@ -227,7 +264,7 @@ def global_policy() -> Policy:
 
 def set_global_policy(policy: PolicyLike | None) -> None:
     """Set the process-wide policy; ``None`` resets it to ``float32``."""
-    global _global
+    global _global  # noqa: PLW0603 - the process-wide policy, as in Keras
     _global = _FLOAT32 if policy is None else as_policy(policy)
 
 

@@ -55,7 +55,7 @@ _CUDA = _rules(
         linalg_vecdot linear lstm_cell matmul mm mv prelu rnn_relu_cell rnn_tanh_cell
         scaled_dot_product_attention""",
     promote="addcdiv addcmul atan2 bilinear cross dot grid_sampler index_put scatter_add "
-            "tensordot vdot",
+    "tensordot vdot",
     banned="binary_cross_entropy",
     fp32="""_upsample_bicubic2d_aa _upsample_bilinear2d_aa _upsample_nearest_exact1d
         _upsample_nearest_exact2d _upsample_nearest_exact3d acos asin

@@ -20,13 +20,12 @@ flag lists then have the same length on every rank), which data-parallel trainin
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 
@@ -36,17 +35,21 @@ __all__ = ["FlagReducer", "assert_in_sync", "sync_verdicts"]
 def require_process_group(what: str) -> None:
     """Raise a clear error when ``torch.distributed`` is not initialized."""
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"{what} needs an initialized process group: call "
-                           "torch.distributed.init_process_group(backend) first (launch with "
-                           "torchrun; backend 'gloo' on CPU, 'nccl' on CUDA).")
+        raise RuntimeError(
+            f"{what} needs an initialized process group: call "
+            "torch.distributed.init_process_group(backend) first (launch with "
+            "torchrun; backend 'gloo' on CPU, 'nccl' on CUDA)."
+        )
 
 
 def _optimizers(optimizers: Any) -> list[MixedPrecisionOptimizer]:
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     bad = [type(o).__name__ for o in opts if not isinstance(o, MixedPrecisionOptimizer)]
     if bad or not opts:
-        raise TypeError("Expected the optimizer(s) returned by mixprec.initialize "
-                        f"(MixedPrecisionOptimizer), received {bad or 'nothing'}.")
+        raise TypeError(
+            "Expected the optimizer(s) returned by mixprec.initialize "
+            f"(MixedPrecisionOptimizer), received {bad or 'nothing'}."
+        )
     return opts
 
 
@@ -79,8 +82,10 @@ class FlagReducer:
         return f"FlagReducer(group={self.group!r}, calls={self.calls})"
 
 
-def sync_verdicts(optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer],
-                  group: dist.ProcessGroup | None = None) -> FlagReducer:
+def sync_verdicts(
+    optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer],
+    group: dist.ProcessGroup | None = None,
+) -> FlagReducer:
     """Make ``optimizers`` reduce their overflow verdicts across the ranks of ``group``.
 
     After this, an inf/NaN gradient on any rank skips the step on every rank, and every rank's
@@ -98,13 +103,20 @@ def _sync_state(opt: MixedPrecisionOptimizer) -> list[float]:
     values: list[float] = [float(opt.skipped_steps), float(opt.step_skipped)]
     for slot in opt.slots:
         s = slot.scaler
-        values += [s.scale, float(s.steps), float(s.skipped_steps), float(s.growth_tracker),
-                   float(s.hysteresis_tracker)]
+        values += [
+            s.scale,
+            float(s.steps),
+            float(s.skipped_steps),
+            float(s.growth_tracker),
+            float(s.hysteresis_tracker),
+        ]
     return values
 
 
-def assert_in_sync(optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer],
-                   group: dist.ProcessGroup | None = None) -> None:
+def assert_in_sync(
+    optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer],
+    group: dist.ProcessGroup | None = None,
+) -> None:
     """Raise if the ranks disagree on loss scales, scaler counters or skipped steps.
 
     Costs two small collectives; meant for tests, debugging and the start of a resumed run.
@@ -122,4 +134,5 @@ def assert_in_sync(optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecision
             f"hysteresis_tracker): this rank {local.tolist()}, minimum {low.tolist()}, maximum "
             f"{high.tolist()}. Call mixprec.distributed.sync_verdicts(optimizer) on every rank "
             "(wrap_ddp / initialize_fsdp do) and run the same number of backward passes per "
-            "step on every rank.")
+            "step on every rank."
+        )

@@ -7,13 +7,22 @@
 * :mod:`~mixprec.inference.bench` -- latency, throughput and accuracy of each way to serve.
 """
 
-from mixprec.inference.prepare import INFERENCE_ATTR
-from mixprec.inference.prepare import InferenceInfo
-from mixprec.inference.prepare import for_inference
-from mixprec.inference.prepare import inference_info
-from mixprec.inference.prepare import storage_plan
-from mixprec.inference.prepare import strip_engine
-from mixprec.inference.prepare import to_fp32_twin
+from mixprec.inference.prepare import (
+    INFERENCE_ATTR,
+    InferenceInfo,
+    for_inference,
+    inference_info,
+    storage_plan,
+    strip_engine,
+    to_fp32_twin,
+)
 
-__all__ = ["INFERENCE_ATTR", "InferenceInfo", "for_inference", "inference_info", "storage_plan",
-           "strip_engine", "to_fp32_twin"]
+__all__ = [
+    "INFERENCE_ATTR",
+    "InferenceInfo",
+    "for_inference",
+    "inference_info",
+    "storage_plan",
+    "strip_engine",
+    "to_fp32_twin",
+]

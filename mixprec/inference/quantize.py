@@ -48,19 +48,30 @@ class Int8WeightOnly(nn.Module):
         w = module.weight.detach().float()
         scale = w.abs().flatten(1).amax(1).clamp(min=1e-12) / 127.0
         shape = (-1,) + (1,) * (w.dim() - 1)
-        self.register_buffer("weight_int8", torch.round(w / scale.view(shape)).clamp(
-            -127, 127).to(torch.int8))
+        self.register_buffer(
+            "weight_int8", torch.round(w / scale.view(shape)).clamp(-127, 127).to(torch.int8)
+        )
         self.register_buffer("weight_scale", scale.view(shape))
         bias = module.bias
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
-                                                           requires_grad=False)
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        )
         self.kind = "linear" if isinstance(module, nn.Linear) else f"conv{w.dim() - 2}d"
-        self.conv_args: dict[str, Any] = {} if self.kind == "linear" else dict(
-            stride=module.stride, padding=module.padding, dilation=module.dilation,
-            groups=module.groups)
+        self.conv_args: dict[str, Any] = (
+            {}
+            if self.kind == "linear"
+            else dict(
+                stride=module.stride,
+                padding=module.padding,
+                dilation=module.dilation,
+                groups=module.groups,
+            )
+        )
         if self.kind != "linear" and module.padding_mode != "zeros":
-            raise ValueError(f"Int8WeightOnly supports zero padding only, received "
-                             f"padding_mode={module.padding_mode!r}.")
+            raise ValueError(
+                f"Int8WeightOnly supports zero padding only, received "
+                f"padding_mode={module.padding_mode!r}."
+            )
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype if x.is_floating_point() else torch.float32
@@ -126,10 +137,16 @@ def _run(model: nn.Module, inputs: Any) -> Any:
         return call_model(model, inputs)
 
 
-def quantize_int8(model: nn.Module, modules: str | Iterable[str] = "auto", *,
-                  mode: str = "weight_only", example_inputs: Any = None, reference: Any = None,
-                  tolerance: float = 1e-3,
-                  metric: Callable[[Any, Any], float] | None = None) -> tuple[nn.Module, list[str]]:
+def quantize_int8(
+    model: nn.Module,
+    modules: str | Iterable[str] = "auto",
+    *,
+    mode: str = "weight_only",
+    example_inputs: Any = None,
+    reference: Any = None,
+    tolerance: float = 1e-3,
+    metric: Callable[[Any, Any], float] | None = None,
+) -> tuple[nn.Module, list[str]]:
     """Store the chosen Linear/Conv modules of ``model`` as int8 (in place).
 
     Args:
@@ -175,15 +192,16 @@ def quantize_int8(model: nn.Module, modules: str | Iterable[str] = "auto", *,
                 chosen.append(name)
         return model, sorted(chosen, key=candidates.index)
     if isinstance(modules, str):
-        raise TypeError(f"modules must be 'auto' or a list of module names, received "
-                        f"{modules!r}.")
+        raise TypeError(f"modules must be 'auto' or a list of module names, received {modules!r}.")
     chosen = list(modules)
     bad = [n for n in chosen if n not in candidates]
     if bad:
         kinds = "nn.Linear" if mode == "dynamic" else "nn.Linear/Conv1-3d"
         more = "..." if len(candidates) > 8 else ""
-        raise ValueError(f"Cannot store {bad} as int8 in mode {mode!r}: only {kinds} modules "
-                         f"can be; candidates are {candidates[:8]}{more}.")
+        raise ValueError(
+            f"Cannot store {bad} as int8 in mode {mode!r}: only {kinds} modules "
+            f"can be; candidates are {candidates[:8]}{more}."
+        )
     for name in chosen:
         q = _quantized(model.get_submodule(name), mode)
         _set(model, name, q)

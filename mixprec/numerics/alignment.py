@@ -49,8 +49,10 @@ class LintFinding:
     @property
     def message(self) -> str:
         what = "vocab" if self.dim == "vocab_size" else self.dim
-        return (f"{self.module or '<model>'} ({self.kind}): {self.dim}={self.value} is not a "
-                f"multiple of {self.multiple}; pad {what} from {self.value} to {self.suggested}")
+        return (
+            f"{self.module or '<model>'} ({self.kind}): {self.dim}={self.value} is not a "
+            f"multiple of {self.multiple}; pad {what} from {self.value} to {self.suggested}"
+        )
 
 
 @dataclass
@@ -69,19 +71,32 @@ class LintReport:
         return len(self.findings)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"dtype": str(self.dtype).replace("torch.", ""), "target": self.target,
-                "multiple": self.multiple,
-                "findings": [{"module": f.module, "kind": f.kind, "dim": f.dim,
-                              "value": f.value, "multiple": f.multiple,
-                              "suggested": f.suggested, "message": f.message}
-                             for f in self.findings]}
+        return {
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "target": self.target,
+            "multiple": self.multiple,
+            "findings": [
+                {
+                    "module": f.module,
+                    "kind": f.kind,
+                    "dim": f.dim,
+                    "value": f.value,
+                    "multiple": f.multiple,
+                    "suggested": f.suggested,
+                    "message": f.message,
+                }
+                for f in self.findings
+            ],
+        }
 
     def __str__(self) -> str:
         name = str(self.dtype).replace("torch.", "")
         if not self.findings:
             return f"lint ({name}, {self.target}): every checked dimension is aligned"
-        lines = [f"lint ({name}, {self.target}, multiples of {self.multiple}): "
-                 f"{len(self.findings)} misaligned dimension(s)"]
+        lines = [
+            f"lint ({name}, {self.target}, multiples of {self.multiple}): "
+            f"{len(self.findings)} misaligned dimension(s)"
+        ]
         return "\n".join([*lines, *("  " + f.message for f in self.findings)])
 
 
@@ -89,8 +104,14 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def lint(model: nn.Module, dtype: torch.dtype | str = torch.bfloat16, *, target: str = "gpu",
-         batch_size: int | None = None, seq_len: int | None = None) -> LintReport:
+def lint(
+    model: nn.Module,
+    dtype: torch.dtype | str = torch.bfloat16,
+    *,
+    target: str = "gpu",
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+) -> LintReport:
     """Flag dimensions that are not multiples of the tensor-core tile for ``dtype`` on ``target``.
 
     Args:
@@ -124,8 +145,9 @@ def lint(model: nn.Module, dtype: torch.dtype | str = torch.bfloat16, *, target:
             return
         seen.add((path, dim))
         to = preferred if value >= _LARGE and target == "gpu" else multiple
-        report.findings.append(LintFinding(path, type(module).__name__, dim, value, multiple,
-                                           _round_up(value, to)))
+        report.findings.append(
+            LintFinding(path, type(module).__name__, dim, value, multiple, _round_up(value, to))
+        )
 
     tied = {}  # id(weight) -> embedding path, for vocabularies tied to an output projection
     for path, m in model.named_modules():
@@ -148,11 +170,13 @@ def lint(model: nn.Module, dtype: torch.dtype | str = torch.bfloat16, *, target:
             check(path, m, "embed_dim", m.embed_dim)
             check(path, m, "head_dim", m.head_dim)
             continue
-        heads = next((getattr(m, a) for a in _HEAD_ATTRS if isinstance(getattr(m, a, None), int)),
-                     None)
+        heads = next(
+            (getattr(m, a) for a in _HEAD_ATTRS if isinstance(getattr(m, a, None), int)), None
+        )
         if heads and not isinstance(m, nn.MultiheadAttention):
-            width = next((getattr(m, a) for a in _WIDTH_ATTRS
-                          if isinstance(getattr(m, a, None), int)), None)
+            width = next(
+                (getattr(m, a) for a in _WIDTH_ATTRS if isinstance(getattr(m, a, None), int)), None
+            )
             if width is None:
                 first = next((c for c in m.modules() if isinstance(c, nn.Linear)), None)
                 width = first.in_features if first is not None else None
@@ -162,6 +186,9 @@ def lint(model: nn.Module, dtype: torch.dtype | str = torch.bfloat16, *, target:
         tokens = batch_size * (seq_len or 1)
         dim = "tokens per batch (batch_size*seq_len)" if seq_len else "batch_size"
         if tokens % multiple:
-            report.findings.append(LintFinding("", type(model).__name__, dim, tokens, multiple,
-                                               _round_up(tokens, multiple)))
+            report.findings.append(
+                LintFinding(
+                    "", type(model).__name__, dim, tokens, multiple, _round_up(tokens, multiple)
+                )
+            )
     return report

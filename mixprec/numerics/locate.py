@@ -46,8 +46,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["NonFiniteError", "NonFiniteEvent", "NonFiniteLocator", "TensorStats",
-           "locate_nonfinite"]
+__all__ = [
+    "NonFiniteError",
+    "NonFiniteEvent",
+    "NonFiniteLocator",
+    "TensorStats",
+    "locate_nonfinite",
+]
 
 _TAG = "mixprec_module"
 _RAISE_ON = (None, "error", "any")
@@ -67,8 +72,12 @@ def iter_tensors(obj: Any) -> Iterator[Tensor]:
 
 
 def _checkable(t: Tensor) -> bool:
-    return (t.is_floating_point() and t.layout == torch.strided and t.device.type != "meta"
-            and t.numel() > 0)
+    return (
+        t.is_floating_point()
+        and t.layout == torch.strided
+        and t.device.type != "meta"
+        and t.numel() > 0
+    )
 
 
 def has_nonfinite(t: Tensor) -> bool:
@@ -98,14 +107,22 @@ class TensorStats:
         finite = torch.isfinite(x)
         vals = x[finite]
         lo, hi = (vals.min().item(), vals.max().item()) if vals.numel() else (math.nan, math.nan)
-        return cls(str(t.dtype).replace("torch.", ""), list(t.shape), lo, hi,
-                   max(abs(lo), abs(hi)) if vals.numel() else math.nan,
-                   int(torch.isnan(x).sum()), int(torch.isinf(x).sum()))
+        return cls(
+            str(t.dtype).replace("torch.", ""),
+            list(t.shape),
+            lo,
+            hi,
+            max(abs(lo), abs(hi)) if vals.numel() else math.nan,
+            int(torch.isnan(x).sum()),
+            int(torch.isinf(x).sum()),
+        )
 
     def __str__(self) -> str:
         bad = f", {self.num_nan} nan, {self.num_inf} inf" if self.num_nan or self.num_inf else ""
-        return (f"{self.dtype}{self.shape} min={self.min:.4g} max={self.max:.4g} "
-                f"absmax={self.absmax:.4g}{bad}")
+        return (
+            f"{self.dtype}{self.shape} min={self.min:.4g} max={self.max:.4g} "
+            f"absmax={self.absmax:.4g}{bad}"
+        )
 
 
 @dataclass
@@ -137,9 +154,11 @@ class NonFiniteEvent:
     def __str__(self) -> str:
         where = f"module '{self.module or '<model>'}'"
         node = f" in {self.node}" if self.node else ""
-        lines = [f"[{self.severity}] step {self.step}, {self.phase}: first {self.kind} in {where},"
-                 f" op {self.op}{node} ({self.dtype})",
-                 f"  output: {self.output}"]
+        lines = [
+            f"[{self.severity}] step {self.step}, {self.phase}: first {self.kind} in {where},"
+            f" op {self.op}{node} ({self.dtype})",
+            f"  output: {self.output}",
+        ]
         lines += [f"  input {i}: {s}" for i, s in enumerate(self.inputs)]
         if self.loss_scale is not None:
             lines.append(f"  loss scale: {self.loss_scale:g}")
@@ -158,18 +177,19 @@ class NonFiniteError(FloatingPointError):
 
 
 class _Mode(TorchDispatchMode):
-
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # An eager diagnostic: do not wrap __torch_dispatch__ in dynamo.disable (that costs a
         # one-time torch._dynamo import of several seconds and a wrapper call per op).
         return False
+
     def __init__(self, locator: NonFiniteLocator):
         super().__init__()
         self.locator = locator
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         loc = self.locator
         if not loc._armed:
@@ -182,9 +202,11 @@ class _Mode(TorchDispatchMode):
             return func(*args, **kwargs)
         # an in-place op overwrites its input: judge that input before it is gone
         before = bool(written) and any(
-            has_nonfinite(t) for i, name in written
+            has_nonfinite(t)
+            for i, name in written
             for t in iter_tensors(args[i] if i < len(args) else kwargs.get(name))
-            if _checkable(t))
+            if _checkable(t)
+        )
         out = func(*args, **kwargs)
         for t in iter_tensors(out):
             if _checkable(t) and has_nonfinite(t):
@@ -197,17 +219,21 @@ class _Mode(TorchDispatchMode):
 _LITERALS = ("lift_fresh", "lift_fresh_copy", "scalar_tensor")
 # ops whose output is uninitialized memory by contract: garbage NaNs there are not a bug (e.g.
 # the optimizer's persistent gradient buffers, filled by the copy that follows)
-_UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty",
-                            "new_empty_strided", "empty_permuted"})
+_UNINITIALIZED = frozenset(
+    {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
+)
 _INFO: dict[Any, tuple[bool, tuple[tuple[int, str], ...]]] = {}
 
 
 def _op_info(func: Any) -> tuple[bool, tuple[tuple[int, str], ...]]:
     """(skip: a view, which cannot create a value; the (position, name) of args it writes)."""
     name = func.overloadpacket.__name__
-    skip = func.is_view and name not in _LITERALS or name in _UNINITIALIZED
-    written = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
-                    if a.alias_info is not None and a.alias_info.is_write)
+    skip = (func.is_view and name not in _LITERALS) or name in _UNINITIALIZED
+    written = tuple(
+        (i, a.name)
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
     return skip, written
 
 
@@ -222,8 +248,9 @@ def _scalars(obj: Any) -> Iterator[float]:
             yield from _scalars(x)
 
 
-def _produced_here(func: Any, args: tuple, kwargs: dict, out: Tensor,
-                   written: tuple[tuple[int, str], ...]) -> bool:
+def _produced_here(
+    func: Any, args: tuple, kwargs: dict, out: Tensor, written: tuple[tuple[int, str], ...]
+) -> bool:
     """Did this op *create* the non-finite value in ``out`` (rather than pass one on)?
 
     Yes when its floating inputs are all finite and no scalar argument is ``-inf`` (attention
@@ -237,9 +264,15 @@ def _produced_here(func: Any, args: tuple, kwargs: dict, out: Tensor,
     # arguments an in-place op writes to were checked before it ran
     skip_pos = {i for i, _ in written}
     skip_kw = {n for _, n in written}
-    inputs = [t for src in ([a for i, a in enumerate(args) if i not in skip_pos],
-                            {k: v for k, v in kwargs.items() if k not in skip_kw})
-              for t in iter_tensors(src) if _checkable(t)]
+    inputs = [
+        t
+        for src in (
+            [a for i, a in enumerate(args) if i not in skip_pos],
+            {k: v for k, v in kwargs.items() if k not in skip_kw},
+        )
+        for t in iter_tensors(src)
+        if _checkable(t)
+    ]
     if not any(has_nonfinite(t) for t in inputs):
         return True
     return bool(torch.isnan(out).any()) and not any(bool(torch.isnan(t).any()) for t in inputs)
@@ -260,11 +293,18 @@ class NonFiniteLocator:
     :func:`locate_nonfinite`. ``events`` holds one :class:`NonFiniteEvent` per bad step.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Any = None, *, raise_on: str | None = None,
-                 max_events: int = 100):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any = None,
+        *,
+        raise_on: str | None = None,
+        max_events: int = 100,
+    ):
         if not isinstance(model, nn.Module):
-            raise TypeError(f"locate_nonfinite expects an nn.Module, received "
-                            f"{type(model).__name__}.")
+            raise TypeError(
+                f"locate_nonfinite expects an nn.Module, received {type(model).__name__}."
+            )
         if raise_on not in _RAISE_ON:
             raise ValueError(f"raise_on={raise_on!r} is not one of {_RAISE_ON}.")
         self.model = model
@@ -289,7 +329,7 @@ class NonFiniteLocator:
         self._mode.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._mode is not None:
             self._mode.__exit__(*exc)
             self._mode = None
@@ -311,16 +351,23 @@ class NonFiniteLocator:
         """A readable summary of every recorded event."""
         if not self.events:
             return f"no inf/NaN in {self.step + 1} step(s)"
-        head = (f"{len(self.events)} step(s) with inf/NaN in {self.step + 1} step(s) "
-                f"({len(self.errors())} error(s)):")
+        head = (
+            f"{len(self.events)} step(s) with inf/NaN in {self.step + 1} step(s) "
+            f"({len(self.errors())} error(s)):"
+        )
         return "\n".join([head, *(str(e) for e in self.events)])
 
     # -- hooks -------------------------------------------------------------------------------
     def _note_skip(self) -> None:
         opt = self.optimizer
-        if self.events and self.events[-1].step == self.step and hasattr(opt, "step_skipped"):
-            if self.events[-1].step_skipped is None:
-                self.events[-1].step_skipped = bool(opt.step_skipped)
+        last = self.events[-1] if self.events else None
+        if (
+            last
+            and last.step == self.step
+            and hasattr(opt, "step_skipped")
+            and last.step_skipped is None
+        ):
+            self.events[-1].step_skipped = bool(opt.step_skipped)
 
     def _pre(self, module: nn.Module, args: Any) -> None:
         if not self._stack and torch.is_grad_enabled():
@@ -366,14 +413,27 @@ class NonFiniteLocator:
         scale = self._loss_scale()
         severity, reason = _classify(phase, module, out.dtype, kind, inputs, scale)
         stack: list[str] = []
-        if phase == "forward" and (self.raise_on == "any" or
-                                   (self.raise_on == "error" and severity == "error")):
+        if phase == "forward" and (
+            self.raise_on == "any" or (self.raise_on == "error" and severity == "error")
+        ):
             import traceback
 
             stack = traceback.format_stack()[:-3]
-        event = NonFiniteEvent(self.step, phase, module, str(func), node,
-                               str(out.dtype).replace("torch.", ""), kind, ostats, inputs,
-                               severity, reason, scale, stack=stack)
+        event = NonFiniteEvent(
+            self.step,
+            phase,
+            module,
+            str(func),
+            node,
+            str(out.dtype).replace("torch.", ""),
+            kind,
+            ostats,
+            inputs,
+            severity,
+            reason,
+            scale,
+            stack=stack,
+        )
         self.events.append(event)
         if self.raise_on == "any" or (self.raise_on == "error" and severity == "error"):
             raise NonFiniteError(event)
@@ -382,9 +442,20 @@ class NonFiniteLocator:
         self._armed = False
         stats = TensorStats.of(t)
         kind = "+".join(k for k, n in (("inf", stats.num_inf), ("nan", stats.num_nan)) if n)
-        event = NonFiniteEvent(self.step, "forward", "", "<model input>", None, stats.dtype,
-                               kind, stats, [], "error", "The model's input already holds "
-                               "inf/NaN: check the data pipeline.", self._loss_scale())
+        event = NonFiniteEvent(
+            self.step,
+            "forward",
+            "",
+            "<model input>",
+            None,
+            stats.dtype,
+            kind,
+            stats,
+            [],
+            "error",
+            "The model's input already holds inf/NaN: check the data pipeline.",
+            self._loss_scale(),
+        )
         self.events.append(event)
         if self.raise_on is not None:
             raise NonFiniteError(event)
@@ -414,34 +485,50 @@ def _tag_graph(output: Any, path: str, start: int) -> None:
                 todo.append(nxt)
 
 
-def _classify(phase: str, module: str, dtype: torch.dtype, kind: str, inputs: list[TensorStats],
-              scale: float | None) -> tuple[str, str]:
+def _classify(
+    phase: str,
+    module: str,
+    dtype: torch.dtype,
+    kind: str,
+    inputs: list[TensorStats],
+    scale: float | None,
+) -> tuple[str, str]:
     where = module or "<model>"
     dname = str(dtype).replace("torch.", "")
     if any(s.num_nan or s.num_inf for s in inputs):
-        return "error", ("A NaN made from infinite inputs (inf - inf, 0 * inf, a softmax over a "
-                         "fully masked row): find where the inf came from, or the mask.")
-    if phase == "backward" and kind == "inf" and dtype in _LOW and scale is not None \
-            and scale > 1:
-        return "expected", (f"A scaled {dname} gradient overflowed at loss scale {scale:g}: the "
-                            "optimizer skips this step and lowers the scale (dynamic loss "
-                            "scaling at work).")
+        return "error", (
+            "A NaN made from infinite inputs (inf - inf, 0 * inf, a softmax over a "
+            "fully masked row): find where the inf came from, or the mask."
+        )
+    if phase == "backward" and kind == "inf" and dtype in _LOW and scale is not None and scale > 1:
+        return "expected", (
+            f"A scaled {dname} gradient overflowed at loss scale {scale:g}: the "
+            "optimizer skips this step and lowers the scale (dynamic loss "
+            "scaling at work)."
+        )
     if dtype == torch.float16 and kind == "inf":
-        fix = (f"the op overflowed float16 (max 65504) from finite inputs: keep '{where}' in "
-               f"float32 (mixprec.set_policy(model.get_submodule('{module}'), 'float32'), or "
-               "mixprec.tune), or use bfloat16.")
+        fix = (
+            f"the op overflowed float16 (max 65504) from finite inputs: keep '{where}' in "
+            f"float32 (mixprec.set_policy(model.get_submodule('{module}'), 'float32'), or "
+            "mixprec.tune), or use bfloat16."
+        )
         if phase == "backward":
             fix = "a float16 gradient overflowed without loss scaling to skip it: " + fix
         return "error", fix[0].upper() + fix[1:]
     if dtype in _LOW:
-        return "error", (f"A {kind} appeared in {dname} from finite inputs; run '{where}' in "
-                         "float32 (mixprec.set_policy) to see if precision causes it.")
-    return "error", (f"A {kind} appeared in {dname} from finite inputs: a numerical bug (0/0, "
-                     "inf-inf, log or sqrt of a negative, a zero norm), not a precision issue.")
+        return "error", (
+            f"A {kind} appeared in {dname} from finite inputs; run '{where}' in "
+            "float32 (mixprec.set_policy) to see if precision causes it."
+        )
+    return "error", (
+        f"A {kind} appeared in {dname} from finite inputs: a numerical bug (0/0, "
+        "inf-inf, log or sqrt of a negative, a zero norm), not a precision issue."
+    )
 
 
-def locate_nonfinite(model: nn.Module, optimizer: Any = None, *, raise_on: str | None = None,
-                     max_events: int = 100) -> NonFiniteLocator:
+def locate_nonfinite(
+    model: nn.Module, optimizer: Any = None, *, raise_on: str | None = None, max_events: int = 100
+) -> NonFiniteLocator:
     """Context manager: find the first inf/NaN (module, op, step) in forward and backward.
 
     Example::

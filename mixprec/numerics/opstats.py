@@ -61,8 +61,9 @@ class OpStats(TorchDispatchMode):
         super().__init__()
         self.counts: Counter[tuple[str, str, str]] = Counter()
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         phase = "forward" if torch._C._current_graph_task_id() == -1 else "backward"
         self.counts[(phase, func.overloadpacket.__name__, op_dtype_category(out, args))] += 1
@@ -96,18 +97,27 @@ class OpStats(TorchDispatchMode):
 
     def table(self, phase: str | None = None) -> str:
         """A fixed-width table: ``op | fp32 | bf16 | fp16 | other | total``, then totals."""
-        rows = [[op, *(str(r[c]) for c in CATEGORIES), str(sum(r.values()))]
-                for op, r in self.as_dict(phase).items()]
+        rows = [
+            [op, *(str(r[c]) for c in CATEGORIES), str(sum(r.values()))]
+            for op, r in self.as_dict(phase).items()
+        ]
         tot = self.totals(phase)
         rows.append(["TOTAL", *(str(tot[c]) for c in CATEGORIES), str(sum(tot.values()))])
         headers = ["op", *CATEGORIES, "total"]
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-        lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w)
-                           for i, (h, w) in enumerate(zip(headers, widths)))]
+        lines = [
+            "  ".join(
+                h.ljust(w) if i == 0 else h.rjust(w)
+                for i, (h, w) in enumerate(zip(headers, widths))
+            )
+        ]
         lines.append("  ".join("-" * w for w in widths))
         for r in rows:
-            lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                                   for i, (c, w) in enumerate(zip(r, widths))))
+            lines.append(
+                "  ".join(
+                    c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+                )
+            )
         return "\n".join(lines)
 
 

@@ -47,8 +47,7 @@ _KINDS = ("activation", "gradient")
 class RangeStats:
     """Accumulated statistics of one (module, kind): histogram and fp16/bf16 range counts."""
 
-    hist: Tensor = field(default_factory=lambda: torch.zeros(EXP_MAX - EXP_MIN,
-                                                              dtype=torch.int64))
+    hist: Tensor = field(default_factory=lambda: torch.zeros(EXP_MAX - EXP_MIN, dtype=torch.int64))
     zeros: int = 0
     nonfinite: int = 0
     nonzero: int = 0
@@ -91,17 +90,26 @@ class RangeStats:
     def fractions(self, dtype: str = "fp16") -> dict[str, float]:
         """Fractions of nonzero finite values that underflow / are subnormal / overflow."""
         n = max(self.nonzero, 1)
-        return {"underflow": self.underflow[dtype] / n, "subnormal": self.subnormal[dtype] / n,
-                "overflow": self.overflow[dtype] / n}
+        return {
+            "underflow": self.underflow[dtype] / n,
+            "subnormal": self.subnormal[dtype] / n,
+            "overflow": self.overflow[dtype] / n,
+        }
 
     def as_dict(self) -> dict[str, Any]:
         lo = int(torch.nonzero(self.hist).min()) if self.nonzero else 0
         hi = int(torch.nonzero(self.hist).max()) + 1 if self.nonzero else 0
-        return {"zeros": self.zeros, "nonzero": self.nonzero, "nonfinite": self.nonfinite,
-                "absmax": self.absmax, "absmin": self.absmin if self.nonzero else None,
-                "log2_hist": {str(EXP_MIN + i): int(self.hist[i]) for i in range(lo, hi)
-                              if self.hist[i]},
-                **{d: self.fractions(d) for d in _DTYPES}}
+        return {
+            "zeros": self.zeros,
+            "nonzero": self.nonzero,
+            "nonfinite": self.nonfinite,
+            "absmax": self.absmax,
+            "absmin": self.absmin if self.nonzero else None,
+            "log2_hist": {
+                str(EXP_MIN + i): int(self.hist[i]) for i in range(lo, hi) if self.hist[i]
+            },
+            **{d: self.fractions(d) for d in _DTYPES},
+        }
 
 
 def _log2_hist(a: Tensor) -> tuple[Tensor, Tensor]:
@@ -126,21 +134,32 @@ class RangeAudit:
             observed gradients are divided by its scale for the histograms.
     """
 
-    def __init__(self, model: nn.Module, modules: Iterable[str | nn.Module] | None = None, *,
-                 loss_scale: float | None = None, optimizer: Any = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        modules: Iterable[str | nn.Module] | None = None,
+        *,
+        loss_scale: float | None = None,
+        optimizer: Any = None,
+    ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"range_audit expects an nn.Module, received {type(model).__name__}.")
-        if loss_scale is not None and not (isinstance(loss_scale, (int, float))
-                                           and loss_scale > 0 and math.isfinite(loss_scale)):
-            raise ValueError(f"loss_scale must be a positive finite number, received "
-                             f"{loss_scale!r}.")
+        if loss_scale is not None and not (
+            isinstance(loss_scale, (int, float)) and loss_scale > 0 and math.isfinite(loss_scale)
+        ):
+            raise ValueError(
+                f"loss_scale must be a positive finite number, received {loss_scale!r}."
+            )
         self.model = model
         self.optimizer = optimizer
         self._loss_scale = loss_scale
         paths = {id(m): n for n, m in model.named_modules()}
         if modules is None:
-            chosen = [(n, m) for n, m in model.named_modules()
-                      if any(True for _ in m.parameters(recurse=False))]
+            chosen = [
+                (n, m)
+                for n, m in model.named_modules()
+                if any(True for _ in m.parameters(recurse=False))
+            ]
         else:
             chosen = []
             for item in modules:
@@ -148,13 +167,16 @@ class RangeAudit:
                     try:
                         chosen.append((item, model.get_submodule(item)))
                     except AttributeError:
-                        raise ValueError(f"No module '{item}' in {type(model).__name__}; known "
-                                         f"paths: {sorted(paths.values())[:12]}...") from None
+                        raise ValueError(
+                            f"No module '{item}' in {type(model).__name__}; known "
+                            f"paths: {sorted(paths.values())[:12]}..."
+                        ) from None
                 elif isinstance(item, nn.Module) and id(item) in paths:
                     chosen.append((paths[id(item)], item))
                 else:
-                    raise TypeError(f"modules must hold paths or submodules of the model, "
-                                    f"received {item!r}.")
+                    raise TypeError(
+                        f"modules must hold paths or submodules of the model, received {item!r}."
+                    )
         self.modules: list[tuple[str, nn.Module]] = chosen
         self.stats: dict[tuple[str, str], RangeStats] = {}
         self._handles: list[Any] = []
@@ -174,7 +196,7 @@ class RangeAudit:
             self._handles.append(m.register_forward_hook(self._hook_for(path)))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -193,12 +215,14 @@ class RangeAudit:
                 self._get(path, "activation").add(t)
                 if t.requires_grad:
                     t.register_hook(self._grad_hook(path))
+
         return hook
 
     def _grad_hook(self, path: str) -> Any:
         def hook(g: Tensor) -> None:
             observed = self._observed_scale()
             self._get(path, "gradient").add(g, divide=observed, scale=self.loss_scale)
+
         return hook
 
     # -- results -----------------------------------------------------------------------------
@@ -231,7 +255,7 @@ class RangeAudit:
             return 1.0
         absmax = self.merged("gradient").absmax
         if absmax <= 0:
-            return 2.0 ** 16
+            return 2.0**16
         k = math.floor(math.log2(torch.finfo(dtype).max / (2 * absmax)))
         return float(2.0 ** min(max(k, 0), 24))
 
@@ -242,40 +266,68 @@ class RangeAudit:
         rows = []
         for (path, kind), s in sorted(self.stats.items()):
             f = s.fractions(dtype)
-            rows.append({"module": path or "<model>", "kind": kind, "values": s.nonzero + s.zeros,
-                         "zero": s.zeros / max(s.nonzero + s.zeros, 1), "absmax": s.absmax,
-                         **f})
+            rows.append(
+                {
+                    "module": path or "<model>",
+                    "kind": kind,
+                    "values": s.nonzero + s.zeros,
+                    "zero": s.zeros / max(s.nonzero + s.zeros, 1),
+                    "absmax": s.absmax,
+                    **f,
+                }
+            )
         return rows
 
     def table(self, dtype: str = "fp16") -> str:
-        head = ["module", "kind", "values", "zero", "absmax", "underflow", "subnormal",
-                "overflow"]
-        rows = [[r["module"], r["kind"], str(r["values"]), f"{r['zero']:.1%}",
-                 f"{r['absmax']:.3g}", f"{r['underflow']:.2%}", f"{r['subnormal']:.2%}",
-                 f"{r['overflow']:.2%}"] for r in self.summary(dtype)]
-        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-                  for i, h in enumerate(head)]
-        lines = [f"range audit ({dtype}, gradients at loss scale {self.loss_scale:g})",
-                 "  ".join(h.ljust(w) for h, w in zip(head, widths))]
+        head = ["module", "kind", "values", "zero", "absmax", "underflow", "subnormal", "overflow"]
+        rows = [
+            [
+                r["module"],
+                r["kind"],
+                str(r["values"]),
+                f"{r['zero']:.1%}",
+                f"{r['absmax']:.3g}",
+                f"{r['underflow']:.2%}",
+                f"{r['subnormal']:.2%}",
+                f"{r['overflow']:.2%}",
+            ]
+            for r in self.summary(dtype)
+        ]
+        widths = [
+            max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)
+        ]
+        lines = [
+            f"range audit ({dtype}, gradients at loss scale {self.loss_scale:g})",
+            "  ".join(h.ljust(w) for h, w in zip(head, widths)),
+        ]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"loss_scale": self.loss_scale,
-                "recommended_loss_scale_fp16": self.recommended_loss_scale(torch.float16),
-                "modules": {f"{p or '<model>'}:{k}": s.as_dict()
-                            for (p, k), s in sorted(self.stats.items())}}
+        return {
+            "loss_scale": self.loss_scale,
+            "recommended_loss_scale_fp16": self.recommended_loss_scale(torch.float16),
+            "modules": {
+                f"{p or '<model>'}:{k}": s.as_dict() for (p, k), s in sorted(self.stats.items())
+            },
+        }
 
-    def plot(self, path: str, kind: str = "gradient",
-             dtypes: Sequence[torch.dtype] = (torch.float16,)) -> str:
+    def plot(
+        self, path: str, kind: str = "gradient", dtypes: Sequence[torch.dtype] = (torch.float16,)
+    ) -> str:
         """Write a PNG histogram of log2|values| in the style of Micikevicius et al., Fig. 3."""
         from mixprec.numerics.range_plot import plot_histogram
 
         return plot_histogram(self, path, kind, dtypes, exp_min=EXP_MIN)
 
 
-def range_audit(model: nn.Module, modules: Iterable[str | nn.Module] | None = None, *,
-                loss_scale: float | None = None, optimizer: Any = None) -> RangeAudit:
+def range_audit(
+    model: nn.Module,
+    modules: Iterable[str | nn.Module] | None = None,
+    *,
+    loss_scale: float | None = None,
+    optimizer: Any = None,
+) -> RangeAudit:
     """Context manager: histogram activations and gradients of ``modules`` and judge their range.
 
     Example::

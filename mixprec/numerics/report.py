@@ -49,20 +49,25 @@ def load_factory(spec: str) -> tuple[nn.Module, Any, Callable | None]:
     """Import ``module:factory``, call it, and normalise its result."""
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
-        raise ValueError(f"Expected MODEL as 'module:factory' (e.g. 'my_pkg.models:make'), "
-                         f"received {spec!r}.")
+        raise ValueError(
+            f"Expected MODEL as 'module:factory' (e.g. 'my_pkg.models:make'), received {spec!r}."
+        )
     try:
         factory = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"Cannot load {spec!r}: {e}. The module must be importable (on "
-                         "PYTHONPATH or in the current folder).") from e
+        raise ValueError(
+            f"Cannot load {spec!r}: {e}. The module must be importable (on "
+            "PYTHONPATH or in the current folder)."
+        ) from e
     result = factory()
     if isinstance(result, nn.Module):
         return result, None, None
     if isinstance(result, tuple) and 2 <= len(result) <= 3 and isinstance(result[0], nn.Module):
         return result[0], result[1], (result[2] if len(result) == 3 else _default_loss)
-    raise TypeError(f"{spec}() must return a model, (model, batch) or (model, batch, loss_fn); "
-                    f"received {type(result).__name__}.")
+    raise TypeError(
+        f"{spec}() must return a model, (model, batch) or (model, batch, loss_fn); "
+        f"received {type(result).__name__}."
+    )
 
 
 def _forward(model: nn.Module, x: Any) -> Any:
@@ -77,24 +82,38 @@ def _shape_hints(x: Any) -> tuple[int | None, int | None]:
     return int(t.shape[0]), seq
 
 
-def run_report(model: nn.Module, batch: Any, loss_fn: Callable | None, *, dtype: torch.dtype,
-               steps: int = 3, target: str = "gpu", do_tune: bool = False,
-               tolerance: float = 0.05, out: pathlib.Path | None = None,
-               plots: bool = True) -> dict[str, Any]:
+def run_report(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable | None,
+    *,
+    dtype: torch.dtype,
+    steps: int = 3,
+    target: str = "gpu",
+    do_tune: bool = False,
+    tolerance: float = 0.05,
+    out: pathlib.Path | None = None,
+    plots: bool = True,
+) -> dict[str, Any]:
     """Run every tool; print sections; return the JSON-ready report (and write files)."""
     from mixprec import initialize, lint, locate_nonfinite, op_stats, range_audit, tune
     from mixprec.core.engine import autocast
 
     name = str(dtype).replace("torch.", "")
-    doc: dict[str, Any] = {"model": type(model).__name__, "dtype": name,
-                           "parameters": sum(p.numel() for p in model.parameters())}
+    doc: dict[str, Any] = {
+        "model": type(model).__name__,
+        "dtype": name,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
     bs, seq = _shape_hints(batch[0]) if batch is not None else (None, None)
     report = lint(model, dtype, target=target, batch_size=bs, seq_len=seq)
     print(report)
     doc["lint"] = report.as_dict()
     if batch is None:
-        print("no batch: op stats, range audit, locator and tune need (model, batch) from the "
-              "factory.")
+        print(
+            "no batch: op stats, range audit, locator and tune need (model, batch) from the "
+            "factory."
+        )
         return doc
     x, y = batch
     loss_fn = loss_fn or _default_loss
@@ -106,8 +125,11 @@ def run_report(model: nn.Module, batch: Any, loss_fn: Callable | None, *, dtype:
         loss.backward()
     print(f"\nop statistics: one forward and backward under mixprec.autocast({name})")
     print(stats.table())
-    doc["op_stats"] = {"forward": stats.as_dict("forward"), "backward": stats.as_dict("backward"),
-                       "totals": stats.totals()}
+    doc["op_stats"] = {
+        "forward": stats.as_dict("forward"),
+        "backward": stats.as_dict("backward"),
+        "totals": stats.totals(),
+    }
 
     for p in model.parameters():
         p.grad = None
@@ -123,9 +145,11 @@ def run_report(model: nn.Module, batch: Any, loss_fn: Callable | None, *, dtype:
     print()
     print(audit.table("fp16"))
     grads1, grads_s = audit.merged("gradient"), scaled.merged("gradient")
-    print(f"recommended fp16 loss scale: {scale:g} (gradient underflow in fp16: "
-          f"{grads1.fractions('fp16')['underflow']:.2%} unscaled, "
-          f"{grads_s.fractions('fp16')['underflow']:.2%} at {scale:g})")
+    print(
+        f"recommended fp16 loss scale: {scale:g} (gradient underflow in fp16: "
+        f"{grads1.fractions('fp16')['underflow']:.2%} unscaled, "
+        f"{grads_s.fractions('fp16')['underflow']:.2%} at {scale:g})"
+    )
     doc["range_audit"] = audit.as_dict()
     doc["range_audit"]["at_recommended_scale"] = {"fp16": grads_s.fractions("fp16")}
 
@@ -142,8 +166,12 @@ def run_report(model: nn.Module, batch: Any, loss_fn: Callable | None, *, dtype:
             losses.append(loss.item())
     print(f"\nlocator over {steps} O2 step(s) (losses {', '.join(f'{v:.4g}' for v in losses)}):")
     print(loc.report())
-    doc["locator"] = {"steps": steps, "losses": losses, "skipped_steps": opt.skipped_steps,
-                      "events": [e.as_dict() for e in loc.events]}
+    doc["locator"] = {
+        "steps": steps,
+        "losses": losses,
+        "skipped_steps": opt.skipped_steps,
+        "events": [e.as_dict() for e in loc.events],
+    }
 
     if do_tune:
         plan = tune(copy.deepcopy(model), batch, loss_fn, dtype, tolerance)
@@ -156,8 +184,11 @@ def run_report(model: nn.Module, batch: Any, loss_fn: Callable | None, *, dtype:
         files = []
         if plots:
             for kind in ("gradient", "activation"):
-                files.append(audit.plot(str(out / f"range_{kind}.png"), kind,
-                                        dtypes=(torch.float16, torch.bfloat16)))
+                files.append(
+                    audit.plot(
+                        str(out / f"range_{kind}.png"), kind, dtypes=(torch.float16, torch.bfloat16)
+                    )
+                )
         path = out / "report.json"
         path.write_text(json.dumps(doc, indent=2, default=str))
         files.append(str(path))
@@ -180,24 +211,45 @@ def _run(args: argparse.Namespace) -> int:
             return 2
         label = args.model
     print(f"mixprec report: {label}, {args.dtype}, torch {torch.__version__}")
-    run_report(model, batch, loss_fn, dtype=dtype, steps=args.steps, target=args.target,
-               do_tune=args.tune, tolerance=args.tolerance, out=pathlib.Path(args.out),
-               plots=not args.no_plots)
+    run_report(
+        model,
+        batch,
+        loss_fn,
+        dtype=dtype,
+        steps=args.steps,
+        target=args.target,
+        do_tune=args.tune,
+        tolerance=args.tolerance,
+        out=pathlib.Path(args.out),
+        plots=not args.no_plots,
+    )
     return 0
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``report`` subcommand to ``mixprec``'s subparsers."""
-    r = sub.add_parser("report", help="numerics report: lint, op stats, range audit, first "
-                                      "inf/NaN, precision tuning")
-    r.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="'module:factory' returning model, (model, batch) or (model, batch, "
-                        "loss_fn); default: a built-in tiny GPT")
+    r = sub.add_parser(
+        "report",
+        help="numerics report: lint, op stats, range audit, first inf/NaN, precision tuning",
+    )
+    r.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="'module:factory' returning model, (model, batch) or (model, batch, "
+        "loss_fn); default: a built-in tiny GPT",
+    )
     r.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    r.add_argument("--steps", type=int, default=3, help="O2 training steps watched by the "
-                                                        "locator (default 3)")
-    r.add_argument("--target", choices=["gpu", "tpu", "cpu"], default="gpu",
-                   help="hardware whose alignment rule the lint applies")
+    r.add_argument(
+        "--steps", type=int, default=3, help="O2 training steps watched by the locator (default 3)"
+    )
+    r.add_argument(
+        "--target",
+        choices=["gpu", "tpu", "cpu"],
+        default="gpu",
+        help="hardware whose alignment rule the lint applies",
+    )
     r.add_argument("--tune", action="store_true", help="also search the fp32 modules")
     r.add_argument("--tolerance", type=float, default=0.05)
     r.add_argument("--seed", type=int, default=0)

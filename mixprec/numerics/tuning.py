@@ -44,13 +44,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec.numerics.locate import iter_tensors
 from mixprec.core.engine import set_policy
 from mixprec.core.policy import Policy, get_policy
+from mixprec.numerics.locate import iter_tensors
 
 __all__ = ["TunePlan", "tune"]
 
-_SCALES = (2.0 ** 15, 2.0 ** 10, 2.0 ** 5, 1.0)
+_SCALES = (2.0**15, 2.0**10, 2.0**5, 1.0)
 _BOUNDARY = "_mixprec_boundary"
 
 
@@ -84,8 +84,10 @@ class RunError:
 
     def __str__(self) -> str:
         if self.metric_drop is not None:
-            return (f"metric {self.metric:.4g} (fp32 {self.metric_ref:.4g}, drop "
-                    f"{self.metric_drop:.3g})")
+            return (
+                f"metric {self.metric:.4g} (fp32 {self.metric_ref:.4g}, drop "
+                f"{self.metric_drop:.3g})"
+            )
         return f"loss error {self.loss:.3g}, gradient error {self.grad:.3g}"
 
 
@@ -130,27 +132,37 @@ class TunePlan(Mapping):
         return model
 
     def as_dict(self) -> dict[str, Any]:
-        return {"dtype": str(self.dtype).replace("torch.", ""), "tolerance": self.tolerance,
-                "policies": {p: str(pol) for p, pol in self.policies.items()},
-                "fp32_modules": self.fp32_modules, "reasons": self.reasons,
-                "sensitivity": {k: (v if math.isfinite(v) else "inf")
-                                for k, v in self.sensitivity.items()},
-                "before": _plain(vars(self.before)), "after": _plain(vars(self.after)),
-                "passed": self.passed, "evaluations": self.evaluations}
+        return {
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "tolerance": self.tolerance,
+            "policies": {p: str(pol) for p, pol in self.policies.items()},
+            "fp32_modules": self.fp32_modules,
+            "reasons": self.reasons,
+            "sensitivity": {
+                k: (v if math.isfinite(v) else "inf") for k, v in self.sensitivity.items()
+            },
+            "before": _plain(vars(self.before)),
+            "after": _plain(vars(self.after)),
+            "passed": self.passed,
+            "evaluations": self.evaluations,
+        }
 
     def explain(self, top: int = 5) -> str:
         name = str(self.dtype).replace("torch.", "")
-        lines = [f"tune ({name}, tolerance {self.tolerance:g}): all {name}: {self.before}; "
-                 f"tuned: {self.after} ({'within' if self.passed else 'NOT within'} "
-                 f"tolerance, {self.evaluations} evaluations)"]
+        lines = [
+            f"tune ({name}, tolerance {self.tolerance:g}): all {name}: {self.before}; "
+            f"tuned: {self.after} ({'within' if self.passed else 'NOT within'} "
+            f"tolerance, {self.evaluations} evaluations)"
+        ]
         if not self.fp32_modules:
             lines.append(f"  nothing needs float32: every module runs in {name}.")
         for m in self.fp32_modules:
             lines.append(f"  keep '{m or '<model>'}' in float32: {self.reasons[m]}")
         ranked = sorted(self.sensitivity.items(), key=lambda kv: -kv[1])
-        lines.append("  most sensitive modules (isolated output error in "
-                     f"{name}): " + ", ".join(f"{p or '<model>'}={e:.3g}"
-                                              for p, e in ranked[:top]))
+        lines.append(
+            "  most sensitive modules (isolated output error in "
+            f"{name}): " + ", ".join(f"{p or '<model>'}={e:.3g}" for p, e in ranked[:top])
+        )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -171,11 +183,16 @@ class _OwnOps(TorchDispatchMode):
         self.stack = stack
         self.counts: dict[str, int] = {}
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.stack and not func.is_view and torch._C._current_graph_task_id() == -1 and any(
-                t.is_floating_point() for t in iter_tensors(out)):
+        if (
+            self.stack
+            and not func.is_view
+            and torch._C._current_graph_task_id() == -1
+            and any(t.is_floating_point() for t in iter_tensors(out))
+        ):
             self.counts[self.stack[-1]] = self.counts.get(self.stack[-1], 0) + 1
         return out
 
@@ -196,14 +213,21 @@ def _first_float(obj: Any) -> Tensor | None:
 
 
 class _Tuner:
-    def __init__(self, model: nn.Module, batches: list[tuple[Any, Any]],
-                 loss_fn: Callable | None, dtype: torch.dtype, seed: int,
-                 metric: Callable[[Any, Any], Any] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        batches: list[tuple[Any, Any]],
+        loss_fn: Callable | None,
+        dtype: torch.dtype,
+        seed: int,
+        metric: Callable[[Any, Any], Any] | None = None,
+    ):
         self.model, self.batches, self.loss_fn = model, batches, loss_fn
         self.metric = metric
         self.dtype, self.seed = dtype, seed
-        self.low = Policy(param_dtype=torch.float32, compute_dtype=dtype,
-                          output_dtype=torch.float32)
+        self.low = Policy(
+            param_dtype=torch.float32, compute_dtype=dtype, output_dtype=torch.float32
+        )
         self.fp32 = Policy("float32")
         self.named = dict(model.named_modules())
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -218,14 +242,17 @@ class _Tuner:
         x, y = batch
         loss = self.loss_fn(self._output(x), y)
         if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise TypeError(f"loss_fn must return a scalar tensor, received {type(loss).__name__}"
-                            f"{'' if not isinstance(loss, Tensor) else list(loss.shape)}.")
+            raise TypeError(
+                f"loss_fn must return a scalar tensor, received {type(loss).__name__}"
+                f"{'' if not isinstance(loss, Tensor) else list(loss.shape)}."
+            )
         if torch.is_grad_enabled() and not loss.requires_grad:
             raise ValueError(
                 "loss_fn returned a value that does not require grad (an accuracy-style "
                 "function, or one computed under no_grad/detach): tune's default criterion "
                 "compares gradients with fp32. To search by such a metric, pass it as "
-                "metric=fn (higher is better) instead of loss_fn.")
+                "metric=fn (higher is better) instead of loss_fn."
+            )
         return loss.float().reshape(())
 
     @torch.no_grad()
@@ -237,8 +264,10 @@ class _Tuner:
             try:
                 values.append(float(value))
             except (TypeError, ValueError, RuntimeError):
-                raise TypeError(f"metric must return a number (or a 1-element tensor); received "
-                                f"{type(value).__name__}.") from None
+                raise TypeError(
+                    f"metric must return a number (or a 1-element tensor); received "
+                    f"{type(value).__name__}."
+                ) from None
         return sum(values) / len(values)
 
     def _grads(self) -> list[Tensor | None]:
@@ -280,16 +309,20 @@ class _Tuner:
                         self.ref_out.append(outs)
                 self.ref_metric = self._metric()
                 if not math.isfinite(self.ref_metric):
-                    raise ValueError(f"The fp32 metric is {self.ref_metric}: tune needs a metric "
-                                     "that is finite on the fp32 model.")
+                    raise ValueError(
+                        f"The fp32 metric is {self.ref_metric}: tune needs a metric "
+                        "that is finite on the fp32 model."
+                    )
                 return [p for p in self.named if mode.counts.get(p, 0) > 0]
             for batch in self.batches:
                 outs = {}
                 with mode:
                     loss = self._forward(batch)
                 if not math.isfinite(loss.item()):
-                    raise ValueError(f"The fp32 loss is {loss.item()}: tune needs a model that "
-                                     "trains in fp32 first (use mixprec.locate_nonfinite).")
+                    raise ValueError(
+                        f"The fp32 loss is {loss.item()}: tune needs a model that "
+                        "trains in fp32 first (use mixprec.locate_nonfinite)."
+                    )
                 self._zero()
                 loss.backward()
                 self.ref_loss.append(loss.item())
@@ -310,7 +343,7 @@ class _Tuner:
             set_policy(self.named[path], None)
 
     def plan(self, fp32: list[str]) -> dict[str, Policy]:
-        out = {p: self.fp32 for p in fp32}
+        out = dict.fromkeys(fp32, self.fp32)
         for p in fp32:
             prefix = f"{p}." if p else ""
             for child, _ in self.named[p].named_children():
@@ -372,15 +405,19 @@ class _Tuner:
                     loss = self._forward(batch)
                 if not math.isfinite(loss.item()):
                     return RunError(math.inf, math.inf, 1.0)
-                loss_err = max(loss_err, abs(loss.item() - self.ref_loss[i])
-                               / max(abs(self.ref_loss[i]), 1e-12))
+                loss_err = max(
+                    loss_err,
+                    abs(loss.item() - self.ref_loss[i]) / max(abs(self.ref_loss[i]), 1e-12),
+                )
                 scales = _SCALES if self.dtype == torch.float16 else (1.0,)
                 err = math.inf
                 for k, s in enumerate(scales):
                     self._zero()
                     (loss * s).backward(retain_graph=k + 1 < len(scales))
-                    grads = [None if p.grad is None else p.grad.detach().double() / s
-                             for _, p in self.params]
+                    grads = [
+                        None if p.grad is None else p.grad.detach().double() / s
+                        for _, p in self.params
+                    ]
                     if all(g is None or bool(torch.isfinite(g).all()) for g in grads):
                         err = _grad_error(grads, self.ref_grads[i])
                         used = s
@@ -409,20 +446,29 @@ def _as_batches(batch: Any) -> list[tuple[Any, Any]]:
     out = []
     for b in items:
         if not (isinstance(b, tuple) and len(b) == 2):
-            raise TypeError("tune expects batch=(inputs, target) -- inputs a tensor or a tuple of "
-                            "model arguments -- or a list of such pairs; received "
-                            f"{type(b).__name__}{'' if not isinstance(b, tuple) else len(b)}.")
+            raise TypeError(
+                "tune expects batch=(inputs, target) -- inputs a tensor or a tuple of "
+                "model arguments -- or a list of such pairs; received "
+                f"{type(b).__name__}{'' if not isinstance(b, tuple) else len(b)}."
+            )
         out.append(b)
     if not out:
         raise ValueError("tune needs at least one batch.")
     return out
 
 
-def tune(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], Tensor] | None = None,
-         dtype: torch.dtype | str = torch.float16, tolerance: float = 0.05, *,
-         metric: Callable[[Any, Any], Any] | None = None,
-         candidates: list[str] | None = None, max_evaluations: int = 64,
-         seed: int = 0) -> TunePlan:
+def tune(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[[Any, Any], Tensor] | None = None,
+    dtype: torch.dtype | str = torch.float16,
+    tolerance: float = 0.05,
+    *,
+    metric: Callable[[Any, Any], Any] | None = None,
+    candidates: list[str] | None = None,
+    max_evaluations: int = 64,
+    seed: int = 0,
+) -> TunePlan:
     """Find the fewest modules to keep in float32 so loss and gradients (or a metric) match fp32.
 
     Args:
@@ -455,28 +501,34 @@ def tune(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], Tensor] | N
     if not isinstance(model, nn.Module):
         raise TypeError(f"tune expects an nn.Module, received {type(model).__name__}.")
     if model.__dict__.get("_mixprec_initialized") or _BOUNDARY in model.__dict__:
-        raise RuntimeError("tune runs on the plain fp32 model: call it before mixprec.initialize "
-                           "and apply the plan (plan.apply(model)) before initialize.")
+        raise RuntimeError(
+            "tune runs on the plain fp32 model: call it before mixprec.initialize "
+            "and apply the plan (plan.apply(model)) before initialize."
+        )
     if not isinstance(dtype, torch.dtype):
         dtype = Policy(compute_dtype=dtype).compute_dtype
     if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"tune needs a 16-bit dtype (torch.float16 or torch.bfloat16), received "
-                         f"{dtype}.")
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or \
-            not tolerance > 0:
+        raise ValueError(
+            f"tune needs a 16-bit dtype (torch.float16 or torch.bfloat16), received {dtype}."
+        )
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance > 0:
         raise ValueError(f"tolerance must be a positive number, received {tolerance!r}.")
     bad = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
     if bad:
-        raise ValueError(f"tune compares against fp32 and needs fp32 parameters; {bad[:3]} are "
-                         "not float32.")
+        raise ValueError(
+            f"tune compares against fp32 and needs fp32 parameters; {bad[:3]} are not float32."
+        )
     if (loss_fn is None) == (metric is None):
-        raise ValueError("tune needs loss_fn (search by loss and gradient error) or metric= "
-                         "(search by your higher-is-better metric, e.g. accuracy), one of "
-                         f"them; received {'both' if metric is not None else 'neither'}.")
+        raise ValueError(
+            "tune needs loss_fn (search by loss and gradient error) or metric= "
+            "(search by your higher-is-better metric, e.g. accuracy), one of "
+            f"them; received {'both' if metric is not None else 'neither'}."
+        )
     for name, fn in (("loss_fn", loss_fn), ("metric", metric)):
         if fn is not None and not callable(fn):
-            raise TypeError(f"{name} must be callable(outputs, target); received "
-                            f"{type(fn).__name__}.")
+            raise TypeError(
+                f"{name} must be callable(outputs, target); received {type(fn).__name__}."
+            )
     batches = _as_batches(batch)
     saved_policies = {n: get_policy(m) for n, m in model.named_modules()}
     saved_grads = [(p, p.grad) for p in model.parameters()]
@@ -511,15 +563,29 @@ def tune(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], Tensor] | N
                 if without.within(tolerance):
                     chosen, current = rest, without
                 else:
-                    what = ("its output is non-finite in " + _name(dtype)) if \
-                        math.isinf(sens[path]) else \
-                        f"its {_name(dtype)} output differs from fp32 by {sens[path]:.3g}"
-                    reasons[path] = (f"{what}; without it: {without} (tolerance {tolerance:g})")
+                    what = (
+                        ("its output is non-finite in " + _name(dtype))
+                        if math.isinf(sens[path])
+                        else f"its {_name(dtype)} output differs from fp32 by {sens[path]:.3g}"
+                    )
+                    reasons[path] = f"{what}; without it: {without} (tolerance {tolerance:g})"
         for path in chosen:
-            reasons.setdefault(path, f"isolated output error {sens[path]:.3g}; the search "
-                                     "stopped before checking whether it can be dropped")
-        return TunePlan(dtype, float(tolerance), tuner.plan(chosen), chosen, sens, before,
-                        current, reasons, tuner.evaluations)
+            reasons.setdefault(
+                path,
+                f"isolated output error {sens[path]:.3g}; the search "
+                "stopped before checking whether it can be dropped",
+            )
+        return TunePlan(
+            dtype,
+            float(tolerance),
+            tuner.plan(chosen),
+            chosen,
+            sens,
+            before,
+            current,
+            reasons,
+            tuner.evaluations,
+        )
     finally:
         for n, m in model.named_modules():
             set_policy(m, saved_policies[n])
@@ -529,9 +595,16 @@ def tune(model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], Tensor] | N
 
 def _plain(values: dict[str, Any]) -> dict[str, Any]:
     """JSON-safe numbers: NaN (not measured) -> None, inf -> "inf"."""
-    return {k: (None if isinstance(v, float) and math.isnan(v) else
-                "inf" if isinstance(v, float) and math.isinf(v) else v)
-            for k, v in values.items()}
+    return {
+        k: (
+            None
+            if isinstance(v, float) and math.isnan(v)
+            else "inf"
+            if isinstance(v, float) and math.isinf(v)
+            else v
+        )
+        for k, v in values.items()
+    }
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -99,8 +99,7 @@ def test_loss_scale_change_does_not_recompile_on_cuda():
     block, opt = mixprec.initialize(block, opt, level="O2", dtype=F16)
     scaler = opt.slot(0).scaler
     counter = CompileCounter()
-    fn = torch.compile(lambda x: scaler.scale_loss(block(x).float().pow(2).mean()),
-                       backend=counter)
+    fn = torch.compile(lambda x: scaler.scale_loss(block(x).float().pow(2).mean()), backend=counter)
     x = torch.randn(4, 8, device="cuda")
     compiled = []
     for _ in range(3):
