@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from mixprec.bench.runner import MODES
 from mixprec.numerics import report as report_cli
 
 __all__ = ["main"]
@@ -213,18 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         nargs="+",
         default=["fp32", "torch-autocast", "O1", "O2", "O3"],
-        choices=[
-            "fp32",
-            "torch-autocast",
-            "mixprec-autocast",
-            "O1",
-            "O2",
-            "O3",
-            "graph",
-            "graph+compile",
-            "graph-O3",
-            "graph+compile-O3",
-        ],
+        choices=list(MODES),
     )
     b.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     b.add_argument("--batch-size", type=int, default=None)

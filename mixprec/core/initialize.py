@@ -42,7 +42,7 @@ from torch.optim import Optimizer
 
 from mixprec.core import engine
 from mixprec.core.hardware import default_dtype, warn_if_slow
-from mixprec.core.loss_scale import LossScaler
+from mixprec.core.loss_scale import DYNAMIC_OPTIONS, LossScaler
 from mixprec.core.norms import is_norm
 from mixprec.core.optimizer import (
     LossSlot,
@@ -93,15 +93,7 @@ LEVELS: dict[str, dict[str, Any]] = {
         fp32_inside=True,
     ),
 }
-_SCALER_KEYS = (
-    "init_scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "hysteresis",
-    "min_scale",
-    "max_scale",
-)
+_SCALER_KEYS = ("init_scale", *DYNAMIC_OPTIONS)
 _LEAN_KEYS = ("update", "state_dtype", "update_seed")
 _OVERRIDES = (
     "keep_norm_fp32",

@@ -28,11 +28,17 @@ from typing import Any, Union
 
 import torch
 
-__all__ = ["LossScaleSpec", "LossScaler", "found_non_finite", "unscale_and_check_"]
+__all__ = [
+    "DYNAMIC_OPTIONS",
+    "LossScaleSpec",
+    "LossScaler",
+    "found_non_finite",
+    "unscale_and_check_",
+]
 
 LossScaleSpec = Union[str, float, int, None, "LossScaler"]
 
-_DYNAMIC_ONLY = (
+DYNAMIC_OPTIONS = (  # the LossScaler options that only a dynamic scaler uses
     "growth_factor",
     "backoff_factor",
     "growth_interval",
@@ -40,7 +46,7 @@ _DYNAMIC_ONLY = (
     "min_scale",
     "max_scale",
 )
-_CONFIG = ("init_scale", "dynamic", "enabled", *_DYNAMIC_ONLY)
+_CONFIG = ("init_scale", "dynamic", "enabled", *DYNAMIC_OPTIONS)
 _COUNTERS = (
     "scale",
     "growth_tracker",
@@ -254,7 +260,7 @@ class LossScaler:
             and math.isfinite(spec)
             and spec > 0
         ):
-            bad = sorted(k for k in kwargs if k in _DYNAMIC_ONLY or k == "init_scale")
+            bad = sorted(k for k in kwargs if k in DYNAMIC_OPTIONS or k == "init_scale")
             if bad:
                 raise ValueError(
                     f"Static loss scale {spec!r} does not use {bad}: they only "

@@ -7,22 +7,5 @@
 * :mod:`~mixprec.inference.bench` -- latency, throughput and accuracy of each way to serve.
 """
 
-from mixprec.inference.prepare import (
-    INFERENCE_ATTR,
-    InferenceInfo,
-    for_inference,
-    inference_info,
-    storage_plan,
-    strip_engine,
-    to_fp32_twin,
-)
-
-__all__ = [
-    "INFERENCE_ATTR",
-    "InferenceInfo",
-    "for_inference",
-    "inference_info",
-    "storage_plan",
-    "strip_engine",
-    "to_fp32_twin",
-]
+from mixprec.inference.prepare import *  # noqa: F403 - the old mixprec.inference module's API
+from mixprec.inference.prepare import __all__  # noqa: F401
