@@ -5,7 +5,7 @@
 Re-launches itself under ``torch.distributed.run`` (gloo on CPU). Every mode is built once and
 timed in interleaved rounds (each round times every mode in turn); the table shows medians and
 the median of per-round ratios against the fp32 DDP baseline, because host noise here is large.
-Workload: the GPT of mixprec.models at width 128, 2 layers, context 64, global batch 16.
+Workload: the GPT of mixprec.bench.models at width 128, 2 layers, context 64, global batch 16.
 """
 
 from __future__ import annotations
@@ -21,8 +21,15 @@ import torch
 
 
 def _launch(argv: list[str], nproc: int) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", os.path.abspath(__file__), *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        os.path.abspath(__file__),
+        *argv,
+    ]
     return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -32,7 +39,7 @@ def _run(args: argparse.Namespace) -> None:
 
     import mixprec
     import mixprec.distributed as mpd
-    from mixprec.models import GPT, Block, GPTConfig
+    from mixprec.bench.models import GPT, Block, GPTConfig
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -44,14 +51,20 @@ def _run(args: argparse.Namespace) -> None:
     def ddp(level, dtype, wire):
         torch.manual_seed(0)
         m = GPT(cfg)
-        m, o = mixprec.initialize(m, torch.optim.AdamW(m.parameters(), lr=1e-3), level=level,
-                                  dtype=dtype)
+        m, o = mixprec.initialize(
+            m, torch.optim.AdamW(m.parameters(), lr=1e-3), level=level, dtype=dtype
+        )
         return mpd.wrap_ddp(m, o, comm_dtype=wire), o
 
     def fsdp():
         torch.manual_seed(0)
-        return mpd.initialize_fsdp(GPT(cfg), lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                                   level="O2", dtype=torch.bfloat16, units=Block)
+        return mpd.initialize_fsdp(
+            GPT(cfg),
+            lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+            level="O2",
+            dtype=torch.bfloat16,
+            units=Block,
+        )
 
     modes = {
         "DDP fp32 (O0), fp32 wire": ddp("O0", None, torch.float32),
@@ -74,7 +87,7 @@ def _run(args: argparse.Namespace) -> None:
             hook.reset_stats()
     times: dict[str, list[float]] = {k: [] for k in modes}
     for _ in range(args.rounds):
-        for name, (model, opt) in modes.items():
+        for name, (model, _opt) in modes.items():
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(args.steps):
@@ -85,13 +98,15 @@ def _run(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
         return
     base = "DDP fp32 (O0), fp32 wire"
-    n_steps = (args.rounds * args.steps)
-    print(f"torch {torch.__version__}, {world} ranks (gloo, CPU, 1 thread each), "
-          f"{args.rounds} rounds x {args.steps} steps")
+    n_steps = args.rounds * args.steps
+    print(
+        f"torch {torch.__version__}, {world} ranks (gloo, CPU, 1 thread each), "
+        f"{args.rounds} rounds x {args.steps} steps"
+    )
     print("| mode | all-reduce bytes/step/rank | wire dtype | median step (s) | vs fp32 DDP |")
     print("|---|---|---|---|---|")
     lines = {}
-    for name, (model, opt) in modes.items():
+    for name, (model, _opt) in modes.items():
         hook = getattr(model, "mixprec_comm_hook", None)
         if hook is not None:
             wire = f"{hook.wire_bytes / n_steps:,.0f}"
@@ -100,12 +115,15 @@ def _run(args: argparse.Namespace) -> None:
             wire, dtypes = "(reduce-scatter)", "bf16 + fp32 norms"
         ratio = statistics.median(b / t for b, t in zip(times[base], times[name]))
         lines[name] = (wire, statistics.median(times[name]))
-        print(f"| {name} | {wire} | {dtypes} | {statistics.median(times[name]):.4f} | "
-              f"{ratio:.2f}x |")
+        print(
+            f"| {name} | {wire} | {dtypes} | {statistics.median(times[name]):.4f} | {ratio:.2f}x |"
+        )
     f32, b16 = lines["DDP O1 bf16, fp32 wire"], lines["DDP O1 bf16, bf16 wire"]
-    print(f"\nbytes all-reduced per step: fp32 {f32[0]} vs bf16 {b16[0]} per rank; "
-          f"step time ({world} ranks): fp32 DDP {lines[base][1]:.3f} s, "
-          f"O2 bf16 + bf16 wire {lines['DDP O2 bf16, bf16 wire'][1]:.3f} s")
+    print(
+        f"\nbytes all-reduced per step: fp32 {f32[0]} vs bf16 {b16[0]} per rank; "
+        f"step time ({world} ranks): fp32 DDP {lines[base][1]:.3f} s, "
+        f"O2 bf16 + bf16 wire {lines['DDP O2 bf16, bf16 wire'][1]:.3f} s"
+    )
     dist.destroy_process_group()
 
 

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mixprec.bench.models import GPT, GPTConfig
 from mixprec.bench.report import speed_words
 from mixprec.bench.runner import Trainer
-from mixprec.benchmarking import emit, step_workload
-from mixprec.models import GPT, GPTConfig
+from mixprec.bench.steps import emit, step_workload
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -41,17 +41,24 @@ class Mode:
 
     @property
     def reference(self) -> str:
-        return "torch.autocast fp16" if self.dtype == FP16 and self.trainer_mode != "fp32" \
+        return (
+            "torch.autocast fp16"
+            if self.dtype == FP16 and self.trainer_mode != "fp32"
             else "torch.autocast bf16"
+        )
 
 
 MODES = [
-    Mode("fp32", "fp32", BF16), Mode("fp32 + TF32", "fp32", BF16, tf32=True),
+    Mode("fp32", "fp32", BF16),
+    Mode("fp32 + TF32", "fp32", BF16, tf32=True),
     Mode("torch.autocast fp16", "torch-autocast", FP16),
     Mode("torch.autocast bf16", "torch-autocast", BF16),
     Mode("mixprec.autocast bf16", "mixprec-autocast", BF16),
-    *(Mode(f"mixprec {lv} {n}", lv, d) for n, d in (("fp16", FP16), ("bf16", BF16))
-      for lv in ("O1", "O2", "O3")),
+    *(
+        Mode(f"mixprec {lv} {n}", lv, d)
+        for n, d in (("fp16", FP16), ("bf16", BF16))
+        for lv in ("O1", "O2", "O3")
+    ),
     Mode("graph+compile bf16", "graph+compile", BF16),
 ]
 
@@ -81,8 +88,11 @@ def _ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def workloads(device: str, smoke: bool) -> dict[str, tuple[Any, int, str]]:
     """name -> (workload, items per step, unit)."""
-    gcfg = (GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=2, n_embd=32) if smoke
-            else GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768))
+    gcfg = (
+        GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=2, n_embd=32)
+        if smoke
+        else GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    )
     gbatch = 2 if smoke else 8
 
     def tokens(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,11 +100,21 @@ def workloads(device: str, smoke: bool) -> dict[str, tuple[Any, int, str]]:
         x = x.to(device)
         return x[:, :-1], x[:, 1:]
 
-    out = {"gpt2-small": (step_workload(
-        "gpt2-small", f"GPT {gcfg.n_layer}x{gcfg.n_embd}, context {gcfg.block_size}, batch "
-        f"{gbatch}, AdamW", lambda: GPT(gcfg).to(device),
-        lambda ps: torch.optim.AdamW(ps, lr=3e-4), tokens, _ce), gbatch * gcfg.block_size,
-        "tokens")}
+    out = {
+        "gpt2-small": (
+            step_workload(
+                "gpt2-small",
+                f"GPT {gcfg.n_layer}x{gcfg.n_embd}, context {gcfg.block_size}, batch "
+                f"{gbatch}, AdamW",
+                lambda: GPT(gcfg).to(device),
+                lambda ps: torch.optim.AdamW(ps, lr=3e-4),
+                tokens,
+                _ce,
+            ),
+            gbatch * gcfg.block_size,
+            "tokens",
+        )
+    }
     try:
         import torchvision
     except ImportError:
@@ -105,11 +125,18 @@ def workloads(device: str, smoke: bool) -> dict[str, tuple[Any, int, str]]:
         x = torch.randn(ibatch, 3, side, side, generator=g).to(device)
         return x, torch.randint(0, 1000, (ibatch,), generator=g).to(device)
 
-    out["resnet50"] = (step_workload(
-        "resnet50", f"ResNet-50, {side}x{side}, batch {ibatch}, SGD momentum",
-        lambda: torchvision.models.resnet50(weights=None).to(device),
-        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), images,
-        lambda out, y: F.cross_entropy(out.float(), y)), ibatch, "images")
+    out["resnet50"] = (
+        step_workload(
+            "resnet50",
+            f"ResNet-50, {side}x{side}, batch {ibatch}, SGD momentum",
+            lambda: torchvision.models.resnet50(weights=None).to(device),
+            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            images,
+            lambda out, y: F.cross_entropy(out.float(), y),
+        ),
+        ibatch,
+        "images",
+    )
     return out
 
 
@@ -119,18 +146,18 @@ def _tf32(on: bool) -> None:
         torch.backends.cudnn.allow_tf32 = on
 
 
-def run(device: str, smoke: bool, rounds: int, steps: int, modes: list[Mode],
-        log: Any = print) -> list[Row]:
+def run(
+    device: str, smoke: bool, rounds: int, steps: int, modes: list[Mode], log: Any = print
+) -> list[Row]:
     rows: list[Row] = []
     for name, (wl, items, unit) in workloads(device, smoke).items():
         trainers = {}
-        res = {m.label: Row(name, m.label, items, unit, reference_label=m.reference)
-               for m in modes}
+        res = {m.label: Row(name, m.label, items, unit, reference_label=m.reference) for m in modes}
         for m in modes:
             _tf32(m.tf32)
             try:
                 trainers[m.label] = Trainer(wl, None, m.trainer_mode, m.dtype, 0, 0)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a mode that cannot run is reported, not fatal
                 res[m.label].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         for r in range(rounds + 1):  # round 0: warm-up (and compilation)
             for m in modes:
@@ -140,7 +167,7 @@ def run(device: str, smoke: bool, rounds: int, steps: int, modes: list[Mode],
                 _tf32(m.tf32)
                 try:
                     dt = sum(t.step()[0] for _ in range(steps)) / steps
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - reported in its row
                     res[m.label].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
                     del trainers[m.label]
                     continue
@@ -176,30 +203,45 @@ def run(device: str, smoke: bool, rounds: int, steps: int, modes: list[Mode],
 
 def machine(device: str) -> str:
     if device != "cuda":
-        from mixprec.hardware import check
+        from mixprec.core.hardware import check
 
         return f"{check(device, verbose=False).name} (CPU smoke run)"
     try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
-                                 "--format=csv,noheader"], capture_output=True, text=True,
-                                timeout=30, check=False).stdout.strip().splitlines()[0]
+        driver = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+            .stdout.strip()
+            .splitlines()[0]
+        )
     except (OSError, IndexError, subprocess.SubprocessError):
         driver = "unknown"
-    return (f"{torch.cuda.get_device_name()}, driver {driver}, CUDA {torch.version.cuda}")
+    return f"{torch.cuda.get_device_name()}, driver {driver}, CUDA {torch.version.cuda}"
 
 
 def format_table(rows: list[Row]) -> str:
-    lines = [("| workload | mode | step (ms) | throughput | speed vs torch.autocast | "
-              "peak memory (MB) | final loss | skipped |"), "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| workload | mode | step (ms) | throughput | speed vs torch.autocast | "
+            "peak memory (MB) | final loss | skipped |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r.error:
             lines.append(f"| {r.workload} | {r.mode} | failed: {r.error} | | | | | |")
             continue
         ratio = "reference" if r.mode == r.reference_label else speed_words(r.vs_torch)
         mem = "-" if r.peak_mb is None else f"{r.peak_mb:.0f}"
-        lines.append(f"| {r.workload} | {r.mode} | {r.median * 1e3:.1f} | "
-                     f"{r.items_per_step / r.median:,.0f} {r.unit}/s | {ratio} | {mem} | "
-                     f"{r.final_loss:.3f} | {r.skipped} |")
+        lines.append(
+            f"| {r.workload} | {r.mode} | {r.median * 1e3:.1f} | "
+            f"{r.items_per_step / r.median:,.0f} {r.unit}/s | {ratio} | {mem} | "
+            f"{r.final_loss:.3f} | {r.skipped} |"
+        )
     return "\n".join(lines)
 
 
@@ -213,21 +255,38 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", help="also write the rows to this JSON file")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA GPU is visible to torch here. Run it on a GPU "
-                         "machine, or use --device cpu --smoke to exercise the code path.")
+        raise SystemExit(
+            "--device cuda: no CUDA GPU is visible to torch here. Run it on a GPU "
+            "machine, or use --device cpu --smoke to exercise the code path."
+        )
     if args.device == "cpu" and not args.smoke:
-        raise SystemExit("The GPU shapes would take hours on a CPU: pass --smoke with "
-                         "--device cpu.")
+        raise SystemExit(
+            "The GPU shapes would take hours on a CPU: pass --smoke with --device cpu."
+        )
     modes = [m for m in MODES if not args.modes or m.label in args.modes]
     if any(m.trainer_mode == "graph+compile" for m in modes) and args.device == "cpu":
         modes = [m for m in modes if m.trainer_mode != "graph+compile"]  # minutes of compiling
     t0 = time.time()
     rows = run(args.device, args.smoke, args.rounds, args.steps, modes)
-    header = (f"{datetime.date.today()} · {machine(args.device)} · torch {torch.__version__} · "
-              f"{args.rounds} rounds x {args.steps} steps · {time.time() - t0:.0f} s")
-    emit(header, format_table(rows), args.json, {"rows": [
-        {**{k: v for k, v in r.__dict__.items() if k != "times"}, "median": r.median,
-         "times": r.times} for r in rows]})
+    header = (
+        f"{datetime.date.today()} · {machine(args.device)} · torch {torch.__version__} · "
+        f"{args.rounds} rounds x {args.steps} steps · {time.time() - t0:.0f} s"
+    )
+    emit(
+        header,
+        format_table(rows),
+        args.json,
+        {
+            "rows": [
+                {
+                    **{k: v for k, v in r.__dict__.items() if k != "times"},
+                    "median": r.median,
+                    "times": r.times,
+                }
+                for r in rows
+            ]
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mixprec.models import GPT, GPTConfig
+from mixprec.bench.models import GPT, GPTConfig
 
 
 def make(mode: str, batch: int):
@@ -51,8 +51,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--modes", nargs="+",
-                   default=["eager-fp32", "inductor-fp32", "eager-bf16", "inductor-bf16"])
+    p.add_argument(
+        "--modes", nargs="+", default=["eager-fp32", "inductor-fp32", "eager-bf16", "inductor-bf16"]
+    )
     p.add_argument("--top", type=int, default=8)
     args = p.parse_args()
     steps = {}
@@ -76,8 +77,11 @@ def main() -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             steps[m]()
         print(f"\n## {m}: top ops by self CPU time")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top,
-                                        max_name_column_width=60))
+        print(
+            prof.key_averages().table(
+                sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60
+            )
+        )
 
 
 if __name__ == "__main__":

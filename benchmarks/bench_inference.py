@@ -1,4 +1,4 @@
-"""Inference benchmark (issue #10): train with mixprec, then compare inference variants to fp32.
+"""Inference benchmark: train with mixprec, then compare inference variants to fp32.
 
 Workloads (bounded so the whole run takes ~5-10 minutes on a shared 2-core CPU):
 
@@ -27,12 +27,11 @@ import time
 
 import torch
 
-from mixprec.infer_bench import _workload, compare_variants, to_json, to_markdown
+from mixprec.inference.bench import _workload, compare_variants, to_json, to_markdown
 
 VARIANTS = ["fp32", "bf16", "fp16", "int8-mixed", "int8-wo"]
 # workload -> (timing batch, train steps, train batch, timing iters per round)
-SETTINGS = {"mnist1d-cnn": (256, 500, 400, 3), "char-gpt": (4, 150, 16, 1),
-            "minilm": (16, 0, 0, 1)}
+SETTINGS = {"mnist1d-cnn": (256, 500, 400, 3), "char-gpt": (4, 150, 16, 1), "minilm": (16, 0, 0, 1)}
 MNIST_SAMPLES = 10_000
 GPT_CONFIG = "2x192"
 
@@ -45,31 +44,61 @@ def main() -> None:
     p.add_argument("--json", default="benchmarks/results_inference.json")
     p.add_argument("--workloads", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     args = p.parse_args()
-    out = {"command": "python benchmarks/bench_inference.py " + " ".join(
-        f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
-        for k, v in vars(args).items()), "threads": torch.get_num_threads()}
+    out = {
+        "command": "python benchmarks/bench_inference.py "
+        + " ".join(
+            f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
+            for k, v in vars(args).items()
+        ),
+        "threads": torch.get_num_threads(),
+    }
     start = time.time()
     for name in args.workloads:
         t0 = time.time()
         batch, _, train_batch, iters = SETTINGS[name]
         steps = {"mnist1d-cnn": args.cnn_steps, "char-gpt": args.gpt_steps}.get(name, 0)
         model, inputs, metric, metric_name = _workload(
-            name, batch, steps, 0, train_batch=train_batch, mnist_samples=MNIST_SAMPLES,
-            gpt_config=GPT_CONFIG)
+            name,
+            batch,
+            steps,
+            0,
+            train_batch=train_batch,
+            mnist_samples=MNIST_SAMPLES,
+            gpt_config=GPT_CONFIG,
+        )
         trained = time.time() - t0
-        rows = compare_variants(model, inputs, variants=VARIANTS,
-                                backends=["torch", "onnxruntime"], metric=metric,
-                                rounds=args.rounds, iters=iters)
-        what = (f"trained {steps} steps (batch {train_batch}) with mixprec O2 bf16 in "
-                f"{trained:.0f} s" if steps else "pretrained")
+        rows = compare_variants(
+            model,
+            inputs,
+            variants=VARIANTS,
+            backends=["torch", "onnxruntime"],
+            metric=metric,
+            rounds=args.rounds,
+            iters=iters,
+        )
+        what = (
+            f"trained {steps} steps (batch {train_batch}) with mixprec O2 bf16 in {trained:.0f} s"
+            if steps
+            else "pretrained"
+        )
         print(f"\n{name}: {what}; timing batch {batch}; {time.time() - t0:.0f} s total")
         print(to_markdown(rows, metric_name), flush=True)
-        out[name] = to_json(rows, metric=metric_name, train_steps=steps, train_batch=train_batch,
-                            timing_batch=batch, iters=iters, rounds=args.rounds,
-                            seconds=round(time.time() - t0),
-                            model=(f"GPT {GPT_CONFIG}" if name == "char-gpt" else None),
-                            data=(f"{MNIST_SAMPLES} generated MNIST-1D samples, 80/20 split"
-                                  if name == "mnist1d-cnn" else None))
+        out[name] = to_json(
+            rows,
+            metric=metric_name,
+            train_steps=steps,
+            train_batch=train_batch,
+            timing_batch=batch,
+            iters=iters,
+            rounds=args.rounds,
+            seconds=round(time.time() - t0),
+            model=(f"GPT {GPT_CONFIG}" if name == "char-gpt" else None),
+            data=(
+                f"{MNIST_SAMPLES} generated MNIST-1D samples, 80/20 split"
+                if name == "mnist1d-cnn"
+                else None
+            ),
+        )
     out["seconds"] = round(time.time() - start)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)

@@ -1,20 +1,22 @@
-"""Pure 16-bit training (issue #7): accuracy, validation loss, peak memory, step time, bytes/param.
+"""Pure 16-bit training: accuracy, validation loss, peak memory, step time, bytes/param.
 
     python benchmarks/bench_lean.py                        # MNIST-1D CNN + char-GPT, ~10 min
     python benchmarks/bench_lean.py --cnn-steps 300 --gpt-steps 10   # smoke run
     python benchmarks/bench_lean.py --workloads lsq        # least squares only, ~20 s
 
 Modes: fp32, O2 (fp32 masters), O3 with update="nearest" / "kahan" / "stochastic" (fp32 math on
-temporaries, state_dtype="auto"), and O3 with the pre-#7 step (update=None, memory rows only).
+temporaries, state_dtype="auto"), and O3 with the old 16-bit-arithmetic step (update=None,
+memory rows only).
 Training is round-robin: each round gives every mode one step on the same batch, and only that
 step is timed, so step-time ratios compare modes that saw the same machine at the same moment
 (medians of per-round ratios). Peak memory is measured afterwards in a fresh subprocess per mode
 (model + optimizer built inside ``PeakMemory``, two steps), so no mode inherits another's
 allocator state; bytes per parameter come from :func:`mixprec.footprint` in the same process.
 
-``lsq`` is the small-update regime on its own (``beyond.md`` §11, test 2): least squares on 64 x 16
+``lsq`` is the small-update regime on its own: least squares on 64 x 16
 Gaussian data, SGD lr 2e-3 for 3000 steps from a bf16 Linear(16, 1); it reports the final MSE
-(evaluated in fp32 from the 16-bit weights), with the pre-#7 O3 step as an extra mode.
+(evaluated in fp32 from the 16-bit weights), with the old O3 step (16-bit arithmetic) as an
+extra mode.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 
 import mixprec
 from mixprec.bench.workloads import WORKLOADS
-from mixprec.memory import PeakMemory
+from mixprec.core.memory import PeakMemory
 
 MODES: dict[str, dict[str, Any] | None] = {
     "fp32": None,
@@ -63,8 +65,7 @@ class Run:
             cfg = dict(cfg)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                model, opt = mixprec.initialize(model, opt, cfg.pop("level"), torch.bfloat16,
-                                                **cfg)
+                model, opt = mixprec.initialize(model, opt, cfg.pop("level"), torch.bfloat16, **cfg)
         self.mixed = cfg is not None
         self.model, self.opt = model, opt
         self.batches = wl.batches(data, batch, seed)
@@ -102,16 +103,24 @@ def train(key: str, steps: int, seed: int, log: Any) -> dict[str, dict[str, Any]
             times[m].append(dt)
             losses[m].append(loss)
         if (i + 1) % max(1, steps // 10) == 0:
-            log(f"{key}: step {i + 1}/{steps} " + " ".join(
-                f"{m}={statistics.mean(losses[m][-20:]):.3f}" for m in runs))
+            log(
+                f"{key}: step {i + 1}/{steps} "
+                + " ".join(f"{m}={statistics.mean(losses[m][-20:]):.3f}" for m in runs)
+            )
     out = {}
     for m, r in runs.items():
-        ratio = {ref: statistics.median(b / a for a, b in zip(times[m][1:], times[ref][1:]))
-                 for ref in ("fp32", "O2")}
-        out[m] = {"metric": r.evaluate(), "median_step": statistics.median(times[m][1:]),
-                  "speedup_vs_fp32": ratio["fp32"], "speedup_vs_O2": ratio["O2"],
-                  "final_train_loss": statistics.mean(losses[m][-20:]),
-                  "skipped": getattr(r.opt, "skipped_steps", 0)}
+        ratio = {
+            ref: statistics.median(b / a for a, b in zip(times[m][1:], times[ref][1:]))
+            for ref in ("fp32", "O2")
+        }
+        out[m] = {
+            "metric": r.evaluate(),
+            "median_step": statistics.median(times[m][1:]),
+            "speedup_vs_fp32": ratio["fp32"],
+            "speedup_vs_O2": ratio["O2"],
+            "final_train_loss": statistics.mean(losses[m][-20:]),
+            "skipped": getattr(r.opt, "skipped_steps", 0),
+        }
     return out
 
 
@@ -126,13 +135,21 @@ def measure_memory(key: str, mode: str, seed: int) -> dict[str, Any]:
         run.step()
         run.step()
     fp = mixprec.footprint(run.model, run.opt)
-    return {"peak_bytes": pm.peak_bytes, "bytes": fp.bytes, "params": fp.params,
-            "bytes_per_param": fp.per_param["total"]}
+    return {
+        "peak_bytes": pm.peak_bytes,
+        "bytes": fp.bytes,
+        "params": fp.params,
+        "bytes_per_param": fp.per_param["total"],
+    }
 
 
 def memory_in_subprocess(key: str, mode: str, seed: int) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, __file__, "--memory-child", key, mode,
-                          "--seed", str(seed)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--memory-child", key, mode, "--seed", str(seed)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -150,8 +167,7 @@ def least_squares(steps: int = 3000, lr: float = 2e-3, seed: int = 0) -> dict[st
             cfg = dict(cfg)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                model, opt = mixprec.initialize(model, opt, cfg.pop("level"), torch.bfloat16,
-                                                **cfg)
+                model, opt = mixprec.initialize(model, opt, cfg.pop("level"), torch.bfloat16, **cfg)
         for _ in range(steps):
             loss = (model(x).float() - y).pow(2).mean()
             if cfg is not None:
@@ -168,17 +184,20 @@ def least_squares(steps: int = 3000, lr: float = 2e-3, seed: int = 0) -> dict[st
 def table(key: str, res: dict[str, Any], mem: dict[str, Any]) -> str:
     metric = "test acc" if key == "cnn" else "val loss"
     fp32_peak = mem["fp32"]["peak_bytes"]
-    lines = [f"| mode | {metric} | peak MiB | vs fp32 | step ms | vs O2 (speed) | bytes/param |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| mode | {metric} | peak MiB | vs fp32 | step ms | vs O2 (speed) | bytes/param |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for m in [*MODES, *MEMORY_ONLY]:
         r, mm = res.get(m), mem[m]
-        val = "-" if r is None else (f"{r['metric']:.1%}" if key == "cnn" else
-                                     f"{r['metric']:.3f}")
+        val = "-" if r is None else (f"{r['metric']:.1%}" if key == "cnn" else f"{r['metric']:.3f}")
         step = "-" if r is None else f"{r['median_step'] * 1e3:.0f}"
         vs_o2 = "-" if r is None else f"{r['speedup_vs_O2']:.2f}x"
-        lines.append(f"| {m} | {val} | {mm['peak_bytes'] / 2**20:.0f} | "
-                     f"{mm['peak_bytes'] / fp32_peak:.2f} | {step} | {vs_o2} | "
-                     f"{mm['bytes_per_param']:.1f} |")
+        lines.append(
+            f"| {m} | {val} | {mm['peak_bytes'] / 2**20:.0f} | "
+            f"{mm['peak_bytes'] / fp32_peak:.2f} | {step} | {vs_o2} | "
+            f"{mm['bytes_per_param']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -186,8 +205,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cnn-steps", type=int, default=3000)
     p.add_argument("--gpt-steps", type=int, default=120)
-    p.add_argument("--workloads", nargs="+", default=["lsq", "cnn", "gpt"],
-                   choices=["lsq", "cnn", "gpt"])
+    p.add_argument(
+        "--workloads", nargs="+", default=["lsq", "cnn", "gpt"], choices=["lsq", "cnn", "gpt"]
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write raw results here")
     p.add_argument("--memory-child", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
@@ -195,8 +215,10 @@ def main() -> None:
     if args.memory_child:
         print(json.dumps(measure_memory(*args.memory_child, args.seed)))
         return
-    header = (f"{datetime.date.today()} · torch {torch.__version__} · python "
-              f"{platform.python_version()} · {torch.get_num_threads()} threads · bf16")
+    header = (
+        f"{datetime.date.today()} · torch {torch.__version__} · python "
+        f"{platform.python_version()} · {torch.get_num_threads()} threads · bf16"
+    )
     doc: dict[str, Any] = {"header": header, "command": " ".join(sys.argv)}
     for key in args.workloads:
         t0 = time.perf_counter()
@@ -209,8 +231,12 @@ def main() -> None:
         steps = args.cnn_steps if key == "cnn" else args.gpt_steps
         res = train(key, steps, args.seed, lambda s: print(s, flush=True))
         mem = {m: memory_in_subprocess(key, m, args.seed) for m in [*MODES, *MEMORY_ONLY]}
-        doc[key] = {"steps": steps, "train": res, "memory": mem,
-                    "seconds": time.perf_counter() - t0}
+        doc[key] = {
+            "steps": steps,
+            "train": res,
+            "memory": mem,
+            "seconds": time.perf_counter() - t0,
+        }
         print(f"\n{WORKLOAD_NAMES[key]}, {steps} steps ({doc[key]['seconds']:.0f} s)\n")
         print(table(key, res, mem), flush=True)
     print("\n" + header)

@@ -1,6 +1,6 @@
 """Overhead of the numerics toolkit on the GPT workload: locator, op stats, both.
 
-Every mode trains the same GPT (``mixprec.models.GPT``, default config: 4 layers, width 384,
+Every mode trains the same GPT (``mixprec.bench.models.GPT``, default config: 4 layers, width 384,
 context 256) with AdamW under ``mixprec.autocast(bfloat16)``. Modes run in interleaved rounds
 -- each round times every mode once, in turn -- and the overhead is the median of the
 per-round ratios to the plain step (absolute times drift on this shared machine).
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import mixprec
-from mixprec.models import GPT, GPTConfig
+from mixprec.bench.models import GPT, GPTConfig
 
 MODES = ("plain", "locator", "op_stats", "locator+op_stats")
 
@@ -76,19 +76,28 @@ def main(argv: list[str] | None = None) -> int:
         for m in MODES:
             times[m].append(this[m])
             ratios[m].append(this[m] / this["plain"])
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{m} {this[m]:.3f}s" for m in MODES),
-              file=sys.stderr)
-    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-            "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
-            "threads": torch.get_num_threads(), "batch": args.batch, "rounds": args.rounds,
-            "command": "python benchmarks/bench_numerics.py " + " ".join(argv or sys.argv[1:])}
-    print(f"GPT (4 layers, width 384, context 256), batch {args.batch}, bf16 mixprec.autocast, "
-          f"AdamW; {args.rounds} interleaved rounds, best of {args.steps} steps per round")
+        print(
+            f"round {r + 1}/{args.rounds}: " + ", ".join(f"{m} {this[m]:.3f}s" for m in MODES),
+            file=sys.stderr,
+        )
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "batch": args.batch,
+        "rounds": args.rounds,
+        "command": "python benchmarks/bench_numerics.py " + " ".join(argv or sys.argv[1:]),
+    }
+    print(
+        f"GPT (4 layers, width 384, context 256), batch {args.batch}, bf16 mixprec.autocast, "
+        f"AdamW; {args.rounds} interleaved rounds, best of {args.steps} steps per round"
+    )
     print("| mode | median step (s) | overhead vs plain (median of per-round ratios) |")
     print("|---|---|---|")
     for m in MODES:
-        print(f"| {m} | {statistics.median(times[m]):.3f} | "
-              f"{statistics.median(ratios[m]):.3f}x |")
+        print(f"| {m} | {statistics.median(times[m]):.3f} | {statistics.median(ratios[m]):.3f}x |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "times": times, "ratios": ratios}, f, indent=2)

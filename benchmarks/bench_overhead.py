@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from mixprec.bench.models import GPT, GPTConfig
 from mixprec.bench.runner import Trainer
-from mixprec.benchmarking import emit, step_workload
-from mixprec.hardware import check
-from mixprec.models import GPT, GPTConfig
+from mixprec.bench.steps import emit, step_workload
+from mixprec.core.hardware import check
 
 MODES = ("fp32", "torch-autocast", "mixprec-autocast", "O1", "O2", "O3", "graph")
 MODELS = {
@@ -40,8 +40,9 @@ class _CallCounter(TorchFunctionMode):
         super().__init__()
         self.calls = 0
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         self.calls += 1
         return func(*args, **(kwargs or {}))
 
@@ -59,9 +60,13 @@ def _workload(name: str, device: str) -> Any:
         y = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
         return x.to(device), y.to(device)
 
-    return step_workload(name, f"GPT {cfg.n_layer}x{cfg.n_embd}, context {cfg.block_size}, "
-                         f"batch {batch}", lambda: GPT(cfg).to(device),
-                         lambda params: torch.optim.AdamW(params, lr=1e-3), batch_fn)
+    return step_workload(
+        name,
+        f"GPT {cfg.n_layer}x{cfg.n_embd}, context {cfg.block_size}, batch {batch}",
+        lambda: GPT(cfg).to(device),
+        lambda params: torch.optim.AdamW(params, lr=1e-3),
+        batch_fn,
+    )
 
 
 def _forward_timer(trainer: Trainer, x: torch.Tensor, n: int, device: str) -> Any:
@@ -73,24 +78,29 @@ def _forward_timer(trainer: Trainer, x: torch.Tensor, n: int, device: str) -> An
                 trainer.forward(x)
         _sync(device)
         return (time.perf_counter() - t0) / n
+
     return run
 
 
 def _step_timer(trainer: Trainer, n: int) -> Any:
     def run() -> float:
         return sum(trainer.step()[0] for _ in range(n)) / n
+
     return run
 
 
-def measure(model: str, phase: str, modes: list[str], rounds: int, dtype: torch.dtype,
-            device: str) -> list[dict[str, Any]]:
+def measure(
+    model: str, phase: str, modes: list[str], rounds: int, dtype: torch.dtype, device: str
+) -> list[dict[str, Any]]:
     wl = _workload(model, device)
     x, _ = wl.example_batch(None, 0)
     launch = model == "launch-bound"
     n = (20 if launch else 3) if phase == "forward" else (5 if launch else 1)
     trainers = {m: Trainer(wl, None, m, dtype, 0, 0) for m in modes}
-    timers = {m: (_forward_timer(t, x, n, device) if phase == "forward" else _step_timer(t, n))
-              for m, t in trainers.items()}
+    timers = {
+        m: (_forward_timer(t, x, n, device) if phase == "forward" else _step_timer(t, n))
+        for m, t in trainers.items()
+    }
     with _CallCounter() as counter, torch.no_grad():
         trainers[modes[0]].model(x)
     times: dict[str, list[float]] = {m: [] for m in modes}
@@ -112,8 +122,17 @@ def measure(model: str, phase: str, modes: list[str], rounds: int, dtype: torch.
         med = statistics.median(times[m])
         ratio = statistics.median(a / b for a, b in zip(times[m], ref)) if ref else None
         extra = (med - statistics.median(ref)) / counter.calls * 1e6 if ref else None
-        rows.append({"model": model, "phase": phase, "mode": m, "ms": med * 1e3,
-                     "vs_torch": ratio, "extra_us_per_call": extra, "calls": counter.calls})
+        rows.append(
+            {
+                "model": model,
+                "phase": phase,
+                "mode": m,
+                "ms": med * 1e3,
+                "vs_torch": ratio,
+                "extra_us_per_call": extra,
+                "calls": counter.calls,
+            }
+        )
     return rows
 
 
@@ -121,24 +140,31 @@ def machine(device: str) -> str:
     report = check(device, verbose=False)
     if device == "cuda":
         driver = torch.cuda.get_device_properties(0)
-        return (f"{report.name} ({driver.major}.{driver.minor} capability), CUDA "
-                f"{torch.version.cuda}")
-    return f"{report.name} [{' '.join(report.features) or 'no AVX512/AMX flags'}], " \
-           f"{torch.get_num_threads()} threads"
+        return (
+            f"{report.name} ({driver.major}.{driver.minor} capability), CUDA {torch.version.cuda}"
+        )
+    return (
+        f"{report.name} [{' '.join(report.features) or 'no AVX512/AMX flags'}], "
+        f"{torch.get_num_threads()} threads"
+    )
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | phase | mode | median (ms) | x torch.autocast | extra us/call |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| model | phase | mode | median (ms) | x torch.autocast | extra us/call |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['model']} | {r['phase']} | {r['mode']} | failed: {r['error']} | "
-                         "| |")
+            lines.append(
+                f"| {r['model']} | {r['phase']} | {r['mode']} | failed: {r['error']} | | |"
+            )
             continue
         ratio = "-" if r["vs_torch"] is None else f"{r['vs_torch']:.2f}x"
         extra = "-" if r["extra_us_per_call"] is None else f"{r['extra_us_per_call']:+.1f}"
-        lines.append(f"| {r['model']} | {r['phase']} | {r['mode']} | {r['ms']:.3f} | {ratio} | "
-                     f"{extra} |")
+        lines.append(
+            f"| {r['model']} | {r['phase']} | {r['mode']} | {r['ms']:.3f} | {ratio} | {extra} |"
+        )
     return "\n".join(lines)
 
 
@@ -147,8 +173,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--phases", nargs="+", default=["forward", "step"],
-                   choices=["forward", "step"])
+    p.add_argument("--phases", nargs="+", default=["forward", "step"], choices=["forward", "step"])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--json", help="also write the rows to this JSON file")
@@ -156,8 +181,10 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is visible to torch on this machine.")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    header = (f"{datetime.date.today()} · {machine(args.device)} · torch {torch.__version__} · "
-              f"{args.dtype} · {args.rounds} rounds")
+    header = (
+        f"{datetime.date.today()} · {machine(args.device)} · torch {torch.__version__} · "
+        f"{args.dtype} · {args.rounds} rounds"
+    )
     rows = []
     for model in args.models:
         for phase in args.phases:

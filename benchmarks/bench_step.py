@@ -18,17 +18,24 @@ import platform
 
 import torch
 
-from mixprec import benchmarking
-from mixprec.hardware import check
+from mixprec.bench import steps as benchmarking
+from mixprec.core.hardware import check
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workloads", nargs="+", default=list(benchmarking.WORKLOADS),
-                   choices=list(benchmarking.WORKLOADS))
-    p.add_argument("--modes", nargs="+", default=[m for m in benchmarking.MODES
-                                                  if not m.endswith("-O3")],
-                   choices=list(benchmarking.MODES))
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        default=list(benchmarking.WORKLOADS),
+        choices=list(benchmarking.WORKLOADS),
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=[m for m in benchmarking.MODES if not m.endswith("-O3")],
+        choices=list(benchmarking.MODES),
+    )
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
@@ -38,20 +45,34 @@ def main() -> None:
     args = p.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     report = check(verbose=False)
-    header = (f"{datetime.date.today()} · {report.name} · {torch.get_num_threads()} threads · "
-              f"torch {torch.__version__} · python {platform.python_version()} · {args.dtype} · "
-              f"{args.rounds} rounds")
-    results = benchmarking.run(args.workloads, args.modes, rounds=args.rounds,
-                               warmup=args.warmup, dtype=dtype, memory=not args.no_memory,
-                               casts=not args.no_casts)
+    header = (
+        f"{datetime.date.today()} · {report.name} · {torch.get_num_threads()} threads · "
+        f"torch {torch.__version__} · python {platform.python_version()} · {args.dtype} · "
+        f"{args.rounds} rounds"
+    )
+    results = benchmarking.run(
+        args.workloads,
+        args.modes,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        dtype=dtype,
+        memory=not args.no_memory,
+        casts=not args.no_casts,
+    )
     print()
     print(header)
     print()
     print(benchmarking.format_table(results))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"header": header, "results": [
-                {**dataclasses.asdict(r), "median": r.median} for r in results]}, f, indent=1)
+            json.dump(
+                {
+                    "header": header,
+                    "results": [{**dataclasses.asdict(r), "median": r.median} for r in results],
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ import tempfile
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-import transformers  # noqa: E402
+import transformers
 
-from mixprec.integrations.huggingface import MixprecTrainer  # noqa: E402
+from mixprec.integrations.huggingface import MixprecTrainer
 
 
 class ToyTask(torch.utils.data.Dataset):
@@ -33,23 +33,45 @@ class ToyTask(torch.utils.data.Dataset):
         return len(self.labels)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "attention_mask": torch.ones(12, dtype=torch.long),
-                "labels": self.labels[i]}
+        return {
+            "input_ids": self.ids[i],
+            "attention_mask": torch.ones(12, dtype=torch.long),
+            "labels": self.labels[i],
+        }
 
 
-def train(level: str = "O2", dtype: torch.dtype = torch.bfloat16, steps: int = 30,
-          output_dir: str | None = None) -> tuple[MixprecTrainer, list[float]]:
+def train(
+    level: str = "O2",
+    dtype: torch.dtype = torch.bfloat16,
+    steps: int = 30,
+    output_dir: str | None = None,
+) -> tuple[MixprecTrainer, list[float]]:
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=2, intermediate_size=64,
-                                  max_position_embeddings=32, num_labels=2)
+    cfg = transformers.BertConfig(
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=2,
+    )
     model = transformers.BertForSequenceClassification(cfg)
     args = transformers.TrainingArguments(
-        output_dir=output_dir or tempfile.mkdtemp(), max_steps=steps,
-        per_device_train_batch_size=32, learning_rate=3e-3, logging_steps=1, report_to=[],
-        save_strategy="no", use_cpu=True, max_grad_norm=1.0, disable_tqdm=True)
-    trainer = MixprecTrainer(model=model, args=args, train_dataset=ToyTask(),
-                             mixprec_level=level, mixprec_dtype=dtype)
+        output_dir=output_dir or tempfile.mkdtemp(),
+        max_steps=steps,
+        per_device_train_batch_size=32,
+        learning_rate=3e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        max_grad_norm=1.0,
+        disable_tqdm=True,
+    )
+    trainer = MixprecTrainer(
+        model=model, args=args, train_dataset=ToyTask(), mixprec_level=level, mixprec_dtype=dtype
+    )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return trainer, losses
@@ -57,5 +79,7 @@ def train(level: str = "O2", dtype: torch.dtype = torch.bfloat16, steps: int = 3
 
 if __name__ == "__main__":
     trainer, losses = train()
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; skipped steps "
-          f"{trainer.mixprec_optimizer.skipped_steps}")
+    print(
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; skipped steps "
+        f"{trainer.mixprec_optimizer.skipped_steps}"
+    )

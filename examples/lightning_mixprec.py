@@ -1,6 +1,6 @@
 """Train a small LightningModule with mixprec's O2 level through the Lightning precision plugin.
 
-    python examples/lightning_mixprec.py            # bf16 O2 on CPU; fp16 with --dtype float16
+python examples/lightning_mixprec.py            # bf16 O2 on CPU; fp16 with --dtype float16
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Classifier(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = F.cross_entropy(self.net(x), y)   # calls a submodule: the plugin's region casts
+        loss = F.cross_entropy(self.net(x), y)  # calls a submodule: the plugin's region casts
         self.losses.append(float(loss))
         return loss
 
@@ -39,18 +39,27 @@ class Classifier(pl.LightningModule):
 def data(n: int = 512, seed: int = 0) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 20, generator=g)
-    y = (x[:, :4].argmax(-1))
+    y = x[:, :4].argmax(-1)
     return torch.utils.data.TensorDataset(x, y)
 
 
-def train(level: str = "O2", dtype: torch.dtype = torch.bfloat16, steps: int = 20,
-          **overrides) -> tuple[Classifier, MixprecPrecision]:
+def train(
+    level: str = "O2", dtype: torch.dtype = torch.bfloat16, steps: int = 20, **overrides
+) -> tuple[Classifier, MixprecPrecision]:
     torch.manual_seed(0)
     model = Classifier()
     plugin = MixprecPrecision(level, dtype, **overrides)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, plugins=[plugin],
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, gradient_clip_val=1.0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        plugins=[plugin],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+    )
     loader = torch.utils.data.DataLoader(data(), batch_size=64, shuffle=True)
     trainer.fit(model, loader)
     return model, plugin
@@ -62,5 +71,7 @@ if __name__ == "__main__":
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     args = parser.parse_args()
     model, plugin = train(args.level, getattr(torch, args.dtype))
-    print(f"loss {model.losses[0]:.3f} -> {model.losses[-1]:.3f}; loss scale "
-          f"{plugin.optimizers[0].loss_scale}; skipped {plugin.optimizers[0].skipped_steps}")
+    print(
+        f"loss {model.losses[0]:.3f} -> {model.losses[-1]:.3f}; loss scale "
+        f"{plugin.optimizers[0].loss_scale}; skipped {plugin.optimizers[0].skipped_steps}"
+    )

@@ -16,13 +16,15 @@ import torch.nn.functional as F
 
 import mixprec
 import mixprec.distributed as mpd
-from mixprec.models import GPT, GPTConfig
+from mixprec.bench.models import GPT, GPTConfig
 
 
 def batch(step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    seq = (torch.randint(0, 32, (n, 1), generator=g)
-           + torch.randint(1, 4, (n, 1), generator=g) * torch.arange(33)) % 32
+    seq = (
+        torch.randint(0, 32, (n, 1), generator=g)
+        + torch.randint(1, 4, (n, 1), generator=g) * torch.arange(33)
+    ) % 32
     return seq[:, :-1], seq[:, 1:]
 
 
@@ -53,16 +55,20 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         if rank == 0 and step % 10 == 0:
-            print(f"step {step:3d}  loss {loss.item():.3f}  scale {opt.loss_scale:g}  "
-                  f"skipped {opt.skipped_steps}")
+            print(
+                f"step {step:3d}  loss {loss.item():.3f}  scale {opt.loss_scale:g}  "
+                f"skipped {opt.skipped_steps}"
+            )
     mpd.assert_in_sync(opt)
     mpd.save_checkpoint(args.checkpoint, model, opt)
     hook = model.mixprec_comm_hook
     if rank == 0:
-        print(f"final loss {loss.item():.3f}; all-reduced {hook.wire_bytes / args.steps:,.0f} "
-              f"bytes/step in {sorted(map(str, hook.wire_dtypes))} "
-              f"(fp32 would be {hook.elements * 4 / args.steps:,.0f}); "
-              f"checkpoint: {args.checkpoint}")
+        print(
+            f"final loss {loss.item():.3f}; all-reduced {hook.wire_bytes / args.steps:,.0f} "
+            f"bytes/step in {sorted(map(str, hook.wire_dtypes))} "
+            f"(fp32 would be {hook.elements * 4 / args.steps:,.0f}); "
+            f"checkpoint: {args.checkpoint}"
+        )
     dist.destroy_process_group()
 
 

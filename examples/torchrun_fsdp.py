@@ -15,13 +15,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import mixprec.distributed as mpd
-from mixprec.models import GPT, Block, GPTConfig
+from mixprec.bench.models import GPT, Block, GPTConfig
 
 
 def batch(step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    seq = (torch.randint(0, 32, (n, 1), generator=g)
-           + torch.randint(1, 4, (n, 1), generator=g) * torch.arange(33)) % 32
+    seq = (
+        torch.randint(0, 32, (n, 1), generator=g)
+        + torch.randint(1, 4, (n, 1), generator=g) * torch.arange(33)
+    ) % 32
     return seq[:, :-1], seq[:, 1:]
 
 
@@ -41,8 +43,13 @@ def main() -> None:
     model = GPT(GPTConfig(vocab_size=32, block_size=32, n_layer=2, n_head=2, n_embd=64)).to(device)
     # Shards (each Block its own unit), maps O2 onto MixedPrecisionPolicy, builds the optimizer
     # on the sharded fp32 parameters, then prepares mixprec's engine and loss scaling.
-    model, opt = mpd.initialize_fsdp(model, lambda ps: torch.optim.AdamW(ps, lr=3e-3),
-                                     level="O2", dtype=torch.bfloat16, units=Block)
+    model, opt = mpd.initialize_fsdp(
+        model,
+        lambda ps: torch.optim.AdamW(ps, lr=3e-3),
+        level="O2",
+        dtype=torch.bfloat16,
+        units=Block,
+    )
     for step in range(args.steps):
         idx, tgt = (t[rank::world].to(device) for t in batch(step))
         logits = model(idx)
@@ -53,12 +60,14 @@ def main() -> None:
         opt.zero_grad()
         if rank == 0 and step % 10 == 0:
             print(f"step {step:3d}  loss {loss.item():.3f}  skipped {opt.skipped_steps}")
-    mpd.save_checkpoint(args.checkpoint, model, opt)      # every rank writes its shards
-    full = mpd.fp32_full_state_dict(model)                # collective: all ranks call it
+    mpd.save_checkpoint(args.checkpoint, model, opt)  # every rank writes its shards
+    full = mpd.fp32_full_state_dict(model)  # collective: all ranks call it
     if rank == 0:
         torch.save(full, args.checkpoint + "_fp32.pt")
-        print(f"final loss {loss.item():.3f}; sharded checkpoint in {args.checkpoint}/, "
-              f"fp32 export in {args.checkpoint}_fp32.pt")
+        print(
+            f"final loss {loss.item():.3f}; sharded checkpoint in {args.checkpoint}/, "
+            f"fp32 export in {args.checkpoint}_fp32.pt"
+        )
     dist.destroy_process_group()
 
 

@@ -3,43 +3,38 @@
 Public names are re-exported here; everything else is internal.
 """
 
-from mixprec.cast_table import cast_rules
-from mixprec.cast_table import register_op
-from mixprec.engine import autocast
+import sys as _sys
+
+import torch.distributed as _dist
+
+import mixprec.core.clipping
+from mixprec import _moved
+from mixprec.compat.keras import LossScaleOptimizer
+from mixprec.core.cast_table import cast_rules, register_op
+from mixprec.core.engine import autocast, set_policy
+from mixprec.core.footprint import Footprint, footprint
+from mixprec.core.hardware import check, default_dtype
+from mixprec.core.initialize import fp32_state_dict, initialize, scale_loss
+from mixprec.core.lean import stochastic_round
+from mixprec.core.loss_scale import LossScaler
+from mixprec.core.norms import register_norm
+from mixprec.core.optimizer import MixedPrecisionOptimizer
+from mixprec.core.policy import Policy, get_policy, global_policy, policy_scope, set_global_policy
 from mixprec.graph import convert
-from mixprec.footprint import Footprint
-from mixprec.footprint import footprint
-from mixprec.hardware import check
-from mixprec.export import export
-from mixprec.inference import for_inference
-from mixprec.initialize import fp32_state_dict
-from mixprec.initialize import initialize
-from mixprec.initialize import scale_loss
-import mixprec.clipping  # noqa: F401  (wraps torch.nn.utils.clip_grad_norm_)
-from mixprec.lean import stochastic_round
-from mixprec.norms import register_norm
-from mixprec.keras import LossScaleOptimizer
-from mixprec.loss_scale import LossScaler
-from mixprec.optimizer import MixedPrecisionOptimizer
-from mixprec.hardware import default_dtype
-from mixprec.policy import Policy
-from mixprec.policy import get_policy
-from mixprec.policy import global_policy
-from mixprec.policy import policy_scope
-from mixprec.policy import set_global_policy
-from mixprec.policy import set_policy
-from mixprec.alignment import lint
-from mixprec.locate import NonFiniteError
-from mixprec.locate import NonFiniteLocator
-from mixprec.locate import locate_nonfinite
-from mixprec.opstats import OpStats
-from mixprec.opstats import op_stats
-from mixprec.range_audit import RangeAudit
-from mixprec.range_audit import range_audit
-from mixprec.tuning import TunePlan
-from mixprec.tuning import tune
+from mixprec.inference.export import export
+from mixprec.inference.prepare import for_inference
+from mixprec.numerics.alignment import lint
+from mixprec.numerics.locate import NonFiniteError, NonFiniteLocator, locate_nonfinite
+from mixprec.numerics.opstats import OpStats, op_stats
+from mixprec.numerics.range_audit import RangeAudit, range_audit
+from mixprec.numerics.tuning import TunePlan, tune
 
 __version__ = "0.1.0"
+
+if _dist.is_available():  # registers its plain-DDP hooks with the core
+    import mixprec.distributed  # noqa: F401
+
+_moved.install(_sys.modules[__name__])  # old flat module paths, with a DeprecationWarning
 
 __all__ = [
     "Footprint",

@@ -24,24 +24,36 @@ def _tiny_workload(target=0.5, higher=True):
     g = torch.Generator().manual_seed(1)
     data = (torch.randn(64, 8, generator=g), torch.randint(0, 4, (64,), generator=g))
     return BenchWorkload(
-        name="tiny", description="tiny MLP", metric="accuracy", higher_is_better=higher,
-        target=target, batch_size=8, steps=6, quick_steps=4, eval_every=2,
+        name="tiny",
+        description="tiny MLP",
+        metric="accuracy",
+        higher_is_better=higher,
+        target=target,
+        batch_size=8,
+        steps=6,
+        quick_steps=4,
+        eval_every=2,
         prepare=lambda quick, seed: data,
         make_model=lambda d: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)),
         make_optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
         batches=batches,
         loss=lambda out, y: nn.functional.cross_entropy(out.float(), y),
-        evaluate=evaluate, samples_per_batch=lambda b: b,
-        example_batch=lambda d, b: next(batches(d, b, 0)))
+        evaluate=evaluate,
+        samples_per_batch=lambda b: b,
+        example_batch=lambda d, b: next(batches(d, b, 0)),
+    )
 
 
-@pytest.mark.parametrize("evals, target, higher, want", [
-    ([(0, 0.0, 0.1), (5, 1.0, 0.4), (10, 2.0, 0.6), (15, 3.0, 0.9)], 0.5, True, 2.0),
-    ([(0, 0.0, 0.1), (5, 1.0, 0.5)], 0.5, True, 1.0),  # reaching the target exactly counts
-    ([(0, 0.0, 0.1), (5, 1.0, 0.4)], 0.5, True, None),  # never reached
-    ([(0, 0.0, 4.6), (5, 1.5, 3.0), (10, 3.0, 2.1), (15, 4.5, 1.9)], 2.2, False, 3.0),
-    ([(0, 0.0, 4.6), (5, 1.5, 3.0)], 2.2, False, None),
-])
+@pytest.mark.parametrize(
+    ("evals", "target", "higher", "want"),
+    [
+        ([(0, 0.0, 0.1), (5, 1.0, 0.4), (10, 2.0, 0.6), (15, 3.0, 0.9)], 0.5, True, 2.0),
+        ([(0, 0.0, 0.1), (5, 1.0, 0.5)], 0.5, True, 1.0),  # reaching the target exactly counts
+        ([(0, 0.0, 0.1), (5, 1.0, 0.4)], 0.5, True, None),  # never reached
+        ([(0, 0.0, 4.6), (5, 1.5, 3.0), (10, 3.0, 2.1), (15, 4.5, 1.9)], 2.2, False, 3.0),
+        ([(0, 0.0, 4.6), (5, 1.5, 3.0)], 2.2, False, None),
+    ],
+)
 def test_time_to_target_on_synthetic_curves(evals, target, higher, want):
     assert runner.time_to_target(evals, target, higher) == want
 
@@ -69,18 +81,34 @@ def test_time_budget_stops_each_mode():
 def test_json_document_follows_the_schema(tmp_path):
     wl = _tiny_workload()
     modes = runner.run_workload(wl, ["fp32", "O2"], steps=2, memory=False)
-    doc = report.to_json(report.meta("mixprec bench tiny", torch.bfloat16, 0, True),
-                         {"tiny": (wl, modes)})
+    doc = report.to_json(
+        report.meta("mixprec bench tiny", torch.bfloat16, 0, True), {"tiny": (wl, modes)}
+    )
     report.write_json(doc, tmp_path / "r.json")
     back = json.loads((tmp_path / "r.json").read_text())
     assert back["schema"] == report.SCHEMA
     assert {"date", "hardware", "torch", "python", "command", "dtype", "seed", "quick"} <= set(
-        back["meta"])
+        back["meta"]
+    )
     w = back["workloads"]["tiny"]
     assert w["metric"] == "accuracy" and w["target"] == 0.5 and set(w["modes"]) == {"fp32", "O2"}
-    fields = {"mode", "step_times", "train_losses", "wall", "evals", "loss_scales", "skipped_steps",
-              "median_step", "throughput", "speedup_vs_fp32", "speedup_vs_torch",
-              "final_metric", "time_to_target", "peak_bytes", "max_batch"}
+    fields = {
+        "mode",
+        "step_times",
+        "train_losses",
+        "wall",
+        "evals",
+        "loss_scales",
+        "skipped_steps",
+        "median_step",
+        "throughput",
+        "speedup_vs_fp32",
+        "speedup_vs_torch",
+        "final_metric",
+        "time_to_target",
+        "peak_bytes",
+        "max_batch",
+    }
     assert set(w["modes"]["O2"]) == fields
     assert len(report.rows(wl, modes)) == 2 and report.markdown(wl, modes).count("\n") == 3
 
@@ -89,8 +117,11 @@ def test_plots_are_written(tmp_path):
     wl = _tiny_workload()
     modes = runner.run_workload(wl, ["fp32", "O1"], steps=2, memory=False)
     paths = report.write_plots(wl, modes, tmp_path)
-    assert [p.name for p in paths] == ["tiny_loss_vs_time.png", "tiny_loss_scale.png",
-                                       "tiny_step_time.png"]
+    assert [p.name for p in paths] == [
+        "tiny_loss_vs_time.png",
+        "tiny_loss_scale.png",
+        "tiny_step_time.png",
+    ]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -102,27 +133,50 @@ def test_max_batch_search_respects_the_budget():
     assert runner.max_batch(wl, data, "fp32", torch.bfloat16, -1, start=8) is None
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["bench", "imagenet"], "unknown workload(s) ['imagenet']"),
-    (["bench", "--steps", "0"], "--steps must be a positive integer"),
-    (["bench", "--batch-size", "-2"], "--batch-size must be a positive integer"),
-    (["bench", "--time-budget", "0"], "--time-budget must be positive"),
-    (["bench", "--max-batch", "-5"], "--max-batch must be positive"),
-    (["bench", "--modes", "O9"], "invalid choice"),
-    (["bench", "--dtype", "fp8"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "imagenet"], "unknown workload(s) ['imagenet']"),
+        (["bench", "--steps", "0"], "--steps must be a positive integer"),
+        (["bench", "--batch-size", "-2"], "--batch-size must be a positive integer"),
+        (["bench", "--time-budget", "0"], "--time-budget must be positive"),
+        (["bench", "--max-batch", "-5"], "--max-batch must be positive"),
+        (["bench", "--modes", "O9"], "invalid choice"),
+        (["bench", "--dtype", "fp8"], "invalid choice"),
+    ],
+)
 def test_bench_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
         cli.main(argv)
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("workload, extra", [("seed-mlp", []), ("mnist1d-cnn", []),
-                                             ("char-gpt", ["--batch-size", "2"])])
+@pytest.mark.parametrize(
+    ("workload", "extra"),
+    [("seed-mlp", []), ("mnist1d-cnn", []), ("char-gpt", ["--batch-size", "2"])],
+)
 def test_bench_command_quick_tiny_run(workload, extra, tmp_path, capsys):
     out = tmp_path / "out"
-    assert cli.main(["bench", workload, "--quick", "--steps", "3", "--modes", "fp32", "O2",
-                     "--no-progress", "--no-memory", "--out", str(out), *extra]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                workload,
+                "--quick",
+                "--steps",
+                "3",
+                "--modes",
+                "fp32",
+                "O2",
+                "--no-progress",
+                "--no-memory",
+                "--out",
+                str(out),
+                *extra,
+            ]
+        )
+        == 0
+    )
     doc = json.loads((out / "results.json").read_text())
     modes = doc["workloads"][workload]["modes"]
     assert set(modes) == {"fp32", "O2"} and all(len(m["step_times"]) == 3 for m in modes.values())
@@ -133,9 +187,27 @@ def test_bench_command_quick_tiny_run(workload, extra, tmp_path, capsys):
 
 def test_bench_on_a_larger_generated_mnist1d_set(tmp_path):
     out = tmp_path / "out"
-    assert cli.main(["bench", "mnist1d-cnn", "--quick", "--steps", "2", "--modes", "fp32",
-                     "--mnist1d-samples", "1500", "--no-progress", "--no-memory", "--no-plots",
-                     "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "bench",
+                "mnist1d-cnn",
+                "--quick",
+                "--steps",
+                "2",
+                "--modes",
+                "fp32",
+                "--mnist1d-samples",
+                "1500",
+                "--no-progress",
+                "--no-memory",
+                "--no-plots",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads((out / "results.json").read_text())
     assert "--mnist1d-samples 1500" in doc["meta"]["command"]
     from mixprec.bench.workloads import make_large_mnist1d

@@ -17,8 +17,23 @@ import bench_overhead
 
 def test_bench_gpu_smoke_on_cpu(tmp_path, capsys):
     out = tmp_path / "gpu.json"
-    bench_gpu.main(["--device", "cpu", "--smoke", "--rounds", "1", "--steps", "1", "--modes",
-                    "fp32", "torch.autocast bf16", "mixprec O2 bf16", "--json", str(out)])
+    bench_gpu.main(
+        [
+            "--device",
+            "cpu",
+            "--smoke",
+            "--rounds",
+            "1",
+            "--steps",
+            "1",
+            "--modes",
+            "fp32",
+            "torch.autocast bf16",
+            "mixprec O2 bf16",
+            "--json",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert "CPU smoke run" in text and "| gpt2-small | mixprec O2 bf16 |" in text
     rows = json.loads(out.read_text())["rows"]
@@ -33,9 +48,24 @@ def test_bench_gpu_refuses_full_shapes_on_cpu():
 
 def test_bench_overhead_names_the_machine_and_ratios(tmp_path, capsys, monkeypatch):
     out = tmp_path / "o.json"
-    monkeypatch.setattr(sys, "argv", ["bench_overhead.py", "--models", "launch-bound",
-                                      "--phases", "forward", "--rounds", "1", "--modes",
-                                      "torch-autocast", "O2", "--json", str(out)])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "bench_overhead.py",
+            "--models",
+            "launch-bound",
+            "--phases",
+            "forward",
+            "--rounds",
+            "1",
+            "--modes",
+            "torch-autocast",
+            "O2",
+            "--json",
+            str(out),
+        ],
+    )
     bench_overhead.main()
     text = capsys.readouterr().out
     assert "threads" in text and "torch " in text and "| launch-bound | forward | O2 |" in text

@@ -71,7 +71,8 @@ def test_split_is_90_10_and_max_chars_truncates():
     assert torch.equal(torch.cat([tiny.train, tiny.val]), c.train[:1000])
     assert tiny.sha256 != c.sha256
     assert decode(c.train[:10_000]).startswith(
-        (corpus.stdlib_dir() / FILES[0]).read_text()[:1000].replace("\t", "    "))
+        (corpus.stdlib_dir() / FILES[0]).read_text()[:1000].replace("\t", "    ")
+    )
 
 
 def test_bad_max_chars():
@@ -119,10 +120,12 @@ def test_mnist_batches_are_epochs_of_permutations():
     data = w.prepare(True, 0)
     n = len(data["y"])
     ys = torch.cat([y for _, y in _first(w, data, 300, 7, n=7)])  # 2100 labels > 2 epochs
-    assert torch.equal(torch.bincount(ys[:n], minlength=10),
-                       torch.bincount(data["y"], minlength=10))
-    assert torch.equal(torch.bincount(ys[n:2 * n], minlength=10),
-                       torch.bincount(data["y"], minlength=10))
+    assert torch.equal(
+        torch.bincount(ys[:n], minlength=10), torch.bincount(data["y"], minlength=10)
+    )
+    assert torch.equal(
+        torch.bincount(ys[n : 2 * n], minlength=10), torch.bincount(data["y"], minlength=10)
+    )
 
 
 @pytest.mark.parametrize("name", ["seed-mlp", "mnist1d-cnn"])

@@ -1,4 +1,4 @@
-"""Tests for mixprec.cast_table as applied by the eager engine.
+"""Tests for mixprec.core.cast_table as applied by the eager engine.
 
 Every check compares the region's result *bitwise* (torch.equal) with a hand-written
 cast-then-run reference computed outside any region.
@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec import cast_table
-from mixprec.cast_table import FP32, LOWER, PROMOTE, cast_rules, op_name, register_op, rule_for
+from mixprec.core import cast_table
+from mixprec.core.cast_table import FP32, LOWER, PROMOTE, cast_rules, op_name, register_op, rule_for
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
 LOW = [torch.bfloat16, torch.float16]
 F32, F64 = torch.float32, torch.float64
@@ -60,6 +60,7 @@ def assert_same(actual, expected):
 
 # --------------------------------------------------------------------------- lower
 
+
 def _lower_cases():
     g = gen(1)
     x, w, b = rn(3, 4, g=g), rn(5, 4, g=g), rn(5, g=g)
@@ -68,7 +69,7 @@ def _lower_cases():
     c1x, c1w, c1b = rn(1, 2, 7, g=g), rn(3, 2, 3, g=g), rn(3, g=g)
     c2x, c2w = rn(1, 2, 5, 5, g=g), rn(3, 2, 3, 3, g=g)
     return [
-        ("F.linear", lambda x, w, b: F.linear(x, w, b), (x, w, b)),
+        ("F.linear", F.linear, (x, w, b)),
         ("torch.matmul", torch.matmul, (a, m)),
         ("Tensor.matmul", lambda a, m: a.matmul(m), (a, m)),
         ("__matmul__", lambda a, m: a @ m, (a, m)),
@@ -77,7 +78,7 @@ def _lower_cases():
         ("torch.bmm", torch.bmm, (ba, bb)),
         ("torch.addmm", torch.addmm, (rn(3, 6, g=g), a, m)),
         ("torch.baddbmm", torch.baddbmm, (rn(2, 3, 5, g=g), ba, bb)),
-        ("F.conv1d", lambda x, w, b: F.conv1d(x, w, b), (c1x, c1w, c1b)),
+        ("F.conv1d", F.conv1d, (c1x, c1w, c1b)),
         ("F.conv2d", lambda x, w: F.conv2d(x, w, padding=1), (c2x, c2w)),
         ("torch.einsum", lambda a, m: torch.einsum("ij,jk->ik", a, m), (a, m)),
         ("torch.einsum.batched", lambda p, q: torch.einsum("bij,bjk->bik", p, q), (ba, bb)),
@@ -88,7 +89,7 @@ LOWER_CASES = _lower_cases()
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("name,fn,args", LOWER_CASES, ids=[c[0] for c in LOWER_CASES])
+@pytest.mark.parametrize(("name", "fn", "args"), LOWER_CASES, ids=[c[0] for c in LOWER_CASES])
 def test_lower_ops_fp32_inputs(dtype, name, fn, args):
     with mixprec.autocast(dtype):
         out = fn(*args)
@@ -116,6 +117,7 @@ def test_lower_nn_modules(dtype):
 
 # --------------------------------------------------------------------------- fp32
 
+
 def _fp32_cases():
     g = gen(2)
     x = rn(3, 5, g=g)
@@ -141,9 +143,9 @@ def _fp32_cases():
         ("torch.log", torch.log, (pos,), ()),
         ("Tensor.log", lambda x: x.log(), (pos,), ()),
         ("torch.pow", lambda x: torch.pow(x, 3), (x,), ()),
-        ("__pow__", lambda x: x ** 2, (x,), ()),
+        ("__pow__", lambda x: x**2, (x,), ()),
         ("F.cross_entropy", lambda x: F.cross_entropy(x, target), (x,), ()),
-        ("F.mse_loss", lambda x, y: F.mse_loss(x, y), (x,), (y32,)),
+        ("F.mse_loss", F.mse_loss, (x,), (y32,)),
     ]
 
 
@@ -151,8 +153,9 @@ FP32_CASES = _fp32_cases()
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("name,fn,low_args,f32_args", FP32_CASES,
-                         ids=[c[0] for c in FP32_CASES])
+@pytest.mark.parametrize(
+    ("name", "fn", "low_args", "f32_args"), FP32_CASES, ids=[c[0] for c in FP32_CASES]
+)
 def test_fp32_ops_16bit_inputs(dtype, name, fn, low_args, f32_args):
     low = cast(low_args, dtype)
     with mixprec.autocast(dtype):
@@ -160,8 +163,9 @@ def test_fp32_ops_16bit_inputs(dtype, name, fn, low_args, f32_args):
     assert_same(out, fn(*cast(low, F32), *f32_args))
 
 
-@pytest.mark.parametrize("name,fn,low_args,f32_args", FP32_CASES[::3],
-                         ids=[c[0] for c in FP32_CASES[::3]])
+@pytest.mark.parametrize(
+    ("name", "fn", "low_args", "f32_args"), FP32_CASES[::3], ids=[c[0] for c in FP32_CASES[::3]]
+)
 def test_fp32_ops_fp32_inputs_unchanged(name, fn, low_args, f32_args):
     with mixprec.autocast(torch.bfloat16):
         out = fn(*low_args, *f32_args)
@@ -181,6 +185,7 @@ def test_fp32_op_inputs_that_are_16bit_leaves(dtype):
 
 
 # --------------------------------------------------------------------------- promote
+
 
 def _promote_cases():
     g = gen(3)
@@ -207,7 +212,7 @@ PROMOTE_CASES = _promote_cases()
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("name,fn,args", PROMOTE_CASES, ids=[c[0] for c in PROMOTE_CASES])
+@pytest.mark.parametrize(("name", "fn", "args"), PROMOTE_CASES, ids=[c[0] for c in PROMOTE_CASES])
 def test_promote_16bit_with_fp32(dtype, name, fn, args):
     a, b = args
     a16 = a.to(dtype)
@@ -221,8 +226,9 @@ def test_promote_16bit_with_fp32(dtype, name, fn, args):
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("name,fn,args", PROMOTE_CASES[::2],
-                         ids=[c[0] for c in PROMOTE_CASES[::2]])
+@pytest.mark.parametrize(
+    ("name", "fn", "args"), PROMOTE_CASES[::2], ids=[c[0] for c in PROMOTE_CASES[::2]]
+)
 def test_promote_same_dtype_stays(dtype, name, fn, args):
     a, b = cast(args, dtype)
     with mixprec.autocast(dtype):
@@ -254,9 +260,8 @@ def test_fp16_bf16_mix_goes_to_fp32(region):
 def test_torch_autocast_rejects_the_fp16_bf16_mix():
     """Documents the improvement: torch.autocast raises where mixprec promotes to fp32."""
     a, b = rn(2, 3, dtype=torch.float16), rn(2, 3, dtype=torch.bfloat16)
-    with torch.autocast("cpu", torch.bfloat16):
-        with pytest.raises(RuntimeError):
-            torch.cat([a, b])
+    with torch.autocast("cpu", torch.bfloat16), pytest.raises(RuntimeError):
+        torch.cat([a, b])
     with mixprec.autocast(torch.bfloat16):
         assert torch.cat([a, b]).dtype == F32
 
@@ -272,12 +277,23 @@ def test_promote_with_fp64_follows_torch():
 
 # --------------------------------------------------------------------------- pass-through
 
+
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("name,fn", [
-    ("relu", torch.relu), ("F.relu", F.relu), ("F.gelu", F.gelu), ("tanh", torch.tanh),
-    ("view", lambda x: x.view(-1)), ("transpose", lambda x: x.t()),
-    ("neg", lambda x: -x), ("scalar_mul", lambda x: x * 2.0), ("abs", torch.abs),
-], ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    ("name", "fn"),
+    [
+        ("relu", torch.relu),
+        ("F.relu", F.relu),
+        ("F.gelu", F.gelu),
+        ("tanh", torch.tanh),
+        ("view", lambda x: x.view(-1)),
+        ("transpose", lambda x: x.t()),
+        ("neg", lambda x: -x),
+        ("scalar_mul", lambda x: x * 2.0),
+        ("abs", torch.abs),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
 def test_unlisted_ops_keep_input_dtype(dtype, name, fn):
     x32 = rn(3, 4)
     x16 = x32.to(dtype)
@@ -292,10 +308,26 @@ def test_fp64_passes_through(dtype):
     x, w, b = rn(3, 4, dtype=F64), rn(5, 4, dtype=F64), rn(5, dtype=F64)
     lin = nn.Linear(4, 5).double()
     with mixprec.autocast(dtype):
-        outs = [F.linear(x, w, b), torch.mm(x, w.t()), torch.softmax(x, -1), x.sum(), x @ w.t(),
-                lin(x), torch.cat([x, x]), F.layer_norm(x, (4,))]
-    refs = [F.linear(x, w, b), torch.mm(x, w.t()), torch.softmax(x, -1), x.sum(), x @ w.t(),
-            lin(x), torch.cat([x, x]), F.layer_norm(x, (4,))]
+        outs = [
+            F.linear(x, w, b),
+            torch.mm(x, w.t()),
+            torch.softmax(x, -1),
+            x.sum(),
+            x @ w.t(),
+            lin(x),
+            torch.cat([x, x]),
+            F.layer_norm(x, (4,)),
+        ]
+    refs = [
+        F.linear(x, w, b),
+        torch.mm(x, w.t()),
+        torch.softmax(x, -1),
+        x.sum(),
+        x @ w.t(),
+        lin(x),
+        torch.cat([x, x]),
+        F.layer_norm(x, (4,)),
+    ]
     for out, ref in zip(outs, refs):
         assert_same(out, ref)
         assert out.dtype == F64
@@ -306,10 +338,28 @@ def test_integer_tensors_pass_through(dtype):
     a = torch.arange(12).view(3, 4)
     b = torch.arange(8, dtype=torch.int32).view(4, 2)
     with mixprec.autocast(dtype):
-        outs = [torch.mm(a, a.t()), a @ a.t(), a.sum(), torch.add(a, a), torch.cat([a, a]),
-                a.cumsum(0), torch.matmul(b.t(), b), a * 3, torch.where(a > 3, a, 0)]
-    refs = [torch.mm(a, a.t()), a @ a.t(), a.sum(), torch.add(a, a), torch.cat([a, a]),
-            a.cumsum(0), torch.matmul(b.t(), b), a * 3, torch.where(a > 3, a, 0)]
+        outs = [
+            torch.mm(a, a.t()),
+            a @ a.t(),
+            a.sum(),
+            torch.add(a, a),
+            torch.cat([a, a]),
+            a.cumsum(0),
+            torch.matmul(b.t(), b),
+            a * 3,
+            torch.where(a > 3, a, 0),
+        ]
+    refs = [
+        torch.mm(a, a.t()),
+        a @ a.t(),
+        a.sum(),
+        torch.add(a, a),
+        torch.cat([a, a]),
+        a.cumsum(0),
+        torch.matmul(b.t(), b),
+        a * 3,
+        torch.where(a > 3, a, 0),
+    ]
     for out, ref in zip(outs, refs):
         assert_same(out, ref)
         assert not out.is_floating_point()
@@ -317,25 +367,48 @@ def test_integer_tensors_pass_through(dtype):
 
 # ------------------------------------------------------------------------ in-place, out=, dtype=
 
+
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_inplace_on_fp32_never_downcast(dtype):
     y16 = rn(3, 4, dtype=dtype)
     base = rn(3, 4, g=gen(9))
     results = {}
     with mixprec.autocast(dtype):
-        x = base.clone(); x.add_(y16); results["add_"] = x
-        x = base.clone(); x.mul_(y16); results["mul_"] = x
-        x = base.clone(); x += y16; results["iadd"] = x
-        x = base.clone(); x *= y16; results["imul"] = x
-        x = base.clone(); x[0] = y16[0]; results["setitem"] = x
-        x = base.clone(); x.copy_(y16); results["copy_"] = x
-        x = base.clone(); x.exp_(); results["exp_"] = x
-        x = base.clone(); x.softmax(-1); results["noop"] = x
+        x = base.clone()
+        x.add_(y16)
+        results["add_"] = x
+        x = base.clone()
+        x.mul_(y16)
+        results["mul_"] = x
+        x = base.clone()
+        x += y16
+        results["iadd"] = x
+        x = base.clone()
+        x *= y16
+        results["imul"] = x
+        x = base.clone()
+        x[0] = y16[0]
+        results["setitem"] = x
+        x = base.clone()
+        x.copy_(y16)
+        results["copy_"] = x
+        x = base.clone()
+        x.exp_()
+        results["exp_"] = x
+        x = base.clone()
+        x.softmax(-1)
+        results["noop"] = x
     refs = {}
-    x = base.clone(); x.add_(y16.float()); refs["add_"] = x
-    x = base.clone(); x.mul_(y16.float()); refs["mul_"] = x
+    x = base.clone()
+    x.add_(y16.float())
+    refs["add_"] = x
+    x = base.clone()
+    x.mul_(y16.float())
+    refs["mul_"] = x
     refs["iadd"], refs["imul"] = refs["add_"], refs["mul_"]
-    x = base.clone(); x[0] = y16[0].float(); refs["setitem"] = x
+    x = base.clone()
+    x[0] = y16[0].float()
+    refs["setitem"] = x
     refs["copy_"] = y16.float()
     refs["exp_"] = base.exp()
     refs["noop"] = base
@@ -357,8 +430,12 @@ def test_inplace_on_16bit_stays_16bit(dtype):
 def test_out_variants_are_never_downcast(dtype):
     a, m = rn(3, 4), rn(4, 5)
     a16 = a.to(dtype)
-    o_mm, o_add, o_cat, o_sum = torch.empty(3, 5), torch.empty(3, 4), torch.empty(6, 4), \
-        torch.empty(4)
+    o_mm, o_add, o_cat, o_sum = (
+        torch.empty(3, 5),
+        torch.empty(3, 4),
+        torch.empty(6, 4),
+        torch.empty(4),
+    )
     with mixprec.autocast(dtype):
         torch.mm(a, m, out=o_mm)
         torch.add(a16, a, out=o_add)
@@ -391,40 +468,60 @@ def test_explicit_dtype_is_kept(dtype):
 
 # --------------------------------------------------------------------------- names and lookup
 
-@pytest.mark.parametrize("op,expected", [
-    (torch.ops.aten.mm.default, ("mm", False)),
-    (torch.ops.aten.softmax.int, ("softmax", False)),
-    (torch.ops.aten.softmax, ("softmax", False)),
-    (torch.ops.aten.add_.Tensor, ("add", True)),
-    (torch.Tensor.add_, ("add", True)),
-    (torch.Tensor.add, ("add", False)),
-    (torch.Tensor.__matmul__, ("matmul", False)),
-    (torch.Tensor.__rmatmul__, ("matmul", False)),
-    (torch.Tensor.__radd__, ("add", False)),
-    (torch.Tensor.__iadd__, ("__iadd__", True)),
-    (torch.Tensor.__setitem__, ("__setitem__", True)),
-    (torch.softmax, ("softmax", False)),
-    (torch.Tensor.softmax, ("softmax", False)),
-    (F.softmax, ("softmax", False)),
-    (F.linear, ("linear", False)),
-    (torch._softmax, ("_softmax", False)),
-    ("layer_norm", ("layer_norm", False)),
-    ("relu_", ("relu", True)),
-])
+
+@pytest.mark.parametrize(
+    ("op", "expected"),
+    [
+        (torch.ops.aten.mm.default, ("mm", False)),
+        (torch.ops.aten.softmax.int, ("softmax", False)),
+        (torch.ops.aten.softmax, ("softmax", False)),
+        (torch.ops.aten.add_.Tensor, ("add", True)),
+        (torch.Tensor.add_, ("add", True)),
+        (torch.Tensor.add, ("add", False)),
+        (torch.Tensor.__matmul__, ("matmul", False)),
+        (torch.Tensor.__rmatmul__, ("matmul", False)),
+        (torch.Tensor.__radd__, ("add", False)),
+        (torch.Tensor.__iadd__, ("__iadd__", True)),
+        (torch.Tensor.__setitem__, ("__setitem__", True)),
+        (torch.softmax, ("softmax", False)),
+        (torch.Tensor.softmax, ("softmax", False)),
+        (F.softmax, ("softmax", False)),
+        (F.linear, ("linear", False)),
+        (torch._softmax, ("_softmax", False)),
+        ("layer_norm", ("layer_norm", False)),
+        ("relu_", ("relu", True)),
+    ],
+)
 def test_op_name(op, expected):
     assert op_name(op) == expected
 
 
-@pytest.mark.parametrize("op,rule", [
-    (torch.mm, LOWER), (F.linear, LOWER), (torch.Tensor.__matmul__, LOWER),
-    (F.scaled_dot_product_attention, LOWER), (F.conv2d, LOWER), (torch.einsum, LOWER),
-    (torch.softmax, FP32), (torch.Tensor.softmax, FP32), (F.layer_norm, FP32),
-    (F.cross_entropy, FP32), (torch.Tensor.sum, FP32), (torch.exp, FP32),
-    (torch.add, PROMOTE), (torch.cat, PROMOTE), (torch.where, PROMOTE),
-    (torch.Tensor.__add__, PROMOTE),
-    (torch.relu, None), (F.gelu, None), (torch.Tensor.view, None),
-    (torch.Tensor.add_, None), (torch.Tensor.__iadd__, None),
-])
+@pytest.mark.parametrize(
+    ("op", "rule"),
+    [
+        (torch.mm, LOWER),
+        (F.linear, LOWER),
+        (torch.Tensor.__matmul__, LOWER),
+        (F.scaled_dot_product_attention, LOWER),
+        (F.conv2d, LOWER),
+        (torch.einsum, LOWER),
+        (torch.softmax, FP32),
+        (torch.Tensor.softmax, FP32),
+        (F.layer_norm, FP32),
+        (F.cross_entropy, FP32),
+        (torch.Tensor.sum, FP32),
+        (torch.exp, FP32),
+        (torch.add, PROMOTE),
+        (torch.cat, PROMOTE),
+        (torch.where, PROMOTE),
+        (torch.Tensor.__add__, PROMOTE),
+        (torch.relu, None),
+        (F.gelu, None),
+        (torch.Tensor.view, None),
+        (torch.Tensor.add_, None),
+        (torch.Tensor.__iadd__, None),
+    ],
+)
 def test_default_rules(op, rule):
     assert rule_for(op) == rule
 
@@ -437,6 +534,7 @@ def test_table_markdown_lists_every_default_op():
 
 
 # --------------------------------------------------------------------------- register_op
+
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_register_op_fp32_then_none(dtype):
@@ -458,18 +556,18 @@ def test_register_op_fp32_then_none(dtype):
 def test_opting_out_of_a_lowered_op_runs_it_in_input_dtype(dtype):
     """None means "input dtype" even for ops torch.autocast (kept on underneath) would lower."""
     a, m, w = rn(3, 4), rn(4, 5), rn(5, 4)
-    with cast_rules({torch.mm: None}):
-        with mixprec.autocast(dtype):
-            mm32, mm16 = torch.mm(a, m), torch.mm(a.to(dtype), m.to(dtype))
-            lin = F.linear(a, w)  # other lowered ops are unaffected
+    with cast_rules({torch.mm: None}), mixprec.autocast(dtype):
+        mm32, mm16 = torch.mm(a, m), torch.mm(a.to(dtype), m.to(dtype))
+        lin = F.linear(a, w)  # other lowered ops are unaffected
     assert_same(mm32, torch.mm(a, m))
     assert_same(mm16, torch.mm(a.to(dtype), m.to(dtype)))
     assert_same(lin, F.linear(a.to(dtype), w.to(dtype)))
     register_op(F.linear, None)
     with mixprec.autocast(dtype):
         assert_same(F.linear(a, w), F.linear(a, w))
-        assert_same(nn.functional.linear(a.to(dtype), w.to(dtype)),
-                    F.linear(a.to(dtype), w.to(dtype)))
+        assert_same(
+            nn.functional.linear(a.to(dtype), w.to(dtype)), F.linear(a.to(dtype), w.to(dtype))
+        )
 
 
 def test_register_op_takes_effect_inside_an_open_region():
@@ -506,7 +604,8 @@ def test_register_op_is_process_wide():
     register_op(torch.tanh, "fp32")
     seen = []
     t = threading.Thread(target=lambda: seen.append(rule_for(torch.tanh)))
-    t.start(); t.join()
+    t.start()
+    t.join()
     assert seen == [FP32]
 
 
@@ -530,6 +629,7 @@ def test_register_op_bad_op_type(bad):
 
 # --------------------------------------------------------------------------- cast_rules
 
+
 def test_cast_rules_scopes_and_restores():
     x = rn(3, 4)
     with mixprec.autocast(torch.bfloat16):
@@ -544,18 +644,16 @@ def test_cast_rules_scopes_and_restores():
 
 
 def test_cast_rules_restores_on_exception():
-    with pytest.raises(ZeroDivisionError):
-        with cast_rules({torch.softmax: "lower"}):
-            assert rule_for(torch.softmax) == LOWER
-            1 / 0
+    with pytest.raises(ZeroDivisionError), cast_rules({torch.softmax: "lower"}):
+        assert rule_for(torch.softmax) == LOWER
+        raise ZeroDivisionError
     assert rule_for(torch.softmax) == FP32
 
 
 def test_cast_rules_none_makes_op_unlisted():
     x = rn(3, 4, dtype=torch.bfloat16)
-    with cast_rules({torch.softmax: None}):
-        with mixprec.autocast(torch.bfloat16):
-            out = torch.softmax(x, -1)
+    with cast_rules({torch.softmax: None}), mixprec.autocast(torch.bfloat16):
+        out = torch.softmax(x, -1)
     assert_same(out, torch.softmax(x, -1))
 
 
@@ -573,13 +671,11 @@ def test_cast_rules_beats_register_op_and_nests():
 
 
 def test_cast_rules_bad_rule_pushes_nothing():
-    with pytest.raises(ValueError):
-        with cast_rules({torch.softmax: "fast"}):
-            pass  # pragma: no cover
+    with pytest.raises(ValueError), cast_rules({torch.softmax: "fast"}):
+        pass  # pragma: no cover
     assert not cast_table._scoped.scopes and rule_for(torch.softmax) == FP32
-    with pytest.raises(TypeError):
-        with cast_rules({42: "fp32"}):
-            pass  # pragma: no cover
+    with pytest.raises(TypeError), cast_rules({42: "fp32"}):
+        pass  # pragma: no cover
 
 
 def test_cast_rules_is_thread_local():

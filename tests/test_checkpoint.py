@@ -9,13 +9,11 @@ import io
 import pytest
 import torch
 from torch import nn
-
-from training_helpers import (assert_bitwise, assert_tree_bitwise, make_model, mse,
-                              poisoned)
+from training_helpers import assert_bitwise, assert_tree_bitwise, make_model, mse, poisoned
 
 from mixprec import fp32_state_dict, initialize
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -46,8 +44,18 @@ def train(model, opt, steps) -> list[bool]:
 
 
 @pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
-@pytest.mark.parametrize("level,dtype", [("O0", None), ("O1", FP16), ("O2", FP16), ("O3", FP16),
-                                         ("O1", BF16), ("O2", BF16), ("O3", BF16)])
+@pytest.mark.parametrize(
+    ("level", "dtype"),
+    [
+        ("O0", None),
+        ("O1", FP16),
+        ("O2", FP16),
+        ("O3", FP16),
+        ("O1", BF16),
+        ("O2", BF16),
+        ("O3", BF16),
+    ],
+)
 def test_resume_is_bitwise_identical(level, dtype, how):
     n = len(DATA)
     straight_model, straight_opt = build(level, dtype)
@@ -108,22 +116,33 @@ def test_load_state_dict_rejects_mismatched_checkpoints():
     train(model, opt, range(2))
     sd = copy.deepcopy(opt.state_dict())
     _, o3 = build("O3", FP16)
-    with pytest.raises(ValueError, match="The checkpoint has 4 master weights, this optimizer has "
-                                         "0: was it saved at another level or model"):
+    with pytest.raises(
+        ValueError,
+        match="The checkpoint has 4 master weights, this optimizer has "
+        "0: was it saved at another level or model",
+    ):
         o3.load_state_dict(sd)
     _, plain = build("O2", FP16)
-    with pytest.raises(KeyError, match=r"Not a MixedPrecisionOptimizer state dict: missing "
-                                       r"\['masters', 'optimizer', 'scalers', 'skipped_steps'\]"):
+    with pytest.raises(
+        KeyError,
+        match=r"Not a MixedPrecisionOptimizer state dict: missing "
+        r"\['masters', 'optimizer', 'scalers', 'skipped_steps'\]",
+    ):
         plain.load_state_dict(sd["optimizer"])
     model2 = make_model()
-    _, two = initialize(model2, torch.optim.AdamW(model2.parameters(), eps=1e-4), "O2", FP16,
-                        num_losses=2)
-    with pytest.raises(ValueError, match=r"The checkpoint has 1 loss scalers, this optimizer has "
-                                         r"2 \(num_losses\)"):
+    _, two = initialize(
+        model2, torch.optim.AdamW(model2.parameters(), eps=1e-4), "O2", FP16, num_losses=2
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"The checkpoint has 1 loss scalers, this optimizer has "
+        r"2 \(num_losses\)",
+    ):
         two.load_state_dict(sd)
 
 
 # ------------------------------------------------------------------ 5. fp32_state_dict
+
 
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 def test_fp32_state_dict_at_o2(dtype):

@@ -6,39 +6,62 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import benchmarking, cli, demo
+from mixprec import cli
+from mixprec.bench import steps as benchmarking
+from mixprec.bench import workloads
+from mixprec.cli import demo
 
 
 def test_demo_runs_and_reports_every_mode(capsys):
-    assert cli.main(["demo", "--steps", "3", "--batch", "64", "--levels", "O0", "O2",
-                     "--no-progress"]) == 0
+    assert (
+        cli.main(["demo", "--steps", "3", "--batch", "64", "--levels", "O0", "O2", "--no-progress"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "fp32" in out and "O2" in out
     assert "faster than fp32 here" in out or "16-bit is not faster here" in out
 
 
 def _no_bf16_cpu():
-    from mixprec import hardware
+    from mixprec.core import hardware
 
     flags = frozenset({"avx2", "fma"})  # an AVX2-only EPYC: bf16 emulated
-    return hardware.HardwareReport("cpu", "AMD EPYC (no AVX512)", tuple(sorted(flags)),
-                                   hardware._cpu_support(flags))
+    return hardware.HardwareReport(
+        "cpu", "AMD EPYC (no AVX512)", tuple(sorted(flags)), hardware._cpu_support(flags)
+    )
 
 
 def test_demo_on_a_cpu_without_fast_16bit_is_bounded_and_honest(monkeypatch, capsys):
     import mixprec
-    from mixprec import hardware
+    from mixprec.core import hardware
 
     report = _no_bf16_cpu()
     assert report.best_dtype == torch.float32
     monkeypatch.setattr(mixprec, "check", lambda *a, **k: report)
     monkeypatch.setattr(hardware, "check", lambda *a, **k: report)
-    assert cli.main(["demo", "--steps", "12", "--batch", "64", "--levels", "O0", "O2",
-                     "--budget", "0.001", "--no-progress"]) == 0
+    assert (
+        cli.main(
+            [
+                "demo",
+                "--steps",
+                "12",
+                "--batch",
+                "64",
+                "--levels",
+                "O0",
+                "O2",
+                "--budget",
+                "0.001",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "is not fast on this CPU" in out and "at most 0 s each" in out and "1024 wide" in out
-    cells = [[c.strip() for c in re.split(r"│|\|| {2,}", line) if c.strip()]
-             for line in out.splitlines()]  # a rich table, or the plain two-space one
+    cells = [
+        [c.strip() for c in re.split(r"│|\|| {2,}", line) if c.strip()] for line in out.splitlines()
+    ]  # a rich table, or the plain two-space one
     rows = {c[0]: c for c in cells if c and c[0] in ("fp32", "O2 bf16")}
     assert rows["fp32"][1] == "12" and rows["O2 bf16"][1] == "3"  # the 16-bit level stopped
     last = out.strip().splitlines()[-1]
@@ -55,13 +78,14 @@ def test_verdict_never_calls_a_slowdown_a_speed_up():
     assert "faster than fp32" not in text.split(". On a GPU")[0]
     fast = demo.DemoResult("O2 bf16", 0.005, 0.8, 2.3, 0.5, 240 * 2**20, 0, 60)
     assert demo.verdict([base, fast], report, torch.bfloat16).startswith(
-        "O2 bf16 steps are 2.00x faster than fp32 here")
+        "O2 bf16 steps are 2.00x faster than fp32 here"
+    )
     assert demo.speed_words(0.03) == "33.33x slower" and demo.speed_words(1.8) == "1.80x faster"
     assert demo.format_results([base, slow])[1][3] == "70.00x slower"
 
 
 def test_demo_results_are_real_measurements():
-    data = demo.load_mnist1d()
+    data = workloads.load_mnist1d()
     assert data["x"].shape == (4000, 40) and data["x_test"].shape == (1000, 40)
     r = demo.train_one(data, "O2", torch.bfloat16, steps=4, batch=64)
     assert 0.0 <= r.accuracy <= 1.0 and r.median_step > 0 and r.skipped_steps == 0
@@ -81,10 +105,12 @@ def test_check_prints_the_report(capsys):
 
 def test_benchmark_harness_times_every_mode(monkeypatch):
     tiny = benchmarking.step_workload(
-        "tiny", "tiny MLP",
+        "tiny",
+        "tiny MLP",
         lambda: nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)),
         lambda p: torch.optim.AdamW(p, lr=1e-3),
-        lambda g: (torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)))
+        lambda g: (torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)),
+    )
     monkeypatch.setitem(benchmarking.WORKLOADS, "tiny", tiny)
     # the torch.compile modes are covered by tests/test_convert.py (compiling every one of them
     # here would only time inductor)

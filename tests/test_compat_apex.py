@@ -1,5 +1,5 @@
 """mixprec.compat.apex: Apex's amp namespace and FP16_Optimizer, tested the way Apex's own L0
-amp suite tests Apex (shared/reference/apex.md §4), on CPU, plus the documented differences."""
+amp suite tests Apex, on CPU, plus the documented differences."""
 
 from __future__ import annotations
 
@@ -72,8 +72,12 @@ BASIC = {
     "x ** 2.": (lambda m, x: x**2.0, dict(), (b, h), FLOAT),
     "x.sum()": (lambda m, x: x.sum(), dict(), (b, h), FLOAT),
     # Apex bans binary_cross_entropy on fp16 (NotImplementedError); mixprec runs it in fp32.
-    "F.binary_cross_entropy": (lambda m, x: F.binary_cross_entropy(
-        torch.sigmoid(x), torch.rand(b, h)), dict(), (b, h), FLOAT),
+    "F.binary_cross_entropy": (
+        lambda m, x: F.binary_cross_entropy(torch.sigmoid(x), torch.rand(b, h)),
+        dict(),
+        (b, h),
+        FLOAT,
+    ),
 }
 
 
@@ -104,12 +108,16 @@ def test_batchnorm_eval_matches_input(in_dtype):
 
 # -- 4.2 promotion -------------------------------------------------------------------------
 @pytest.mark.parametrize("op", ["atan2", "mul"])
-@pytest.mark.parametrize("xt,yt", list(itertools.product([torch.float16, torch.float32],
-                                                          repeat=2)))
+@pytest.mark.parametrize(
+    ("xt", "yt"), list(itertools.product([torch.float16, torch.float32], repeat=2))
+)
 @pytest.mark.parametrize("method", [False, True])
 def test_binary_promotion(op, xt, yt, method):
-    fn = (lambda m, x, y: getattr(x, op)(y)) if method else (
-        lambda m, x, y: getattr(torch, op)(x, y))
+    fn = (
+        (lambda m, x, y: getattr(x, op)(y))
+        if method
+        else (lambda m, x, y: getattr(torch, op)(x, y))
+    )
     probe = _o1(Probe(fn))
     x = torch.rand(h, dtype=xt).add_(0.1).requires_grad_()
     y = torch.rand(h, dtype=yt).add_(0.1)
@@ -192,12 +200,16 @@ def test_rnn_cells_unrolled(cell_type, dtype):
     assert xs.grad.dtype == dtype
 
 
-@pytest.mark.parametrize("rnn_type", [lambda *a, **kw: nn.RNN(*a, nonlinearity="relu", **kw),
-                                      nn.GRU, nn.LSTM], ids=["RNN", "GRU", "LSTM"])
-@pytest.mark.parametrize("layers,bidir", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize(
+    "rnn_type",
+    [lambda *a, **kw: nn.RNN(*a, nonlinearity="relu", **kw), nn.GRU, nn.LSTM],
+    ids=["RNN", "GRU", "LSTM"],
+)
+@pytest.mark.parametrize(("layers", "bidir"), [(1, False), (2, False), (2, True)])
 def test_rnn_layers(rnn_type, layers, bidir):
-    probe = _o1(Probe(lambda m, x: m.rnn(x)[0], rnn=rnn_type(h, h, num_layers=layers,
-                                                             bidirectional=bidir)))
+    probe = _o1(
+        Probe(lambda m, x: m.rnn(x)[0], rnn=rnn_type(h, h, num_layers=layers, bidirectional=bidir))
+    )
     for dtype in (torch.float16, torch.float32):
         x = torch.randn(6, b, h, dtype=dtype).requires_grad_()
         probe(x).float().sum().backward()
@@ -208,8 +220,12 @@ def test_rnn_layers(rnn_type, layers, bidir):
 def test_packed_sequence_rnn():
     from torch.nn.utils.rnn import pack_padded_sequence
 
-    probe = _o1(Probe(lambda m, x: m.rnn(pack_padded_sequence(x, [6, 5, 3, 2]))[0].data,
-                      rnn=nn.RNN(h, h, num_layers=2)))
+    probe = _o1(
+        Probe(
+            lambda m, x: m.rnn(pack_padded_sequence(x, [6, 5, 3, 2]))[0].data,
+            rnn=nn.RNN(h, h, num_layers=2),
+        )
+    )
     x = torch.randn(6, 4, h).requires_grad_()
     probe(x).float().sum().backward()
     assert probe.seen == [torch.float16] and x.grad.dtype == torch.float32
@@ -237,8 +253,11 @@ TOPOLOGIES = {  # models, optimizer -> models, losses as (models summed, optimiz
 
 
 def _sgd(models, idx):
-    return torch.optim.SGD([{"params": list(models[i].parameters()), "lr": LRS[i]}
-                            for i in idx], lr=0.1, momentum=0.125)
+    return torch.optim.SGD(
+        [{"params": list(models[i].parameters()), "lr": LRS[i]} for i in idx],
+        lr=0.1,
+        momentum=0.125,
+    )
 
 
 def _zero(style, models, opts):
@@ -261,11 +280,16 @@ def _run_topology(level, topo, num_losses, inject, zero_style):
     refs = [MyModel(i, ref=True) for i in range(n)]
     opts = [_sgd(models, g) for g in groups]
     ref_opts = [_sgd(refs, g) for g in groups]
-    models, opts = amp.initialize(models, opts, opt_level=level, cast_model_type=False,
-                                  num_losses=num_losses, verbosity=0)
+    models, opts = amp.initialize(
+        models, opts, opt_level=level, cast_model_type=False, num_losses=num_losses, verbosity=0
+    )
     if level in ("O1", "O2"):  # Apex forces the initial scales 4 and 16
-        amp.load_state_dict({f"loss_scaler{i}": {"loss_scale": 4.0 * 4**i, "unskipped": 0}
-                             for i in range(num_losses)})
+        amp.load_state_dict(
+            {
+                f"loss_scaler{i}": {"loss_scale": 4.0 * 4**i, "unskipped": 0}
+                for i in range(num_losses)
+            }
+        )
     x = torch.ones(2)
     for it in range(iters):
         _zero(zero_style, models, opts)
@@ -274,8 +298,9 @@ def _run_topology(level, topo, num_losses, inject, zero_style):
         skip = set()
         for li, (midx, oidx) in enumerate(losses):
             loss = sum(models[i](x) for i in midx)
-            with amp.scale_loss(loss, [opts[j] for j in oidx],
-                                loss_id=li if num_losses == 2 else 0) as scaled:
+            with amp.scale_loss(
+                loss, [opts[j] for j in oidx], loss_id=li if num_losses == 2 else 0
+            ) as scaled:
                 scaled.backward()
                 if inject and inject[:2] == (it, li):
                     target, pname = inject[2:]
@@ -303,9 +328,14 @@ def _run_topology(level, topo, num_losses, inject, zero_style):
 @pytest.mark.parametrize("topo", list(TOPOLOGIES))
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
 def test_multiple_models_optimizers_losses(level, topo):
-    n, _, losses = TOPOLOGIES[topo]
-    injections = [None] + [(it, li, t, p) for it in (0, 1) for li in (0, 1)
-                           for t in range(len(losses[li][0])) for p in ("weight0", "weight1")]
+    _n, _, losses = TOPOLOGIES[topo]
+    injections = [None] + [
+        (it, li, t, p)
+        for it in (0, 1)
+        for li in (0, 1)
+        for t in range(len(losses[li][0]))
+        for p in ("weight0", "weight1")
+    ]
     styles = itertools.cycle(["none", "model", "optimizer"])
     for num_losses in (1, 2):
         for inject in injections:
@@ -323,8 +353,9 @@ def test_add_param_group(level):
         refs = [MyModel(0, ref=True), MyModel(1, ref=True)]
         opt = torch.optim.SGD(models[0].parameters(), lr=0.25, momentum=0.125)
         ref_opt = torch.optim.SGD(refs[0].parameters(), lr=0.25, momentum=0.125)
-        models, opt = amp.initialize(models, opt, opt_level=level, cast_model_type=False,
-                                     verbosity=0)
+        models, opt = amp.initialize(
+            models, opt, opt_level=level, cast_model_type=False, verbosity=0
+        )
         if level in ("O1", "O2"):
             amp.load_state_dict({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 0}})
         x = torch.ones(2)
@@ -387,15 +418,13 @@ def test_checkpoint_restore_is_bitwise(level, num_losses):
         torch.manual_seed(0)
         model = ConvNet()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-        return amp.initialize(model, opt, opt_level=level, num_losses=num_losses,
-                              verbosity=0)
+        return amp.initialize(model, opt, opt_level=level, num_losses=num_losses, verbosity=0)
 
     ids = tuple(range(num_losses))
     model, opt = build()
     _train(model, opt, 5, seed=1, loss_ids=ids)
     buf = io.BytesIO()  # through torch.save, as a real checkpoint (and no aliasing)
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp.state_dict()},
-               buf)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp.state_dict()}, buf)
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)
     model_sd, opt_sd, amp_sd = ckpt["model"], ckpt["opt"], ckpt["amp"]
@@ -434,7 +463,9 @@ def test_loss_scale_decrease_per_loss(level):
     for i in range(3):
         assert opt.slot(i).scaler.scale == init / 2**i
         assert (sd[f"loss_scaler{i}"]["loss_scale"], sd[f"loss_scaler{i}"]["unskipped"]) == (
-            init / 2**i, 2 - i)
+            init / 2**i,
+            2 - i,
+        )
 
 
 @pytest.mark.parametrize("level", ["O0", "O1", "O2"])
@@ -462,8 +493,9 @@ def test_state_dict_fp32_and_trainable(level):
 def test_o2_state_dict_holds_exact_masters_and_old_checkpoints_load():
     torch.manual_seed(0)
     model = nn.Linear(4, 4)
-    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=1e-3),
-                                opt_level="O2", verbosity=0)
+    model, opt = amp.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=1e-3), opt_level="O2", verbosity=0
+    )
     with amp.scale_loss(model(torch.randn(8, 4)).pow(2).mean(), opt) as s:
         s.backward()
     opt.step()
@@ -506,8 +538,9 @@ def test_initialize_options_and_disabled():
     amp.reset()
     m = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     o = torch.optim.SGD(m.parameters(), lr=0.1)
-    m, o = amp.initialize(m, o, opt_level="O2", loss_scale="128.0", keep_batchnorm_fp32="False",
-                          verbosity=0)
+    m, o = amp.initialize(
+        m, o, opt_level="O2", loss_scale="128.0", keep_batchnorm_fp32="False", verbosity=0
+    )
     assert o.loss_scale == 128.0 and m[1].weight.dtype == torch.float16
     sched = torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)  # a real torch Optimizer
     with amp.scale_loss(m(torch.randn(4, 2)).sum(), o.optimizer) as s:  # the original one
@@ -558,7 +591,7 @@ def test_register_functions_decorators_and_disable_casts():
     assert probe.seen == [torch.float32]  # sigmoid registered as a float function
     assert ns.custom(torch.ones(1), torch.ones(1)) == (torch.float32, torch.float32)  # outside
     amp.reset()
-    assert mixprec.cast_table.rule_for(torch.sigmoid) is None
+    assert mixprec.core.cast_table.rule_for(torch.sigmoid) is None
     assert ns.custom.__name__ == "<lambda>" and not hasattr(ns.custom, "__wrapped__")
 
 
@@ -580,9 +613,12 @@ def test_fp16_optimizer_dynamic_trajectory_and_skips():
     model = network_to_half(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
     assert model[1][0].weight.dtype == torch.float16 and model[1][1].weight.dtype == torch.float32
     lin = nn.Linear(4, 4).half()
-    opt = FP16_Optimizer(torch.optim.SGD(lin.parameters(), lr=0.1), dynamic_loss_scale=True,
-                         dynamic_loss_args={"init_scale": 2.0**10, "scale_window": 2},
-                         verbose=False)
+    opt = FP16_Optimizer(
+        torch.optim.SGD(lin.parameters(), lr=0.1),
+        dynamic_loss_scale=True,
+        dynamic_loss_args={"init_scale": 2.0**10, "scale_window": 2},
+        verbose=False,
+    )
     x = torch.randn(8, 4).half()
     scales = []
     for i in range(5):
@@ -595,8 +631,7 @@ def test_fp16_optimizer_dynamic_trajectory_and_skips():
             assert opt.clip_master_grads(100.0) > 0
         opt.step()
         if i == 2:
-            assert opt.overflow and all(torch.equal(a, p) for a, p in zip(before,
-                                                                          lin.parameters()))
+            assert opt.overflow and all(torch.equal(a, p) for a, p in zip(before, lin.parameters()))
         scales.append(opt.loss_scale)
     assert scales == [2.0**10, 2.0**11, 2.0**10, 2.0**10, 2.0**11]
 

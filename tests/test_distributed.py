@@ -25,10 +25,21 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("dist")
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(WORKER), "--out", str(out)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(WORKER),
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     files = [out / f"rank{r}.json" for r in range(2)]
     if proc.returncode != 0 or not all(f.exists() for f in files):
@@ -44,10 +55,15 @@ def result(ranks: list[dict], name: str) -> list[dict]:
 
 
 # -- 16-bit gradients on the wire ------------------------------------------------------------------
-@pytest.mark.parametrize("mode,wire", [("O1-bf16", "torch.bfloat16"),
-                                       ("O2-bf16", "torch.bfloat16"),
-                                       ("O2-fp16", "torch.float16"),
-                                       ("O0-fp32", "torch.float32")])
+@pytest.mark.parametrize(
+    ("mode", "wire"),
+    [
+        ("O1-bf16", "torch.bfloat16"),
+        ("O2-bf16", "torch.bfloat16"),
+        ("O2-fp16", "torch.float16"),
+        ("O0-fp32", "torch.float32"),
+    ],
+)
 def test_ddp_gradients_reach_the_collective_in_16_bit(ranks, mode, wire):
     for res in result(ranks, "wire_dtype"):
         r = res[mode]
@@ -138,10 +154,12 @@ def test_fsdp2_trains_gpt_to_the_same_loss_as_ddp(ranks):
 # -- order of initialize and DDP -------------------------------------------------------------------
 def test_wrong_order_is_refused_with_the_fix(ranks):
     for res in result(ranks, "order_errors"):
-        assert res["ddp_first"].startswith("RuntimeError: This DistributedDataParallel was "
-                                           "built before mixprec.initialize")
-        assert res["initialize_wrapper"].startswith("TypeError: initialize received a "
-                                                    "DistributedDataParallel model")
+        assert res["ddp_first"].startswith(
+            "RuntimeError: This DistributedDataParallel was built before mixprec.initialize"
+        )
+        assert res["initialize_wrapper"].startswith(
+            "TypeError: initialize received a DistributedDataParallel model"
+        )
         assert "has not prepared" in res["not_initialized"]
         for key in ("ddp_first", "initialize_wrapper", "not_initialized"):
             assert "then mixprec.distributed.wrap_ddp(model, optimizer)" in res[key]
@@ -169,8 +187,11 @@ def test_hook_and_policy_validation():
     with pytest.raises(ValueError, match="predivide_factor"):
         mpd.AllReduceHook(torch.bfloat16, predivide_factor=0.5)
     p = mpd.fsdp_mp_policy("mixed_bfloat16")
-    assert (p.param_dtype, p.reduce_dtype, p.output_dtype) == (torch.bfloat16, torch.bfloat16,
-                                                               torch.float32)
+    assert (p.param_dtype, p.reduce_dtype, p.output_dtype) == (
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.float32,
+    )
     p = mpd.fsdp_mp_policy("mixed_float16", reduce_dtype=torch.float32)
     assert (p.param_dtype, p.reduce_dtype) == (torch.float16, torch.float32)
     assert mpd.fsdp_mp_policy("float32").param_dtype is None

@@ -1,5 +1,5 @@
-"""Tests for mixprec.engine and mixprec.kernels: regions, gradients, the cast cache, module
-policy boundaries, attention, a model-level run and the public import surface."""
+"""Tests for mixprec.core.engine and mixprec.core.kernels: regions, gradients, the cast cache,
+module policy boundaries, attention, a model-level run and the public import surface."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
-from mixprec import dispatch, engine, kernels
-from mixprec.models import GPT, GPTConfig
-from mixprec.policy import set_global_policy, set_policy
+from mixprec.bench.models import GPT, GPTConfig
+from mixprec.core import dispatch, engine, kernels
+from mixprec.core.engine import set_policy
+from mixprec.core.policy import set_global_policy
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
 REPO = Path(__file__).resolve().parents[1]
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -72,6 +73,7 @@ class CastCounter(TorchDispatchMode):
 
 # --------------------------------------------------------------------------- regions
 
+
 def test_region_state_and_restore():
     assert not engine.is_active() and not torch.is_autocast_enabled("cpu")
     with mixprec.autocast(BF16) as region:
@@ -84,10 +86,9 @@ def test_region_state_and_restore():
 
 def test_region_restores_on_exception():
     lin = nn.Linear(4, 4)
-    with pytest.raises(RuntimeError, match="boom"):
-        with mixprec.autocast(BF16):
-            lin(rn(2, 4))
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), mixprec.autocast(BF16):
+        lin(rn(2, 4))
+        raise RuntimeError("boom")
     assert not engine.is_active() and not torch.is_autocast_enabled("cpu")
     assert lin(rn(2, 4)).dtype == F32
 
@@ -129,8 +130,10 @@ def test_float32_region_inside_bf16_region_disables():
     assert y.dtype == F32 and torch.equal(y, lin(x))
 
 
-@pytest.mark.parametrize("spec,dtype", [("mixed_float16", F16), ("bf16-mixed", BF16),
-                                        ("p=f32,c=f16,o=f32", F16), (BF16, BF16)])
+@pytest.mark.parametrize(
+    ("spec", "dtype"),
+    [("mixed_float16", F16), ("bf16-mixed", BF16), ("p=f32,c=f16,o=f32", F16), (BF16, BF16)],
+)
 def test_region_accepts_policy_spellings(spec, dtype):
     lin, x = nn.Linear(4, 3), rn(2, 4)
     with mixprec.autocast(spec):
@@ -180,11 +183,14 @@ def test_region_is_thread_local():
 
 # --------------------------------------------------------------------------- torch.autocast gap
 
+
 def test_fp32_ops_protected_where_torch_autocast_is_not():
     x = rn(4, 6, dtype=BF16)
-    ops = {"softmax": lambda t: torch.softmax(t, -1),
-           "layer_norm": lambda t: F.layer_norm(t, (6,)),
-           "sum": lambda t: t.sum()}
+    ops = {
+        "softmax": lambda t: torch.softmax(t, -1),
+        "layer_norm": lambda t: F.layer_norm(t, (6,)),
+        "sum": lambda t: t.sum(),
+    }
     with torch.autocast("cpu", BF16):
         theirs = {k: f(x) for k, f in ops.items()}
     with mixprec.autocast(BF16):
@@ -197,13 +203,20 @@ def test_fp32_ops_protected_where_torch_autocast_is_not():
 
 # --------------------------------------------------------------------------- input gradients
 
+
 def _grad_cases():
     def lower(x, y, w):
         return [F.linear(x, w), x @ w.t(), F.linear(y, w), torch.bmm(x[None], y.t()[None])[0]]
 
     def fp32(x, y, w):
-        return [torch.softmax(x, -1), torch.softmax(y, -1), F.layer_norm(y, (4,)), y.sum(),
-                F.cross_entropy(y, torch.tensor([0, 3, 1])), x.exp()]
+        return [
+            torch.softmax(x, -1),
+            torch.softmax(y, -1),
+            F.layer_norm(y, (4,)),
+            y.sum(),
+            F.cross_entropy(y, torch.tensor([0, 3, 1])),
+            x.exp(),
+        ]
 
     def promote(x, y, w):
         return [x + y, torch.cat([x, y]), torch.where(x > 0, x, y), y * x]
@@ -215,7 +228,7 @@ def _grad_cases():
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("name,fn", _grad_cases(), ids=[c[0] for c in _grad_cases()])
+@pytest.mark.parametrize(("name", "fn"), _grad_cases(), ids=[c[0] for c in _grad_cases()])
 def test_input_grad_dtypes_match_inputs(dtype, name, fn):
     x = rn(3, 4).requires_grad_()
     y = rn(3, 4, dtype=dtype, seed=7).requires_grad_()
@@ -246,12 +259,12 @@ def test_input_grads_equal_manual_cast_reference():
 
 # --------------------------------------------------------------------------- cast cache
 
-@pytest.mark.parametrize("cache_enabled, casts", [(True, 1), (False, 3)])
+
+@pytest.mark.parametrize(("cache_enabled", "casts"), [(True, 1), (False, 3)])
 def test_cache_casts_each_weight_once_per_region(cache_enabled, casts):
     lin, x = nn.Linear(5, 7), rn(2, 5)
-    with CastCounter(lin.weight) as c:
-        with mixprec.autocast(BF16, cache_enabled=cache_enabled):
-            outs = [lin(x) for _ in range(3)]
+    with CastCounter(lin.weight) as c, mixprec.autocast(BF16, cache_enabled=cache_enabled):
+        outs = [lin(x) for _ in range(3)]
     assert c.count == casts
     assert all(torch.equal(o, lin_ref(x, lin, BF16)) for o in outs)
 
@@ -267,43 +280,44 @@ def test_cache_separate_regions_cast_each_time():
 
 def test_cache_disabled_in_inner_region_only():
     lin, x = nn.Linear(5, 7), rn(2, 5)
-    with CastCounter(lin.weight) as c:
-        with mixprec.autocast(BF16):
+    with CastCounter(lin.weight) as c, mixprec.autocast(BF16):
+        lin(x)
+        with mixprec.autocast(BF16, cache_enabled=False):
             lin(x)
-            with mixprec.autocast(BF16, cache_enabled=False):
-                lin(x)
-                lin(x)
-            lin(x)  # cache back on: the entry from the first forward is reused
+            lin(x)
+        lin(x)  # cache back on: the entry from the first forward is reused
     assert c.count == 3
 
 
 def test_cache_skips_inputs_without_grad():
     lin, x = nn.Linear(5, 7), rn(2, 5)
-    with CastCounter(x) as c:
-        with mixprec.autocast(BF16):
-            for _ in range(3):
-                lin(x)
+    with CastCounter(x) as c, mixprec.autocast(BF16):
+        for _ in range(3):
+            lin(x)
     assert c.count == 3  # only leaves that require grad (the weights) are cached
 
 
 def test_cache_invalidated_by_inplace_update():
     lin, x = nn.Linear(5, 7), rn(2, 5)
-    with CastCounter(lin.weight) as c:
-        with mixprec.autocast(BF16):
-            before = lin(x)
-            with torch.no_grad():
-                lin.weight.add_(1.0)
-            after = lin(x)
+    with CastCounter(lin.weight) as c, mixprec.autocast(BF16):
+        before = lin(x)
+        with torch.no_grad():
+            lin.weight.add_(1.0)
+        after = lin(x)
     assert c.count == 2
     assert torch.equal(after, lin_ref(x, lin, BF16))  # the new weights, never a stale copy
     assert not torch.equal(after, before)
 
 
-@pytest.mark.parametrize("make_opt", [
-    lambda ps: torch.optim.SGD(ps, lr=0.5, foreach=True),
-    lambda ps: torch.optim.SGD(ps, lr=0.5, foreach=False),
-    lambda ps: torch.optim.Adam(ps, lr=0.1),
-], ids=["sgd-foreach", "sgd-loop", "adam"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.5, foreach=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.5, foreach=False),
+        lambda ps: torch.optim.Adam(ps, lr=0.1),
+    ],
+    ids=["sgd-foreach", "sgd-loop", "adam"],
+)
 def test_cache_never_stale_after_optimizer_step_in_region(make_opt):
     lin, x = nn.Linear(5, 7), rn(2, 5)
     opt = make_opt(lin.parameters())
@@ -320,10 +334,9 @@ def test_cache_does_not_grow_under_no_grad():
     model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3))
     n_params = len(list(model.parameters()))
     x = rn(2, 5)
-    with CastCounter(*model.parameters()) as c:
-        with mixprec.autocast(BF16), torch.no_grad():
-            for _ in range(50):
-                y = model(x)
+    with CastCounter(*model.parameters()) as c, mixprec.autocast(BF16), torch.no_grad():
+        for _ in range(50):
+            y = model(x)
     assert c.count == n_params
     assert y.dtype == BF16
 
@@ -352,12 +365,15 @@ def test_cached_cast_shared_by_forwards_backprops_into_each():
     w2 = lin.weight.detach().clone().requires_grad_()
     wb = w2.bfloat16()
     bb = lin.bias.detach().bfloat16()
-    (F.linear(x.bfloat16(), wb, bb).float().sum()
-     + F.linear((2 * x).bfloat16(), wb, bb).float().sum()).backward()
+    (
+        F.linear(x.bfloat16(), wb, bb).float().sum()
+        + F.linear((2 * x).bfloat16(), wb, bb).float().sum()
+    ).backward()
     assert torch.equal(lin.weight.grad, w2.grad)
 
 
 # --------------------------------------------------------------------------- module boundaries
+
 
 class Probe(nn.Module):
     """A Linear that records its input dtype and the engine state it ran in."""
@@ -493,7 +509,7 @@ def test_boundary_shared_by_threads():
                 assert wait_for.wait(10)
             results[name] = gate(x)
             results[name + "_after"] = (engine.is_active(), len(dispatch._state.frames))
-        except Exception as e:  # pragma: no cover - reported below
+        except Exception as e:  # noqa: BLE001 - pragma: no cover - reported below
             errors.append(f"{name}: {e!r}")
         finally:
             if name == "a":
@@ -501,7 +517,10 @@ def test_boundary_shared_by_threads():
 
     ta = threading.Thread(target=run, args=("a",))
     tb = threading.Thread(target=run, args=("b", a_in))
-    ta.start(); tb.start(); ta.join(20); tb.join(20)
+    ta.start()
+    tb.start()
+    ta.join(20)
+    tb.join(20)
     assert errors == []
     want = lin_ref(x, gate.lin, BF16).float()
     for name in "ab":
@@ -545,8 +564,14 @@ def test_cast_tree_structures():
     Pair = namedtuple("Pair", "a b")
     t32, t64, ti = rn(2), rn(2, dtype=torch.float64), torch.arange(2)
     t16 = rn(2, dtype=F16)
-    tree = {"p": Pair(t32, [t64, ti]), "o": OrderedDict(x=t16), "s": torch.Size([2, 3]),
-            "m": t32.max(0), "n": None, "f": 1.5}
+    tree = {
+        "p": Pair(t32, [t64, ti]),
+        "o": OrderedDict(x=t16),
+        "s": torch.Size([2, 3]),
+        "m": t32.max(0),
+        "n": None,
+        "f": 1.5,
+    }
     out = engine.cast_tree(tree, BF16)
     assert type(out["p"]) is Pair and out["p"].a.dtype == BF16
     assert out["p"].b[0] is t64 and out["p"].b[1] is ti  # fp64 and ints untouched
@@ -581,13 +606,20 @@ def test_global_policy_does_not_affect_plain_calls():
 
 # --------------------------------------------------------------------------- attention kernels
 
-ATTN_SHAPES = [((2, 3, 16, 8), (2, 3, 16, 8)), ((2, 3, 5, 8), (2, 3, 9, 8)),
-               ((2, 3, 9, 8), (2, 3, 5, 8)), ((4, 7, 8), (4, 7, 8))]
+ATTN_SHAPES = [
+    ((2, 3, 16, 8), (2, 3, 16, 8)),
+    ((2, 3, 5, 8), (2, 3, 9, 8)),
+    ((2, 3, 9, 8), (2, 3, 5, 8)),
+    ((4, 7, 8), (4, 7, 8)),
+]
 
 
 def qkv(q_shape, kv_shape, dtype=F32, seed=0):
-    return rn(*q_shape, seed=seed).to(dtype), rn(*kv_shape, seed=seed + 1).to(dtype), \
-        rn(*kv_shape, seed=seed + 2).to(dtype)
+    return (
+        rn(*q_shape, seed=seed).to(dtype),
+        rn(*kv_shape, seed=seed + 1).to(dtype),
+        rn(*kv_shape, seed=seed + 2).to(dtype),
+    )
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -690,8 +722,9 @@ def test_region_attention_positional_arguments(causal):
         with_scale = F.scaled_dot_product_attention(q, k, v, None, 0.0, causal, scale=0.25)
     qb, kb, vb = q.detach().bfloat16(), k.bfloat16(), v.bfloat16()
     assert torch.equal(positional, kernels.decomposed_attention(qb, kb, vb, is_causal=causal))
-    assert torch.equal(with_scale,
-                       kernels.decomposed_attention(qb, kb, vb, is_causal=causal, scale=0.25))
+    assert torch.equal(
+        with_scale, kernels.decomposed_attention(qb, kb, vb, is_causal=causal, scale=0.25)
+    )
 
 
 def test_region_attention_keyword_tensors():
@@ -699,8 +732,9 @@ def test_region_attention_keyword_tensors():
     v.requires_grad_()
     with mixprec.autocast(BF16):
         out = F.scaled_dot_product_attention(query=q, key=k, value=v, is_causal=True)
-    want = kernels.decomposed_attention(q.bfloat16(), k.bfloat16(), v.detach().bfloat16(),
-                                        is_causal=True)
+    want = kernels.decomposed_attention(
+        q.bfloat16(), k.bfloat16(), v.detach().bfloat16(), is_causal=True
+    )
     assert torch.equal(out, want)
 
 
@@ -713,11 +747,13 @@ def test_region_attention_keeps_fused_where_decomposition_does_not_apply():
         half = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
     assert torch.equal(masked, F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask))
-    assert torch.equal(half, F.scaled_dot_product_attention(q.half(), k.half(), v.half(),
-                                                            is_causal=True))
+    assert torch.equal(
+        half, F.scaled_dot_product_attention(q.half(), k.half(), v.half(), is_causal=True)
+    )
 
 
 # --------------------------------------------------------------------------- model level
+
 
 def test_gpt_bf16_step():
     torch.manual_seed(0)
@@ -741,6 +777,7 @@ def test_gpt_bf16_step():
 
 # --------------------------------------------------------------------------- public surface
 
+
 def test_public_names():
     names = mixprec.__all__
     assert len(names) == len(set(names))
@@ -753,12 +790,15 @@ def test_public_names():
 
 
 def test_import_does_not_initialize_cuda():
-    code = ("import torch, mixprec, mixprec.engine, mixprec.kernels, mixprec.models\n"
-            "assert not torch.cuda.is_initialized(), 'CUDA initialized'\n"
-            "from mixprec import *\n"
-            "print('ok', len(mixprec.__all__))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
+    code = (
+        "import torch, mixprec, mixprec.core.engine, mixprec.core.kernels, mixprec.bench.models\n"
+        "assert not torch.cuda.is_initialized(), 'CUDA initialized'\n"
+        "from mixprec import *\n"
+        "print('ok', len(mixprec.__all__))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok")
 
@@ -791,8 +831,7 @@ def test_boundary_casts_dataclass_and_pytree_outputs():
         def __init__(self, a, b):
             self.a, self.b = a, b
 
-    _pytree.register_pytree_node(Pair, lambda p: ([p.a, p.b], None),
-                                 lambda xs, _: Pair(*xs))
+    _pytree.register_pytree_node(Pair, lambda p: ([p.a, p.b], None), lambda xs, _: Pair(*xs))
 
     class Net(nn.Module):
         def __init__(self):
@@ -804,8 +843,9 @@ def test_boundary_casts_dataclass_and_pytree_outputs():
             return Out(y, [y, Frozen(y)], 3), Pair(y, y.double())
 
     net = Net()
-    model, _ = mixprec.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2",
-                                  dtype=BF16)
+    model, _ = mixprec.initialize(
+        net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2", dtype=BF16
+    )
     out, pair = model(rn(2, 4))
     assert isinstance(out, Out) and out.step == 3
     assert out.logits.dtype == F32 and out.extras[0].dtype == F32

@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from mixprec import dispatch
-from mixprec.cast_table import DEFAULT_TABLE, cast_rules
-from mixprec.torch_lists import TORCH_AUTOCAST
+from mixprec.core import dispatch
+from mixprec.core.cast_table import DEFAULT_TABLE, cast_rules
+from mixprec.core.torch_lists import TORCH_AUTOCAST
 
 BF16 = torch.bfloat16
 
@@ -30,8 +30,9 @@ print(json.dumps({key: sorted({n[6:].split(".")[0] for n in names if n.startswit
 """
 
 
-@pytest.mark.skipif(not torch.__version__.startswith("2.13"),
-                    reason="the lists are recorded from torch 2.13")
+@pytest.mark.skipif(
+    not torch.__version__.startswith("2.13"), reason="the lists are recorded from torch 2.13"
+)
 def test_torch_lists_match_the_running_torch():
     """The data table names exactly the ops torch registers autocast kernels for (asked in a
     fresh process: here mixprec's own kernels are registered on the same keys)."""
@@ -39,8 +40,9 @@ def test_torch_lists_match_the_running_torch():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _TORCH_KERNELS], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _TORCH_KERNELS], capture_output=True, text=True, check=True
+    ).stdout
     have = json.loads(out)
     assert set(have["AutocastCPU"]) == set(TORCH_AUTOCAST["cpu"])
     assert set(have["AutocastCUDA"]) == set(TORCH_AUTOCAST["cuda"])
@@ -52,9 +54,13 @@ def _autocast_list_cases():
 
     lists = AutocastCPUTestLists(torch.device("cpu"))
     cases = []
-    for attr, namespace in (("torch_16", torch), ("nn_16", torch._C._nn),
-                            ("torch_fp32", torch), ("nn_fp32", torch._C._nn),
-                            ("torch_need_autocast_promote", torch)):
+    for attr, namespace in (
+        ("torch_16", torch),
+        ("nn_16", torch._C._nn),
+        ("torch_fp32", torch),
+        ("nn_fp32", torch._C._nn),
+        ("torch_need_autocast_promote", torch),
+    ):
         for entry in getattr(lists, attr):
             name, args = entry[0], entry[1]
             kwargs = next((e for e in entry[2:] if isinstance(e, dict)), {})
@@ -78,14 +84,17 @@ def test_ops_follow_torch_autocast_where_the_table_agrees():
         assert _dtypes(got) == _dtypes(ref), label
 
 
-@pytest.mark.parametrize("name, call, want", [
-    ("reflection_pad1d", lambda x: F.pad(x, (1, 1), mode="reflect"), torch.float32),
-    ("replication_pad1d", lambda x: F.pad(x, (1, 1), mode="replicate"), torch.float32),
-    ("max_pool3d", lambda x: F.max_pool3d(x[None], 1), torch.float32),
-    ("adaptive_avg_pool3d", lambda x: F.adaptive_avg_pool3d(x[None], 1), torch.float32),
-    ("linalg_vecdot", lambda x: torch.linalg.vecdot(x, x), BF16),
-    ("gelu (no rule anywhere)", F.gelu, BF16),
-])
+@pytest.mark.parametrize(
+    ("name", "call", "want"),
+    [
+        ("reflection_pad1d", lambda x: F.pad(x, (1, 1), mode="reflect"), torch.float32),
+        ("replication_pad1d", lambda x: F.pad(x, (1, 1), mode="replicate"), torch.float32),
+        ("max_pool3d", lambda x: F.max_pool3d(x[None], 1), torch.float32),
+        ("adaptive_avg_pool3d", lambda x: F.adaptive_avg_pool3d(x[None], 1), torch.float32),
+        ("linalg_vecdot", lambda x: torch.linalg.vecdot(x, x), BF16),
+        ("gelu (no rule anywhere)", F.gelu, BF16),
+    ],
+)
 def test_unlisted_ops_follow_torch_autocasts_cpu_rule(name, call, want):
     """Ops the cast table does not list run as torch.autocast runs them on the device."""
     x = torch.randn(2, 3, 4, dtype=BF16)
@@ -123,6 +132,7 @@ def test_a_rule_set_back_gives_the_op_back_to_torch():
 
 
 # --------------------------------------------------------------------------- compile / export
+
 
 class _Net(nn.Module):
     def __init__(self, ckpt: bool | None = None):
@@ -185,7 +195,7 @@ def test_compile_does_not_recompile_when_the_loss_scale_changes():
         return scaler.scale_loss(model(x).float().pow(2).mean())
 
     scales, compiled = [], []
-    for step in range(3):
+    for _step in range(3):
         loss = scaled_loss(X)
         assert torch.equal(loss, model(X).float().pow(2).mean() * scaler.scale)
         scales.append(scaler.scale)
@@ -207,6 +217,7 @@ def test_export_records_the_engine_casts():
 
 
 # --------------------------------------------------------------------------- checkpointing
+
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
@@ -243,14 +254,16 @@ def test_graph_compile_many_models_in_one_process():
     (a shared cache hits dynamo's recompile limit and runs 16-bit weights uncast in eager)."""
     from mixprec import graph
 
-    policy = mixprec.Policy(compute_dtype=BF16, param_dtype=torch.float32,
-                            output_dtype=torch.float32)
+    policy = mixprec.Policy(
+        compute_dtype=BF16, param_dtype=torch.float32, output_dtype=torch.float32
+    )
     limit = torch._dynamo.config.recompile_limit
     for _ in range(limit + 2):
         model = _Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        compiled, opt = mixprec.initialize(graph.compile(model, policy, compiler="aot_eager"),
-                                           opt, level="O2", dtype=BF16)
+        compiled, opt = mixprec.initialize(
+            graph.compile(model, policy, compiler="aot_eager"), opt, level="O2", dtype=BF16
+        )
         out = compiled(X)
         assert out.dtype == torch.float32 and torch.isfinite(out).all()
     assert set(compiled.state_dict()) == {f"_orig_mod.{k}" for k in model.state_dict()}

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.export import ExportError, onnx_rule, ort_can_run, ort_session
-from mixprec.models import GPT, GPTConfig
+from mixprec.bench.models import GPT, GPTConfig
+from mixprec.inference.export import ExportError, onnx_rule, ort_can_run, ort_session
 
 onnx = pytest.importorskip("onnx", reason="ONNX export needs onnx (pip install onnx)")
 ort = pytest.importorskip("onnxruntime", reason="needs onnxruntime (pip install onnxruntime)")
@@ -35,8 +35,10 @@ def test_onnx_fp16_round_trip_and_weight_dtypes(gpt: nn.Module, tmp_path) -> Non
     assert res.compute == "16bit" and res.cosine > 0.9999 and res.max_abs_error < 1e-2
     proto = onnx.load(tmp_path / "m.onnx")
     inferred = onnx.shape_inference.infer_shapes(proto)
-    types = {v.name: v.type.tensor_type.elem_type for v in (
-        *inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output)}
+    types = {
+        v.name: v.type.tensor_type.elem_type
+        for v in (*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output)
+    }
     types.update({t.name: t.data_type for t in proto.graph.initializer})
     F, H = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
     kinds = {"lower": 0, "fp32": 0, "follows": 0}
@@ -65,8 +67,12 @@ def test_onnx_fp16_round_trip_and_weight_dtypes(gpt: nn.Module, tmp_path) -> Non
     x5 = torch.randint(0, 96, (5, 16))
     got = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x5.numpy()})[0])
     with torch.no_grad():
-        assert torch.nn.functional.cosine_similarity(got.flatten().double(),
-                                                     gpt(x5).flatten().double(), dim=0) > 0.999
+        assert (
+            torch.nn.functional.cosine_similarity(
+                got.flatten().double(), gpt(x5).flatten().double(), dim=0
+            )
+            > 0.999
+        )
 
 
 def test_onnx_bf16_falls_back_to_storage_and_16bit_compute_errors(gpt, tmp_path) -> None:
@@ -86,15 +92,17 @@ def test_onnx_bf16_falls_back_to_storage_and_16bit_compute_errors(gpt, tmp_path)
 
     w = fast.blocks[0].attn.qkv.weight.float().numpy()  # the torch model's bf16 values, exactly
     arrays = [numpy_helper.to_array(t).astype("float32") for t in bf16]
-    assert any((a.shape == w.shape and (a == w).all()) or (a.shape == w.T.shape and
-                                                          (a == w.T).all()) for a in arrays)
+    assert any(
+        (a.shape == w.shape and (a == w).all()) or (a.shape == w.T.shape and (a == w.T).all())
+        for a in arrays
+    )
 
 
 def test_torch_export_round_trip_keeps_plan(gpt: nn.Module, tmp_path) -> None:
     fast = mixprec.for_inference(gpt, torch.bfloat16, X)
     res = mixprec.export(fast, X, tmp_path / "m.pt2", format="torch")
     assert res.cosine > 0.99999
-    plan = mixprec.inference.inference_info(fast).storage
+    plan = mixprec.inference.prepare.inference_info(fast).storage
     for key, dtype in plan.items():
         assert res.weight_dtypes[key] == str(dtype).replace("torch.", ""), key
     loaded = torch.export.load(tmp_path / "m.pt2").module()

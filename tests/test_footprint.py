@@ -11,7 +11,7 @@ from torch import nn
 import mixprec
 from mixprec import footprint
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
 BF16 = torch.bfloat16
 
@@ -42,19 +42,38 @@ def make(level=None, opt="adamw", **kw):
 
 
 # the expected bytes per parameter, exact up to Adam's scalar "step" tensors (4 B per tensor)
-@pytest.mark.parametrize("level,kw,opt,expect", [
-    (None, {}, "adamw", dict(weights=4, grads=4, masters=0, compensation=0, optimizer_state=8)),
-    ("O2", {}, "adamw", dict(weights=2, grads=6, masters=4, compensation=0, optimizer_state=8)),
-    ("O3", {}, "adamw", dict(weights=2, grads=2, masters=0, compensation=0, optimizer_state=4)),
-    ("O3", dict(update="kahan"), "adamw",
-     dict(weights=2, grads=2, masters=0, compensation=2, optimizer_state=6)),
-    ("O3", dict(update="kahan", state_dtype=BF16), "adamw",
-     dict(weights=2, grads=2, masters=0, compensation=2, optimizer_state=4)),
-    ("O3", dict(update="stochastic", state_dtype=torch.float32), "adamw",
-     dict(weights=2, grads=2, masters=0, compensation=0, optimizer_state=8)),
-    ("O3", dict(update="kahan"), "sgd",
-     dict(weights=2, grads=2, masters=0, compensation=2, optimizer_state=2)),
-])
+@pytest.mark.parametrize(
+    ("level", "kw", "opt", "expect"),
+    [
+        (None, {}, "adamw", dict(weights=4, grads=4, masters=0, compensation=0, optimizer_state=8)),
+        ("O2", {}, "adamw", dict(weights=2, grads=6, masters=4, compensation=0, optimizer_state=8)),
+        ("O3", {}, "adamw", dict(weights=2, grads=2, masters=0, compensation=0, optimizer_state=4)),
+        (
+            "O3",
+            dict(update="kahan"),
+            "adamw",
+            dict(weights=2, grads=2, masters=0, compensation=2, optimizer_state=6),
+        ),
+        (
+            "O3",
+            dict(update="kahan", state_dtype=BF16),
+            "adamw",
+            dict(weights=2, grads=2, masters=0, compensation=2, optimizer_state=4),
+        ),
+        (
+            "O3",
+            dict(update="stochastic", state_dtype=torch.float32),
+            "adamw",
+            dict(weights=2, grads=2, masters=0, compensation=0, optimizer_state=8),
+        ),
+        (
+            "O3",
+            dict(update="kahan"),
+            "sgd",
+            dict(weights=2, grads=2, masters=0, compensation=2, optimizer_state=2),
+        ),
+    ],
+)
 def test_bytes_per_param_by_configuration(level, kw, opt, expect):
     model, o, step = make(level, opt, **kw)
     fp = footprint(model, o, step=step)
@@ -68,7 +87,7 @@ def test_bytes_per_param_by_configuration(level, kw, opt, expect):
 
 
 def test_without_step_counts_existing_tensors_only():
-    model, o, step = make("O3", update="kahan")
+    model, o, _step = make("O3", update="kahan")
     fp = footprint(model, o)
     assert fp.peak_bytes is None
     assert fp.per_param["optimizer_state"] == 0  # not created until the first step

@@ -1,19 +1,18 @@
-"""Tests for mixprec.hardware: detection rules on faked inputs, this machine, warnings."""
+"""Tests for mixprec.core.hardware: detection rules on faked inputs, this machine, warnings."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
-import os
-
 import pytest
 import torch
 
-from mixprec import hardware as hw
-from mixprec.hardware import DtypeSupport, HardwareReport, MixprecPerformanceWarning
+from mixprec.core import hardware as hw
+from mixprec.core.hardware import DtypeSupport, HardwareReport, MixprecPerformanceWarning
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,8 +82,10 @@ def test_cpu_avx512_fp16_alone_not_fast():
 
 
 def test_parse_cpuinfo():
-    text = "processor\t: 0\nmodel name\t: Fake CPU @ 3GHz\nflags\t\t: fpu avx512f amx_bf16\n" \
-           "processor\t: 1\nmodel name\t: Other\nflags\t\t: fpu\n"
+    text = (
+        "processor\t: 0\nmodel name\t: Fake CPU @ 3GHz\nflags\t\t: fpu avx512f amx_bf16\n"
+        "processor\t: 1\nmodel name\t: Other\nflags\t\t: fpu\n"
+    )
     assert hw._parse_cpuinfo(text) == ("Fake CPU @ 3GHz", frozenset({"fpu", "avx512f", "amx_bf16"}))
     assert hw._parse_cpuinfo("") == ("", frozenset())
 
@@ -114,7 +115,8 @@ def test_cuda_rules(capability, bf16_supported, fp16_fast, bf16_fast, best):
 
 def test_cuda_reasons():
     assert hw._cuda_support((7, 5), True)["bfloat16"].reason == (
-        "compute capability 7.5 < 8.0: no bf16 tensor cores")
+        "compute capability 7.5 < 8.0: no bf16 tensor cores"
+    )
     assert "7.0 >= 7.0" in hw._cuda_support((7, 0), True)["float16"].reason
     assert "is_bf16_supported() is False" in hw._cuda_support((6, 1), False)["bfloat16"].reason
     # Capability alone is not enough: bf16 must also be supported to be fast.
@@ -143,9 +145,13 @@ def test_this_machine_cpu():
     fast_bf16 = bool({"avx512_bf16", "amx_bf16"} & set(report.features))
     assert report.dtypes["bfloat16"].supported
     assert report.dtypes["bfloat16"].fast == fast_bf16
-    assert report.best_dtype is (torch.bfloat16 if fast_bf16 else
-                                 torch.float16 if report.dtypes["float16"].fast else
-                                 torch.float32)
+    assert report.best_dtype is (
+        torch.bfloat16
+        if fast_bf16
+        else torch.float16
+        if report.dtypes["float16"].fast
+        else torch.float32
+    )
     if "amx_bf16" in report.features:
         assert "AMX-BF16" in report.dtypes["bfloat16"].reason
     if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2":
@@ -212,8 +218,13 @@ def test_default_dtype_cpu():
 
 @pytest.mark.parametrize(
     ("capability", "expected"),
-    [((6, 1), torch.float16), ((7, 0), torch.float16), ((7, 5), torch.float16),
-     ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)],
+    [
+        ((6, 1), torch.float16),
+        ((7, 0), torch.float16),
+        ((7, 5), torch.float16),
+        ((8, 0), torch.bfloat16),
+        ((9, 0), torch.bfloat16),
+    ],
 )
 def test_default_dtype_cuda_faked(monkeypatch, capability, expected):
     dtypes = hw._cuda_support(capability, capability >= (8, 0))
@@ -282,19 +293,20 @@ def test_import_does_not_initialize_cuda():
         "    raise RuntimeError('CUDA touched at import')\n"
         "torch.cuda._lazy_init = trap\n"
         "torch.cuda.init = trap\n"
-        "import mixprec.hardware\n"
+        "import mixprec.core.hardware\n"
         "assert not torch.cuda.is_initialized(), 'CUDA initialized'\n"
         "assert not calls, calls\n"
         "print('ok')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 
 
 def test_an_isa_cap_below_bf16_makes_bf16_slow():
-    from mixprec.hardware import _cpu_support, _usable_flags
+    from mixprec.core.hardware import _cpu_support, _usable_flags
 
     flags = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
     assert _usable_flags(flags, "") == flags

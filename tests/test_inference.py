@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec import engine
-from mixprec.inference import inference_info
-from mixprec.quantize import Int8WeightOnly, cosine_error
+from mixprec.core import engine
+from mixprec.inference.prepare import inference_info
+from mixprec.inference.quantize import Int8WeightOnly, cosine_error
 
 
 class Net(nn.Module):
@@ -66,8 +66,9 @@ def test_without_example_inputs_module_rule_only() -> None:
 
 def test_from_initialized_model_uses_masters_and_from_checkpoint() -> None:
     net = _net()
-    model, opt = mixprec.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2",
-                                    dtype=torch.bfloat16)
+    model, opt = mixprec.initialize(
+        net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2", dtype=torch.bfloat16
+    )
     model.train()
     loss = model(X).float().pow(2).mean()
     opt.backward(loss)
@@ -96,8 +97,9 @@ def test_keep_fp32_by_name_and_bad_name() -> None:
 
 def test_int8_auto_selection_respects_tolerance() -> None:
     torch.manual_seed(1)
-    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                        nn.Linear(256, 8)).eval()
+    net = nn.Sequential(
+        nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8)
+    ).eval()
     x = torch.randn(64, 64)
     with torch.no_grad():
         ref = net(x)

@@ -12,9 +12,9 @@ from torch import Tensor, nn
 
 import mixprec
 from mixprec import initialize, scale_loss
-from mixprec.optimizer import MixedPrecisionOptimizer
+from mixprec.core.optimizer import MixedPrecisionOptimizer
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -42,12 +42,17 @@ def model_and_opt(seed: int = 0, lr: float = 0.1):
 
 # ------------------------------------------------------------------ 11. every level trains
 
-def _train(level: str, dtype, opt_name: str, steps: int = 50) -> tuple[float, float, nn.Module,
-                                                                         MixedPrecisionOptimizer]:
+
+def _train(
+    level: str, dtype, opt_name: str, steps: int = 50
+) -> tuple[float, float, nn.Module, MixedPrecisionOptimizer]:
     x, y = regression_data()
     model = make_model()
-    opt = (torch.optim.SGD(model.parameters(), lr=0.05) if opt_name == "sgd"
-           else torch.optim.AdamW(model.parameters(), lr=3e-3))
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.05)
+        if opt_name == "sgd"
+        else torch.optim.AdamW(model.parameters(), lr=3e-3)
+    )
     model, opt = initialize(model, opt, level, dtype)
     with torch.no_grad():
         first = mse(model, x, y).item()
@@ -83,8 +88,14 @@ def test_every_level_trains_and_matches_fp32(opt_name):
             assert set(dtypes.values()) == {FP32} and opt._pairs == []
         elif level == "O2":
             # norm layers stay fp32, everything else is bf16, with fp32 masters stepped
-            assert dtypes == {"0.weight": BF16, "0.bias": BF16, "2.weight": FP32,
-                              "2.bias": FP32, "3.weight": BF16, "3.bias": BF16}
+            assert dtypes == {
+                "0.weight": BF16,
+                "0.bias": BF16,
+                "2.weight": FP32,
+                "2.bias": FP32,
+                "3.weight": BF16,
+                "3.bias": BF16,
+            }
             assert len(opt._pairs) == 4
             assert all(m.dtype == FP32 for m in opt.master_params())
             for p, m in opt._pairs:
@@ -108,7 +119,7 @@ def test_o0_keeps_fp32_and_no_scaling():
     m, o = initialize(m, o, "O0", FP32)
     assert all(p.dtype == FP32 for p in m.parameters())
     assert o.loss_scale == 1.0  # the table: O0 has no loss scaling
-    x, y = regression_data(8)
+    x, _y = regression_data(8)
     out = m(x)
     assert out.dtype == FP32
     torch.testing.assert_close(out, make_model()(x), rtol=0, atol=0)  # plain fp32 forward
@@ -121,12 +132,16 @@ def test_meta_device_model_is_refused_with_the_fix():
         initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), "O2", BF16)
 
 
-@pytest.mark.parametrize("make_loss, exc, match", [
-    (lambda out: out.float(), ValueError, r"single number, received shape \(8, 4\).*mean"),
-    (lambda out: out.sum().long(), TypeError, r"torch.int64 tensor.*floating"),
-    (lambda out: out.detach().float().mean(), ValueError, r"does not require grad"),
-    (lambda out: 3.0, TypeError, r"received float"),
-], ids=["non-scalar", "integer", "no-grad", "not-a-tensor"])
+@pytest.mark.parametrize(
+    ("make_loss", "exc", "match"),
+    [
+        (lambda out: out.float(), ValueError, r"single number, received shape \(8, 4\).*mean"),
+        (lambda out: out.sum().long(), TypeError, r"torch.int64 tensor.*floating"),
+        (lambda out: out.detach().float().mean(), ValueError, r"does not require grad"),
+        (lambda out: 3.0, TypeError, r"received float"),
+    ],
+    ids=["non-scalar", "integer", "no-grad", "not-a-tensor"],
+)
 def test_bad_losses_get_a_mixprec_error(make_loss, exc, match):
     m, o = model_and_opt()
     m, o = initialize(m, o, "O2", BF16)
@@ -150,6 +165,7 @@ def test_master_weights_and_keep_norm_overrides_at_o2_o3():
 
 # ------------------------------------------------------------------ 13. error paths
 
+
 def _o1_error(match: str, exc=ValueError, **kw):
     m, o = model_and_opt()
     with pytest.raises(exc, match=match):
@@ -171,18 +187,28 @@ def test_fp32_dtype_needs_o0(level, dtype):
 
 
 def test_keep_norm_fp32_at_o1():
-    _o1_error(r"keep_norm_fp32 only applies where parameters are cast", level="O1",
-              dtype=BF16, keep_norm_fp32=True)
+    _o1_error(
+        r"keep_norm_fp32 only applies where parameters are cast",
+        level="O1",
+        dtype=BF16,
+        keep_norm_fp32=True,
+    )
 
 
 def test_master_weights_at_o1():
-    _o1_error(r"master_weights=True needs 16-bit parameters", level="O1", dtype=BF16,
-              master_weights=True)
+    _o1_error(
+        r"master_weights=True needs 16-bit parameters", level="O1", dtype=BF16, master_weights=True
+    )
 
 
 def test_unknown_override():
-    _o1_error(r"Unknown initialize option\(s\) \['loss_scael'\]", TypeError, level="O2",
-              dtype=FP16, loss_scael="dynamic")
+    _o1_error(
+        r"Unknown initialize option\(s\) \['loss_scael'\]",
+        TypeError,
+        level="O2",
+        dtype=FP16,
+        loss_scael="dynamic",
+    )
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.0, True])
@@ -191,13 +217,22 @@ def test_bad_num_losses(bad):
 
 
 def test_static_scale_with_dynamic_option():
-    _o1_error(r"Static loss scale 128.0 does not use \['growth_interval'\]", level="O2",
-              dtype=FP16, loss_scale=128.0, growth_interval=10)
+    _o1_error(
+        r"Static loss scale 128.0 does not use \['growth_interval'\]",
+        level="O2",
+        dtype=FP16,
+        loss_scale=128.0,
+        growth_interval=10,
+    )
 
 
 def test_disabled_scale_with_option():
-    _o1_error(r"spec None disables loss scaling and takes no options", level="O2", dtype=BF16,
-              init_scale=8.0)
+    _o1_error(
+        r"spec None disables loss scaling and takes no options",
+        level="O2",
+        dtype=BF16,
+        init_scale=8.0,
+    )
 
 
 def test_bad_loss_scale_spec():
@@ -223,8 +258,11 @@ def test_initialize_twice_on_same_model():
 def test_optimizer_with_foreign_params():
     m1, m2 = make_model(0), make_model(1)
     opt = torch.optim.SGD([*m1.parameters(), m2[3].weight], lr=0.1)
-    with pytest.raises(ValueError, match=r"Optimizer 0 holds 1 parameter\(s\) that none of the "
-                                         r"given models own \(shapes \[\(4, 16\)\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"Optimizer 0 holds 1 parameter\(s\) that none of the "
+        r"given models own \(shapes \[\(4, 16\)\]",
+    ):
         initialize(m1, opt, "O2", BF16)
     assert all(p.dtype == FP32 for p in m1.parameters())
     initialize([m1, m2], opt, "O2", BF16)  # passing every model is fine
@@ -232,8 +270,11 @@ def test_optimizer_with_foreign_params():
 
 def test_non_module_and_non_optimizer_inputs():
     m, o = model_and_opt()
-    with pytest.raises(TypeError, match=r"expects an nn.Module \(or a list of them\), received "
-                                        r"OrderedDict"):
+    with pytest.raises(
+        TypeError,
+        match=r"expects an nn.Module \(or a list of them\), received "
+        r"OrderedDict",
+    ):
         initialize(m.state_dict(), o)
     with pytest.raises(TypeError, match=r"expects an nn.Module .* received function"):
         initialize([m, lambda x: x], o)
@@ -251,8 +292,10 @@ def test_optimizer_already_stepped():
     x, y = regression_data(8)
     mse(m, x, y).backward()
     o.step()
-    with pytest.raises(RuntimeError, match="Optimizer 0 already has state: call initialize "
-                                           "before the first optimizer step"):
+    with pytest.raises(
+        RuntimeError,
+        match="Optimizer 0 already has state: call initialize before the first optimizer step",
+    ):
         initialize(m, o, "O2", BF16)
     assert all(p.dtype == FP32 for p in m.parameters())
 
@@ -262,10 +305,15 @@ def test_loss_id_out_of_range():
     m, o = initialize(m, o, "O2", FP16, num_losses=2)
     x, y = regression_data(8)
     for bad in (2, -1):
-        with pytest.raises(ValueError, match=rf"loss_id={bad} is out of range: this optimizer "
-                                             r"was initialized with num_losses=2"):
-            with scale_loss(mse(m, x, y), o, loss_id=bad) as s:
-                s.backward()
+        with (
+            pytest.raises(
+                ValueError,
+                match=rf"loss_id={bad} is out of range: this optimizer "
+                r"was initialized with num_losses=2",
+            ),
+            scale_loss(mse(m, x, y), o, loss_id=bad) as s,
+        ):
+            s.backward()
     with pytest.raises(ValueError, match="loss_id=3 is out of range"):
         o.backward(mse(m, x, y), loss_id=3)
     # the failed calls recorded nothing: a normal step still runs
@@ -277,10 +325,15 @@ def test_loss_id_out_of_range():
 def test_scale_loss_rejects_plain_optimizer_and_non_tensor_loss():
     m, o = model_and_opt()
     x, y = regression_data(8)
-    with pytest.raises(TypeError, match=r"scale_loss expects the optimizer\(s\) returned by "
-                                        r"mixprec.initialize, received \['SGD'\]"):
-        with scale_loss(mse(m, x, y), o):
-            pass
+    with (
+        pytest.raises(
+            TypeError,
+            match=r"scale_loss expects the optimizer\(s\) returned by "
+            r"mixprec.initialize, received \['SGD'\]",
+        ),
+        scale_loss(mse(m, x, y), o),
+    ):
+        pass
     m, w = initialize(m, o, "O2", BF16)
     with pytest.raises(TypeError, match=r"received \['MixedPrecisionOptimizer', 'SGD'\]"):
         with scale_loss(mse(m, x, y), [w, o]):
@@ -301,6 +354,7 @@ def test_step_with_closure_raises():
 
 
 # ------------------------------------------------------------- 14. policies and return shapes
+
 
 def test_policy_bf16_mixed_is_o1_bf16():
     x, _ = regression_data(8)
@@ -383,9 +437,18 @@ def test_model_is_modified_in_place_and_params_keep_identity():
     assert all(a is b for a, b in zip(w.model_params(), params))
 
 
-@pytest.mark.parametrize("spelling,expected", [("bf16", BF16), ("bfloat16", BF16), ("f16", FP16),
-                                               ("fp16", FP16), ("half", FP16),
-                                               ("float16", FP16), ("bf16-mixed", BF16)])
+@pytest.mark.parametrize(
+    ("spelling", "expected"),
+    [
+        ("bf16", BF16),
+        ("bfloat16", BF16),
+        ("f16", FP16),
+        ("fp16", FP16),
+        ("half", FP16),
+        ("float16", FP16),
+        ("bf16-mixed", BF16),
+    ],
+)
 def test_dtype_strings(spelling, expected):
     m, o = model_and_opt()
     m, o = initialize(m, o, "O3", spelling)
@@ -396,8 +459,9 @@ def test_dtype_strings(spelling, expected):
 def test_o3_fp16_warns_when_adam_eps_vanishes():
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.warns(RuntimeWarning, match="eps=1e-08, which rounds to 0 in torch.float16"):
-        initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O3", torch.float16,
-                   update=None)  # explicitly 16-bit arithmetic
+        initialize(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O3", torch.float16, update=None
+        )  # explicitly 16-bit arithmetic
     model = nn.Sequential(nn.Linear(4, 4))
     with warnings.catch_warnings():  # the default for fp16 Adam is an fp32 update: no warning
         warnings.simplefilter("error", RuntimeWarning)

@@ -27,7 +27,7 @@ def _has(*names: str) -> bool:
 
 
 @pytest.mark.skipif(not _has("lightning", "pytorch_lightning"), reason="Lightning not installed")
-@pytest.mark.parametrize("level,dtype", [("O2", torch.bfloat16), ("O1", torch.float16)])
+@pytest.mark.parametrize(("level", "dtype"), [("O2", torch.bfloat16), ("O1", torch.float16)])
 def test_lightning_plugin_trains(level, dtype):
     ex = _example("lightning_mixprec")
     model, plugin = ex.train(level, dtype, steps=12)
@@ -45,8 +45,10 @@ def test_lightning_plugin_trains(level, dtype):
     assert len(sd["optimizers"][0]["scalers"]) == 1
 
 
-@pytest.mark.skipif(not _has("transformers") or not _has("accelerate"),
-                    reason="transformers/accelerate not installed")
+@pytest.mark.skipif(
+    not _has("transformers") or not _has("accelerate"),
+    reason="transformers/accelerate not installed",
+)
 def test_hf_trainer_runs_mixprec_level(tmp_path):
     ex = _example("hf_trainer")
     trainer, losses = ex.train("O2", torch.bfloat16, steps=8, output_dir=str(tmp_path))
@@ -59,5 +61,8 @@ def test_hf_trainer_runs_mixprec_level(tmp_path):
     assert norms and all(0 < float(n) < float("inf") for n in norms)  # from the fp32 masters
     assert all(torch.isfinite(torch.tensor(losses))) and min(losses[-3:]) < losses[0]
     # masters were dropped after each step: model.zero_grad() alone cannot leave stale ones
-    assert all(m.grad is None for m in opt.master_params() if m.dtype == torch.float32
-               and any(m is mm for _, mm in opt._pairs))
+    assert all(
+        m.grad is None
+        for m in opt.master_params()
+        if m.dtype == torch.float32 and any(m is mm for _, mm in opt._pairs)
+    )

@@ -34,8 +34,10 @@ def test_non_finite_step_leaves_vars_and_state_unchanged(bad):
     v = torch.tensor([1.0, 2.0], requires_grad=True)
     opt = LossScaleOptimizer(torch.optim.Adam([v], lr=0.1))
     opt.get_scaled_loss(torch.tensor(1.0))
-    assert opt.apply_gradients(zip(opt.get_unscaled_gradients([torch.tensor([1.0, bad])]),
-                                   [v])) is False
+    assert (
+        opt.apply_gradients(zip(opt.get_unscaled_gradients([torch.tensor([1.0, bad])]), [v]))
+        is False
+    )
     assert torch.equal(v.detach(), torch.tensor([1.0, 2.0])) and not opt.state
     assert opt.loss_scale == 2**14 and opt.iterations == 0 and opt.skipped_steps == 1
 
@@ -53,15 +55,13 @@ def test_downscaling_and_floor():  # Keras 3 test_downscaling; tf-keras floor of
 
 def test_upscaling_trajectory():  # Keras: (scale, counter) with initial 2 and 3 growth steps
     v = torch.zeros(1, requires_grad=True)
-    opt = LossScaleOptimizer(torch.optim.SGD([v], lr=0.0), initial_scale=2,
-                             dynamic_growth_steps=3)
+    opt = LossScaleOptimizer(torch.optim.SGD([v], lr=0.0), initial_scale=2, dynamic_growth_steps=3)
     seen = []
     for _ in range(7):
         opt.apply_gradients([(torch.ones(1), v)])
         seen.append((opt.loss_scale, opt.dynamic_counter))
     assert seen == [(2, 1), (2, 2), (4, 0), (4, 1), (4, 2), (8, 0), (8, 1)]
-    opt2 = LossScaleOptimizer(torch.optim.SGD([v], lr=0.0), initial_scale=2,
-                              dynamic_growth_steps=2)
+    opt2 = LossScaleOptimizer(torch.optim.SGD([v], lr=0.0), initial_scale=2, dynamic_growth_steps=2)
     for _ in range(8):
         opt2.apply_gradients([(torch.ones(1), v)])
     assert float(opt2.get_scaled_loss(torch.tensor(1.0))) == 32  # Keras 3 test_upscaling
@@ -96,8 +96,12 @@ def test_constructor_errors():
         LossScaleOptimizer(lso)
     with pytest.raises(ValueError, match="already wrapped"):
         LossScaleOptimizer(sgd)
-    assert lso.get_config() == {"inner_optimizer": "SGD", "dynamic": True,
-                                "initial_scale": 2.0**15, "dynamic_growth_steps": 2000}
+    assert lso.get_config() == {
+        "inner_optimizer": "SGD",
+        "dynamic": True,
+        "initial_scale": 2.0**15,
+        "dynamic_growth_steps": 2000,
+    }
 
 
 def test_forgot_to_scale_warning():
@@ -132,8 +136,7 @@ def test_pytorch_style_step_matches_apply_gradients():
 
 def test_state_dict_round_trip():
     v = torch.zeros(2, requires_grad=True)
-    opt = LossScaleOptimizer(torch.optim.Adam([v], lr=0.1), initial_scale=8,
-                             dynamic_growth_steps=2)
+    opt = LossScaleOptimizer(torch.optim.Adam([v], lr=0.1), initial_scale=8, dynamic_growth_steps=2)
     for g in ([1.0, 1.0], [INF, 0.0], [1.0, 2.0]):
         opt.apply_gradients([(torch.tensor(g), v)])
     sd = opt.state_dict()
@@ -161,9 +164,11 @@ def test_seed_002_custom_loop_trains_in_float16():
 
     def build(features):
         model = original(features)
+
         def record(name):
             def hook(module, args, out):
                 seen.setdefault(name, out.dtype)
+
             return hook
 
         model.dense_1.register_forward_hook(record("dense_1"))

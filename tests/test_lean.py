@@ -1,4 +1,4 @@
-"""Pure 16-bit training with compensated / stochastically rounded updates (issue #7).
+"""Pure 16-bit training with compensated / stochastically rounded updates.
 
 Covers: the 1.0 + 1e-3 x 10,000 experiment per update mode, unbiasedness of stochastic rounding
 (a z-test with a power check against truncation), reproducibility, equality of the fp32 math with
@@ -15,13 +15,12 @@ import warnings
 import pytest
 import torch
 from torch import nn
-
 from training_helpers import assert_bitwise, make_model, mse, poisoned
 
 import mixprec
 from mixprec import initialize, stochastic_round
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 MODES = ("nearest", "kahan", "stochastic")
@@ -62,12 +61,14 @@ def train(model, opt, steps, seed=1):
 
 # ------------------------------------------------- (a) 1.0 + 1e-3, ten thousand times
 
+
 def _accumulate(update, chains=256, steps=10_000, delta=1e-3):
     """``chains`` bf16 weights at 1.0, each given ``steps`` SGD updates of +``delta``."""
     model = nn.Linear(1, chains, bias=False)
     nn.init.ones_(model.weight)
-    model, opt = initialize(model, torch.optim.SGD(model.parameters(), lr=delta), "O3", BF16,
-                            update=update)
+    model, opt = initialize(
+        model, torch.optim.SGD(model.parameters(), lr=delta), "O3", BF16, update=update
+    )
     w = model.weight
     grad = torch.full_like(w, -1.0)  # SGD adds lr * 1.0 each step
     for _ in range(steps):
@@ -91,7 +92,7 @@ def _sr_sigma(start=1.0, steps=10_000, delta=1e-3):
 
 def test_ten_thousand_small_updates_nearest_stalls_kahan_and_stochastic_do_not():
     fp32 = 1.0 + 10_000 * 1e-3
-    # the pre-#7 O3 step (bf16 arithmetic) and fp32 math rounded to nearest both stall at 1.0
+    # the old O3 step (bf16 arithmetic) and fp32 math rounded to nearest both stall at 1.0
     assert torch.equal(_accumulate("nearest", chains=4), torch.ones(4))
     assert torch.equal(_accumulate(None, chains=4, steps=100), torch.ones(4))  # every step lost
     kahan = _accumulate("kahan", chains=4)
@@ -109,6 +110,7 @@ def test_ten_thousand_small_updates_nearest_stalls_kahan_and_stochastic_do_not()
 
 # ------------------------------------------------- (b) stochastic rounding is unbiased
 
+
 def _neighbours(x, dtype):
     near = x.to(dtype)
     other = torch.nextafter(near, torch.where(x > near.float(), torch.inf, -torch.inf).to(dtype))
@@ -122,7 +124,7 @@ def _z_scores(x, rounded, dtype):
     p = ((x - lo) / (hi - lo)).double()
     mean = rounded.double().mean(0)
     n = rounded.shape[0]
-    sd = ((hi - lo).double() * torch.sqrt(p * (1 - p) / n))
+    sd = (hi - lo).double() * torch.sqrt(p * (1 - p) / n)
     return (mean - x.double()) / sd, lo, hi
 
 
@@ -156,8 +158,10 @@ def test_stochastic_rounding_is_seeded_and_validated():
     b = stochastic_round(x, BF16, torch.Generator().manual_seed(5))
     c = stochastic_round(x, BF16, torch.Generator().manual_seed(6))
     assert a.dtype == BF16 and torch.equal(a, b) and not torch.equal(a, c)
-    assert torch.equal(stochastic_round(torch.tensor([1.0, -2.5, 0.0]), BF16),
-                       torch.tensor([1.0, -2.5, 0.0], dtype=BF16))  # exact values stay
+    assert torch.equal(
+        stochastic_round(torch.tensor([1.0, -2.5, 0.0]), BF16),
+        torch.tensor([1.0, -2.5, 0.0], dtype=BF16),
+    )  # exact values stay
     assert torch.isinf(stochastic_round(torch.tensor([math.inf]), BF16)).all()
     with pytest.raises(TypeError, match="float32"):
         stochastic_round(x.double())
@@ -166,6 +170,7 @@ def test_stochastic_rounding_is_seeded_and_validated():
 
 
 # ------------------------------------------------- the fp32 math is the optimizer's own
+
 
 @pytest.mark.parametrize("opt_fn", [adamw, sgd], ids=["adamw", "sgd"])
 @pytest.mark.parametrize("update", ["nearest", "kahan"])
@@ -212,9 +217,15 @@ def test_every_mode_trains_with_sgd_and_adamw(update, opt_fn):
     assert all(c.dtype == BF16 for c in comps.values())
 
 
-@pytest.mark.parametrize("state_dtype,expect", [
-    (BF16, (BF16, BF16)), (FP32, (FP32, FP32)),
-    ({"exp_avg": BF16, "exp_avg_sq": BF16}, (BF16, BF16)), ({"exp_avg_sq": BF16}, (FP32, BF16))])
+@pytest.mark.parametrize(
+    ("state_dtype", "expect"),
+    [
+        (BF16, (BF16, BF16)),
+        (FP32, (FP32, FP32)),
+        ({"exp_avg": BF16, "exp_avg_sq": BF16}, (BF16, BF16)),
+        ({"exp_avg_sq": BF16}, (FP32, BF16)),
+    ],
+)
 def test_state_dtype(state_dtype, expect):
     model, opt = build("kahan", adamw, state_dtype=state_dtype)
     train(model, opt, 2)
@@ -229,7 +240,7 @@ def test_bf16_second_moment_stops_decaying_which_is_why_auto_keeps_it_fp32():
     for state_dtype in ("auto", BF16):
         p = nn.Parameter(torch.ones(4, dtype=BF16))
         opt = torch.optim.Adam([p], lr=1e-3, betas=(0.9, 0.999))
-        lean = mixprec.lean.LeanUpdate(opt, "kahan", state_dtype=state_dtype)
+        lean = mixprec.core.lean.LeanUpdate(opt, "kahan", state_dtype=state_dtype)
         p.grad = torch.ones_like(p)
         lean.step()
         for _ in range(200):
@@ -242,6 +253,7 @@ def test_bf16_second_moment_stops_decaying_which_is_why_auto_keeps_it_fp32():
 
 
 # ------------------------------------------------- skipped steps, checkpoints
+
 
 @pytest.mark.parametrize("update", MODES)
 def test_skipped_step_leaves_weights_compensation_state_and_rng_untouched(update):
@@ -303,6 +315,7 @@ def test_checkpoint_of_another_update_mode_is_rejected():
 
 
 # ------------------------------------------------- other optimizers, chunks, fp16, errors
+
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.RMSprop, torch.optim.Adamax, torch.optim.Adam])
 def test_wraps_other_per_parameter_optimizers(opt_cls):
@@ -367,7 +380,7 @@ def test_validation_errors():
         initialize(*make(), "O3", BF16, update="kahan", state_dtype=torch.int8)
     with pytest.raises(TypeError, match="update_seed"):
         initialize(*make(), "O3", BF16, update="stochastic", update_seed="7")
-    m, o = initialize(*make(), "O2", BF16, master_weights=False, update="kahan")  # allowed
+    _m, o = initialize(*make(), "O2", BF16, master_weights=False, update="kahan")  # allowed
     assert o.lean is not None and o.master_params()[0].dtype in (BF16, FP32)
 
 
@@ -375,7 +388,7 @@ def test_fp32_state_dict_adds_the_compensation():
     model, opt = build("kahan", sgd)
     train(model, opt, 3)
     sd = mixprec.fp32_state_dict(model, opt)
-    for (name, p) in model.named_parameters():
+    for name, p in model.named_parameters():
         c = opt.lean.compensation[p]
         assert sd[name].dtype == FP32
         assert torch.equal(sd[name], p.detach().float() + c.float())

@@ -45,19 +45,21 @@ def test_lint_flags_the_right_dims_and_no_others():
 
 
 def test_gpt_with_aligned_dims_is_clean_and_fp32_has_no_rule():
-    from mixprec.models import GPT
+    from mixprec.bench.models import GPT
 
     assert not mixprec.lint(GPT(), torch.bfloat16)
     assert len(mixprec.lint(Toy(), torch.float32)) == 0
 
 
 def test_targets_change_the_multiple():
-    from mixprec.models import GPT, GPTConfig
+    from mixprec.bench.models import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=96, block_size=8, n_layer=1, n_head=6, n_embd=384))
     tpu = mixprec.lint(model, "bf16", target="tpu")
-    assert _found(tpu) == {("blocks.0.attn", "head_dim", 64, 128), ("head", "out_features", 96,
-                                                                     128)}
+    assert _found(tpu) == {
+        ("blocks.0.attn", "head_dim", 64, 128),
+        ("head", "out_features", 96, 128),
+    }
     cpu = mixprec.lint(nn.Linear(24, 32), torch.bfloat16, target="cpu")
     assert _found(cpu) == {("", "in_features", 24, 32)}
     assert mixprec.lint(model, torch.float16).as_dict()["findings"] == []

@@ -11,7 +11,7 @@ from torch import nn
 import mixprec
 from tests.training_helpers import INF, assert_tree_bitwise, make_model, mse, poisoned
 
-warnings.filterwarnings("ignore", category=Warning, module="mixprec.hardware")
+warnings.filterwarnings("ignore", category=Warning, module="mixprec.core.hardware")
 
 
 class Blowup(nn.Module):
@@ -53,8 +53,9 @@ class Trap(nn.Module):
 
 def _net() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(),
-                         nn.Sequential(Blowup(), nn.Tanh()), Trap(), nn.Linear(16, 4))
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Sequential(Blowup(), nn.Tanh()), Trap(), nn.Linear(16, 4)
+    )
 
 
 def _train(model, steps, arm_at, which, dtype=None, raise_on=None):
@@ -76,8 +77,13 @@ def test_planted_forward_inf_is_found_in_its_module_and_step():
     loc = _train(model, 4, arm_at=2, which=model[2][0], dtype=torch.float16)
     assert len(loc.events) >= 1
     e = loc.first
-    assert (e.step, e.phase, e.module, e.dtype, e.kind) == (2, "forward", "2.0.lin", "float16",
-                                                           "inf")
+    assert (e.step, e.phase, e.module, e.dtype, e.kind) == (
+        2,
+        "forward",
+        "2.0.lin",
+        "float16",
+        "inf",
+    )
     assert e.op.startswith("aten.addmm")
     assert e.severity == "error" and "float32" in e.reason
     # the op's inputs were finite and large: the stats show it
@@ -107,9 +113,8 @@ def test_raise_on_error_raises_at_the_op_with_the_event():
 def test_parameter_gradient_poison_is_attributed_to_its_owner():
     model = make_model()
     x, y = torch.randn(4, 8), torch.randn(4, 4)
-    with mixprec.locate_nonfinite(model) as loc:
-        with poisoned(model[3].weight, INF):
-            mse(model, x, y).backward()
+    with mixprec.locate_nonfinite(model) as loc, poisoned(model[3].weight, INF):
+        mse(model, x, y).backward()
     e = loc.first
     assert (e.phase, e.module, e.kind) == ("backward", "3", "inf")
     assert "3.weight" in e.node
@@ -118,8 +123,9 @@ def test_parameter_gradient_poison_is_attributed_to_its_owner():
 def test_overflow_skipped_by_the_scaler_is_expected_and_steps_match_the_optimizer():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.float16,
-                                    init_scale=2.0 ** 24, hysteresis=1)
+    model, opt = mixprec.initialize(
+        model, opt, level="O2", dtype=torch.float16, init_scale=2.0**24, hysteresis=1
+    )
     x, y = torch.randn(16, 8), torch.randn(16, 4)
     with mixprec.locate_nonfinite(model, opt, raise_on="error") as loc:
         for _ in range(12):
@@ -130,8 +136,7 @@ def test_overflow_skipped_by_the_scaler_is_expected_and_steps_match_the_optimize
     assert len(loc.events) == opt.skipped_steps
     assert [e.step for e in loc.events] == list(range(opt.skipped_steps))
     for e in loc.events:
-        assert (e.severity, e.phase, e.kind, e.dtype) == ("expected", "backward", "inf",
-                                                          "float16")
+        assert (e.severity, e.phase, e.kind, e.dtype) == ("expected", "backward", "inf", "float16")
         assert e.step_skipped is True and e.loss_scale > 65504
 
 
@@ -145,7 +150,7 @@ def test_nonfinite_input_data_is_reported_as_input():
 
 
 def test_causal_attention_masks_are_not_reported():
-    from mixprec.models import GPT, GPTConfig
+    from mixprec.bench.models import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32))
@@ -188,10 +193,14 @@ def test_bad_arguments_are_rejected():
 def test_uninitialized_buffers_are_not_reported():
     """``torch.empty`` may hold garbage NaNs (the optimizer's grad buffers do): its output is
     not judged, while an op that writes NaN into such a buffer still is."""
-    from mixprec.locate import _op_info
+    from mixprec.numerics.locate import _op_info
 
-    for op in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
-               torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default):
+    for op in (
+        torch.ops.aten.empty.memory_format,
+        torch.ops.aten.empty_like.default,
+        torch.ops.aten.empty_strided.default,
+        torch.ops.aten.new_empty.default,
+    ):
         assert _op_info(op)[0], op
     assert not _op_info(torch.ops.aten.fill_.Scalar)[0]
     assert not _op_info(torch.ops.aten.zeros.default)[0]

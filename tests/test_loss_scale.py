@@ -1,4 +1,4 @@
-"""Tests for mixprec.loss_scale: scale trajectories, validation, state_dict, fused unscale."""
+"""Tests for mixprec.core.loss_scale: scale trajectories, validation, state_dict, fused unscale."""
 
 from __future__ import annotations
 
@@ -11,13 +11,27 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixprec import loss_scale as ls
-from mixprec.loss_scale import LossScaler, found_non_finite, unscale_and_check_
+from mixprec.core import loss_scale as ls
+from mixprec.core.loss_scale import LossScaler, found_non_finite, unscale_and_check_
 
 INF, NAN = float("inf"), float("nan")
-FIELDS = ("init_scale", "dynamic", "enabled", "growth_factor", "backoff_factor",
-          "growth_interval", "hysteresis", "min_scale", "max_scale", "scale", "growth_tracker",
-          "hysteresis_tracker", "steps", "skipped_steps", "last_step_skipped")
+FIELDS = (
+    "init_scale",
+    "dynamic",
+    "enabled",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "hysteresis",
+    "min_scale",
+    "max_scale",
+    "scale",
+    "growth_tracker",
+    "hysteresis_tracker",
+    "steps",
+    "skipped_steps",
+    "last_step_skipped",
+)
 
 
 def run(scaler: LossScaler, verdicts) -> list[float]:
@@ -30,11 +44,16 @@ def run(scaler: LossScaler, verdicts) -> list[float]:
 
 # --------------------------------------------------------------------------- state machine
 
+
 def test_defaults():
     s = LossScaler()
     assert (s.scale, s.loss_scale, s.dynamic, s.enabled) == (2.0**16, 2.0**16, True, True)
-    assert (s.growth_factor, s.backoff_factor, s.growth_interval, s.hysteresis) == (2.0, 0.5,
-                                                                                    2000, 1)
+    assert (s.growth_factor, s.backoff_factor, s.growth_interval, s.hysteresis) == (
+        2.0,
+        0.5,
+        2000,
+        1,
+    )
     assert (s.min_scale, s.max_scale) == (1.0, 2.0**24)
     assert (s.growth_tracker, s.hysteresis_tracker, s.steps, s.skipped_steps) == (0, 1, 0, 0)
     assert s.last_step_skipped is None
@@ -85,7 +104,7 @@ def test_bounds_never_zero_or_inf():
     assert s.scale == 0.25
     s = LossScaler(1.0, min_scale=5e-324)  # smallest positive double: still never 0
     run(s, [True] * 10_000)
-    assert s.scale == 5e-324 > 0
+    assert s.scale == 5e-324 and s.scale > 0
     s = LossScaler(4.0, growth_interval=1, max_scale=100.0)
     assert run(s, [False] * 6) == [8, 16, 32, 64, 100, 100]
     s = LossScaler(1.0, growth_interval=1, growth_factor=1e10, max_scale=1e308)
@@ -144,40 +163,56 @@ def test_repr():
 
 # --------------------------------------------------------------------------- validation
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    ({"init_scale": 0.0}, ValueError, r"init_scale must be finite and > 0; received 0.0"),
-    ({"init_scale": -2.0}, ValueError, r"init_scale must be finite and > 0"),
-    ({"init_scale": INF}, ValueError, r"init_scale must be finite"),
-    ({"init_scale": NAN}, ValueError, r"init_scale must be finite"),
-    ({"init_scale": "65536"}, TypeError, r"init_scale must be a real number.*str"),
-    ({"init_scale": True}, TypeError, r"init_scale must be a real number.*bool"),
-    ({"growth_factor": 1.0}, ValueError, r"growth_factor must be finite and > 1; received 1.0"),
-    ({"growth_factor": INF}, ValueError, r"growth_factor must be finite and > 1"),
-    ({"backoff_factor": 1.0}, ValueError, r"backoff_factor must be in the open interval \(0, 1\)"),
-    ({"backoff_factor": 0.0}, ValueError, r"backoff_factor must be in the open interval"),
-    ({"backoff_factor": 2.0}, ValueError, r"backoff_factor .* received 2.0"),
-    ({"growth_interval": 0}, ValueError, r"growth_interval must be an int >= 1; received 0"),
-    ({"growth_interval": 2.0}, TypeError, r"growth_interval must be an int >= 1; .*float"),
-    ({"growth_interval": True}, TypeError, r"growth_interval must be an int"),
-    ({"hysteresis": 0}, ValueError, r"hysteresis must be an int >= 1; received 0"),
-    ({"hysteresis": 1.5}, TypeError, r"hysteresis must be an int"),
-    ({"min_scale": 0.0}, ValueError, r"min_scale must be finite and > 0"),
-    ({"min_scale": -1.0}, ValueError, r"min_scale must be finite and > 0"),
-    ({"max_scale": INF}, ValueError, r"max_scale must be finite and >= min_scale"),
-    ({"max_scale": 0.5}, ValueError, r"max_scale must be finite and >= min_scale \(1.0\)"),
-    ({"init_scale": 0.5}, ValueError, r"init_scale=0.5 is outside .* \[1.0, 16777216.0\]"),
-    ({"init_scale": 2.0**25}, ValueError, r"outside \[min_scale, max_scale\]"),
-    ({"init_scale": 8.0, "min_scale": 16.0, "max_scale": 32.0}, ValueError,
-     r"init_scale=8.0 is outside \[min_scale, max_scale\] = \[16.0, 32.0\]"),
-    ({"dynamic": "dynamic"}, TypeError, r"dynamic must be a bool; received 'dynamic'.*from_spec"),
-    ({"enabled": 1}, TypeError, r"enabled must be a bool"),
-])
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"init_scale": 0.0}, ValueError, r"init_scale must be finite and > 0; received 0.0"),
+        ({"init_scale": -2.0}, ValueError, r"init_scale must be finite and > 0"),
+        ({"init_scale": INF}, ValueError, r"init_scale must be finite"),
+        ({"init_scale": NAN}, ValueError, r"init_scale must be finite"),
+        ({"init_scale": "65536"}, TypeError, r"init_scale must be a real number.*str"),
+        ({"init_scale": True}, TypeError, r"init_scale must be a real number.*bool"),
+        ({"growth_factor": 1.0}, ValueError, r"growth_factor must be finite and > 1; received 1.0"),
+        ({"growth_factor": INF}, ValueError, r"growth_factor must be finite and > 1"),
+        (
+            {"backoff_factor": 1.0},
+            ValueError,
+            r"backoff_factor must be in the open interval \(0, 1\)",
+        ),
+        ({"backoff_factor": 0.0}, ValueError, r"backoff_factor must be in the open interval"),
+        ({"backoff_factor": 2.0}, ValueError, r"backoff_factor .* received 2.0"),
+        ({"growth_interval": 0}, ValueError, r"growth_interval must be an int >= 1; received 0"),
+        ({"growth_interval": 2.0}, TypeError, r"growth_interval must be an int >= 1; .*float"),
+        ({"growth_interval": True}, TypeError, r"growth_interval must be an int"),
+        ({"hysteresis": 0}, ValueError, r"hysteresis must be an int >= 1; received 0"),
+        ({"hysteresis": 1.5}, TypeError, r"hysteresis must be an int"),
+        ({"min_scale": 0.0}, ValueError, r"min_scale must be finite and > 0"),
+        ({"min_scale": -1.0}, ValueError, r"min_scale must be finite and > 0"),
+        ({"max_scale": INF}, ValueError, r"max_scale must be finite and >= min_scale"),
+        ({"max_scale": 0.5}, ValueError, r"max_scale must be finite and >= min_scale \(1.0\)"),
+        ({"init_scale": 0.5}, ValueError, r"init_scale=0.5 is outside .* \[1.0, 16777216.0\]"),
+        ({"init_scale": 2.0**25}, ValueError, r"outside \[min_scale, max_scale\]"),
+        (
+            {"init_scale": 8.0, "min_scale": 16.0, "max_scale": 32.0},
+            ValueError,
+            r"init_scale=8.0 is outside \[min_scale, max_scale\] = \[16.0, 32.0\]",
+        ),
+        (
+            {"dynamic": "dynamic"},
+            TypeError,
+            r"dynamic must be a bool; received 'dynamic'.*from_spec",
+        ),
+        ({"enabled": 1}, TypeError, r"enabled must be a bool"),
+    ],
+)
 def test_validation(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         LossScaler(**kwargs)
 
 
 # --------------------------------------------------------------------------- from_spec
+
 
 def test_from_spec_forms():
     d = LossScaler.from_spec("dynamic", growth_interval=5, init_scale=256.0)
@@ -191,24 +226,34 @@ def test_from_spec_forms():
     assert LossScaler.from_spec(d) is d
 
 
-@pytest.mark.parametrize("spec, kwargs, match", [
-    ("Dynamic", {}, r"Unknown loss-scale spec 'Dynamic'. Allowed: 'dynamic', a finite number"),
-    ("static", {}, r"Unknown loss-scale spec"),
-    (True, {}, r"Unknown loss-scale spec True"),
-    (0, {}, r"Unknown loss-scale spec 0"),
-    (-4.0, {}, r"Unknown loss-scale spec"),
-    (INF, {}, r"Unknown loss-scale spec inf"),
-    (NAN, {}, r"Unknown loss-scale spec nan"),
-    ([128.0], {}, r"Unknown loss-scale spec"),
-    (128.0, {"growth_interval": 10}, r"does not use \['growth_interval'\].*only apply to dynamic"),
-    (128.0, {"hysteresis": 2, "backoff_factor": 0.5},
-     r"\['backoff_factor', 'hysteresis'\].*dynamic"),
-    (128.0, {"min_scale": 2.0}, r"\['min_scale'\]"),
-    (128.0, {"init_scale": 2.0}, r"\['init_scale'\]"),
-    (None, {"growth_interval": 10}, r"None disables loss scaling.*\['growth_interval'\]"),
-    ("dynamic", {"dynamic": False}, r"takes dynamic= from the spec"),
-    (LossScaler(), {"hysteresis": 2}, r"existing LossScaler and options \['hysteresis'\]"),
-])
+@pytest.mark.parametrize(
+    ("spec", "kwargs", "match"),
+    [
+        ("Dynamic", {}, r"Unknown loss-scale spec 'Dynamic'. Allowed: 'dynamic', a finite number"),
+        ("static", {}, r"Unknown loss-scale spec"),
+        (True, {}, r"Unknown loss-scale spec True"),
+        (0, {}, r"Unknown loss-scale spec 0"),
+        (-4.0, {}, r"Unknown loss-scale spec"),
+        (INF, {}, r"Unknown loss-scale spec inf"),
+        (NAN, {}, r"Unknown loss-scale spec nan"),
+        ([128.0], {}, r"Unknown loss-scale spec"),
+        (
+            128.0,
+            {"growth_interval": 10},
+            r"does not use \['growth_interval'\].*only apply to dynamic",
+        ),
+        (
+            128.0,
+            {"hysteresis": 2, "backoff_factor": 0.5},
+            r"\['backoff_factor', 'hysteresis'\].*dynamic",
+        ),
+        (128.0, {"min_scale": 2.0}, r"\['min_scale'\]"),
+        (128.0, {"init_scale": 2.0}, r"\['init_scale'\]"),
+        (None, {"growth_interval": 10}, r"None disables loss scaling.*\['growth_interval'\]"),
+        ("dynamic", {"dynamic": False}, r"takes dynamic= from the spec"),
+        (LossScaler(), {"hysteresis": 2}, r"existing LossScaler and options \['hysteresis'\]"),
+    ],
+)
 def test_from_spec_errors(spec, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LossScaler.from_spec(spec, **kwargs)
@@ -221,9 +266,17 @@ def test_from_spec_forwards_validation():
 
 # --------------------------------------------------------------------------- state_dict
 
+
 def _non_default() -> LossScaler:
-    s = LossScaler(96.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=4,
-                   hysteresis=3, min_scale=0.75, max_scale=5000.0)
+    s = LossScaler(
+        96.0,
+        growth_factor=3.0,
+        backoff_factor=0.25,
+        growth_interval=4,
+        hysteresis=3,
+        min_scale=0.75,
+        max_scale=5000.0,
+    )
     run(s, [False, False, True, True, True, False, False, True, False])
     return s
 
@@ -237,6 +290,7 @@ def test_state_dict_round_trip_non_default():
     # Plain Python values: survives JSON, pickle and torch.load(weights_only=True).
     assert json.loads(json.dumps(sd)) == sd
     import io
+
     buf = io.BytesIO()
     torch.save(sd, buf)
     buf.seek(0)
@@ -251,8 +305,9 @@ def test_state_dict_round_trip_non_default():
     assert pickle.loads(pickle.dumps(src)).state_dict() == src.state_dict()
 
 
-@pytest.mark.parametrize("make", [lambda: LossScaler(12.0, dynamic=False),
-                                  lambda: LossScaler(12.0, enabled=False)])
+@pytest.mark.parametrize(
+    "make", [lambda: LossScaler(12.0, dynamic=False), lambda: LossScaler(12.0, enabled=False)]
+)
 def test_state_dict_round_trip_static_and_disabled(make):
     src = make()
     run(src, [True, False, True])
@@ -268,24 +323,38 @@ def _bad(**changes):
     return sd
 
 
-@pytest.mark.parametrize("sd, exc, match", [
-    ({k: v for k, v in _non_default().state_dict().items() if k not in ("scale", "steps")},
-     ValueError, r"missing keys \['scale', 'steps'\], unknown keys \[\]"),
-    (_bad(_growth_tracker=0, extra=1), ValueError, r"unknown keys \['_growth_tracker', 'extra'\]"),
-    ({}, ValueError, r"missing keys \['backoff_factor'"),
-    (_bad(hysteresis=0), ValueError, r"hysteresis must be an int >= 1"),
-    (_bad(scale=0.0), ValueError, r"scale must be finite and > 0"),
-    (_bad(scale=INF), ValueError, r"scale must be finite"),
-    (_bad(scale=0.5), ValueError, r"scale=0.5 must lie in \[0.75, 5000.0\]"),
-    (_bad(dynamic=False, scale=48.0), ValueError, r"scale=48.0 must lie in \[96.0, 96.0\]"),
-    (_bad(growth_tracker=-1), ValueError, r"growth_tracker must be an int >= 0"),
-    (_bad(growth_tracker=1.0), TypeError, r"growth_tracker must be an int"),
-    (_bad(hysteresis_tracker=4), ValueError, r"hysteresis_tracker=4 exceeds hysteresis=3"),
-    (_bad(hysteresis_tracker=0), ValueError, r"hysteresis_tracker must be an int >= 1"),
-    (_bad(skipped_steps=100), ValueError, r"skipped_steps=100 exceeds steps=9"),
-    (_bad(last_step_skipped=None), ValueError, r"last_step_skipped must be None iff steps == 0"),
-    (_bad(last_step_skipped=1), ValueError, r"last_step_skipped .* received 1"),
-])
+@pytest.mark.parametrize(
+    ("sd", "exc", "match"),
+    [
+        (
+            {k: v for k, v in _non_default().state_dict().items() if k not in ("scale", "steps")},
+            ValueError,
+            r"missing keys \['scale', 'steps'\], unknown keys \[\]",
+        ),
+        (
+            _bad(_growth_tracker=0, extra=1),
+            ValueError,
+            r"unknown keys \['_growth_tracker', 'extra'\]",
+        ),
+        ({}, ValueError, r"missing keys \['backoff_factor'"),
+        (_bad(hysteresis=0), ValueError, r"hysteresis must be an int >= 1"),
+        (_bad(scale=0.0), ValueError, r"scale must be finite and > 0"),
+        (_bad(scale=INF), ValueError, r"scale must be finite"),
+        (_bad(scale=0.5), ValueError, r"scale=0.5 must lie in \[0.75, 5000.0\]"),
+        (_bad(dynamic=False, scale=48.0), ValueError, r"scale=48.0 must lie in \[96.0, 96.0\]"),
+        (_bad(growth_tracker=-1), ValueError, r"growth_tracker must be an int >= 0"),
+        (_bad(growth_tracker=1.0), TypeError, r"growth_tracker must be an int"),
+        (_bad(hysteresis_tracker=4), ValueError, r"hysteresis_tracker=4 exceeds hysteresis=3"),
+        (_bad(hysteresis_tracker=0), ValueError, r"hysteresis_tracker must be an int >= 1"),
+        (_bad(skipped_steps=100), ValueError, r"skipped_steps=100 exceeds steps=9"),
+        (
+            _bad(last_step_skipped=None),
+            ValueError,
+            r"last_step_skipped must be None iff steps == 0",
+        ),
+        (_bad(last_step_skipped=1), ValueError, r"last_step_skipped .* received 1"),
+    ],
+)
 def test_load_state_dict_errors_are_atomic(sd, exc, match):
     dst = LossScaler(32.0, hysteresis=2)
     dst.update(True)
@@ -296,6 +365,7 @@ def test_load_state_dict_errors_are_atomic(sd, exc, match):
 
 
 # --------------------------------------------------------------------------- property test
+
 
 def reference_trajectory(cfg: dict, verdicts: list[bool]) -> list[tuple]:
     """Independent model: count consecutive overflows up instead of a tracker counting down."""
@@ -315,20 +385,32 @@ def reference_trajectory(cfg: dict, verdicts: list[bool]) -> list[tuple]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(verdicts=st.lists(st.booleans(), max_size=120),
-       growth_interval=st.integers(1, 6), hysteresis=st.integers(1, 4),
-       growth_factor=st.sampled_from([1.5, 2.0, 4.0]),
-       backoff_factor=st.sampled_from([0.125, 0.5, 0.75]),
-       min_exp=st.integers(-4, 4), span=st.integers(0, 12), offset=st.integers(0, 12),
-       cut=st.integers(0, 120))
-def test_trajectory_matches_reference(verdicts, growth_interval, hysteresis, growth_factor,
-                                      backoff_factor, min_exp, span, offset, cut):
+@given(
+    verdicts=st.lists(st.booleans(), max_size=120),
+    growth_interval=st.integers(1, 6),
+    hysteresis=st.integers(1, 4),
+    growth_factor=st.sampled_from([1.5, 2.0, 4.0]),
+    backoff_factor=st.sampled_from([0.125, 0.5, 0.75]),
+    min_exp=st.integers(-4, 4),
+    span=st.integers(0, 12),
+    offset=st.integers(0, 12),
+    cut=st.integers(0, 120),
+)
+def test_trajectory_matches_reference(
+    verdicts, growth_interval, hysteresis, growth_factor, backoff_factor, min_exp, span, offset, cut
+):
     min_scale = 2.0**min_exp
     max_scale = min_scale * 2.0**span
     init = min_scale * 2.0 ** min(offset, span)
-    cfg = dict(init_scale=init, growth_factor=growth_factor, backoff_factor=backoff_factor,
-               growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale,
-               max_scale=max_scale)
+    cfg = dict(
+        init_scale=init,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        hysteresis=hysteresis,
+        min_scale=min_scale,
+        max_scale=max_scale,
+    )
     s = LossScaler(**cfg)
     got = []
     for i, v in enumerate(verdicts):
@@ -337,8 +419,16 @@ def test_trajectory_matches_reference(verdicts, growth_interval, hysteresis, gro
             fresh.load_state_dict(s.state_dict())
             s = fresh
         s.update(v)
-        got.append((s.scale, s.growth_tracker, s.hysteresis_tracker, s.steps, s.skipped_steps,
-                    s.last_step_skipped))
+        got.append(
+            (
+                s.scale,
+                s.growth_tracker,
+                s.hysteresis_tracker,
+                s.steps,
+                s.skipped_steps,
+                s.last_step_skipped,
+            )
+        )
         assert 0 < s.scale < INF and min_scale <= s.scale <= max_scale
     assert got == reference_trajectory(cfg, verdicts)
 
@@ -351,8 +441,11 @@ SCALE = 1024.0
 
 def _grads(dtype):
     # Values times 1/1024 are exact in every dtype (and fp16 stays below 65504).
-    base = [torch.tensor([1.5, -3.0, 0.0, 7.0]), torch.arange(-6.0, 6.0).reshape(3, 4),
-            torch.tensor(5.0)]
+    base = [
+        torch.tensor([1.5, -3.0, 0.0, 7.0]),
+        torch.arange(-6.0, 6.0).reshape(3, 4),
+        torch.tensor(5.0),
+    ]
     return [(b * SCALE).to(dtype) for b in base], [b.to(dtype) for b in base]
 
 
@@ -386,8 +479,12 @@ def test_unscale_and_check_finite(dtype):
 
 
 def test_unscale_mixed_dtypes_tensor_inv_forms_and_flag_not_reset():
-    grads = [torch.full((3,), 8.0), torch.full((2,), 8.0, dtype=torch.bfloat16),
-             torch.full((2,), 8.0, dtype=torch.float16), torch.full((2,), 8.0, dtype=torch.float64)]
+    grads = [
+        torch.full((3,), 8.0),
+        torch.full((2,), 8.0, dtype=torch.bfloat16),
+        torch.full((2,), 8.0, dtype=torch.float16),
+        torch.full((2,), 8.0, dtype=torch.float64),
+    ]
     found = torch.ones(())  # a 0-dim flag is fine too; a previous 1 is kept
     for inv in (torch.tensor(0.5), torch.tensor([0.5], dtype=torch.float64), 0.5):
         unscale_and_check_(grads, inv, found)
@@ -396,18 +493,30 @@ def test_unscale_mixed_dtypes_tensor_inv_forms_and_flag_not_reset():
     unscale_and_check_([], 0.5, found)  # empty list: no-op
 
 
-@pytest.mark.parametrize("args, exc, match", [
-    (([torch.ones(2)], 0.5, torch.zeros(1, dtype=torch.float64)), TypeError,
-     r"found_inf must be a 1-element float32 tensor"),
-    (([torch.ones(2)], 0.5, torch.zeros(2)), TypeError, r"found_inf must be a 1-element"),
-    (([torch.ones(2)], 0.5, 0.0), TypeError, r"found_inf must be"),
-    (([torch.ones(2), torch.ones(2, dtype=torch.int32)], 0.5, torch.zeros(1)), TypeError,
-     r"tensors\[1\] must be a floating tensor \(dense or sparse, real or complex\); "
-     r"received torch.int32"),
-    (([[1.0]], 0.5, torch.zeros(1)), TypeError, r"received list"),
-    (([torch.ones(2, device="meta")], 0.5, torch.zeros(1)), ValueError,
-     r"tensors\[0\] is on meta but found_inf is on cpu"),
-])
+@pytest.mark.parametrize(
+    ("args", "exc", "match"),
+    [
+        (
+            ([torch.ones(2)], 0.5, torch.zeros(1, dtype=torch.float64)),
+            TypeError,
+            r"found_inf must be a 1-element float32 tensor",
+        ),
+        (([torch.ones(2)], 0.5, torch.zeros(2)), TypeError, r"found_inf must be a 1-element"),
+        (([torch.ones(2)], 0.5, 0.0), TypeError, r"found_inf must be"),
+        (
+            ([torch.ones(2), torch.ones(2, dtype=torch.int32)], 0.5, torch.zeros(1)),
+            TypeError,
+            r"tensors\[1\] must be a floating tensor \(dense or sparse, real or complex\); "
+            r"received torch.int32",
+        ),
+        (([[1.0]], 0.5, torch.zeros(1)), TypeError, r"received list"),
+        (
+            ([torch.ones(2, device="meta")], 0.5, torch.zeros(1)),
+            ValueError,
+            r"tensors\[0\] is on meta but found_inf is on cpu",
+        ),
+    ],
+)
 def test_unscale_and_check_errors(args, exc, match):
     with pytest.raises(exc, match=match):
         unscale_and_check_(*args)
@@ -433,7 +542,7 @@ def test_fallback_path_matches_fused(monkeypatch, dtype):
         assert found.item() == (bad is not None)
         for g, e in zip(grads, expected):
             assert torch.equal(g, e) or (bad is not None and torch.allclose(g, e, equal_nan=True))
-    assert len(calls) == 1 and ls._NO_FUSED_KERNEL == {("cpu", dtype)}  # tried once, cached
+    assert len(calls) == 1 and {("cpu", dtype)} == ls._NO_FUSED_KERNEL  # tried once, cached
     g = [torch.tensor([-0.0, 3.0, INF], dtype=dtype)]
     found = torch.zeros(1)
     found_non_finite(g, found)
@@ -447,8 +556,9 @@ def test_found_non_finite_leaves_values_untouched(dtype):
     found = torch.zeros(1)
     found_non_finite(g, found)
     assert found.item() == 0.0
-    assert all(torch.equal(a, b) and torch.equal(a.signbit(), b.signbit())
-               for a, b in zip(g, snapshot))
+    assert all(
+        torch.equal(a, b) and torch.equal(a.signbit(), b.signbit()) for a, b in zip(g, snapshot)
+    )
     g[1][0] = NAN
     found_non_finite(g, found)
     assert found.item() == 1.0 and torch.equal(g[0], snapshot[0])

@@ -16,9 +16,8 @@ def _mlp() -> nn.Sequential:
 
 def test_forward_counts_match_a_hand_count():
     model, x = _mlp(), torch.randn(4, 8)
-    with torch.no_grad(), mixprec.op_stats() as stats:
-        with mixprec.autocast(torch.bfloat16):
-            model(x).sum()
+    with torch.no_grad(), mixprec.op_stats() as stats, mixprec.autocast(torch.bfloat16):
+        model(x).sum()
     # Hand count. Linear 1: x, weight, bias cast to bf16 (3 _to_copy), F.linear decomposes into
     # t + addmm. ReLU: relu in bf16. Linear 2: weight and bias cast (2 _to_copy; its input is
     # already bf16), t + addmm. sum is an fp32-rule op: its input is cast to fp32 (1 _to_copy
@@ -64,9 +63,8 @@ def test_fp32_model_counts_fp32_and_other_categories():
 
 def test_table_has_every_op_and_a_total():
     model, x = _mlp(), torch.randn(4, 8)
-    with torch.no_grad(), mixprec.op_stats() as stats:
-        with mixprec.autocast(torch.bfloat16):
-            model(x)
+    with torch.no_grad(), mixprec.op_stats() as stats, mixprec.autocast(torch.bfloat16):
+        model(x)
     table = stats.table()
     lines = table.splitlines()
     assert lines[0].split() == ["op", "fp32", "bf16", "fp16", "other", "total"]

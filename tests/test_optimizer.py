@@ -17,18 +17,25 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
-
-from training_helpers import (INF, NAN, assert_bitwise, assert_tree_bitwise, make_model, mse,
-                              poisoned)
+from training_helpers import (
+    INF,
+    NAN,
+    assert_bitwise,
+    assert_tree_bitwise,
+    make_model,
+    mse,
+    poisoned,
+)
 
 from mixprec import initialize, scale_loss
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
 
 # --------------------------------------------------------------------------------- helpers
+
 
 def batch(seed: int = 1, n: int = 8) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -36,9 +43,11 @@ def batch(seed: int = 1, n: int = 8) -> tuple[Tensor, Tensor]:
 
 
 def snapshot(model: nn.Module, opt) -> dict:
-    return {"params": [p.detach().clone() for p in model.parameters()],
-            "masters": [m.detach().clone() for _, m in opt._pairs],
-            "state": copy.deepcopy(opt.state_dict()["optimizer"])}
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "masters": [m.detach().clone() for _, m in opt._pairs],
+        "state": copy.deepcopy(opt.state_dict()["optimizer"]),
+    }
 
 
 def changed(a: Tensor, b: Tensor) -> bool:
@@ -47,17 +56,17 @@ def changed(a: Tensor, b: Tensor) -> bool:
 
 # ------------------------------------------------------------------ 1. scaler trajectories
 
+
 def _trajectory_run(opt, model, verdicts, poison_param):
     x, y = batch()
     scales, skipped = [], []
     for bad in verdicts:
         loss = mse(model, x, y)
         before = opt.loss_scale
-        with poisoned(poison_param if bad else None):
-            with scale_loss(loss, opt) as scaled:
-                # the loss is multiplied by the scale in force before the step (exact: 2**k)
-                assert scaled.item() == loss.item() * before
-                scaled.backward()
+        with poisoned(poison_param if bad else None), scale_loss(loss, opt) as scaled:
+            # the loss is multiplied by the scale in force before the step (exact: 2**k)
+            assert scaled.item() == loss.item() * before
+            scaled.backward()
         opt.step()
         opt.zero_grad()
         scales.append(opt.loss_scale)
@@ -69,8 +78,9 @@ def _trajectory_run(opt, model, verdicts, poison_param):
 def test_dynamic_trajectory_matches_closed_form(level):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    model, opt = initialize(model, opt, level, FP16, loss_scale="dynamic", init_scale=2.0**4,
-                            growth_interval=2)
+    model, opt = initialize(
+        model, opt, level, FP16, loss_scale="dynamic", init_scale=2.0**4, growth_interval=2
+    )
     verdicts = [0, 0, 1, 0, 0, 0, 1, 1, 0, 0]  # 1 = overflow injected
     scales, skipped = _trajectory_run(opt, model, verdicts, model[0].weight)
     # x2 after every 2 consecutive clean steps, /2 on every overflow (hysteresis 1)
@@ -87,8 +97,16 @@ def test_dynamic_trajectory_matches_closed_form(level):
 def test_hysteresis_override_passes_through_initialize():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    model, opt = initialize(model, opt, "O2", FP16, loss_scale="dynamic", init_scale=2.0**4,
-                            growth_interval=2, hysteresis=2)
+    model, opt = initialize(
+        model,
+        opt,
+        "O2",
+        FP16,
+        loss_scale="dynamic",
+        init_scale=2.0**4,
+        growth_interval=2,
+        hysteresis=2,
+    )
     assert opt.slots[0].scaler.hysteresis == 2
     verdicts = [1, 1, 0, 1, 0, 1, 1]
     scales, skipped = _trajectory_run(opt, model, verdicts, model[3].bias)
@@ -143,8 +161,11 @@ def test_bf16_defaults_to_no_scaling_fp16_to_dynamic():
 
 
 @settings(max_examples=12, deadline=None, derandomize=True)
-@given(verdicts=st.lists(st.booleans(), min_size=1, max_size=10),
-       hysteresis=st.integers(1, 3), growth_interval=st.integers(1, 3))
+@given(
+    verdicts=st.lists(st.booleans(), min_size=1, max_size=10),
+    hysteresis=st.integers(1, 3),
+    growth_interval=st.integers(1, 3),
+)
 def test_trajectory_through_optimizer_equals_bare_scaler(verdicts, hysteresis, growth_interval):
     """Whatever the clean/overflow sequence, the optimizer's scaler follows LossScaler's rule."""
     from mixprec import LossScaler
@@ -165,6 +186,7 @@ def test_trajectory_through_optimizer_equals_bare_scaler(verdicts, hysteresis, g
 
 # ------------------------------------------------------------------ 2. bitwise overflow skip
 
+
 @pytest.mark.parametrize("bad", [INF, NAN], ids=["inf", "nan"])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
@@ -173,8 +195,9 @@ def test_overflow_in_each_param_skips_bitwise(level, dtype, bad):
     # eps=1e-4: at O3 fp16 the AdamW state is fp16 and the default eps=1e-8 rounds to 0, so a
     # zero gradient element gives 0/0 = NaN parameters on the first step (torch behaviour).
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
-    model, opt = initialize(model, opt, level, dtype, loss_scale="dynamic", init_scale=2.0**10,
-                            growth_interval=1000)
+    model, opt = initialize(
+        model, opt, level, dtype, loss_scale="dynamic", init_scale=2.0**10, growth_interval=1000
+    )
     x, y = batch()
     opt.backward(mse(model, x, y))
     opt.step()  # one clean step so the inner optimizer has state to protect
@@ -220,28 +243,35 @@ def test_overflow_via_inf_loss_skips():
 
 # ------------------------------------------------------ 3. several models, optimizers, losses
 
+
 @pytest.mark.parametrize("order", ["o1_first", "o2_first"])
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_multiple_models_optimizers_losses(level, order):
     m1, m2 = make_model(0), make_model(1)
     o1 = torch.optim.SGD(m1.parameters(), lr=0.1)
     o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
-    (m1, m2), (o1, o2) = initialize([m1, m2], [o1, o2], level, num_losses=2, dtype=FP16,
-                                    loss_scale="dynamic", init_scale=2.0**6, growth_interval=2)
+    (m1, m2), (o1, o2) = initialize(
+        [m1, m2],
+        [o1, o2],
+        level,
+        num_losses=2,
+        dtype=FP16,
+        loss_scale="dynamic",
+        init_scale=2.0**6,
+        growth_interval=2,
+    )
     assert all(a is b for a, b in zip(o1.slots, o2.slots))  # one scaler per loss, shared
     x, y = batch()
 
     def iteration(poison0=None, poison1=None):
         snap1, snap2 = snapshot(m1, o1), snapshot(m2, o2)
         loss0 = mse(m1, x, y)
-        with poisoned(poison0):
-            with scale_loss(loss0, o1, loss_id=0) as s:
-                s.backward()
+        with poisoned(poison0), scale_loss(loss0, o1, loss_id=0) as s:
+            s.backward()
         loss1 = (m1(x).float() - m2(x).float()).pow(2).mean() + mse(m2, x, y)
-        with poisoned(poison1):
-            with scale_loss(loss1, [o1, o2], loss_id=1) as s:
-                s.backward()
-        for o in ((o1, o2) if order == "o1_first" else (o2, o1)):
+        with poisoned(poison1), scale_loss(loss1, [o1, o2], loss_id=1) as s:
+            s.backward()
+        for o in (o1, o2) if order == "o1_first" else (o2, o1):
             o.step()
             o.zero_grad()
         moved1 = any(changed(a, b) for a, b in zip(snap1["params"], m1.parameters()))
@@ -251,8 +281,12 @@ def test_multiple_models_optimizers_losses(level, order):
         if o2.step_skipped:
             assert_tree_bitwise(snapshot(m2, o2), snap2)
         assert moved1 != o1.step_skipped and moved2 != o2.step_skipped
-        return (o1.step_skipped, o2.step_skipped,
-                o1.slots[0].scaler.scale, o1.slots[1].scaler.scale)
+        return (
+            o1.step_skipped,
+            o2.step_skipped,
+            o1.slots[0].scaler.scale,
+            o1.slots[1].scaler.scale,
+        )
 
     assert iteration() == (False, False, 64, 64)
     # overflow in loss1's gradient of m2: o1 also received loss1 gradients, so both skip
@@ -272,8 +306,10 @@ def test_multiple_models_optimizers_losses(level, order):
 
 # ------------------------------------------------------------------ 6. gradient clipping
 
-@pytest.mark.parametrize("level,dtype", [("O1", BF16), ("O2", BF16), ("O1", FP16),
-                                         ("O2", FP16), ("O3", BF16)])
+
+@pytest.mark.parametrize(
+    ("level", "dtype"), [("O1", BF16), ("O2", BF16), ("O1", FP16), ("O2", FP16), ("O3", BF16)]
+)
 def test_clip_grad_norm_matches_torch_on_unscaled_grads(level, dtype):
     x, y = batch()
     model = make_model()
@@ -314,8 +350,12 @@ def test_clip_grad_norm_matches_torch_on_unscaled_grads(level, dtype):
     assert not opt.step_skipped
     for m, m0, r in zip(opt.master_params(), masters_before, ref.parameters()):
         expected = (m0.float() - 0.1 * r.grad).to(m.dtype)
-        torch.testing.assert_close(m, expected, rtol=1e-2 if m.dtype != torch.float32 else 1e-5,
-                                   atol=1e-2 if m.dtype != torch.float32 else 1e-6)
+        torch.testing.assert_close(
+            m,
+            expected,
+            rtol=1e-2 if m.dtype != torch.float32 else 1e-5,
+            atol=1e-2 if m.dtype != torch.float32 else 1e-6,
+        )
 
 
 def test_clip_grad_norm_with_plain_backward():
@@ -326,15 +366,15 @@ def test_clip_grad_norm_with_plain_backward():
     mse(model, x, y).backward()  # no scale_loss
     raw = [p.grad.float().clone() for p in model.parameters()]
     norm = opt.clip_grad_norm_(1e9)
-    assert norm.item() == pytest.approx(
-        torch.nn.utils.get_total_norm(raw).item(), rel=1e-6)
+    assert norm.item() == pytest.approx(torch.nn.utils.get_total_norm(raw).item(), rel=1e-6)
     opt.step()
     assert not opt.step_skipped
 
 
 # ------------------------------------------------------------------ 7. gradient accumulation
 
-@pytest.mark.parametrize("level,dtype", [("O0", None), ("O1", BF16), ("O2", BF16)])
+
+@pytest.mark.parametrize(("level", "dtype"), [("O0", None), ("O1", BF16), ("O2", BF16)])
 def test_accumulation_matches_full_batch(level, dtype):
     x, y = batch(n=8)
     full = make_model()
@@ -409,6 +449,7 @@ def test_accumulation_keeps_grads_the_second_backward_does_not_reach(level):
 
 # ------------------------------------------------------------ 8. fused vs foreach AdamW
 
+
 def test_fused_and_foreach_adamw_train_and_agree():
     x, y = batch(n=8)
     results = {}
@@ -436,6 +477,7 @@ def test_fused_and_foreach_adamw_train_and_agree():
 
 
 # ------------------------------------------------------------------ 9. LR scheduler
+
 
 @pytest.mark.parametrize("kind", ["step", "lambda"])
 def test_lr_scheduler_held_on_skipped_steps(kind):
@@ -471,6 +513,7 @@ def test_lr_scheduler_held_on_skipped_steps(kind):
 
 # ------------------------------------------------------------------ 10. add_param_group
 
+
 def test_add_param_group_creates_stepped_masters_at_o2():
     model = make_model()
     opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
@@ -480,7 +523,7 @@ def test_add_param_group_creates_stepped_masters_at_o2():
     opt.add_param_group({"params": model[2].weight})  # fp32 norm param: its own master
     assert len(opt._pairs) == 4
     new = opt._pairs[2:]
-    assert [p for p, _ in new][0] is model[3].weight and new[1][0] is model[3].bias
+    assert next(p for p, _ in new) is model[3].weight and new[1][0] is model[3].bias
     for p, m in new:
         assert m.dtype == torch.float32 and p.dtype == BF16
         assert_bitwise(m, p.float())
@@ -498,13 +541,15 @@ def test_add_param_group_creates_stepped_masters_at_o2():
     for (p, m), m0, g in zip(new, before, grads):
         torch.testing.assert_close(m, m0 - 0.5 * g, rtol=1e-6, atol=1e-7)
         assert_bitwise(p, m.to(BF16))  # the bf16 copy follows its master
-    torch.testing.assert_close(model[2].weight.detach(), ln_before - 0.1 * ln_grad,
-                               rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        model[2].weight.detach(), ln_before - 0.1 * ln_grad, rtol=1e-6, atol=1e-7
+    )
 
 
 # ------------------------------------------------------------------ 12. plain usage
 
-@pytest.mark.parametrize("level,dtype", [("O1", BF16), ("O2", BF16), ("O2", FP16)])
+
+@pytest.mark.parametrize(("level", "dtype"), [("O1", BF16), ("O2", BF16), ("O2", FP16)])
 def test_plain_backward_and_step(level, dtype):
     x, y = batch()
     model = make_model()
@@ -617,8 +662,7 @@ def test_loss_scaler_instance_spec_gives_each_loss_its_own_scaler():
 def test_scale_loss_rejects_optimizers_from_separate_initialize_calls():
     m1, m2 = make_model(0), make_model(1)
     m1, o1 = initialize(m1, torch.optim.SGD(m1.parameters(), lr=0.1), "O2", FP16)
-    m2, o2 = initialize(m2, torch.optim.SGD(m2.parameters(), lr=0.1), "O2", FP16,
-                        init_scale=2.0**4)
+    m2, o2 = initialize(m2, torch.optim.SGD(m2.parameters(), lr=0.1), "O2", FP16, init_scale=2.0**4)
     x, y = batch()
     with pytest.raises(ValueError, match="optimizers from different initialize calls"):
         with scale_loss(mse(m1, x, y) + mse(m2, x, y), [o1, o2]) as s:
@@ -699,8 +743,7 @@ def test_failed_backward_inside_scale_loss_keeps_accumulated_grads():
     model, opt = initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", BF16)
     opt.backward(mse(model, x, y))
     before = [p.grad.clone() for p in opt.master_params()]
-    with pytest.raises(RuntimeError, match="boom"):
-        with scale_loss(mse(model, x, y), opt):
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), scale_loss(mse(model, x, y), opt):
+        raise RuntimeError("boom")
     for p, g in zip(opt.master_params(), before):
         assert_bitwise(p.grad, g)

@@ -1,4 +1,4 @@
-"""Tests for mixprec.policy: every spelling, round trips, errors, value semantics, scoping."""
+"""Tests for mixprec.core.policy: every spelling, round trips, errors, value semantics, scoping."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mixprec
-from mixprec import engine
-from mixprec import policy as policy_mod
-from mixprec.policy import (Policy, get_policy, global_policy, policy_scope, set_global_policy,
-                            set_policy)
+from mixprec.core import engine
+from mixprec.core import policy as policy_mod
+from mixprec.core.engine import set_policy
+from mixprec.core.policy import Policy, get_policy, global_policy, policy_scope, set_global_policy
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 
@@ -90,20 +90,24 @@ KEYWORDS = [
     (dict(output_dtype="bfloat16"), (F32, F32, BF16)),
     (dict(variable_dtype=torch.float16, compute_dtype=torch.float16), (F16, F16, F32)),
     (dict(variable_dtype="bf16"), (BF16, F32, F32)),
-    (dict(compute_dtype=torch.float64, param_dtype=torch.float64, output_dtype=torch.float64),
-     (F64, F64, F64)),
+    (
+        dict(compute_dtype=torch.float64, param_dtype=torch.float64, output_dtype=torch.float64),
+        (F64, F64, F64),
+    ),
 ]
 
 
 # Every construction above as (id, args, kwargs); built inside the tests, so that one bad
 # spelling fails its own test instead of the collection of the whole module.
-ALL_SPECS = ([(repr(s), (s,), {}) for s, _ in SPELLINGS + OBJECT_SPECS]
-             + [(str(kw), (), kw) for kw, _ in KEYWORDS])
+ALL_SPECS = [(repr(s), (s,), {}) for s, _ in SPELLINGS + OBJECT_SPECS] + [
+    (str(kw), (), kw) for kw, _ in KEYWORDS
+]
 
 
 # --------------------------------------------------------------------------- spellings
 
-@pytest.mark.parametrize("spec,expected", SPELLINGS, ids=[s for s, _ in SPELLINGS])
+
+@pytest.mark.parametrize(("spec", "expected"), SPELLINGS, ids=[s for s, _ in SPELLINGS])
 def test_string_spellings(spec, expected):
     p = Policy(spec)
     assert triple(p) == expected
@@ -111,7 +115,7 @@ def test_string_spellings(spec, expected):
     assert str(p) == spec.strip()
 
 
-@pytest.mark.parametrize("spec,expected", OBJECT_SPECS, ids=[str(s) for s, _ in OBJECT_SPECS])
+@pytest.mark.parametrize(("spec", "expected"), OBJECT_SPECS, ids=[str(s) for s, _ in OBJECT_SPECS])
 def test_object_specs(spec, expected):
     assert triple(Policy(spec)) == expected
 
@@ -122,7 +126,7 @@ def test_dtype_spec_names_are_canonical():
     assert Policy(torch.float32).name == "float32"
 
 
-@pytest.mark.parametrize("kwargs,expected", KEYWORDS, ids=[str(k) for k, _ in KEYWORDS])
+@pytest.mark.parametrize(("kwargs", "expected"), KEYWORDS, ids=[str(k) for k, _ in KEYWORDS])
 def test_keyword_construction(kwargs, expected):
     p = Policy(**kwargs)
     assert triple(p) == expected
@@ -135,10 +139,14 @@ def test_keyword_name_is_jmp_string():
 
 
 def test_equal_across_spelling_families():
-    group = [Policy("mixed_bfloat16"), Policy("bf16-mixed"), Policy("bf16"),
-             Policy("p=f32,c=bf16,o=f32"),
-             Policy("params=float32,compute=bfloat16,output=float32"),
-             Policy(compute_dtype=torch.bfloat16)]
+    group = [
+        Policy("mixed_bfloat16"),
+        Policy("bf16-mixed"),
+        Policy("bf16"),
+        Policy("p=f32,c=bf16,o=f32"),
+        Policy("params=float32,compute=bfloat16,output=float32"),
+        Policy(compute_dtype=torch.bfloat16),
+    ]
     assert all(p == group[0] for p in group)
     assert len({hash(p) for p in group}) == 1
     assert Policy("mixed_float16") != Policy("mixed_bfloat16")
@@ -169,7 +177,8 @@ def test_repr_shows_all_three_dtypes():
 
 # --------------------------------------------------------------------------- round trips
 
-@pytest.mark.parametrize("ident,args,kwargs", ALL_SPECS, ids=[c[0] for c in ALL_SPECS])
+
+@pytest.mark.parametrize(("ident", "args", "kwargs"), ALL_SPECS, ids=[c[0] for c in ALL_SPECS])
 def test_str_round_trips_through_parser(ident, args, kwargs):
     p = Policy(*args, **kwargs)
     q = Policy(str(p))
@@ -178,7 +187,7 @@ def test_str_round_trips_through_parser(ident, args, kwargs):
     assert str(q) == str(p)
 
 
-@pytest.mark.parametrize("ident,args,kwargs", ALL_SPECS, ids=[c[0] for c in ALL_SPECS])
+@pytest.mark.parametrize(("ident", "args", "kwargs"), ALL_SPECS, ids=[c[0] for c in ALL_SPECS])
 def test_pickle_copy_deepcopy(ident, args, kwargs):
     p = Policy(*args, **kwargs)
     for q in (pickle.loads(pickle.dumps(p)), copy.copy(p), copy.deepcopy(p)):
@@ -189,16 +198,21 @@ def test_pickle_copy_deepcopy(ident, args, kwargs):
 
 
 _KEY_ALIASES = {"param": ["params", "p"], "compute": ["compute", "c"], "output": ["output", "o"]}
-_DTYPE_ALIASES = {F32: ["float32", "f32", "fp32", "full", "float"],
-                  BF16: ["bfloat16", "bf16"],
-                  F16: ["float16", "f16", "fp16", "half"],
-                  F64: ["float64", "f64", "double"]}
+_DTYPE_ALIASES = {
+    F32: ["float32", "f32", "fp32", "full", "float"],
+    BF16: ["bfloat16", "bf16"],
+    F16: ["float16", "f16", "fp16", "half"],
+    F64: ["float64", "f64", "double"],
+}
 
 
 @st.composite
 def jmp_strings(draw):
-    roles = draw(st.lists(st.sampled_from(["param", "compute", "output"]), min_size=1,
-                          max_size=3, unique=True))
+    roles = draw(
+        st.lists(
+            st.sampled_from(["param", "compute", "output"]), min_size=1, max_size=3, unique=True
+        )
+    )
     chosen, parts = {}, []
     for role in roles:
         dtype = draw(st.sampled_from(list(_DTYPE_ALIASES)))
@@ -224,14 +238,21 @@ def test_jmp_strings_any_order_and_alias(case):
 
 # --------------------------------------------------------------------------- errors
 
+
 @pytest.mark.parametrize("bad", ["mixed_bfloat", "bf32", "float8", "", "fp16-mixed-x", "mixed"])
 def test_unknown_name_value_error_names_value_and_accepted(bad):
     with pytest.raises(ValueError) as info:
         Policy(bad)
     msg = str(info.value)
     assert repr(bad) in msg
-    for accepted in ("mixed_bfloat16", "mixed_float16", "bf16-mixed", "16-mixed", "32-true",
-                     "p=f32,c=bf16,o=f32"):
+    for accepted in (
+        "mixed_bfloat16",
+        "mixed_float16",
+        "bf16-mixed",
+        "16-mixed",
+        "32-true",
+        "p=f32,c=bf16,o=f32",
+    ):
         assert accepted in msg
 
 
@@ -264,8 +285,9 @@ def test_no_arguments():
         Policy()
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool, torch.complex64,
-                                   torch.uint8])
+@pytest.mark.parametrize(
+    "dtype", [torch.int32, torch.int64, torch.bool, torch.complex64, torch.uint8]
+)
 def test_non_floating_dtypes_rejected(dtype):
     with pytest.raises(ValueError, match="floating"):
         Policy(dtype)
@@ -286,12 +308,15 @@ def test_unsupported_floating_dtype_rejected():
         Policy(compute_dtype=torch.float8_e5m2)
 
 
-@pytest.mark.parametrize("bad,fragment", [
-    ("q=f32,c=bf16", "'q=f32'"),
-    ("params=f32,compute", "'compute'"),
-    ("p=f32,,c=bf16", "''"),
-    ("param=f32", "'param=f32'"),
-])
+@pytest.mark.parametrize(
+    ("bad", "fragment"),
+    [
+        ("q=f32,c=bf16", "'q=f32'"),
+        ("params=f32,compute", "'compute'"),
+        ("p=f32,,c=bf16", "''"),
+        ("param=f32", "'param=f32'"),
+    ],
+)
 def test_jmp_bad_key(bad, fragment):
     with pytest.raises(ValueError) as info:
         Policy(bad)
@@ -299,8 +324,9 @@ def test_jmp_bad_key(bad, fragment):
     assert "params/compute/output" in str(info.value)
 
 
-@pytest.mark.parametrize("bad", ["p=f32,p=bf16", "params=f32,p=bf16", "c=bf16,compute=f16",
-                                 "o=f32,output=f32"])
+@pytest.mark.parametrize(
+    "bad", ["p=f32,p=bf16", "params=f32,p=bf16", "c=bf16,compute=f16", "o=f32,output=f32"]
+)
 def test_jmp_duplicated_key(bad):
     with pytest.raises(ValueError, match="twice"):
         Policy(bad)
@@ -313,6 +339,7 @@ def test_jmp_bad_dtype(bad):
 
 
 # --------------------------------------------------------------------------- value semantics
+
 
 def test_immutable():
     p = Policy("bf16-mixed")
@@ -334,6 +361,7 @@ def test_hashable_dict_key():
 
 
 # --------------------------------------------------------------------------- global policy
+
 
 def test_global_default_is_float32():
     assert global_policy() == Policy("float32")
@@ -372,30 +400,28 @@ def test_policy_scope_sets_and_restores():
 
 
 def test_policy_scope_restores_on_exception():
-    with pytest.raises(KeyError):
-        with policy_scope("mixed_bfloat16"):
-            assert global_policy().compute_dtype == BF16
-            raise KeyError("boom")
+    with pytest.raises(KeyError), policy_scope("mixed_bfloat16"):
+        assert global_policy().compute_dtype == BF16
+        raise KeyError("boom")
     assert global_policy() == Policy("float32")
 
 
 def test_policy_scope_bad_policy_leaves_global_alone():
-    with pytest.raises(ValueError):
-        with policy_scope("nope"):
-            pass  # pragma: no cover
+    with pytest.raises(ValueError), policy_scope("nope"):
+        pass  # pragma: no cover
     assert global_policy() == Policy("float32")
 
 
 def test_autocast_without_argument_uses_global_policy():
     lin, x = nn.Linear(4, 3), torch.randn(2, 4)
-    with policy_scope("mixed_bfloat16"):
-        with mixprec.autocast():
-            assert lin(x).dtype == BF16
+    with policy_scope("mixed_bfloat16"), mixprec.autocast():
+        assert lin(x).dtype == BF16
     with mixprec.autocast():  # global float32: a pass-through region
         assert lin(x).dtype == F32
 
 
 # --------------------------------------------------------------------------- module policies
+
 
 def test_set_get_policy_and_remove():
     m = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
@@ -406,7 +432,7 @@ def test_set_get_policy_and_remove():
     assert engine.has_boundary(m) and not m._forward_pre_hooks and not m._forward_hooks
     set_policy(m, Policy("16-mixed"))  # replacing does not stack boundaries
     assert get_policy(m) == Policy("16-mixed")
-    assert engine.has_boundary(m) and isinstance(m.__dict__["forward"].inner, type(None))
+    assert engine.has_boundary(m) and (m.__dict__["forward"].inner is None)
     assert "_mixprec_policy" not in m.state_dict()
     assert set_policy(m, None) is m
     assert get_policy(m) is None

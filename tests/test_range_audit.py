@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import pathlib
 
 import pytest
 import torch
 from torch import nn
 
 import mixprec
-from mixprec.range_audit import EXP_MIN
+from mixprec.numerics.range_audit import EXP_MIN
 
 
 def _finfo_fractions(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
@@ -18,9 +19,11 @@ def _finfo_fractions(values: torch.Tensor, dtype: torch.dtype, scale: float = 1.
     a = values.detach().float().flatten().abs()
     a = a[a != 0] * scale
     n = a.numel()
-    return {"underflow": (a < sub).sum().item() / n,
-            "subnormal": ((a >= sub) & (a < fi.smallest_normal)).sum().item() / n,
-            "overflow": (a > fi.max).sum().item() / n}
+    return {
+        "underflow": (a < sub).sum().item() / n,
+        "subnormal": ((a >= sub) & (a < fi.smallest_normal)).sum().item() / n,
+        "overflow": (a > fi.max).sum().item() / n,
+    }
 
 
 class Spread(nn.Module):
@@ -40,13 +43,14 @@ def _run(loss_scale=None):
     model = nn.Sequential(Spread(), nn.Linear(64, 4))
     x = torch.randn(32, 8)
     seen = {}
+
     def keep(m, a, out):  # returns None: a forward hook's return value replaces the output
         seen.setdefault("act", out.detach())
         out.register_hook(lambda g: seen.__setitem__("grad", g.detach()))
 
     model[0].register_forward_hook(keep)
     with mixprec.range_audit(model, ["0", "1"], loss_scale=loss_scale) as audit:
-        (model(x) * 2.0 ** -28).sum().backward()
+        (model(x) * 2.0**-28).sum().backward()
     return audit, seen
 
 
@@ -64,23 +68,26 @@ def test_gradient_fractions_are_judged_at_the_loss_scale():
     audit, seen = _run(loss_scale=1024.0)
     grad = audit.stats[("0", "gradient")]
     assert grad.fractions("fp16") == pytest.approx(
-        _finfo_fractions(seen["grad"], torch.float16, 1024.0), abs=0)
+        _finfo_fractions(seen["grad"], torch.float16, 1024.0), abs=0
+    )
     unscaled, _ = _run(loss_scale=None)
-    assert unscaled.stats[("0", "gradient")].fractions("fp16")["underflow"] > \
-        grad.fractions("fp16")["underflow"]
+    assert (
+        unscaled.stats[("0", "gradient")].fractions("fp16")["underflow"]
+        > grad.fractions("fp16")["underflow"]
+    )
 
 
 def test_histogram_bins_are_floor_log2():
     stats = mixprec.RangeAudit(nn.Linear(1, 1)).merged()  # empty accumulator
-    stats.add(torch.tensor([1.0, 0.75, 2.0 ** -30, -3.0, 0.0, float("inf")]))
+    stats.add(torch.tensor([1.0, 0.75, 2.0**-30, -3.0, 0.0, float("inf")]))
     nz = {EXP_MIN + int(i): int(stats.hist[i]) for i in torch.nonzero(stats.hist).flatten()}
     assert nz == {0: 1, -1: 1, -30: 1, 1: 1}
     assert (stats.zeros, stats.nonfinite, stats.nonzero) == (1, 1, 4)
-    assert stats.absmax == 3.0 and stats.absmin == 2.0 ** -30
+    assert stats.absmax == 3.0 and stats.absmin == 2.0**-30
 
 
 def test_recommended_loss_scale_keeps_the_largest_gradient_below_max():
-    audit, seen = _run()
+    audit, _seen = _run()
     absmax = audit.merged("gradient").absmax
     s = audit.recommended_loss_scale()
     assert math.log2(s).is_integer()
@@ -101,7 +108,7 @@ def test_default_modules_summary_dict_and_plot(tmp_path):
     assert "range audit" in audit.table()
     pytest.importorskip("matplotlib")
     path = audit.plot(str(tmp_path / "g.png"))
-    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert pathlib.Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bad_arguments():

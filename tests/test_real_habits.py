@@ -12,9 +12,14 @@ from torch import nn
 
 import mixprec
 
-LEVELS = [("O0", None), ("O1", torch.bfloat16), ("O2", torch.bfloat16), ("O3", torch.bfloat16),
-          ("O2", torch.float16)]
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+LEVELS = [
+    ("O0", None),
+    ("O1", torch.bfloat16),
+    ("O2", torch.bfloat16),
+    ("O3", torch.bfloat16),
+    ("O2", torch.float16),
+]
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
 
 def _train(model, opts, batches, loss_fn):
@@ -30,18 +35,19 @@ def _train(model, opts, batches, loss_fn):
     return losses
 
 
-@pytest.mark.parametrize("level,dtype", LEVELS, ids=[f"{lv}-{d}" for lv, d in LEVELS])
+@pytest.mark.parametrize(("level", "dtype"), LEVELS, ids=[f"{lv}-{d}" for lv, d in LEVELS])
 def test_sparse_embedding_with_sparse_adam_trains_at_every_level(level, dtype):
     torch.manual_seed(0)
     emb, head = nn.Embedding(50, 8, sparse=True), nn.Linear(8, 1)
     model = nn.Sequential(emb, head)
-    opts = [torch.optim.SparseAdam(list(emb.parameters()), lr=0.05),
-            torch.optim.Adam(head.parameters(), lr=0.05)]
+    opts = [
+        torch.optim.SparseAdam(list(emb.parameters()), lr=0.05),
+        torch.optim.Adam(head.parameters(), lr=0.05),
+    ]
     model, opts = mixprec.initialize(model, opts, level=level, dtype=dtype)
     g = torch.Generator().manual_seed(1)
     ids, y = torch.randint(0, 50, (16, 4), generator=g), torch.randn(16, 4, 1, generator=g)
-    losses = _train(model, opts, [(ids, y)] * 30,
-                    lambda m, i, t: (m(i).float() - t).pow(2).mean())
+    losses = _train(model, opts, [(ids, y)] * 30, lambda m, i, t: (m(i).float() - t).pow(2).mean())
     assert losses[-1] < 0.5 * losses[0]
     assert opts[0].skipped_steps == 0
 
@@ -68,7 +74,7 @@ class _Complex(nn.Module):
         return (h * self.phase).abs()
 
 
-@pytest.mark.parametrize("level,dtype", LEVELS[:3], ids=[f"{lv}-{d}" for lv, d in LEVELS[:3]])
+@pytest.mark.parametrize(("level", "dtype"), LEVELS[:3], ids=[f"{lv}-{d}" for lv, d in LEVELS[:3]])
 def test_complex_parameters_train_and_stay_complex(level, dtype):
     torch.manual_seed(0)
     model = _Complex()
@@ -92,19 +98,25 @@ def test_fp16_o3_with_adamw_and_no_update_mode_trains():
     assert opt.lean is not None  # the update runs in fp32 temporaries
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
-    losses = _train(model, [opt], [(x, y)] * 30,
-                    lambda m, a, b: (m(a).float() - b).pow(2).mean())
+    losses = _train(model, [opt], [(x, y)] * 30, lambda m, a, b: (m(a).float() - b).pow(2).mean())
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert losses[-1] < 0.5 * losses[0] and opt.skipped_steps <= 3
 
 
 # --------------------------------------------------------------------------- norms
 
+
 def _hf(name):
     transformers = pytest.importorskip("transformers")
-    common = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": 64,
-              "max_position_embeddings": 32}
+    common = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "intermediate_size": 64,
+        "vocab_size": 64,
+        "max_position_embeddings": 32,
+    }
     if name == "gemma":
         common["head_dim"] = 16
     prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gemma": "Gemma"}[name]
@@ -138,7 +150,7 @@ def test_hand_written_rmsnorms_stay_fp32_at_o2_and_train(name):
 
 
 def test_the_norm_rule_and_register_norm():
-    from mixprec.norms import is_norm, register_norm
+    from mixprec.core.norms import is_norm, register_norm
 
     class ScaleNorm(nn.Module):  # hand-written, by the naming convention
         def __init__(self):
@@ -165,11 +177,12 @@ def test_the_norm_rule_and_register_norm():
     try:
         assert is_norm(Scaler()) and not is_norm(ScaleNorm())
         model = nn.Sequential(nn.Linear(4, 4), Scaler(), ScaleNorm())
-        model, _ = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                      level="O2", dtype=torch.bfloat16)
+        model, _ = mixprec.initialize(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), level="O2", dtype=torch.bfloat16
+        )
         assert model[1].g.dtype == torch.float32 and model[2].g.dtype == torch.bfloat16
     finally:
-        from mixprec import norms
+        from mixprec.core import norms
 
         norms._registered.pop(Scaler, None)
         norms._registered.pop(ScaleNorm, None)
@@ -178,6 +191,7 @@ def test_the_norm_rule_and_register_norm():
 
 
 # --------------------------------------------------------------------------- buffers
+
 
 class _Scaled(nn.Module):
     def __init__(self, scale: float):
@@ -206,8 +220,10 @@ def test_buffers_that_overflow_16bit_stay_fp32_with_a_warning():
 
 # --------------------------------------------------------------------------- loading weights
 
-@pytest.mark.parametrize("level,update", [("O1", None), ("O2", None), ("O3", None),
-                                          ("O3", "kahan")])
+
+@pytest.mark.parametrize(
+    ("level", "update"), [("O1", None), ("O2", None), ("O3", None), ("O3", "kahan")]
+)
 def test_load_state_dict_after_initialize_is_not_undone_by_the_next_step(level, update):
     torch.manual_seed(0)
     pretrained = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
@@ -308,6 +324,7 @@ def test_resuming_optimizer_first_then_model_keeps_the_exact_masters():
 
 # --------------------------------------------------------------------------- clipping
 
+
 def test_torch_clip_grad_norm_on_model_parameters_clips_the_masters():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
@@ -316,17 +333,20 @@ def test_torch_clip_grad_norm_on_model_parameters_clips_the_masters():
     loss = ref(x).pow(2).mean()
     loss.backward()
     true_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
-    model, opt = mixprec.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1),
-                                    level="O2", dtype=torch.bfloat16)
+    model, opt = mixprec.initialize(
+        net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2", dtype=torch.bfloat16
+    )
     opt.backward(model(x).float().pow(2).mean())
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
     torch.testing.assert_close(norm, true_norm, rtol=0.05, atol=0)  # all six, not the 2 fp32
-    clipped = torch.linalg.vector_norm(torch.stack(
-        [torch.linalg.vector_norm(m.grad) for m in opt.master_params()]))
+    clipped = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(m.grad) for m in opt.master_params()])
+    )
     torch.testing.assert_close(clipped, torch.tensor(0.1), rtol=1e-3, atol=0)
 
 
 # --------------------------------------------------------------------------- frozen parameters
+
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_frozen_parameters_at_o2(keep):
@@ -335,8 +355,9 @@ def test_frozen_parameters_at_o2(keep):
     model[0].requires_grad_(False)  # a frozen backbone
     exact = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16,
-                                    keep_frozen_fp32=keep)
+    model, opt = mixprec.initialize(
+        model, opt, level="O2", dtype=torch.bfloat16, keep_frozen_fp32=keep
+    )
     assert model[0].weight.dtype == torch.bfloat16  # stored 16-bit either way
     state = mixprec.fp32_state_dict(model, opt)
     rounded = exact["0.weight"].to(torch.bfloat16).float()
@@ -370,8 +391,9 @@ def test_a_model_with_frozen_fp32_copies_pickles_and_keeps_them(tmp_path):
     model[0].requires_grad_(False)
     exact = model[0].weight.detach().clone()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16,
-                                    keep_frozen_fp32=True)
+    model, opt = mixprec.initialize(
+        model, opt, level="O2", dtype=torch.bfloat16, keep_frozen_fp32=True
+    )
     buf = io.BytesIO()
     torch.save(model, buf)
     buf.seek(0)

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.loss_scale import unscale_and_check_
+from mixprec.core.loss_scale import unscale_and_check_
 
 BF16, FP16 = torch.bfloat16, torch.float16
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
 
 # -- tune with a user metric -----------------------------------------------------------------------
@@ -86,8 +86,7 @@ def test_the_ddp_watch_hook_is_inert_without_ddp_and_copies_do_not_report():
     import io
 
     model = _mlp()
-    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2",
-                                    BF16)
+    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", BF16)
     losses = _train_losses(model, opt, steps=3)
     assert opt.reduce_flags is None and opt._plain_ddp is None  # no DDP ran: nothing adopted
     assert losses[-1] < losses[0]
@@ -114,8 +113,9 @@ def test_fp16_o3_default_update_is_fp32_math_when_eps_vanishes(optim):
 def test_fp16_o3_explicit_update_none_still_warns_for_rmsprop():
     model = _mlp()
     with pytest.warns(RuntimeWarning, match="eps=1e-08, which rounds to 0 in torch.float16"):
-        _, opt = mixprec.initialize(model, torch.optim.RMSprop(model.parameters()), "O3", FP16,
-                                    update=None)
+        _, opt = mixprec.initialize(
+            model, torch.optim.RMSprop(model.parameters()), "O3", FP16, update=None
+        )
     assert opt.lean is None
 
 
@@ -146,9 +146,13 @@ def _sparse_run(level, dtype, steps=12, overflow_at=None):
         loss = (model(idx).float() - target).pow(2).mean()
         if i == overflow_at:
             loss = loss * float("inf")
-            before = ([p.detach().clone() for p in opt.master_params()],
-                      {k: {n: torch.as_tensor(v).clone() for n, v in st.items()}
-                       for k, st in opt.state.items()})
+            before = (
+                [p.detach().clone() for p in opt.master_params()],
+                {
+                    k: {n: torch.as_tensor(v).clone() for n, v in st.items()}
+                    for k, st in opt.state.items()
+                },
+            )
         opt.backward(loss)
         opt.step()
         opt.zero_grad()
@@ -164,7 +168,7 @@ def _sparse_run(level, dtype, steps=12, overflow_at=None):
     return model, opt, losses, skipped
 
 
-@pytest.mark.parametrize("level,dtype", [("O0", None), ("O2", FP16)])
+@pytest.mark.parametrize(("level", "dtype"), [("O0", None), ("O2", FP16)])
 def test_sparse_overflow_still_skips_and_leaves_weights_and_state(level, dtype):
     _, opt, losses, skipped = _sparse_run(level, dtype, steps=6, overflow_at=3)
     assert skipped == [False, False, False, True, False, False]
@@ -197,7 +201,7 @@ class Phase(nn.Module):
         return (self.lin(x).float().to(torch.complex64) * self.w).abs()
 
 
-@pytest.mark.parametrize("level,dtype", [("O2", FP16), ("O3", BF16), ("O0", None)])
+@pytest.mark.parametrize(("level", "dtype"), [("O2", FP16), ("O3", BF16), ("O0", None)])
 def test_complex_parameters_train_skip_an_overflow_and_stay_complex64(level, dtype):
     torch.manual_seed(0)
     model = Phase()
@@ -239,7 +243,8 @@ def _ckpt_pair():
 
 
 def test_save_checkpoint_fsyncs_the_file_before_the_rename_and_the_directory_after(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     import os
     import stat
 
@@ -264,8 +269,11 @@ def test_save_checkpoint_fsyncs_the_file_before_the_rename_and_the_directory_aft
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     mpd.save_checkpoint(path, model, opt)
-    assert [e[:2] for e in events] == [("fsync", "file"), ("replace", "ckpt.pt.tmp"),
-                                       ("fsync", "dir")]
+    assert [e[:2] for e in events] == [
+        ("fsync", "file"),
+        ("replace", "ckpt.pt.tmp"),
+        ("fsync", "dir"),
+    ]
     assert events[0][2] == path.stat().st_size  # the whole new file was on disk before the rename
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # the stale .tmp is gone
 
@@ -293,8 +301,11 @@ def test_a_failed_save_keeps_the_old_checkpoint_and_leaves_no_tmp(tmp_path, monk
 def test_a_model_partly_on_the_meta_device_is_refused_naming_the_tensor():
     # before: only the first parameter's device was checked; a meta submodule got through
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
-    with pytest.raises(ValueError, match=r"'meta' device \('1.weight' is a meta tensor\).*"
-                                         r"to_empty"):
+    with pytest.raises(
+        ValueError,
+        match=r"'meta' device \('1.weight' is a meta tensor\).*"
+        r"to_empty",
+    ):
         mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", BF16)
     assert model[0].weight.dtype == torch.float32  # refused before anything was cast
 

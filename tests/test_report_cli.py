@@ -27,7 +27,8 @@ def test_report_on_the_builtin_model_writes_table_json_and_plots(tmp_path, capsy
 
 
 def test_report_on_a_user_factory_with_tune(tmp_path, capsys, monkeypatch):
-    (tmp_path / "user_models.py").write_text(textwrap.dedent("""
+    (tmp_path / "user_models.py").write_text(
+        textwrap.dedent("""
         import torch
         from torch import nn
 
@@ -39,11 +40,25 @@ def test_report_on_a_user_factory_with_tune(tmp_path, capsys, monkeypatch):
 
         def bare():
             return nn.Linear(5, 5)
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     out_dir = tmp_path / "out"
-    assert main(["report", "user_models:make", "--steps", "1", "--tune", "--no-plots",
-                 "--out", str(out_dir)]) == 0
+    assert (
+        main(
+            [
+                "report",
+                "user_models:make",
+                "--steps",
+                "1",
+                "--tune",
+                "--no-plots",
+                "--out",
+                str(out_dir),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "in_features=12" in out and "out_features=30" in out  # the lint ran on it
     doc = json.loads((out_dir / "report.json").read_text())

@@ -29,24 +29,47 @@ def _gpt2():
 
 
 def _bert():
-    cfg = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=2, intermediate_size=64,
-                                  max_position_embeddings=32, num_labels=3)
+    cfg = transformers.BertConfig(
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=3,
+    )
     torch.manual_seed(0)
     model = transformers.BertForSequenceClassification(cfg)
-    return model, dict(input_ids=torch.randint(0, 97, (8, 12)),
-                       attention_mask=torch.ones(8, 12, dtype=torch.long),
-                       labels=torch.randint(0, 3, (8,))), "logits"
+    return (
+        model,
+        dict(
+            input_ids=torch.randint(0, 97, (8, 12)),
+            attention_mask=torch.ones(8, 12, dtype=torch.long),
+            labels=torch.randint(0, 3, (8,)),
+        ),
+        "logits",
+    )
 
 
 def _t5():
-    cfg = transformers.T5Config(vocab_size=97, d_model=32, d_kv=16, d_ff=64, num_layers=2,
-                                num_decoder_layers=2, num_heads=2, decoder_start_token_id=0,
-                                pad_token_id=0)
+    cfg = transformers.T5Config(
+        vocab_size=97,
+        d_model=32,
+        d_kv=16,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = transformers.T5ForConditionalGeneration(cfg)
-    return model, dict(input_ids=torch.randint(1, 97, (4, 12)),
-                       labels=torch.randint(1, 97, (4, 8))), "logits"
+    return (
+        model,
+        dict(input_ids=torch.randint(1, 97, (4, 12)), labels=torch.randint(1, 97, (4, 8))),
+        "logits",
+    )
 
 
 MODELS = {"gpt2-lm": _gpt2, "bert-classifier": _bert, "t5-encoder-decoder": _t5}
@@ -116,7 +139,9 @@ def minilm_cosines(level: str = "O3") -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_pretrained_minilm_bf16_embeddings_match_fp32():
     cos, sim_err = minilm_cosines("O3")
-    print(f"\nall-MiniLM-L6-v2 bf16 (O3) vs fp32: cosine min {cos.min():.5f} "
-          f"mean {cos.mean():.5f}; max |similarity difference| {sim_err:.4f}")
+    print(
+        f"\nall-MiniLM-L6-v2 bf16 (O3) vs fp32: cosine min {cos.min():.5f} "
+        f"mean {cos.mean():.5f}; max |similarity difference| {sim_err:.4f}"
+    )
     assert cos.min() > 0.99
     assert sim_err < 0.03  # the pairwise similarities users rank by barely move

@@ -89,8 +89,15 @@ def test_a_stable_model_needs_nothing_in_fp32_and_containers_map_their_children(
     assert dict(plan) == {} and plan.evaluations == 1 and plan.passed
     # forcing a tolerance nothing can meet in bf16 keeps candidates in fp32; a container
     # chosen maps its direct children back to 16-bit
-    tight = mixprec.tune(model, (x, y), F.mse_loss, torch.bfloat16, tolerance=1e-9,
-                         candidates=[""], max_evaluations=4)
+    tight = mixprec.tune(
+        model,
+        (x, y),
+        F.mse_loss,
+        torch.bfloat16,
+        tolerance=1e-9,
+        candidates=[""],
+        max_evaluations=4,
+    )
     assert tight.fp32_modules == [""]
     assert tight[""] == mixprec.Policy("float32")
     assert tight["0"] == mixprec.Policy("mixed_bfloat16")

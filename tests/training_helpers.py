@@ -38,8 +38,12 @@ def poisoned(param: Tensor | None, value: float = INF):
         handle.remove()
 
 
-_INT = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
-        torch.bfloat16: torch.int16}
+_INT = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
 
 
 def assert_bitwise(a: Tensor, b: Tensor) -> None:

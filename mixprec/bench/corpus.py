@@ -40,13 +40,46 @@ VOCAB: str = "\n" + "".join(chr(c) for c in range(32, 127))
 
 #: Standard-library files (relative to the stdlib directory), in concatenation order.
 FILES: tuple[str, ...] = (
-    "abc.py", "argparse.py", "ast.py", "bisect.py", "calendar.py", "collections/__init__.py",
-    "configparser.py", "contextlib.py", "copy.py", "csv.py", "dataclasses.py", "difflib.py",
-    "enum.py", "fractions.py", "functools.py", "glob.py", "gzip.py", "heapq.py", "inspect.py",
-    "ipaddress.py", "json/decoder.py", "json/encoder.py", "logging/__init__.py", "os.py",
-    "pickle.py", "pprint.py", "queue.py", "random.py", "shutil.py", "statistics.py", "string.py",
-    "tempfile.py", "textwrap.py", "threading.py", "tokenize.py", "traceback.py", "typing.py",
-    "uuid.py", "warnings.py", "weakref.py",
+    "abc.py",
+    "argparse.py",
+    "ast.py",
+    "bisect.py",
+    "calendar.py",
+    "collections/__init__.py",
+    "configparser.py",
+    "contextlib.py",
+    "copy.py",
+    "csv.py",
+    "dataclasses.py",
+    "difflib.py",
+    "enum.py",
+    "fractions.py",
+    "functools.py",
+    "glob.py",
+    "gzip.py",
+    "heapq.py",
+    "inspect.py",
+    "ipaddress.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "logging/__init__.py",
+    "os.py",
+    "pickle.py",
+    "pprint.py",
+    "queue.py",
+    "random.py",
+    "shutil.py",
+    "statistics.py",
+    "string.py",
+    "tempfile.py",
+    "textwrap.py",
+    "threading.py",
+    "tokenize.py",
+    "traceback.py",
+    "typing.py",
+    "uuid.py",
+    "warnings.py",
+    "weakref.py",
 )
 
 #: Fraction of the corpus (the contiguous tail) held out for validation.
@@ -147,5 +180,9 @@ def build_corpus(max_chars: int | None = None) -> CharCorpus:
         data = data[:max_chars]
     ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
     n_train = len(ids) - round(len(ids) * VAL_FRACTION)
-    return CharCorpus(train=ids[:n_train].clone(), val=ids[n_train:].clone(), files=tuple(used),
-                      sha256=hashlib.sha256(data).hexdigest())
+    return CharCorpus(
+        train=ids[:n_train].clone(),
+        val=ids[n_train:].clone(),
+        files=tuple(used),
+        sha256=hashlib.sha256(data).hexdigest(),
+    )

@@ -18,33 +18,70 @@ import torch
 from mixprec.bench.runner import ModeResult
 from mixprec.bench.workloads import BenchWorkload
 
-__all__ = ["HEADERS", "SCHEMA", "markdown", "meta", "rows", "speed_words", "to_json", "write_json",
-           "write_plots"]
+__all__ = [
+    "HEADERS",
+    "SCHEMA",
+    "markdown",
+    "meta",
+    "rows",
+    "speed_words",
+    "to_json",
+    "write_json",
+    "write_plots",
+]
 
 SCHEMA = "mixprec.bench/1"
-HEADERS = ["mode", "step", "per s", "vs fp32", "vs torch", "peak", "final", "to target", "skip",
-           "max batch"]
+HEADERS = [
+    "mode",
+    "step",
+    "per s",
+    "vs fp32",
+    "vs torch",
+    "peak",
+    "final",
+    "to target",
+    "skip",
+    "max batch",
+]
 
 
 def meta(command: str, dtype: torch.dtype, seed: int, quick: bool) -> dict[str, Any]:
-    from mixprec.hardware import check
+    from mixprec.core.hardware import check
 
     report = check(verbose=False)
-    return {"date": datetime.date.today().isoformat(), "device": report.device,
-            "hardware": report.name, "features": list(report.features),
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "command": command,
-            "dtype": str(dtype).replace("torch.", ""), "seed": seed, "quick": quick}
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": report.device,
+        "hardware": report.name,
+        "features": list(report.features),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "command": command,
+        "dtype": str(dtype).replace("torch.", ""),
+        "seed": seed,
+        "quick": quick,
+    }
 
 
-def to_json(info: dict[str, Any],
-            results: dict[str, tuple[BenchWorkload, dict[str, ModeResult]]]) -> dict[str, Any]:
+def to_json(
+    info: dict[str, Any], results: dict[str, tuple[BenchWorkload, dict[str, ModeResult]]]
+) -> dict[str, Any]:
     """The JSON document for a run (see ``SCHEMA``)."""
-    return {"schema": SCHEMA, "meta": info, "workloads": {
-        name: {"metric": wl.metric, "higher_is_better": wl.higher_is_better,
-               "target": wl.target, "description": wl.description,
-               "modes": {m: dataclasses.asdict(r) for m, r in modes.items()}}
-        for name, (wl, modes) in results.items()}}
+    return {
+        "schema": SCHEMA,
+        "meta": info,
+        "workloads": {
+            name: {
+                "metric": wl.metric,
+                "higher_is_better": wl.higher_is_better,
+                "target": wl.target,
+                "description": wl.description,
+                "modes": {m: dataclasses.asdict(r) for m, r in modes.items()},
+            }
+            for name, (wl, modes) in results.items()
+        },
+    }
 
 
 def _round(obj: Any) -> Any:
@@ -88,13 +125,20 @@ def rows(wl: BenchWorkload, modes: dict[str, ModeResult]) -> list[list[str]]:
     metric = "{:.1%}" if wl.metric == "accuracy" else "{:.3f}"
     out = []
     for r in modes.values():
-        out.append([
-            r.mode, f"{r.median_step * 1e3:.0f}ms", _si(r.throughput),
-            speed_words(r.speedup_vs_fp32), speed_words(r.speedup_vs_torch),
-            _fmt(None if r.peak_bytes is None else r.peak_bytes / 2**20, ".0f", "MB"),
-            "-" if r.final_metric is None else metric.format(r.final_metric),
-            _fmt(r.time_to_target, ".1f", "s"), str(r.skipped_steps),
-            "-" if r.max_batch is None else str(r.max_batch)])
+        out.append(
+            [
+                r.mode,
+                f"{r.median_step * 1e3:.0f}ms",
+                _si(r.throughput),
+                speed_words(r.speedup_vs_fp32),
+                speed_words(r.speedup_vs_torch),
+                _fmt(None if r.peak_bytes is None else r.peak_bytes / 2**20, ".0f", "MB"),
+                "-" if r.final_metric is None else metric.format(r.final_metric),
+                _fmt(r.time_to_target, ".1f", "s"),
+                str(r.skipped_steps),
+                "-" if r.max_batch is None else str(r.max_batch),
+            ]
+        )
     return out
 
 
@@ -105,8 +149,9 @@ def markdown(wl: BenchWorkload, modes: dict[str, ModeResult]) -> str:
     return "\n".join(lines)
 
 
-def write_plots(wl: BenchWorkload, modes: dict[str, ModeResult], out: pathlib.Path
-                ) -> list[pathlib.Path]:
+def write_plots(
+    wl: BenchWorkload, modes: dict[str, ModeResult], out: pathlib.Path
+) -> list[pathlib.Path]:
     """Loss and metric vs training time, loss scale over steps, step-time bars (PNG files)."""
     import matplotlib
 
@@ -122,8 +167,9 @@ def write_plots(wl: BenchWorkload, modes: dict[str, ModeResult], out: pathlib.Pa
             ax2.plot([e[1] for e in r.evals], [e[2] for e in r.evals], marker="o", label=r.mode)
         ax2.axhline(wl.target, color="grey", ls="--", lw=1, label="target")
         ax1.set(xlabel="training time (s)", ylabel="train loss", title=f"{wl.name}: loss vs time")
-        ax2.set(xlabel="training time (s)", ylabel=wl.metric,
-                title=f"{wl.name}: {wl.metric} vs time")
+        ax2.set(
+            xlabel="training time (s)", ylabel=wl.metric, title=f"{wl.name}: {wl.metric} vs time"
+        )
 
     def scales(ax: Any) -> None:
         for r in modes.values():
@@ -135,11 +181,14 @@ def write_plots(wl: BenchWorkload, modes: dict[str, ModeResult], out: pathlib.Pa
         ax.set(ylabel="median step (ms)", title=f"{wl.name}: step time")
 
     paths = []
-    for suffix, draw, shape in (("loss_vs_time", curves, (1, 2)), ("loss_scale", scales, (1, 1)),
-                                ("step_time", bars, (1, 1))):
+    for suffix, draw, shape in (
+        ("loss_vs_time", curves, (1, 2)),
+        ("loss_scale", scales, (1, 1)),
+        ("step_time", bars, (1, 1)),
+    ):
         fig, axes = plt.subplots(*shape, figsize=(5.5 * shape[1], 3.8))
         draw(axes)
-        for ax in (axes if shape[1] > 1 else [axes]):
+        for ax in axes if shape[1] > 1 else [axes]:
             ax.legend(fontsize=8)
         fig.tight_layout()
         paths.append(out / f"{wl.name}_{suffix}.png")

@@ -22,12 +22,22 @@ from torch import Tensor, nn
 
 import mixprec
 from mixprec.bench.workloads import BenchWorkload
-from mixprec.memory import PeakMemory
+from mixprec.core.memory import PeakMemory
 
 __all__ = ["MODES", "ModeResult", "Trainer", "max_batch", "run_workload", "time_to_target"]
 
-MODES = ("fp32", "torch-autocast", "mixprec-autocast", "O1", "O2", "O3", "graph",
-         "graph+compile", "graph-O3", "graph+compile-O3")
+MODES = (
+    "fp32",
+    "torch-autocast",
+    "mixprec-autocast",
+    "O1",
+    "O2",
+    "O3",
+    "graph",
+    "graph+compile",
+    "graph-O3",
+    "graph+compile-O3",
+)
 # the graph pass (mixprec.convert / mixprec.graph.compile) with O2's storage, or with O3's
 _GRAPH = {"graph": "O2", "graph+compile": "O2", "graph-O3": "O3", "graph+compile-O3": "O3"}
 _WRAPPED = ("O1", "O2", "O3", *_GRAPH)  # modes whose optimizer is mixprec's wrapper
@@ -54,8 +64,9 @@ class ModeResult:
     max_batch: int | None = None
 
 
-def time_to_target(evals: list[tuple[int, float, float]], target: float,
-                   higher_is_better: bool) -> float | None:
+def time_to_target(
+    evals: list[tuple[int, float, float]], target: float, higher_is_better: bool
+) -> float | None:
     """Training time at the first evaluation whose metric reaches ``target`` (None: never)."""
     for _, wall, metric in evals:
         if (metric >= target) if higher_is_better else (metric <= target):
@@ -66,8 +77,15 @@ def time_to_target(evals: list[tuple[int, float, float]], target: float,
 class Trainer:
     """One mode of one workload: a model, its optimizer and a timed ``step()``."""
 
-    def __init__(self, wl: BenchWorkload, data: Any, mode: str, dtype: torch.dtype,
-                 batch_size: int, seed: int):
+    def __init__(
+        self,
+        wl: BenchWorkload,
+        data: Any,
+        mode: str,
+        dtype: torch.dtype,
+        batch_size: int,
+        seed: int,
+    ):
         if mode not in MODES:
             raise ValueError(f"Unknown mode {mode!r}; expected one of {MODES}.")
         self.wl, self.data, self.mode, self.dtype = wl, data, mode, dtype
@@ -80,8 +98,9 @@ class Trainer:
         elif mode in _GRAPH:
             from mixprec import graph
 
-            policy = mixprec.Policy(compute_dtype=dtype, param_dtype=torch.float32,
-                                    output_dtype=torch.float32)
+            policy = mixprec.Policy(
+                compute_dtype=dtype, param_dtype=torch.float32, output_dtype=torch.float32
+            )
             # the eager level's settings: 16-bit weights (with fp32 masters at O2), norms and
             # softmax on 16-bit inputs (fp32 inside), mixprec's kernels
             if mode.startswith("graph+compile"):
@@ -154,8 +173,15 @@ def _device(model: nn.Module) -> str:
     return p.device.type if p is not None else "cpu"
 
 
-def _peak(wl: BenchWorkload, data: Any, mode: str, dtype: torch.dtype, batch: int,
-          seed: int, steps: int = 2) -> int | None:
+def _peak(
+    wl: BenchWorkload,
+    data: Any,
+    mode: str,
+    dtype: torch.dtype,
+    batch: int,
+    seed: int,
+    steps: int = 2,
+) -> int | None:
     with PeakMemory() as mem:
         trainer = Trainer(wl, data, mode, dtype, batch, seed)
         for _ in range(steps):
@@ -164,8 +190,16 @@ def _peak(wl: BenchWorkload, data: Any, mode: str, dtype: torch.dtype, batch: in
     return mem.peak_bytes
 
 
-def max_batch(wl: BenchWorkload, data: Any, mode: str, dtype: torch.dtype, budget_bytes: int,
-              start: int, seed: int = 0, limit: int = 6) -> int | None:
+def max_batch(
+    wl: BenchWorkload,
+    data: Any,
+    mode: str,
+    dtype: torch.dtype,
+    budget_bytes: int,
+    start: int,
+    seed: int = 0,
+    limit: int = 6,
+) -> int | None:
     """The largest of ``start * 2**k`` (k < ``limit``) whose training step fits the budget."""
     best = None
     batch = start
@@ -177,12 +211,21 @@ def max_batch(wl: BenchWorkload, data: Any, mode: str, dtype: torch.dtype, budge
     return best
 
 
-def run_workload(wl: BenchWorkload, modes: list[str], *, dtype: torch.dtype = torch.bfloat16,
-                 batch_size: int | None = None, steps: int | None = None,
-                 time_budget: float | None = None, quick: bool = False, seed: int = 0,
-                 eval_every: int | None = None, memory: bool = True,
-                 max_batch_mb: float | None = None,
-                 on_step: Callable[[str, int, float], None] | None = None) -> dict[str, ModeResult]:
+def run_workload(
+    wl: BenchWorkload,
+    modes: list[str],
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    batch_size: int | None = None,
+    steps: int | None = None,
+    time_budget: float | None = None,
+    quick: bool = False,
+    seed: int = 0,
+    eval_every: int | None = None,
+    memory: bool = True,
+    max_batch_mb: float | None = None,
+    on_step: Callable[[str, int, float], None] | None = None,
+) -> dict[str, ModeResult]:
     """Train ``modes`` round-robin on ``wl``; return their results keyed by mode."""
     batch = batch_size or wl.batch_size
     steps = steps or (wl.quick_steps if quick else wl.steps)
@@ -221,8 +264,9 @@ def run_workload(wl: BenchWorkload, modes: list[str], *, dtype: torch.dtype = to
         results[m].peak_bytes = _peak(wl, data, m, dtype, batch, seed, steps=1 if quick else 2)
     if max_batch_mb is not None:
         for m in modes:
-            results[m].max_batch = max_batch(wl, data, m, dtype, int(max_batch_mb * 2**20),
-                                             batch, seed)
+            results[m].max_batch = max_batch(
+                wl, data, m, dtype, int(max_batch_mb * 2**20), batch, seed
+            )
     return results
 
 

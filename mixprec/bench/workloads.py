@@ -27,9 +27,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixprec.bench.corpus import CharCorpus, build_corpus
-from mixprec.models import GPT, GPTConfig, SeedMLP
+from mixprec.bench.models import GPT, GPTConfig, SeedMLP
 
-__all__ = ["MNIST1DCNN", "WORKLOADS", "BenchWorkload", "cross_entropy", "make_large_mnist1d"]
+__all__ = [
+    "MNIST1DCNN",
+    "WORKLOADS",
+    "BenchWorkload",
+    "cross_entropy",
+    "load_mnist1d",
+    "make_large_mnist1d",
+]
 
 QUICK_CORPUS_CHARS = 400_000
 _MNIST_EVAL_CHUNK = 1000
@@ -97,22 +104,30 @@ class MNIST1DCNN(nn.Module):
         return self.linear(x.flatten(1))
 
 
-def _generate_mnist1d(num_samples: int, seed: int = 42) -> dict[str, Tensor]:
-    from mnist1d.data import get_dataset_args, make_dataset
-
+def load_mnist1d(seed: int = 42, num_samples: int | None = None) -> dict[str, Tensor]:
+    """MNIST-1D generated locally: ``x, y, x_test, y_test``. The default is the standard
+    dataset (4000 train / 1000 test); ``num_samples`` splits 80/20 the same way."""
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise RuntimeError(
+            "MNIST-1D needs the 'mnist1d' package: pip install 'mixprec[bench]'."
+        ) from exc
     args = get_dataset_args()
-    args.num_samples, args.seed = num_samples, seed
+    args.seed = seed
+    if num_samples is not None:
+        args.num_samples = num_samples
     data = make_dataset(args)
-    return {k: torch.as_tensor(data[k], dtype=torch.float32 if k.startswith("x") else torch.long)
-            for k in ("x", "y", "x_test", "y_test")}
+    return {
+        k: torch.as_tensor(data[k], dtype=torch.float32 if k.startswith("x") else torch.long)
+        for k in ("x", "y", "x_test", "y_test")
+    }
 
 
 @functools.lru_cache(maxsize=2)
 def _mnist1d(quick: bool) -> dict[str, Tensor]:
     if quick:  # 1000 train / 250 test: generated in ~1 s instead of ~4 s
-        return _generate_mnist1d(1250)
-    from mixprec.demo import load_mnist1d
-
+        return load_mnist1d(num_samples=1250)
     return load_mnist1d()  # the standard dataset: 4000 train / 1000 test, seed 42
 
 
@@ -124,11 +139,12 @@ def prepare_mnist1d(quick: bool, seed: int) -> dict[str, Tensor]:
 @functools.lru_cache(maxsize=1)
 def make_large_mnist1d(num_samples: int = 50_000, seed: int = 42) -> dict[str, Tensor]:
     """A larger MNIST-1D set (80/20 split) for timing; slow to generate (~3.5 s per 5000)."""
-    return _generate_mnist1d(num_samples, seed)
+    return load_mnist1d(seed, num_samples)
 
 
-def mnist1d_batches(data: dict[str, Tensor], batch_size: int, seed: int
-                    ) -> Iterator[tuple[Tensor, Tensor]]:
+def mnist1d_batches(
+    data: dict[str, Tensor], batch_size: int, seed: int
+) -> Iterator[tuple[Tensor, Tensor]]:
     """Endless training batches: a stream of seeded permutations, cut into equal batches."""
     x, y = data["x"], data["y"]
     g = torch.Generator().manual_seed(seed)
@@ -152,8 +168,8 @@ def mnist1d_accuracy(forward: Callable[[Tensor], Tensor], data: dict[str, Tensor
     x, y = data["x_test"], data["y_test"]
     correct = 0
     for start in range(0, len(x), _MNIST_EVAL_CHUNK):
-        pred = forward(x[start:start + _MNIST_EVAL_CHUNK]).argmax(-1)
-        correct += int((pred == y[start:start + _MNIST_EVAL_CHUNK]).sum())
+        pred = forward(x[start : start + _MNIST_EVAL_CHUNK]).argmax(-1)
+        correct += int((pred == y[start : start + _MNIST_EVAL_CHUNK]).sum())
     return correct / len(x)
 
 
@@ -195,8 +211,7 @@ def _windows(ids: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
     return w[:, :-1], w[:, 1:]
 
 
-def corpus_batches(data: CharCorpus, batch_size: int, seed: int
-                   ) -> Iterator[tuple[Tensor, Tensor]]:
+def corpus_batches(data: CharCorpus, batch_size: int, seed: int) -> Iterator[tuple[Tensor, Tensor]]:
     """Endless batches of random 257-character train windows: x = first 256, y = next chars."""
     g = torch.Generator().manual_seed(seed)
     high = len(data.train) - _BLOCK
@@ -232,10 +247,13 @@ def make_gpt(data: CharCorpus) -> nn.Module:
 def adamw_gpt(params: Iterable) -> torch.optim.Optimizer:
     """AdamW as in nanoGPT: weight decay 0.1 on matrices/embeddings, none on biases and norms."""
     params = [p for p in params if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=1e-3, betas=(0.9, 0.95),
-                             fused=True)
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=1e-3, betas=(0.9, 0.95), fused=True
+    )
 
 
 def _identity(batch_size: int) -> int:
@@ -249,34 +267,68 @@ def _tokens(batch_size: int) -> int:
 # --------------------------------------------------------------------------- registry
 
 _MNIST: dict[str, Any] = {
-    "prepare": prepare_mnist1d, "batches": mnist1d_batches, "loss": cross_entropy,
-    "evaluate": mnist1d_accuracy, "samples_per_batch": _identity,
-    "example_batch": mnist1d_example_batch, "metric": "accuracy", "higher_is_better": True}
+    "prepare": prepare_mnist1d,
+    "batches": mnist1d_batches,
+    "loss": cross_entropy,
+    "evaluate": mnist1d_accuracy,
+    "samples_per_batch": _identity,
+    "example_batch": mnist1d_example_batch,
+    "metric": "accuracy",
+    "higher_is_better": True,
+}
 
-WORKLOADS: dict[str, BenchWorkload] = {w.name: w for w in (
-    BenchWorkload(
-        name="seed-mlp",
-        description="Keras-guide MLP (40-4096-4096-10) on MNIST-1D, AdamW 1e-3, batch 512",
-        # Target: fp32 test accuracy, measured every 10 steps on the standard set (seeds 0/1):
-        # 0.52/0.50 @50, 0.55/0.55 @60, 0.62/0.60 @100, 0.66/0.65 @150. 0.60 is first reached at
-        # step 100 / 90, i.e. ~2/3 of the 150 steps (0.55 would already be hit at 40%).
-        target=0.60, batch_size=512, steps=150, quick_steps=20, eval_every=10,
-        make_model=make_seed_mlp, make_optimizer=adamw_seed_mlp, **_MNIST),
-    BenchWorkload(
-        name="mnist1d-cnn",
-        description="MNIST-1D paper CNN (3 conv + linear, 5.2k params), Adam 1e-2, batch 100",
-        # Target: fp32 (seeds 0/1/2, eval every 250 steps) first reaches 0.90 at step
-        # 1000 / 1500 / 750 and plateaus at 0.925 / 0.923 / 0.939 (the paper reports ~94%).
-        target=0.90, batch_size=100, steps=8000, quick_steps=300, eval_every=100,
-        make_model=make_cnn, make_optimizer=adam_cnn, **_MNIST),
-    BenchWorkload(
-        name="char-gpt",
-        description="nanoGPT-style GPT (4x384, ctx 256) on a stdlib-source character corpus",
-        metric="val_loss", higher_is_better=False,
-        # Target: one fp32 run (seed 0, full corpus) had val loss 3.62 @5, 3.08 @60, 2.95 @120,
-        # 2.77 @180, 2.68 @240 steps; 2.70 is crossed at ~step 230, ~60% of the 400 steps.
-        target=2.70, batch_size=16, steps=400, quick_steps=8, eval_every=20,
-        prepare=prepare_corpus, make_model=make_gpt, make_optimizer=adamw_gpt,
-        batches=corpus_batches, loss=cross_entropy, evaluate=corpus_val_loss,
-        samples_per_batch=_tokens, example_batch=corpus_example_batch),
-)}
+WORKLOADS: dict[str, BenchWorkload] = {
+    w.name: w
+    for w in (
+        BenchWorkload(
+            name="seed-mlp",
+            description="Keras-guide MLP (40-4096-4096-10) on MNIST-1D, AdamW 1e-3, batch 512",
+            # Target: fp32 test accuracy, measured every 10 steps on the standard set (seeds 0/1):
+            # 0.52/0.50 @50, 0.55/0.55 @60, 0.62/0.60 @100, 0.66/0.65 @150. 0.60 is first reached at
+            # step 100 / 90, i.e. ~2/3 of the 150 steps (0.55 would already be hit at 40%).
+            target=0.60,
+            batch_size=512,
+            steps=150,
+            quick_steps=20,
+            eval_every=10,
+            make_model=make_seed_mlp,
+            make_optimizer=adamw_seed_mlp,
+            **_MNIST,
+        ),
+        BenchWorkload(
+            name="mnist1d-cnn",
+            description="MNIST-1D paper CNN (3 conv + linear, 5.2k params), Adam 1e-2, batch 100",
+            # Target: fp32 (seeds 0/1/2, eval every 250 steps) first reaches 0.90 at step
+            # 1000 / 1500 / 750 and plateaus at 0.925 / 0.923 / 0.939 (the paper reports ~94%).
+            target=0.90,
+            batch_size=100,
+            steps=8000,
+            quick_steps=300,
+            eval_every=100,
+            make_model=make_cnn,
+            make_optimizer=adam_cnn,
+            **_MNIST,
+        ),
+        BenchWorkload(
+            name="char-gpt",
+            description="nanoGPT-style GPT (4x384, ctx 256) on a stdlib-source character corpus",
+            metric="val_loss",
+            higher_is_better=False,
+            # Target: one fp32 run (seed 0, full corpus) had val loss 3.62 @5, 3.08 @60, 2.95 @120,
+            # 2.77 @180, 2.68 @240 steps; 2.70 is crossed at ~step 230, ~60% of the 400 steps.
+            target=2.70,
+            batch_size=16,
+            steps=400,
+            quick_steps=8,
+            eval_every=20,
+            prepare=prepare_corpus,
+            make_model=make_gpt,
+            make_optimizer=adamw_gpt,
+            batches=corpus_batches,
+            loss=cross_entropy,
+            evaluate=corpus_val_loss,
+            samples_per_batch=_tokens,
+            example_batch=corpus_example_batch,
+        ),
+    )
+}

@@ -4,6 +4,6 @@
   (``from mixprec.compat.apex import amp``, or ``mixprec.compat.apex.install()`` to make an
   unchanged ``from apex import amp`` import mixprec).
 
-The Keras-style ``LossScaleOptimizer`` lives in :mod:`mixprec.keras`
+The Keras-style ``LossScaleOptimizer`` lives in :mod:`mixprec.compat.keras`
 (``mixprec.LossScaleOptimizer``).
 """

@@ -1,6 +1,6 @@
 """Apex drop-in: ``from mixprec.compat.apex import amp`` runs old ``apex.amp`` code on mixprec.
 
-Design (``shared/reference/apex.md`` §1-2): the ``amp`` namespace keeps Apex's signatures,
+Design (``docs/design.md``, "Compatibility layers"): the ``amp`` namespace keeps Apex's signatures,
 defaults and return shapes, and translates each call to mixprec -- ``amp.initialize`` to
 :func:`mixprec.initialize`, ``amp.scale_loss`` to :func:`mixprec.scale_loss`, the
 ``register_*_function`` calls to the cast table. Opt-level properties are resolved here with
@@ -42,20 +42,28 @@ import torch
 from torch import Tensor, nn
 
 import mixprec
-from mixprec import engine
-from mixprec.dispatch import float_dtypes
-from mixprec.hardware import default_dtype
-from mixprec.loss_scale import LossScaler
-from mixprec.optimizer import LossSlot, MixedPrecisionOptimizer
+from mixprec.compat import fp16_optimizer as fp16_utils
+from mixprec.compat.fp16_optimizer import FP16_Optimizer
+from mixprec.core import engine
+from mixprec.core.dispatch import float_dtypes
+from mixprec.core.hardware import default_dtype
+from mixprec.core.loss_scale import LossScaler
+from mixprec.core.optimizer import LossSlot, MixedPrecisionOptimizer
 
-__all__ = ["amp", "AmpOptimizer", "FP16_Optimizer", "install", "uninstall"]
+__all__ = ["AmpOptimizer", "FP16_Optimizer", "amp", "install", "uninstall"]
 
 _LEVELS = ("O0", "O1", "O2", "O3")
 _APEX_LOSS_SCALE = {"O0": 1.0, "O1": "dynamic", "O2": "dynamic", "O3": 1.0}
 _APEX_MASTERS = {"O0": False, "O1": None, "O2": True, "O3": False}
 _APEX_KEEP_BN = {"O0": None, "O1": None, "O2": True, "O3": False}
-_TORCH_NAMESPACES = (torch, torch.nn.functional, torch.Tensor, torch.linalg, torch.special,
-                     torch.fft)
+_TORCH_NAMESPACES = (
+    torch,
+    torch.nn.functional,
+    torch.Tensor,
+    torch.linalg,
+    torch.special,
+    torch.fft,
+)
 _RULES = {"half": "lower", "float": "fp32", "promote": "promote"}
 
 
@@ -67,8 +75,9 @@ class _AmpState:
         self.enabled = True
         self.verbosity = 1
         self.slots: list[LossSlot] = []
-        self.wrappers: weakref.WeakValueDictionary[int, AmpOptimizer] = \
-            weakref.WeakValueDictionary()  # id(inner torch optimizer) -> returned optimizer
+        self.wrappers: weakref.WeakValueDictionary[int, AmpOptimizer] = (
+            weakref.WeakValueDictionary()
+        )  # id(inner torch optimizer) -> returned optimizer
         self.registered: list[tuple[Any, str, Any]] = []  # (owner, name, original) to undo
 
 
@@ -99,8 +108,10 @@ class AmpOptimizer(MixedPrecisionOptimizer):
         super().step()
         # (the base class drops the masters' grads after a step, as Apex does)
         if self.step_skipped and self._amp_verbosity >= 1:
-            print(f"Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to "
-                  f"{self.loss_scale}")
+            print(
+                f"Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to "
+                f"{self.loss_scale}"
+            )
         return loss
 
     @torch.no_grad()
@@ -122,9 +133,11 @@ def _as_list(obj: Any) -> tuple[list[Any], bool]:
 
 def _check_level(opt_level: Any) -> str:
     if opt_level not in _LEVELS:
-        raise RuntimeError(f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', "
-                           "'O2', 'O3'. Note that in `O0`, `O1`, etc., the prefix O is the letter "
-                           "O, not the number zero.")
+        raise RuntimeError(
+            f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', "
+            "'O2', 'O3'. Note that in `O0`, `O1`, etc., the prefix O is the letter "
+            "O, not the number zero."
+        )
     return opt_level
 
 
@@ -133,8 +146,9 @@ def _bool_or_none(name: str, value: Any) -> bool | None:
         return value
     if value in ("True", "False"):
         return value == "True"
-    raise ValueError(f"{name} must be True, False, None or the strings 'True'/'False'; "
-                     f"received {value!r}.")
+    raise ValueError(
+        f"{name} must be True, False, None or the strings 'True'/'False'; received {value!r}."
+    )
 
 
 def _loss_scale_spec(loss_scale: Any, level: str) -> str | float:
@@ -145,19 +159,24 @@ def _loss_scale_spec(loss_scale: Any, level: str) -> str | float:
     try:
         return float(loss_scale)
     except (TypeError, ValueError):
-        raise ValueError(f"loss_scale must be 'dynamic' or a number (as Apex: '128.0' works); "
-                         f"received {loss_scale!r}.") from None
+        raise ValueError(
+            f"loss_scale must be 'dynamic' or a number (as Apex: '128.0' works); "
+            f"received {loss_scale!r}."
+        ) from None
 
 
-def _scaler_options(spec: str | float, min_loss_scale: Any, max_loss_scale: Any
-                    ) -> dict[str, Any]:
+def _scaler_options(spec: str | float, min_loss_scale: Any, max_loss_scale: Any) -> dict[str, Any]:
     if spec != "dynamic":
         return {}
     max_scale = float(max_loss_scale)
     min_scale = 1.0 if min_loss_scale is None else float(min_loss_scale)
     # Apex: scale window 2000, factor 2, start at min(max_loss_scale, 2**16)
-    return dict(init_scale=max(min(max_scale, 2.0**16), min_scale), growth_interval=2000,
-                min_scale=min(min_scale, max_scale), max_scale=max_scale)
+    return dict(
+        init_scale=max(min(max_scale, 2.0**16), min_scale),
+        growth_interval=2000,
+        min_scale=min(min_scale, max_scale),
+        max_scale=max_scale,
+    )
 
 
 def _hint_dtype(dtype: torch.dtype, device: torch.device, explicit: bool) -> None:
@@ -165,18 +184,33 @@ def _hint_dtype(dtype: torch.dtype, device: torch.device, explicit: bool) -> Non
         return
     better = default_dtype(device)
     if better == torch.bfloat16:
-        _print(1, f"mixprec amp: using float16 as Apex does. On this {device.type} device "
-                  "bfloat16 is the better choice (as fast or faster, no loss scaling needed): "
-                  "pass dtype=torch.bfloat16 to amp.initialize (cast_model_type=torch.bfloat16 "
-                  "at O2/O3).")
+        _print(
+            1,
+            f"mixprec amp: using float16 as Apex does. On this {device.type} device "
+            "bfloat16 is the better choice (as fast or faster, no loss scaling needed): "
+            "pass dtype=torch.bfloat16 to amp.initialize (cast_model_type=torch.bfloat16 "
+            "at O2/O3).",
+        )
 
 
-def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_level: str = "O1",
-               cast_model_type: Any = None, patch_torch_functions: Any = None,
-               keep_batchnorm_fp32: Any = None, master_weights: Any = None,
-               loss_scale: Any = None, cast_model_outputs: Any = None, num_losses: int = 1,
-               verbosity: int = 1, min_loss_scale: float | None = None,
-               max_loss_scale: float = 2.0**24, *, dtype: torch.dtype | None = None) -> Any:
+def initialize(
+    models: Any,
+    optimizers: Any = None,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type: Any = None,
+    patch_torch_functions: Any = None,
+    keep_batchnorm_fp32: Any = None,
+    master_weights: Any = None,
+    loss_scale: Any = None,
+    cast_model_outputs: Any = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float = 2.0**24,
+    *,
+    dtype: torch.dtype | None = None,
+) -> Any:
     """Apex's ``amp.initialize`` on mixprec: same arguments, same return shapes.
 
     ``dtype`` (mixprec extension, keyword only) picks the 16-bit dtype at every level; Apex
@@ -192,45 +226,60 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
     opt_list, many_opts = ([], False) if optimizers is None else _as_list(optimizers)
     for m in model_list:
         if isinstance(m, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            raise RuntimeError("Incoming model is an instance of DataParallel/DistributedDataParall"
-                               "el. Parallel wrappers should only be applied to the model(s) AFTER "
-                               "the model(s) have been returned from amp.initialize.")
+            raise RuntimeError(  # noqa: TRY004 - Apex's exception type, kept for ported code
+                "Incoming model is an instance of DataParallel/DistributedDataParall"
+                "el. Parallel wrappers should only be applied to the model(s) AFTER "
+                "the model(s) have been returned from amp.initialize."
+            )
     for o in opt_list:
         if isinstance(o, FP16_Optimizer):
-            raise RuntimeError("An incoming optimizer is an FP16_Optimizer: amp.initialize takes "
-                               "the plain torch optimizer. Pass init_optimizer instead.")
+            raise RuntimeError(  # noqa: TRY004 - a misuse of the API, not a wrong type
+                "An incoming optimizer is an FP16_Optimizer: amp.initialize takes "
+                "the plain torch optimizer. Pass init_optimizer instead."
+            )
         if isinstance(o, MixedPrecisionOptimizer):
-            raise RuntimeError("A given optimizer should only be passed through amp.initialize "
-                               "once.")
+            raise RuntimeError(  # noqa: TRY004 - Apex's exception type, kept for ported code
+                "A given optimizer should only be passed through amp.initialize once."
+            )
     # -- Apex's consistency rules (frontend.py), same exceptions ------------------------------
     keep_bn = _bool_or_none("keep_batchnorm_fp32", keep_batchnorm_fp32)
     if level == "O1":
         if cast_model_type not in (None, False, torch.float32):
-            raise RuntimeError("O1 inserts casts around Torch functions rather than model weights, "
-                               "so with O1, the model weights themselves should remain FP32. If "
-                               "you wish to cast the model to a different type, use opt_level="
-                               "'O2' or 'O3'. cast_model_type was " + str(cast_model_type))
+            raise RuntimeError(
+                "O1 inserts casts around Torch functions rather than model weights, "
+                "so with O1, the model weights themselves should remain FP32. If "
+                "you wish to cast the model to a different type, use opt_level="
+                "'O2' or 'O3'. cast_model_type was " + str(cast_model_type)
+            )
         if keep_bn is not None:
-            raise RuntimeError("With opt_level O1, batchnorm functions are automatically patched "
-                               "to run in FP32, so keep_batchnorm_fp32 should be None. "
-                               f"keep_batchnorm_fp32 was {keep_batchnorm_fp32}")
+            raise RuntimeError(
+                "With opt_level O1, batchnorm functions are automatically patched "
+                "to run in FP32, so keep_batchnorm_fp32 should be None. "
+                f"keep_batchnorm_fp32 was {keep_batchnorm_fp32}"
+            )
         if master_weights is not None:
-            raise RuntimeError("With opt_level O1, model weights remain FP32, so master_weights "
-                               f"should be None. master_weights was {master_weights}")
+            raise RuntimeError(
+                "With opt_level O1, model weights remain FP32, so master_weights "
+                f"should be None. master_weights was {master_weights}"
+            )
     if patch_torch_functions and level != "O1":
-        raise RuntimeError("Currently, patch_torch_functions=True should only be set by selecting "
-                           "opt_level='O1'.")
+        raise RuntimeError(
+            "Currently, patch_torch_functions=True should only be set by selecting opt_level='O1'."
+        )
     explicit = dtype is not None
     if cast_model_type in (torch.float16, torch.bfloat16):
         if level == "O0":
-            raise RuntimeError("O0 trains in float32; use O2/O3 to cast the model to "
-                               f"{cast_model_type}.")
+            raise RuntimeError(
+                f"O0 trains in float32; use O2/O3 to cast the model to {cast_model_type}."
+            )
         if dtype is not None and dtype != cast_model_type:
             raise ValueError(f"dtype={dtype} and cast_model_type={cast_model_type} disagree.")
         dtype, explicit = cast_model_type, True
     elif cast_model_type not in (None, False, torch.float32):
-        raise ValueError(f"cast_model_type must be torch.float16, torch.bfloat16, torch.float32, "
-                         f"False or None; received {cast_model_type!r}.")
+        raise ValueError(
+            f"cast_model_type must be torch.float16, torch.bfloat16, torch.float32, "
+            f"False or None; received {cast_model_type!r}."
+        )
     dtype = torch.float16 if dtype is None else dtype
     spec = _loss_scale_spec(loss_scale, level)
     scaler_opts = _scaler_options(spec, min_loss_scale, max_loss_scale)
@@ -247,13 +296,21 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
         slots = [LossSlot(s) for s in scalers]
         wrapped = [MixedPrecisionOptimizer(o, slots, master_weights=masters) for o in opt_list]
     else:
-        kwargs: dict[str, Any] = dict(num_losses=int(num_losses), loss_scale=scalers[0],
-                                      cast_model_outputs=cast_model_outputs or torch.float32)
+        kwargs: dict[str, Any] = dict(
+            num_losses=int(num_losses),
+            loss_scale=scalers[0],
+            cast_model_outputs=cast_model_outputs or torch.float32,
+        )
         if level in ("O2", "O3"):
             kwargs["keep_norm_fp32"] = bool(keep_bn)
             kwargs["master_weights"] = masters
-        out = mixprec.initialize(model_list, opt_list or None, level=level,
-                                 dtype=None if level == "O0" else dtype, **kwargs)
+        out = mixprec.initialize(
+            model_list,
+            opt_list or None,
+            level=level,
+            dtype=None if level == "O0" else dtype,
+            **kwargs,
+        )
         wrapped = out[1] if opt_list else []
         slots = wrapped[0].slots if wrapped else [LossSlot(s) for s in scalers]
     for w in wrapped:
@@ -265,8 +322,11 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
     if level in ("O2", "O3") or cast_model_type is False:
         for m in model_list:
             _install_fp32_state_dict(m, wrapped)
-    _print(1, f"mixprec amp: opt_level {level}, dtype {dtype if level != 'O0' else torch.float32}"
-              f", master_weights {masters}, loss_scale {spec}, num_losses {num_losses}.")
+    _print(
+        1,
+        f"mixprec amp: opt_level {level}, dtype {dtype if level != 'O0' else torch.float32}"
+        f", master_weights {masters}, loss_scale {spec}, num_losses {num_losses}.",
+    )
     out_models = model_list if many_models else model_list[0]
     if optimizers is None:
         return out_models
@@ -274,8 +334,12 @@ def initialize(models: Any, optimizers: Any = None, enabled: bool = True, opt_le
 
 
 def _master_map(wrappers: list[MixedPrecisionOptimizer]) -> dict[int, Tensor]:
-    return {id(p): m for w in wrappers for p, m in zip(w.model_params(), w.master_params())
-            if p is not m}
+    return {
+        id(p): m
+        for w in wrappers
+        for p, m in zip(w.model_params(), w.master_params())
+        if p is not m
+    }
 
 
 def _install_fp32_state_dict(model: nn.Module, wrappers: list[MixedPrecisionOptimizer]) -> None:
@@ -320,15 +384,22 @@ def _resolve_optimizers(optimizers: Any) -> list[MixedPrecisionOptimizer]:
         elif id(o) in _state.wrappers and _state.wrappers[id(o)].optimizer is o:
             out.append(_state.wrappers[id(o)])  # the original torch optimizer: use its wrapper
         else:
-            raise TypeError(f"amp.scale_loss got {type(o).__name__}, which was not passed "
-                            "through amp.initialize; pass the optimizer(s) it returned.")
+            raise TypeError(
+                f"amp.scale_loss got {type(o).__name__}, which was not passed "
+                "through amp.initialize; pass the optimizer(s) it returned."
+            )
     return out
 
 
 @contextlib.contextmanager
-def scale_loss(loss: Tensor, optimizers: Any, loss_id: int = 0, model: Any = None,
-               delay_unscale: bool = False, delay_overflow_check: bool = False
-               ) -> Iterator[Tensor]:
+def scale_loss(
+    loss: Tensor,
+    optimizers: Any,
+    loss_id: int = 0,
+    model: Any = None,
+    delay_unscale: bool = False,
+    delay_overflow_check: bool = False,
+) -> Iterator[Tensor]:
     """``with amp.scale_loss(loss, optimizer) as scaled: scaled.backward()``, as in Apex.
 
     On exit the gradients are unscaled (into the fp32 masters at O2) and checked; the next
@@ -337,9 +408,11 @@ def scale_loss(loss: Tensor, optimizers: Any, loss_id: int = 0, model: Any = Non
     with its own scale, which makes ``delay_unscale`` unnecessary.
     """
     if not _state.initialized:
-        raise RuntimeError("Invoked 'with amp.scale_loss`, but internal Amp state has not been "
-                           "initialized. model, optimizer = amp.initialize(model, optimizer, "
-                           "opt_level=...) must be called before `with amp.scale_loss`.")
+        raise RuntimeError(
+            "Invoked 'with amp.scale_loss`, but internal Amp state has not been "
+            "initialized. model, optimizer = amp.initialize(model, optimizer, "
+            "opt_level=...) must be called before `with amp.scale_loss`."
+        )
     if not _state.enabled:
         yield loss
         return
@@ -360,16 +433,21 @@ def state_dict(destination: dict | None = None) -> dict[str, Any]:
     out: dict[str, Any] = OrderedDict() if destination is None else destination
     for i, slot in enumerate(_state.slots):
         s = slot.scaler
-        out[f"loss_scaler{i}"] = {"loss_scale": s.scale, "unskipped": s.growth_tracker,
-                                  "mixprec": s.state_dict()}
+        out[f"loss_scaler{i}"] = {
+            "loss_scale": s.scale,
+            "unskipped": s.growth_tracker,
+            "mixprec": s.state_dict(),
+        }
     return out
 
 
 def load_state_dict(state_dict: dict[str, Any]) -> None:
     """Restore the loss scalers from :func:`state_dict` (or a real Apex ``amp.state_dict()``)."""
     if len(state_dict) != len(_state.slots):
-        print(f"Warning: state_dict contains {len(state_dict)} entries, while "
-              f"{len(_state.slots)} loss_scalers are used")
+        print(
+            f"Warning: state_dict contains {len(state_dict)} entries, while "
+            f"{len(_state.slots)} loss_scalers are used"
+        )
     items = list(state_dict.items())
     if len(items) > len(_state.slots):
         print("Error: more loss scalers in the state dict than in this amp; nothing loaded.")
@@ -389,6 +467,7 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
 
 # -- user functions: registration, decorators, disable_casts ----------------------------------
 
+
 def _cast_wrapper(fn: Callable, kind: str) -> Callable:
     """Wrap a function that the engine cannot see (a C++/CUDA extension, user Python)."""
 
@@ -403,8 +482,10 @@ def _cast_wrapper(fn: Callable, kind: str) -> Callable:
             found = float_dtypes(kwargs, float_dtypes(args, set()))
             if not (len(found) > 1 and torch.float32 in found):
                 return fn(*args, **kwargs)
-        args, kwargs = engine.cast_tree(args, torch.float32), engine.cast_tree(kwargs,
-                                                                                 torch.float32)
+        args, kwargs = (
+            engine.cast_tree(args, torch.float32),
+            engine.cast_tree(kwargs, torch.float32),
+        )
         if kind == "float":
             with disable_casts():
                 return fn(*args, **kwargs)
@@ -419,7 +500,7 @@ def _register(module: Any, name: str, kind: str) -> None:
         raise ValueError(f"No function named {name} in module {module}.")
     fn = getattr(module, name)
     if any(module is ns for ns in _TORCH_NAMESPACES):
-        from mixprec.cast_table import rule_for
+        from mixprec.core.cast_table import rule_for
 
         _state.registered.append((None, name, (fn, rule_for(fn))))
         mixprec.register_op(fn, _RULES[kind])  # the engine sees every spelling of a torch op
@@ -478,23 +559,34 @@ def reset() -> None:
 
 def init(*args: Any, **kwargs: Any) -> Any:
     """Apex's pre-2019 ``amp.init`` handle API is not provided (Apex itself calls it dead)."""
-    raise NotImplementedError("amp.init() (Apex's legacy handle API) is not supported: call "
-                              "model, optimizer = amp.initialize(model, optimizer, opt_level='O1')"
-                              " and use `with amp.scale_loss(loss, optimizer) as s: s.backward()`.")
+    raise NotImplementedError(
+        "amp.init() (Apex's legacy handle API) is not supported: call "
+        "model, optimizer = amp.initialize(model, optimizer, opt_level='O1')"
+        " and use `with amp.scale_loss(loss, optimizer) as s: s.backward()`."
+    )
 
 
 # -- the namespaces --------------------------------------------------------------------------
 
 amp = types.ModuleType("mixprec.compat.apex.amp", "Apex's amp namespace, running on mixprec.")
-for _name in ("initialize", "scale_loss", "master_params", "state_dict", "load_state_dict",
-              "register_half_function", "register_float_function", "register_promote_function",
-              "half_function", "float_function", "promote_function", "disable_casts", "init",
-              "reset"):
+for _name in (
+    "initialize",
+    "scale_loss",
+    "master_params",
+    "state_dict",
+    "load_state_dict",
+    "register_half_function",
+    "register_float_function",
+    "register_promote_function",
+    "half_function",
+    "float_function",
+    "promote_function",
+    "disable_casts",
+    "init",
+    "reset",
+):
     setattr(amp, _name, globals()[_name])
 amp.AmpOptimizer = AmpOptimizer  # type: ignore[attr-defined]
-
-from mixprec.compat import fp16_optimizer as fp16_utils
-from mixprec.compat.fp16_optimizer import FP16_Optimizer
 
 _INSTALLED: list[str] = []
 

@@ -1,6 +1,6 @@
 """Apex's ``fp16_utils``: ``FP16_Optimizer`` and the model-conversion helpers, on mixprec.
 
-Design (``shared/reference/apex.md`` §2): ``FP16_Optimizer`` is a thin shell around
+Design (``docs/design.md``, "Compatibility layers"): ``FP16_Optimizer`` is a thin shell around
 :class:`mixprec.MixedPrecisionOptimizer` with ``master_weights=True`` and one loss scaler, so it
 gets mixprec's fused unscale + finite check, bitwise-unchanged skipped steps and exact
 checkpoints. Apex's signature, defaults and method names are kept. Differences (none breaks a
@@ -27,15 +27,18 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from mixprec.loss_scale import LossScaler
-from mixprec.optimizer import LossSlot, MixedPrecisionOptimizer
+from mixprec.core.loss_scale import LossScaler
+from mixprec.core.optimizer import LossSlot, MixedPrecisionOptimizer
 
-__all__ = ["FP16_Optimizer", "FP16Model", "convert_network", "network_to_half",
-           "to_python_float"]
+__all__ = ["FP16Model", "FP16_Optimizer", "convert_network", "network_to_half", "to_python_float"]
 
-_DYNAMIC_ARGS = {"init_scale": "init_scale", "scale_window": "growth_interval",
-                 "min_loss_scale": "min_scale", "max_loss_scale": "max_scale",
-                 "scale_factor": "growth_factor"}
+_DYNAMIC_ARGS = {
+    "init_scale": "init_scale",
+    "scale_window": "growth_interval",
+    "min_loss_scale": "min_scale",
+    "max_loss_scale": "max_scale",
+    "scale_factor": "growth_factor",
+}
 
 
 def _scaler(static_loss_scale: float, dynamic: bool, args: dict[str, Any] | None) -> LossScaler:
@@ -72,13 +75,21 @@ class FP16_Optimizer:
         optimizer.step()
     """
 
-    def __init__(self, init_optimizer: Optimizer, static_loss_scale: float = 1.0,
-                 dynamic_loss_scale: bool = False, dynamic_loss_args: dict | None = None,
-                 verbose: bool = True) -> None:
-        if not isinstance(init_optimizer, Optimizer) or isinstance(init_optimizer,
-                                                                   MixedPrecisionOptimizer):
-            raise TypeError(f"FP16_Optimizer wraps a plain torch.optim.Optimizer; received "
-                            f"{type(init_optimizer).__name__}.")
+    def __init__(
+        self,
+        init_optimizer: Optimizer,
+        static_loss_scale: float = 1.0,
+        dynamic_loss_scale: bool = False,
+        dynamic_loss_args: dict | None = None,
+        verbose: bool = True,
+    ) -> None:
+        if not isinstance(init_optimizer, Optimizer) or isinstance(
+            init_optimizer, MixedPrecisionOptimizer
+        ):
+            raise TypeError(
+                f"FP16_Optimizer wraps a plain torch.optim.Optimizer; received "
+                f"{type(init_optimizer).__name__}."
+            )
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
         scaler = _scaler(static_loss_scale, self.dynamic_loss_scale, dynamic_loss_args)
         self._slot = LossSlot(scaler)
@@ -87,15 +98,20 @@ class FP16_Optimizer:
         self.first_closure_call_this_step = True
         self.verbose = verbose
         if verbose:
-            n = sum(p is not m for p, m in zip(self.mixed.model_params(),
-                                                self.mixed.master_params()))
-            print(f"FP16_Optimizer (mixprec): {n} 16-bit parameter(s) got fp32 masters; "
-                  f"loss scale {'dynamic' if self.dynamic_loss_scale else scaler.scale}. "
-                  "New code: mixprec.initialize(model, optimizer, level='O2').")
+            n = sum(
+                p is not m for p, m in zip(self.mixed.model_params(), self.mixed.master_params())
+            )
+            print(
+                f"FP16_Optimizer (mixprec): {n} 16-bit parameter(s) got fp32 masters; "
+                f"loss scale {'dynamic' if self.dynamic_loss_scale else scaler.scale}. "
+                "New code: mixprec.initialize(model, optimizer, level='O2')."
+            )
 
     # -- Apex's promoted properties --------------------------------------------------------
-    param_groups = property(lambda self: self.optimizer.param_groups,
-                            lambda self, v: setattr(self.optimizer, "param_groups", v))
+    param_groups = property(
+        lambda self: self.optimizer.param_groups,
+        lambda self, v: setattr(self.optimizer, "param_groups", v),
+    )
     state = property(lambda self: self.optimizer.state)
 
     @property
@@ -124,8 +140,9 @@ class FP16_Optimizer:
     def zero_grad(self, set_grads_to_None: bool = False) -> None:
         self.mixed.zero_grad(set_to_none=set_grads_to_None)
 
-    def backward(self, loss: Tensor, update_master_grads: bool = True,
-                 retain_graph: bool = False) -> None:
+    def backward(
+        self, loss: Tensor, update_master_grads: bool = True, retain_graph: bool = False
+    ) -> None:
         """``(loss.float() * loss_scale).backward()``, then unscale into the fp32 masters.
 
         ``update_master_grads=False`` is accepted: mixprec always unscales each backward with its
@@ -160,13 +177,15 @@ class FP16_Optimizer:
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         masters = self.mixed.state_dict()["masters"]
-        return {"loss_scaler": self._slot.scaler.state_dict(),
-                "dynamic_loss_scale": self.dynamic_loss_scale,
-                "overflow": self.overflow,
-                "first_closure_call_this_step": self.first_closure_call_this_step,
-                "optimizer_state_dict": self.optimizer.state_dict(),
-                "fp32_from_fp16": masters,
-                "skipped_steps": self.mixed.skipped_steps}
+        return {
+            "loss_scaler": self._slot.scaler.state_dict(),
+            "dynamic_loss_scale": self.dynamic_loss_scale,
+            "overflow": self.overflow,
+            "first_closure_call_this_step": self.first_closure_call_this_step,
+            "optimizer_state_dict": self.optimizer.state_dict(),
+            "fp32_from_fp16": masters,
+            "skipped_steps": self.mixed.skipped_steps,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore scaler, optimizer state and the saved fp32 masters (not re-derived)."""
@@ -177,17 +196,25 @@ class FP16_Optimizer:
         masters = state_dict["fp32_from_fp16"]
         if masters and isinstance(masters[0], (list, tuple)):  # Apex: one list per group
             masters = [m for group in masters for m in group]
-        self.mixed.load_state_dict({
-            "optimizer": state_dict["optimizer_state_dict"], "masters": list(masters),
-            "scalers": [scaler], "skipped_steps": int(state_dict.get("skipped_steps", 0)),
-            "step_skipped": bool(state_dict.get("overflow", False))})
-        self.dynamic_loss_scale = bool(state_dict.get("dynamic_loss_scale",
-                                                      self.dynamic_loss_scale))
-        self.first_closure_call_this_step = bool(state_dict.get(
-            "first_closure_call_this_step", True))
+        self.mixed.load_state_dict(
+            {
+                "optimizer": state_dict["optimizer_state_dict"],
+                "masters": list(masters),
+                "scalers": [scaler],
+                "skipped_steps": int(state_dict.get("skipped_steps", 0)),
+                "step_skipped": bool(state_dict.get("overflow", False)),
+            }
+        )
+        self.dynamic_loss_scale = bool(
+            state_dict.get("dynamic_loss_scale", self.dynamic_loss_scale)
+        )
+        self.first_closure_call_this_step = bool(
+            state_dict.get("first_closure_call_this_step", True)
+        )
 
 
 # -- model conversion helpers (apex/fp16_utils/fp16util.py) ----------------------------------
+
 
 def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast parameters and buffers of every module except affine batchnorm (Apex's rule)."""
@@ -226,8 +253,12 @@ class FP16Model(nn.Module):
         self.dtype = dtype
 
     def forward(self, *inputs: Any) -> Any:
-        return self.network(*(x.to(self.dtype) if isinstance(x, Tensor)
-                              and x.is_floating_point() else x for x in inputs))
+        return self.network(
+            *(
+                x.to(self.dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
+                for x in inputs
+            )
+        )
 
 
 def to_python_float(t: Any) -> float:

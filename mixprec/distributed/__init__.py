@@ -18,16 +18,10 @@ Usage (``torchrun --nproc_per_node=2 train.py``; see ``docs/distributed.md``)::
     model = mixprec.distributed.wrap_ddp(model, opt)      # bf16 all-reduce, synced skips
 """
 
-from mixprec.distributed.checkpoint import fp32_full_state_dict
-from mixprec.distributed.checkpoint import load_checkpoint
-from mixprec.distributed.checkpoint import save_checkpoint
-from mixprec.distributed.ddp import AllReduceHook
-from mixprec.distributed.ddp import wrap_ddp
-from mixprec.distributed.fsdp import fsdp_mp_policy
-from mixprec.distributed.fsdp import initialize_fsdp
-from mixprec.distributed.verdicts import FlagReducer
-from mixprec.distributed.verdicts import assert_in_sync
-from mixprec.distributed.verdicts import sync_verdicts
+from mixprec.distributed.checkpoint import fp32_full_state_dict, load_checkpoint, save_checkpoint
+from mixprec.distributed.ddp import AllReduceHook, wrap_ddp
+from mixprec.distributed.fsdp import fsdp_mp_policy, initialize_fsdp
+from mixprec.distributed.verdicts import FlagReducer, assert_in_sync, sync_verdicts
 
 __all__ = [
     "AllReduceHook",

@@ -1,6 +1,6 @@
 """Checkpoints under DDP and FSDP2, with the mixprec optimizer state (masters, loss scalers).
 
-Design (``shared/reference/torch_amp.md`` §4.4-4.5, ``beyond.md`` §5.3: DeepSpeed's FP16
+Design (``docs/design.md``, "Distributed training"; DeepSpeed's FP16
 optimizer forgets ``cur_hysteresis`` on save, a resumed run then diverges from an uninterrupted
 one):
 
@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mixprec.initialize import fp32_state_dict
-from mixprec.optimizer import MixedPrecisionOptimizer
+from mixprec.core.initialize import fp32_state_dict
+from mixprec.core.optimizer import MixedPrecisionOptimizer
 
 __all__ = ["fp32_full_state_dict", "load_checkpoint", "save_checkpoint"]
 
@@ -54,17 +54,21 @@ def _sharded(model: nn.Module) -> bool:
 
 def _check_optimizer(optimizer: Any) -> None:
     if not isinstance(optimizer, MixedPrecisionOptimizer):
-        raise TypeError("Expected the optimizer returned by mixprec.initialize / "
-                        f"initialize_fsdp, received {type(optimizer).__name__}.")
+        raise TypeError(
+            "Expected the optimizer returned by mixprec.initialize / "
+            f"initialize_fsdp, received {type(optimizer).__name__}."
+        )
 
 
 def _mixprec_part(optimizer: MixedPrecisionOptimizer) -> dict[str, Any]:
     """The optimizer's own state without the inner optimizer (saved by DCP by name)."""
     part = {k: v for k, v in optimizer.state_dict().items() if k != "optimizer"}
     if part.get("masters"):
-        raise NotImplementedError("Separate fp32 masters on a sharded model are not supported: "
-                                  "build the FSDP model with mixprec.distributed.initialize_fsdp, "
-                                  "whose masters are FSDP's own fp32 shards.")
+        raise NotImplementedError(
+            "Separate fp32 masters on a sharded model are not supported: "
+            "build the FSDP model with mixprec.distributed.initialize_fsdp, "
+            "whose masters are FSDP's own fp32 shards."
+        )
     return part
 
 
@@ -74,13 +78,16 @@ def _dcp_state(model: nn.Module, optimizer: MixedPrecisionOptimizer) -> dict[str
         get_optimizer_state_dict,
     )
 
-    return {"model": get_model_state_dict(model),
-            "optimizer": get_optimizer_state_dict(model, optimizer.optimizer),
-            "mixprec": _mixprec_part(optimizer)}
+    return {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer.optimizer),
+        "mixprec": _mixprec_part(optimizer),
+    }
 
 
-def save_checkpoint(path: str | os.PathLike, model: nn.Module,
-                    optimizer: MixedPrecisionOptimizer) -> None:
+def save_checkpoint(
+    path: str | os.PathLike, model: nn.Module, optimizer: MixedPrecisionOptimizer
+) -> None:
     """Save model and mixprec optimizer; call on **every** rank.
 
     ``path`` is a file for replicated models (DDP / single process, written by rank 0) and a
@@ -94,8 +101,11 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
         dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(path))
         return
     if not _dist() or dist.get_rank() == 0:
-        state = {"format": _FORMAT, "model": _unwrap(model).state_dict(),
-                 "optimizer": optimizer.state_dict()}
+        state = {
+            "format": _FORMAT,
+            "model": _unwrap(model).state_dict(),
+            "optimizer": optimizer.state_dict(),
+        }
         _atomic_save(state, path)
     if _dist():
         dist.barrier()
@@ -124,8 +134,9 @@ def _atomic_save(state: Any, path: Path) -> None:
             os.close(fd)
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module,
-                    optimizer: MixedPrecisionOptimizer) -> None:
+def load_checkpoint(
+    path: str | os.PathLike, model: nn.Module, optimizer: MixedPrecisionOptimizer
+) -> None:
     """Restore what :func:`save_checkpoint` wrote into a freshly built model and optimizer.
 
     Build and prepare them exactly as for the saved run (same level, ``wrap_ddp`` /
@@ -135,9 +146,11 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     path = Path(path)
     if _sharded(model):
         if not path.is_dir():
-            raise FileNotFoundError(f"{path} is not a torch.distributed.checkpoint directory; a "
-                                    "sharded (FSDP) model loads what save_checkpoint wrote for "
-                                    "a sharded model.")
+            raise FileNotFoundError(
+                f"{path} is not a torch.distributed.checkpoint directory; a "
+                "sharded (FSDP) model loads what save_checkpoint wrote for "
+                "a sharded model."
+            )
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             set_model_state_dict,
@@ -148,25 +161,30 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer.optimizer, state["optimizer"])
-        optimizer.load_state_dict({**state["mixprec"],
-                                   "optimizer": optimizer.optimizer.state_dict()})
+        optimizer.load_state_dict(
+            {**state["mixprec"], "optimizer": optimizer.optimizer.state_dict()}
+        )
         return
     if path.is_dir():
-        raise IsADirectoryError(f"{path} is a directory (a sharded FSDP checkpoint); this model "
-                                "is not sharded. Load it with the same FSDP setup it was saved "
-                                "with.")
+        raise IsADirectoryError(
+            f"{path} is a directory (a sharded FSDP checkpoint); this model "
+            "is not sharded. Load it with the same FSDP setup it was saved "
+            "with."
+        )
     first = next(model.parameters(), None)
     device = first.device if first is not None else "cpu"
     state = torch.load(path, map_location=device, weights_only=True)
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
-        raise ValueError(f"{path} was not written by mixprec.distributed.save_checkpoint "
-                         f"(format {_FORMAT!r}).")
+        raise ValueError(
+            f"{path} was not written by mixprec.distributed.save_checkpoint (format {_FORMAT!r})."
+        )
     _unwrap(model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
 
 
-def fp32_full_state_dict(model: nn.Module, optimizer: MixedPrecisionOptimizer | None = None
-                         ) -> dict[str, Tensor]:
+def fp32_full_state_dict(
+    model: nn.Module, optimizer: MixedPrecisionOptimizer | None = None
+) -> dict[str, Tensor]:
     """A full fp32 state dict that loads into the plain, unwrapped fp32 model.
 
     DDP / single process: :func:`mixprec.fp32_state_dict` of the unwrapped module (masters where
@@ -181,6 +199,10 @@ def fp32_full_state_dict(model: nn.Module, optimizer: MixedPrecisionOptimizer | 
 
         # cpu_offload=True would keep the result on rank 0 only; every rank gets it here.
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        return {k: (v.float() if v.is_floating_point() and v.dtype != torch.float64 else v)
-                .detach().cpu() for k, v in full.items()}
+        return {
+            k: (v.float() if v.is_floating_point() and v.dtype != torch.float64 else v)
+            .detach()
+            .cpu()
+            for k, v in full.items()
+        }
     return fp32_state_dict(_unwrap(model), optimizer)

@@ -1,6 +1,6 @@
 """DistributedDataParallel with mixprec: the order of wrapping and 16-bit gradient all-reduce.
 
-Design (``shared/reference/torch_amp.md`` §4.3, ``beyond.md`` §5.3-5.4):
+Design (``docs/design.md``, "Distributed training"):
 
 * **Order: ``initialize`` first, then DDP.** DDP sizes and types its gradient buckets from the
   parameters at construction; ``initialize`` (O2/O3) changes the parameters' dtype in place
@@ -21,12 +21,28 @@ Design (``shared/reference/torch_amp.md`` §4.3, ``beyond.md`` §5.3-5.4):
 * **Same verdict everywhere.** :func:`wrap_ddp` installs
   :func:`mixprec.distributed.sync_verdicts` on the optimizers.
 
+**Plain DDP.** A model prepared by ``initialize`` and then wrapped with a plain
+``DistributedDataParallel(model)`` (not :func:`mixprec.distributed.wrap_ddp`) is detected:
+:func:`watch_ddp` (which ``initialize`` runs through its model hooks) notes, during the forward
+pass, the DDP whose forward is running (``DistributedDataParallel._active_ddp_module``, set by DDP's
+default C++ reducer path), and the optimizer's next ``step()`` calls :func:`adopt_ddp` before
+reading its verdicts: it broadcasts the fp32 masters from the group's first rank (DDP broadcast only
+the 16-bit parameters) and installs the :class:`FlagReducer` on DDP's process group -- what
+``wrap_ddp`` does, less its 16-bit gradient all-reduce. Doing it at ``step()`` keeps the collectives
+where every rank is anyway; the forward only records (evaluation on one rank never blocks). DDP's
+compiled Python-reducer mode does not set the marker and is not detected: use ``wrap_ddp`` there.
+
+The core imports nothing from here: this module registers :func:`watch_ddp` in
+``initialize.MODEL_HOOKS`` and :func:`adopt_ddp` in ``optimizer.SETTLE_HOOKS`` when it is
+imported, which ``import mixprec`` does wherever ``torch.distributed`` is available.
+
 gloo on torch 2.13 sums, maxes and averages bf16 and fp16 natively (checked with 2 ranks), so
 the CPU path communicates real 16-bit tensors: half the bytes of fp32.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at run time.
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,21 +51,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mixprec import engine
+from mixprec.core import engine, initialize, optimizer
+from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.distributed.verdicts import (
     _optimizers,
     assert_in_sync,
     require_process_group,
     sync_verdicts,
 )
-from mixprec.optimizer import MixedPrecisionOptimizer
 
-__all__ = ["AllReduceHook", "wrap_ddp"]
+__all__ = ["AllReduceHook", "adopt_ddp", "watch_ddp", "wrap_ddp"]
 
 _MARK = "_mixprec_initialized"  # set by mixprec.initialize on every model it prepared
 _WIRE = (torch.float16, torch.bfloat16, torch.float32)
-_ORDER_FIX = ("Build the model, call mixprec.initialize(model, optimizer, ...) on the bare "
-              "module, then mixprec.distributed.wrap_ddp(model, optimizer).")
+_ORDER_FIX = (
+    "Build the model, call mixprec.initialize(model, optimizer, ...) on the bare "
+    "module, then mixprec.distributed.wrap_ddp(model, optimizer)."
+)
 
 
 class AllReduceHook:
@@ -73,18 +91,25 @@ class AllReduceHook:
         elements: gradient elements all-reduced so far (``4 * elements``: the fp32 bytes).
     """
 
-    def __init__(self, dtype: torch.dtype = torch.bfloat16,
-                 group: dist.ProcessGroup | None = None,
-                 predivide_factor: float | None = None):
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.bfloat16,
+        group: dist.ProcessGroup | None = None,
+        predivide_factor: float | None = None,
+    ):
         if dtype not in _WIRE:
-            raise ValueError(f"AllReduceHook dtype must be one of {list(_WIRE)}, received "
-                             f"{dtype!r}.")
+            raise ValueError(
+                f"AllReduceHook dtype must be one of {list(_WIRE)}, received {dtype!r}."
+            )
         if predivide_factor is not None and not (
-                isinstance(predivide_factor, (int, float)) and not isinstance(predivide_factor,
-                                                                              bool)
-                and predivide_factor >= 1):
-            raise ValueError(f"predivide_factor must be a number >= 1 (or None for the world "
-                             f"size), received {predivide_factor!r}.")
+            isinstance(predivide_factor, (int, float))
+            and not isinstance(predivide_factor, bool)
+            and predivide_factor >= 1
+        ):
+            raise ValueError(
+                f"predivide_factor must be a number >= 1 (or None for the world "
+                f"size), received {predivide_factor!r}."
+            )
         self.dtype = dtype
         self.group = group
         self.predivide_factor = predivide_factor
@@ -100,8 +125,7 @@ class AllReduceHook:
         self.grad_bytes = 0
         self.wire_dtypes: set[torch.dtype] = set()
 
-    def __call__(self, state: Any,
-                 bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         group = state if isinstance(state, dist.ProcessGroup) else self.group
         world = dist.get_world_size(group)
         pre = float(self.predivide_factor or world)
@@ -133,8 +157,10 @@ class AllReduceHook:
         return fut.then(write_back)
 
     def __repr__(self) -> str:
-        return (f"AllReduceHook(dtype={self.dtype}, predivide_factor={self.predivide_factor}, "
-                f"calls={self.calls}, wire_bytes={self.wire_bytes})")
+        return (
+            f"AllReduceHook(dtype={self.dtype}, predivide_factor={self.predivide_factor}, "
+            f"calls={self.calls}, wire_bytes={self.wire_bytes})"
+        )
 
 
 def _stale_buckets(ddp: DistributedDataParallel) -> list[str]:
@@ -146,34 +172,46 @@ def _stale_buckets(ddp: DistributedDataParallel) -> list[str]:
     out = []
     for bucket in get():
         dtype = bucket.buffer().dtype
-        out += [f"{names.get(id(p), '?')} is {p.dtype}, its bucket {dtype}"
-                for p in bucket.parameters() if p.dtype != dtype]
+        out += [
+            f"{names.get(id(p), '?')} is {p.dtype}, its bucket {dtype}"
+            for p in bucket.parameters()
+            if p.dtype != dtype
+        ]
     return out
 
 
 def _check_order(model: nn.Module) -> None:
     if isinstance(model, DistributedDataParallel):
         if model.__dict__.get(_MARK):
-            raise RuntimeError("mixprec.initialize was called on a DistributedDataParallel "
-                               "wrapper. DDP had already built its gradient buckets for the "
-                               "old parameter dtypes, so gradients are not averaged correctly "
-                               f"and the ranks silently diverge. {_ORDER_FIX}")
+            raise RuntimeError(
+                "mixprec.initialize was called on a DistributedDataParallel "
+                "wrapper. DDP had already built its gradient buckets for the "
+                "old parameter dtypes, so gradients are not averaged correctly "
+                f"and the ranks silently diverge. {_ORDER_FIX}"
+            )
         stale = _stale_buckets(model)
         if stale:
-            raise RuntimeError("This DistributedDataParallel was built before mixprec.initialize "
-                               f"changed the parameter dtypes ({'; '.join(stale[:3])}): its "
-                               f"buckets no longer match and the ranks would silently diverge. "
-                               f"{_ORDER_FIX}")
+            raise RuntimeError(
+                "This DistributedDataParallel was built before mixprec.initialize "
+                f"changed the parameter dtypes ({'; '.join(stale[:3])}): its "
+                f"buckets no longer match and the ranks would silently diverge. "
+                f"{_ORDER_FIX}"
+            )
         if not model.module.__dict__.get(_MARK):
-            raise RuntimeError(f"The module inside this DDP was not prepared by "
-                               f"mixprec.initialize. {_ORDER_FIX}")
+            raise RuntimeError(
+                f"The module inside this DDP was not prepared by mixprec.initialize. {_ORDER_FIX}"
+            )
         return
     if type(model).__name__.startswith("FSDP") or hasattr(model, "_get_fsdp_state"):
-        raise TypeError("This model is sharded with FSDP; use "
-                        "mixprec.distributed.initialize_fsdp instead of wrap_ddp.")
+        raise TypeError(
+            "This model is sharded with FSDP; use "
+            "mixprec.distributed.initialize_fsdp instead of wrap_ddp."
+        )
     if not model.__dict__.get(_MARK):
-        raise RuntimeError(f"wrap_ddp received a {type(model).__name__} that mixprec.initialize "
-                           f"has not prepared. {_ORDER_FIX}")
+        raise RuntimeError(
+            f"wrap_ddp received a {type(model).__name__} that mixprec.initialize "
+            f"has not prepared. {_ORDER_FIX}"
+        )
 
 
 def _auto_dtype(model: nn.Module) -> torch.dtype:
@@ -183,20 +221,24 @@ def _auto_dtype(model: nn.Module) -> torch.dtype:
 
 
 @torch.no_grad()
-def _broadcast_masters(opts: list[MixedPrecisionOptimizer],
-                       group: dist.ProcessGroup | None) -> None:
+def _broadcast_masters(
+    opts: list[MixedPrecisionOptimizer], group: dist.ProcessGroup | None
+) -> None:
     src = dist.get_global_rank(group, 0) if group is not None else 0
     for o in opts:
         for t in o.master_params():
             dist.broadcast(t, src=src, group=group)
 
 
-def wrap_ddp(model: nn.Module,
-             optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer] | None = None,
-             *, comm_dtype: torch.dtype | str | None = "auto",
-             process_group: dist.ProcessGroup | None = None,
-             predivide_factor: float | None = None,
-             **ddp_kwargs: Any) -> DistributedDataParallel:
+def wrap_ddp(
+    model: nn.Module,
+    optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer] | None = None,
+    *,
+    comm_dtype: torch.dtype | str | None = "auto",
+    process_group: dist.ProcessGroup | None = None,
+    predivide_factor: float | None = None,
+    **ddp_kwargs: Any,
+) -> DistributedDataParallel:
     """Wrap a model prepared by :func:`mixprec.initialize` in DDP, mixed-precision aware.
 
     Call order: ``model, opt = mixprec.initialize(model, opt, ...)`` then
@@ -224,18 +266,24 @@ def wrap_ddp(model: nn.Module,
     if comm_dtype == "auto":
         comm_dtype = _auto_dtype(inner)
     elif comm_dtype is not None and comm_dtype not in _WIRE:
-        raise ValueError(f"comm_dtype must be 'auto', None or one of {list(_WIRE)}, received "
-                         f"{comm_dtype!r}.")
+        raise ValueError(
+            f"comm_dtype must be 'auto', None or one of {list(_WIRE)}, received {comm_dtype!r}."
+        )
     if comm_dtype == torch.float16 and any(not o.slot(0).scaler.enabled for o in opts):
-        warnings.warn("fp16 gradient all-reduce without loss scaling: gradients below 6e-8 "
-                      "(and their share after the division by the world size) flush to zero. "
-                      "Use comm_dtype=torch.bfloat16, or loss_scale='dynamic' in initialize.",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "fp16 gradient all-reduce without loss scaling: gradients below 6e-8 "
+            "(and their share after the division by the world size) flush to zero. "
+            "Use comm_dtype=torch.bfloat16, or loss_scale='dynamic' in initialize.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     if isinstance(model, DistributedDataParallel):
         if ddp_kwargs or process_group is not None:
-            raise ValueError("wrap_ddp got an existing DistributedDataParallel and DDP options "
-                             f"{sorted(ddp_kwargs) or ['process_group']}; pass the bare module "
-                             "to have wrap_ddp build DDP with them.")
+            raise ValueError(
+                "wrap_ddp got an existing DistributedDataParallel and DDP options "
+                f"{sorted(ddp_kwargs) or ['process_group']}; pass the bare module "
+                "to have wrap_ddp build DDP with them."
+            )
         ddp = model
         process_group = ddp.process_group
     else:
@@ -250,3 +298,65 @@ def wrap_ddp(model: nn.Module,
         sync_verdicts(opts, process_group)
         assert_in_sync(opts, process_group)
     return ddp
+
+
+class _DDPWatch:
+    """Forward pre-hook of :func:`watch_ddp`: a class (not a closure) so the model pickles."""
+
+    def __init__(self, optimizers: Sequence[MixedPrecisionOptimizer]):
+        self.refs = [weakref.ref(o) for o in optimizers]
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel._active_ddp_module
+        if ddp is None:
+            return
+        for ref in self.refs:
+            opt = ref()
+            if opt is not None and opt.reduce_flags is None and opt._plain_ddp is None:
+                opt._plain_ddp = weakref.ref(ddp)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"refs": []}  # weakrefs do not pickle; a copied model has other parameters
+
+
+def watch_ddp(model: nn.Module, optimizers: Sequence[MixedPrecisionOptimizer]) -> None:
+    """Let ``optimizers`` notice a plain ``DistributedDataParallel`` running ``model``.
+
+    A forward pre-hook on ``model`` records the running DDP on every optimizer whose verdicts
+    are not reduced yet; their next ``step()`` then calls :func:`adopt_ddp`. The hook costs an
+    attribute read per forward and issues no collective.
+    """
+    if optimizers and dist.is_available():
+        model.register_forward_pre_hook(_DDPWatch(optimizers))
+
+
+@torch.no_grad()
+def adopt_ddp(optimizer: MixedPrecisionOptimizer) -> None:
+    """Make ``optimizer`` safe under the plain DDP it was seen in; a collective on DDP's group.
+
+    Raises if that DDP was built before ``initialize`` changed the parameter dtypes (its
+    buckets are stale and gradients are not averaged correctly).
+    """
+    if optimizer._plain_ddp is None:
+        return  # no plain DDP seen since the last step: the common case, one attribute read
+    ref, optimizer._plain_ddp = optimizer._plain_ddp, None
+    ddp = ref() if ref is not None else None
+    if ddp is None or optimizer.reduce_flags is not None:
+        return
+    stale = _stale_buckets(ddp)
+    if stale:
+        raise RuntimeError(
+            "This model runs inside a DistributedDataParallel built before "
+            f"mixprec.initialize changed the parameter dtypes "
+            f"({'; '.join(stale[:3])}): its buckets no longer match and the "
+            f"ranks would silently diverge. {_ORDER_FIX}"
+        )
+    group = ddp.process_group
+    _broadcast_masters([optimizer], group)
+    sync_verdicts(optimizer, group)
+
+
+initialize.MODEL_HOOKS.append(watch_ddp)
+optimizer.SETTLE_HOOKS.append(adopt_ddp)

@@ -1,6 +1,6 @@
 """FSDP2 with mixprec: levels map onto ``fully_shard(..., mp_policy=MixedPrecisionPolicy)``.
 
-Design (``shared/reference/torch_amp.md`` §4.5, ``beyond.md`` §5.4):
+Design (``docs/design.md``, "Distributed training"):
 
 * **FSDP's fp32 shards are the master weights.** FSDP2 keeps each rank's parameter shard in
   fp32 and all-gathers it in ``param_dtype`` for forward and backward, so mixprec must not cast
@@ -42,12 +42,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from mixprec.core.hardware import default_dtype
+from mixprec.core.initialize import LEVELS, initialize
+from mixprec.core.norms import is_norm
+from mixprec.core.optimizer import MixedPrecisionOptimizer
+from mixprec.core.policy import Policy, PolicyLike, as_policy
 from mixprec.distributed.verdicts import require_process_group, sync_verdicts
-from mixprec.hardware import default_dtype
-from mixprec.initialize import LEVELS, initialize
-from mixprec.norms import is_norm
-from mixprec.optimizer import MixedPrecisionOptimizer
-from mixprec.policy import Policy, PolicyLike, as_policy
 
 __all__ = ["fsdp_mp_policy", "initialize_fsdp"]
 
@@ -56,8 +56,9 @@ _LOW = (torch.float16, torch.bfloat16)
 _MARK = "_mixprec_initialized"
 
 
-def fsdp_mp_policy(policy: PolicyLike, reduce_dtype: torch.dtype | None = None
-                   ) -> MixedPrecisionPolicy:
+def fsdp_mp_policy(
+    policy: PolicyLike, reduce_dtype: torch.dtype | None = None
+) -> MixedPrecisionPolicy:
     """The FSDP2 ``MixedPrecisionPolicy`` for a mixprec policy.
 
     ``param_dtype`` is the policy's *compute* dtype (FSDP all-gathers the fp32 shards into it
@@ -72,15 +73,21 @@ def fsdp_mp_policy(policy: PolicyLike, reduce_dtype: torch.dtype | None = None
     pol = as_policy(policy)
     compute = pol.compute_dtype if pol.compute_dtype != _F32 else None
     if reduce_dtype is not None and reduce_dtype not in (*_LOW, _F32):
-        raise ValueError(f"reduce_dtype must be torch.bfloat16, torch.float16 or torch.float32, "
-                         f"received {reduce_dtype!r}.")
+        raise ValueError(
+            f"reduce_dtype must be torch.bfloat16, torch.float16 or torch.float32, "
+            f"received {reduce_dtype!r}."
+        )
     output = pol.output_dtype if pol.output_dtype != pol.compute_dtype else None
-    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce_dtype or compute,
-                                output_dtype=output, cast_forward_inputs=True)
+    return MixedPrecisionPolicy(
+        param_dtype=compute,
+        reduce_dtype=reduce_dtype or compute,
+        output_dtype=output,
+        cast_forward_inputs=True,
+    )
 
 
 def _selected(model: nn.Module, units: Any) -> list[nn.Module]:
-    if isinstance(units, type) or isinstance(units, nn.Module):
+    if isinstance(units, (type, nn.Module)):
         units = (units,)
     units = tuple(units or ())
     classes = tuple(u for u in units if isinstance(u, type))
@@ -88,32 +95,45 @@ def _selected(model: nn.Module, units: Any) -> list[nn.Module]:
     bad = [u for u in units if not isinstance(u, (type, nn.Module))]
     if bad:
         raise TypeError(f"units must be module classes or module instances, received {bad!r}.")
-    return [m for m in model.modules() if m is not model
-            and (isinstance(m, classes) or id(m) in instances)]
+    return [
+        m
+        for m in model.modules()
+        if m is not model and (isinstance(m, classes) or id(m) in instances)
+    ]
 
 
 def _check_model(model: nn.Module) -> None:
     if isinstance(model, DistributedDataParallel):
-        raise TypeError("initialize_fsdp received a DistributedDataParallel model: use either "
-                        "DDP (mixprec.distributed.wrap_ddp) or FSDP, on the bare module.")
+        raise TypeError(
+            "initialize_fsdp received a DistributedDataParallel model: use either "
+            "DDP (mixprec.distributed.wrap_ddp) or FSDP, on the bare module."
+        )
     if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
-        raise RuntimeError("This model is already sharded with fully_shard. Pass the unsharded "
-                           "model: initialize_fsdp shards it with the mixprec policy itself.")
+        raise RuntimeError(
+            "This model is already sharded with fully_shard. Pass the unsharded "
+            "model: initialize_fsdp shards it with the mixprec policy itself."
+        )
     if model.__dict__.get(_MARK):
-        raise RuntimeError("mixprec.initialize was already called on this model; under FSDP "
-                           "call mixprec.distributed.initialize_fsdp instead (it initializes "
-                           "mixprec after sharding, so parameters stay fp32 masters).")
+        raise RuntimeError(
+            "mixprec.initialize was already called on this model; under FSDP "
+            "call mixprec.distributed.initialize_fsdp instead (it initializes "
+            "mixprec after sharding, so parameters stay fp32 masters)."
+        )
 
 
-def initialize_fsdp(model: nn.Module,
-                    optimizer_fn: Callable[[Iterable[nn.Parameter]], Optimizer],
-                    level: str = "O2", dtype: torch.dtype | None = None, *,
-                    mesh: DeviceMesh | None = None,
-                    units: type | nn.Module | Sequence[type | nn.Module] = (),
-                    reduce_dtype: torch.dtype | None = None,
-                    keep_norm_fp32: bool | None = None,
-                    reshard_after_forward: bool | None = None,
-                    **overrides: Any) -> tuple[nn.Module, MixedPrecisionOptimizer]:
+def initialize_fsdp(
+    model: nn.Module,
+    optimizer_fn: Callable[[Iterable[nn.Parameter]], Optimizer],
+    level: str = "O2",
+    dtype: torch.dtype | None = None,
+    *,
+    mesh: DeviceMesh | None = None,
+    units: type | nn.Module | Sequence[type | nn.Module] = (),
+    reduce_dtype: torch.dtype | None = None,
+    keep_norm_fp32: bool | None = None,
+    reshard_after_forward: bool | None = None,
+    **overrides: Any,
+) -> tuple[nn.Module, MixedPrecisionOptimizer]:
     """Shard ``model`` with FSDP2 at a mixprec level and return ``(model, optimizer)``.
 
     Args:
@@ -140,13 +160,17 @@ def initialize_fsdp(model: nn.Module,
     if level not in LEVELS:
         raise ValueError(f"Unknown level {level!r}; expected one of {sorted(LEVELS)}.")
     if "master_weights" in overrides:
-        raise ValueError("master_weights does not apply under FSDP: FSDP's fp32 parameter shards "
-                         "are the master weights.")
+        raise ValueError(
+            "master_weights does not apply under FSDP: FSDP's fp32 parameter shards "
+            "are the master weights."
+        )
     if not callable(optimizer_fn) or isinstance(optimizer_fn, Optimizer):
-        raise TypeError("optimizer_fn must build the optimizer from the sharded parameters, e.g. "
-                        "lambda params: torch.optim.AdamW(params, lr=3e-4); received "
-                        f"{type(optimizer_fn).__name__}. (fully_shard replaces the parameters, "
-                        "so an optimizer built before it would hold stale ones.)")
+        raise TypeError(
+            "optimizer_fn must build the optimizer from the sharded parameters, e.g. "
+            "lambda params: torch.optim.AdamW(params, lr=3e-4); received "
+            f"{type(optimizer_fn).__name__}. (fully_shard replaces the parameters, "
+            "so an optimizer built before it would hold stale ones.)"
+        )
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     if level == "O0":
@@ -154,16 +178,21 @@ def initialize_fsdp(model: nn.Module,
     elif dtype is None:
         dtype = default_dtype(device)
     elif dtype not in _LOW:
-        raise ValueError(f"Level {level} needs torch.bfloat16 or torch.float16, received "
-                         f"{dtype!r}; use level='O0' for float32.")
+        raise ValueError(
+            f"Level {level} needs torch.bfloat16 or torch.float16, received "
+            f"{dtype!r}; use level='O0' for float32."
+        )
     if keep_norm_fp32 is None:
         keep_norm_fp32 = level == "O2"
     elif keep_norm_fp32 and level not in ("O2", "O3"):
-        raise ValueError(f"keep_norm_fp32 only applies where the compute dtype of parameters is "
-                         f"16-bit (O2, O3); level {level} computes them in float32.")
+        raise ValueError(
+            f"keep_norm_fp32 only applies where the compute dtype of parameters is "
+            f"16-bit (O2, O3); level {level} computes them in float32."
+        )
     low_params = level in ("O2", "O3")
-    policy = fsdp_mp_policy(Policy(compute_dtype=dtype if low_params else _F32),
-                            reduce_dtype=reduce_dtype)
+    policy = fsdp_mp_policy(
+        Policy(compute_dtype=dtype if low_params else _F32), reduce_dtype=reduce_dtype
+    )
     if mesh is None:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     common: dict[str, Any] = dict(mesh=mesh)
@@ -181,12 +210,18 @@ def initialize_fsdp(model: nn.Module,
 
     optimizer = optimizer_fn(model.parameters())
     if not isinstance(optimizer, Optimizer):
-        raise TypeError(f"optimizer_fn returned {type(optimizer).__name__}, expected a "
-                        "torch.optim.Optimizer.")
+        raise TypeError(
+            f"optimizer_fn returned {type(optimizer).__name__}, expected a torch.optim.Optimizer."
+        )
     if level in ("O2", "O3"):
         overrides.setdefault("fp32_inside", True)
     model.__dict__["_mixprec_fsdp"] = True  # sharded here, to match: initialize accepts it
-    model, opt = initialize(model, optimizer, level="O0" if level == "O0" else "O1",
-                            dtype=None if level == "O0" else dtype, **overrides)
+    model, opt = initialize(
+        model,
+        optimizer,
+        level="O0" if level == "O0" else "O1",
+        dtype=None if level == "O0" else dtype,
+        **overrides,
+    )
     sync_verdicts(opt, mesh.get_group())
     return model, opt

@@ -1,6 +1,6 @@
 """Rank-consistent overflow verdicts: every rank skips the same steps, every scaler agrees.
 
-Design (``shared/reference/torch_amp.md`` §4.3-4.5, ``beyond.md`` §5.3): each rank checks only
+Design (``docs/design.md``, "Distributed training"): each rank checks only
 the gradients it holds -- all of them under DDP, only its shard under FSDP -- so a non-finite
 value can be seen by one rank alone. If that rank skipped the step on its own, the ranks'
 weights and loss scales would drift apart without any error (DeepSpeed's ``CheckOverflow``
@@ -13,18 +13,6 @@ collective (a flag is >= 0, so MAX keeps "non-finite somewhere" and cannot overf
 unpacked. Each rank then reads the same values, skips the same steps and applies the same
 updates to its loss scalers, so the scale stays identical everywhere.
 
-**Plain DDP.** A model prepared by ``initialize`` and then wrapped with a plain
-``DistributedDataParallel(model)`` (not :func:`mixprec.distributed.wrap_ddp`) is detected:
-:func:`watch_ddp` (installed by ``initialize``) notes, during the forward pass, the DDP whose
-forward is running (``DistributedDataParallel._active_ddp_module``, set by DDP's default C++
-reducer path), and the optimizer's next ``step()`` calls :func:`adopt_ddp` before reading its
-verdicts: it broadcasts the fp32 masters from the group's first rank (DDP broadcast only the
-16-bit parameters) and installs the :class:`FlagReducer` on DDP's process group -- what
-``wrap_ddp`` does, less its 16-bit gradient all-reduce. Doing it at ``step()`` keeps the
-collectives where every rank is anyway; the forward only records (evaluation on one rank
-never blocks). DDP's compiled Python-reducer mode does not set the marker and is not detected:
-use ``wrap_ddp`` there.
-
 Requirement: every rank calls ``step()`` after the same number of scaled backward passes (the
 flag lists then have the same length on every rank), which data-parallel training does anyway.
 :func:`assert_in_sync` checks the outcome (scales and skip counters) across ranks.
@@ -32,33 +20,36 @@ flag lists then have the same length on every rank), which data-parallel trainin
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
-from mixprec.optimizer import MixedPrecisionOptimizer
+from mixprec.core.optimizer import MixedPrecisionOptimizer
 
-__all__ = ["FlagReducer", "adopt_ddp", "assert_in_sync", "sync_verdicts", "watch_ddp"]
+__all__ = ["FlagReducer", "assert_in_sync", "sync_verdicts"]
 
 
 def require_process_group(what: str) -> None:
     """Raise a clear error when ``torch.distributed`` is not initialized."""
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"{what} needs an initialized process group: call "
-                           "torch.distributed.init_process_group(backend) first (launch with "
-                           "torchrun; backend 'gloo' on CPU, 'nccl' on CUDA).")
+        raise RuntimeError(
+            f"{what} needs an initialized process group: call "
+            "torch.distributed.init_process_group(backend) first (launch with "
+            "torchrun; backend 'gloo' on CPU, 'nccl' on CUDA)."
+        )
 
 
 def _optimizers(optimizers: Any) -> list[MixedPrecisionOptimizer]:
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     bad = [type(o).__name__ for o in opts if not isinstance(o, MixedPrecisionOptimizer)]
     if bad or not opts:
-        raise TypeError("Expected the optimizer(s) returned by mixprec.initialize "
-                        f"(MixedPrecisionOptimizer), received {bad or 'nothing'}.")
+        raise TypeError(
+            "Expected the optimizer(s) returned by mixprec.initialize "
+            f"(MixedPrecisionOptimizer), received {bad or 'nothing'}."
+        )
     return opts
 
 
@@ -91,8 +82,10 @@ class FlagReducer:
         return f"FlagReducer(group={self.group!r}, calls={self.calls})"
 
 
-def sync_verdicts(optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer],
-                  group: dist.ProcessGroup | None = None) -> FlagReducer:
+def sync_verdicts(
+    optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer],
+    group: dist.ProcessGroup | None = None,
+) -> FlagReducer:
     """Make ``optimizers`` reduce their overflow verdicts across the ranks of ``group``.
 
     After this, an inf/NaN gradient on any rank skips the step on every rank, and every rank's
@@ -110,13 +103,20 @@ def _sync_state(opt: MixedPrecisionOptimizer) -> list[float]:
     values: list[float] = [float(opt.skipped_steps), float(opt.step_skipped)]
     for slot in opt.slots:
         s = slot.scaler
-        values += [s.scale, float(s.steps), float(s.skipped_steps), float(s.growth_tracker),
-                   float(s.hysteresis_tracker)]
+        values += [
+            s.scale,
+            float(s.steps),
+            float(s.skipped_steps),
+            float(s.growth_tracker),
+            float(s.hysteresis_tracker),
+        ]
     return values
 
 
-def assert_in_sync(optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer],
-                   group: dist.ProcessGroup | None = None) -> None:
+def assert_in_sync(
+    optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer],
+    group: dist.ProcessGroup | None = None,
+) -> None:
     """Raise if the ranks disagree on loss scales, scaler counters or skipped steps.
 
     Costs two small collectives; meant for tests, debugging and the start of a resumed run.
@@ -134,60 +134,5 @@ def assert_in_sync(optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecision
             f"hysteresis_tracker): this rank {local.tolist()}, minimum {low.tolist()}, maximum "
             f"{high.tolist()}. Call mixprec.distributed.sync_verdicts(optimizer) on every rank "
             "(wrap_ddp / initialize_fsdp do) and run the same number of backward passes per "
-            "step on every rank.")
-
-
-class _DDPWatch:
-    """Forward pre-hook of :func:`watch_ddp`: a class (not a closure) so the model pickles."""
-
-    def __init__(self, optimizers: Sequence[MixedPrecisionOptimizer]):
-        self.refs = [weakref.ref(o) for o in optimizers]
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        ddp = DistributedDataParallel._active_ddp_module
-        if ddp is None:
-            return
-        for ref in self.refs:
-            opt = ref()
-            if opt is not None and opt.reduce_flags is None and opt._plain_ddp is None:
-                opt._plain_ddp = weakref.ref(ddp)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"refs": []}  # weakrefs do not pickle; a copied model has other parameters
-
-
-def watch_ddp(model: nn.Module, optimizers: Sequence[MixedPrecisionOptimizer]) -> None:
-    """Let ``optimizers`` notice a plain ``DistributedDataParallel`` running ``model``.
-
-    A forward pre-hook on ``model`` records the running DDP on every optimizer whose verdicts
-    are not reduced yet; their next ``step()`` then calls :func:`adopt_ddp`. The hook costs an
-    attribute read per forward and issues no collective.
-    """
-    if optimizers and dist.is_available():
-        model.register_forward_pre_hook(_DDPWatch(optimizers))
-
-
-@torch.no_grad()
-def adopt_ddp(optimizer: MixedPrecisionOptimizer) -> None:
-    """Make ``optimizer`` safe under the plain DDP it was seen in; a collective on DDP's group.
-
-    Raises if that DDP was built before ``initialize`` changed the parameter dtypes (its
-    buckets are stale and gradients are not averaged correctly).
-    """
-    from mixprec.distributed.ddp import _ORDER_FIX, _broadcast_masters, _stale_buckets
-
-    ref, optimizer._plain_ddp = optimizer._plain_ddp, None
-    ddp = ref() if ref is not None else None
-    if ddp is None or optimizer.reduce_flags is not None:
-        return
-    stale = _stale_buckets(ddp)
-    if stale:
-        raise RuntimeError("This model runs inside a DistributedDataParallel built before "
-                           f"mixprec.initialize changed the parameter dtypes "
-                           f"({'; '.join(stale[:3])}): its buckets no longer match and the "
-                           f"ranks would silently diverge. {_ORDER_FIX}")
-    group = ddp.process_group
-    _broadcast_masters([optimizer], group)
-    sync_verdicts(optimizer, group)
+            "step on every rank."
+        )

@@ -4,10 +4,8 @@
 the pass on any FX graph; :func:`backend` applies it inside ``torch.compile``.
 """
 
-from mixprec.graph.compile import backend
-from mixprec.graph.compile import compile
-from mixprec.graph.convert import ConvertedModule
-from mixprec.graph.convert import convert
+from mixprec.graph.compile import backend, compile
+from mixprec.graph.convert import ConvertedModule, convert
 from mixprec.graph.report import PrecisionReport
 from mixprec.graph.rewrite import rewrite
 

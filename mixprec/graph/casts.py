@@ -1,7 +1,7 @@
 """Rewrite a coloured FX graph: insert the fewest casts, retarget or remove the existing ones.
 
 Design (grappler's ``ChangeTypeAttrsAndAddCasts`` and ``MakeCastsAllowIfAllOutputsAllow``,
-``shared/reference/keras_graph.md`` §4.4 steps 14-15, plus three removals grappler leaves out):
+plus three removals grappler leaves out; ``docs/design.md``, "The graph pass"):
 
 * An ATen op computes in the dtype of its inputs, so colouring a node 16-bit means giving it
   16-bit inputs. Every producer whose dtype differs from what a consumer needs gets **one** cast
@@ -21,6 +21,7 @@ Design (grappler's ``ChangeTypeAttrsAndAddCasts`` and ``MakeCastsAllowIfAllOutpu
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,9 +29,16 @@ from typing import Any
 import torch
 from torch import fx
 
-from mixprec.cast_table import PROMOTE, current_table
-from mixprec.graph.paint import (CAST_OPS, COLOURABLE, DROP_OPS, SOURCE_OPS, Colouring,
-                                  meta_val, node_op)
+from mixprec.core.cast_table import PROMOTE, current_table
+from mixprec.graph.paint import (
+    CAST_OPS,
+    COLOURABLE,
+    DROP_OPS,
+    SOURCE_OPS,
+    Colouring,
+    meta_val,
+    node_op,
+)
 
 __all__ = ["CastRecord", "Rewrite", "apply", "cast_to"]
 
@@ -38,12 +46,19 @@ __all__ = ["CastRecord", "Rewrite", "apply", "cast_to"]
 # dtype: always for batch norm (its running statistics are updated in place, so they cannot be
 # cast copies); for the layer/group norms when they run on 16-bit data (their kernels take
 # 16-bit data with float32 weights, which is what the eager engine passes them)
-_DATA_PORT_ONLY = frozenset({"batch_norm", "instance_norm", "native_batch_norm",
-                             "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
-                             "_native_batch_norm_legit_no_training"})
-_DATA_PORT_WHEN_LOW = frozenset({"layer_norm", "native_layer_norm", "group_norm",
-                                 "native_group_norm"})
-
+_DATA_PORT_ONLY = frozenset(
+    {
+        "batch_norm",
+        "instance_norm",
+        "native_batch_norm",
+        "_native_batch_norm_legit",
+        "_native_batch_norm_legit_functional",
+        "_native_batch_norm_legit_no_training",
+    }
+)
+_DATA_PORT_WHEN_LOW = frozenset(
+    {"layer_norm", "native_layer_norm", "group_norm", "native_group_norm"}
+)
 
 
 def cast_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -118,8 +133,12 @@ def _cast_target(node: fx.Node) -> torch.dtype | None:
     name = node_op(node)
     if name not in CAST_OPS:
         return None
-    fixed = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16,
-             "double": torch.float64}
+    fixed = {
+        "float": torch.float32,
+        "half": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "double": torch.float64,
+    }
     if name in fixed:
         return fixed[name]
     dt = node.kwargs.get("dtype")
@@ -128,8 +147,13 @@ def _cast_target(node: fx.Node) -> torch.dtype | None:
     return dt if isinstance(dt, torch.dtype) and dt.is_floating_point else None
 
 
-def apply(gm: fx.GraphModule, c: Colouring, low: torch.dtype, *,
-          output_dtype: torch.dtype | None = torch.float32) -> Rewrite:
+def apply(
+    gm: fx.GraphModule,
+    c: Colouring,
+    low: torch.dtype,
+    *,
+    output_dtype: torch.dtype | None = torch.float32,
+) -> Rewrite:
     """Insert and remove casts in ``gm`` (in place) so nodes run in the dtypes ``c`` chose."""
     graph = gm.graph
     rw = Rewrite()
@@ -173,14 +197,25 @@ def apply(gm: fx.GraphModule, c: Colouring, low: torch.dtype, *,
             continue
         readers = list(n.users)
         if target == torch.float32 and readers and all(c.is_low(u) for u in readers):
-            rw.casts.append(CastRecord(n.name, torch.float32, low, [u.name for u in readers],
-                                       "retargeted", numel(meta_val(n))))
+            rw.casts.append(
+                CastRecord(
+                    n.name,
+                    torch.float32,
+                    low,
+                    [u.name for u in readers],
+                    "retargeted",
+                    numel(meta_val(n)),
+                )
+            )
             _retarget(n, low)
             dt[n] = target = low
             rw.dtypes[n.name] = low
         if dt[src] == target:
-            rw.casts.append(CastRecord(n.name, target, target, [u.name for u in readers],
-                                       "removed", numel(meta_val(n))))
+            rw.casts.append(
+                CastRecord(
+                    n.name, target, target, [u.name for u in readers], "removed", numel(meta_val(n))
+                )
+            )
             n.replace_all_uses_with(src)
             graph.erase_node(n)
 
@@ -201,18 +236,24 @@ def apply(gm: fx.GraphModule, c: Colouring, low: torch.dtype, *,
             if have is None:
                 continue
             if c.processable(n):
-                if i > 0 and (name in _DATA_PORT_ONLY
-                              or name in _DATA_PORT_WHEN_LOW and c.is_low(n) and _on_cpu(n)):
+                if i > 0 and (
+                    name in _DATA_PORT_ONLY
+                    or (name in _DATA_PORT_WHEN_LOW and c.is_low(n) and _on_cpu(n))
+                ):
                     continue
                 if _is_scalar(p) and not all(_is_scalar(q) for q in _tensor_args(n)):
                     continue
                 want = low if c.is_low(n) else torch.float32
                 if want != have and _promotes(n, p, want, dt):
-                    rw.casts.append(CastRecord(p.name, have, want, [n.name], "implicit",
-                                               numel(meta_val(p))))
+                    rw.casts.append(
+                        CastRecord(p.name, have, want, [n.name], "implicit", numel(meta_val(p)))
+                    )
                     continue
-            elif name in SOURCE_OPS or name.endswith("_") or getattr(
-                    getattr(n.target, "_schema", None), "is_mutable", False):
+            elif (
+                name in SOURCE_OPS
+                or name.endswith("_")
+                or getattr(getattr(n.target, "_schema", None), "is_mutable", False)
+            ):
                 continue
             else:
                 want = _float_dtype(meta_val(p))  # a boundary op gets what it was traced with
@@ -233,8 +274,9 @@ def _promotes(n: fx.Node, p: fx.Node, want: torch.dtype, dt: dict) -> bool:
     cast would only add a kernel and a buffer."""
     if want != torch.float32 or current_table().get(node_op(n) or "") != PROMOTE:
         return False
-    return any(q is not p and dt.get(q) == torch.float32 and not _is_scalar(q)
-               for q in _tensor_args(n))
+    return any(
+        q is not p and dt.get(q) == torch.float32 and not _is_scalar(q) for q in _tensor_args(n)
+    )
 
 
 def _output_want(p: fx.Node, dt: dict, output_dtype: torch.dtype | None) -> torch.dtype | None:
@@ -276,8 +318,16 @@ def _retarget(n: fx.Node, low: torch.dtype) -> None:
         n.args = tuple(low if isinstance(a, torch.dtype) else a for a in n.args)
 
 
-def _insert(gm: fx.GraphModule, p: fx.Node, want: torch.dtype, readers: list[fx.Node],
-            dt: dict, weights: set, written: set, rw: Rewrite) -> None:
+def _insert(
+    gm: fx.GraphModule,
+    p: fx.Node,
+    want: torch.dtype,
+    readers: list[fx.Node],
+    dt: dict,
+    weights: set,
+    written: set,
+    rw: Rewrite,
+) -> None:
     graph = gm.graph
     size = numel(meta_val(p))
     if p.op == "get_attr" and p not in weights and p not in written:
@@ -296,10 +346,8 @@ def _insert(gm: fx.GraphModule, p: fx.Node, want: torch.dtype, readers: list[fx.
         kind = "weight" if p in weights else "input" if p.op == "placeholder" else "activation"
     v = meta_val(p)
     if v is not None and hasattr(v, "to"):
-        try:
+        with contextlib.suppress(Exception):  # metadata only; the graph is still correct
             new.meta["val"] = v.to(want)
-        except Exception:  # noqa: BLE001 - metadata only; the graph is still correct
-            pass
     for r in readers:
         r.replace_input_with(p, new)
     dt[new] = want

@@ -16,10 +16,25 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["op_dtypes", "compare_with_eager"]
+__all__ = ["compare_with_eager", "op_dtypes"]
 
-_SKIP = frozenset({"_to_copy", "to", "copy_", "detach", "clone", "alias", "lift_fresh",
-                   "_assert_tensor_metadata", "empty", "empty_like", "zeros", "ones", "full"})
+_SKIP = frozenset(
+    {
+        "_to_copy",
+        "to",
+        "copy_",
+        "detach",
+        "clone",
+        "alias",
+        "lift_fresh",
+        "_assert_tensor_metadata",
+        "empty",
+        "empty_like",
+        "zeros",
+        "ones",
+        "full",
+    }
+)
 
 
 class _Recorder(TorchDispatchMode):
@@ -27,8 +42,9 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.seen: dict[str, Counter[str]] = defaultdict(Counter)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         name = func._overloadpacket.__name__
         first = out[0] if isinstance(out, (tuple, list)) and out else out
@@ -45,19 +61,22 @@ def op_dtypes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, di
     return {k: dict(v) for k, v in sorted(rec.seen.items())}
 
 
-def compare_with_eager(model: torch.nn.Module, converted: Any, *inputs: Any,
-                       **kwargs: Any) -> list[dict[str, Any]]:
+def compare_with_eager(
+    model: torch.nn.Module, converted: Any, *inputs: Any, **kwargs: Any
+) -> list[dict[str, Any]]:
     """Ops whose dtypes differ between ``mixprec.autocast`` on ``model`` and ``converted``.
 
     ``converted`` is ``mixprec.convert(model, ...)`` (they share parameters). Returns one entry
     per differing op: ``{"op", "eager", "graph", "why"}``; an empty list means they agree.
     """
-    from mixprec.engine import autocast
+    from mixprec.core.engine import autocast
 
     options = converted.options
     if options["fp32_inside"]:
-        raise ValueError("compare_with_eager compares against mixprec.autocast, which has no "
-                         "fp32_inside switch: convert with fp32_inside=False to compare.")
+        raise ValueError(
+            "compare_with_eager compares against mixprec.autocast, which has no "
+            "fp32_inside switch: convert with fp32_inside=False to compare."
+        )
     with autocast(converted.policy.compute_dtype, kernels=options["kernels"]):
         eager = op_dtypes(model, *inputs, **kwargs)
     graph = op_dtypes(converted, *inputs, **kwargs)
@@ -68,6 +87,12 @@ def compare_with_eager(model: torch.nn.Module, converted: Any, *inputs: Any,
     out = []
     for op in sorted(set(eager) | set(graph)):
         if eager.get(op) != graph.get(op):
-            out.append({"op": op, "eager": eager.get(op, {}), "graph": graph.get(op, {}),
-                        "why": reasons.get(op, ["not a node of the graph (inside a composite)"])})
+            out.append(
+                {
+                    "op": op,
+                    "eager": eager.get(op, {}),
+                    "graph": graph.get(op, {}),
+                    "why": reasons.get(op, ["not a node of the graph (inside a composite)"]),
+                }
+            )
     return out

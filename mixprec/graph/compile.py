@@ -20,14 +20,15 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from mixprec.core.policy import PolicyLike
 from mixprec.graph.convert import GRAPH_ATTR
-from mixprec.policy import PolicyLike
 
 __all__ = ["backend", "compile"]
 
 
-def backend(policy: PolicyLike | None = None, *, compiler: str = "inductor",
-            **options: Any) -> Callable[[fx.GraphModule, list], Callable]:
+def backend(
+    policy: PolicyLike | None = None, *, compiler: str = "inductor", **options: Any
+) -> Callable[[fx.GraphModule, list], Callable]:
     """A ``torch.compile`` backend that runs the graph pass, then ``compiler``.
 
     Args:
@@ -43,8 +44,9 @@ def backend(policy: PolicyLike | None = None, *, compiler: str = "inductor",
     from mixprec.graph.rewrite import rewrite
 
     if compiler not in ("inductor", "aot_eager", "eager"):
-        raise ValueError(f"compiler must be 'inductor', 'aot_eager' or 'eager', received "
-                         f"{compiler!r}.")
+        raise ValueError(
+            f"compiler must be 'inductor', 'aot_eager' or 'eager', received {compiler!r}."
+        )
     pol = _default_policy(policy)
     options = {"kernels": "torch", **options}
     results: list[Any] = []
@@ -78,8 +80,13 @@ class _Compiled(nn.Module):
 _entries = itertools.count()
 
 
-def compile(model: nn.Module, policy: PolicyLike | None = None, *, compiler: str = "inductor",
-            **options: Any) -> nn.Module:
+def compile(
+    model: nn.Module,
+    policy: PolicyLike | None = None,
+    *,
+    compiler: str = "inductor",
+    **options: Any,
+) -> nn.Module:
     """``torch.compile(model, backend=backend(policy, ...))``, marked as graph-converted.
 
     The mark tells :func:`mixprec.initialize` that the casts live in the graph: it then stores
@@ -90,12 +97,14 @@ def compile(model: nn.Module, policy: PolicyLike | None = None, *, compiler: str
     process -- after a few models its recompile limit sends the rest to eager mode, where
     16-bit weights without the pass's casts fail.
     """
+
     def entry(*args: Any, **kwargs: Any) -> Any:
         return model(*args, **kwargs)
 
     entry.__code__ = entry.__code__.replace(co_name=f"mixprec_graph_entry_{next(_entries)}")
-    compiled = _Compiled(model, torch.compile(entry, backend=backend(policy, compiler=compiler,
-                                                                     **options)))
+    compiled = _Compiled(
+        model, torch.compile(entry, backend=backend(policy, compiler=compiler, **options))
+    )
     model.__dict__[GRAPH_ATTR] = True
     compiled.__dict__[GRAPH_ATTR] = True
     return compiled

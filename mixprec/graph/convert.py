@@ -30,12 +30,12 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from mixprec.core.policy import Policy, PolicyLike, as_policy, global_policy
 from mixprec.graph import paint
 from mixprec.graph.report import PrecisionReport
 from mixprec.graph.rewrite import PassResult, rewrite
-from mixprec.policy import Policy, PolicyLike, as_policy, global_policy
 
-__all__ = ["ConvertedModule", "convert", "capture"]
+__all__ = ["ConvertedModule", "capture", "convert"]
 
 GRAPH_ATTR = "_mixprec_graph"
 
@@ -53,12 +53,13 @@ def _batch_spec(args: tuple, kwargs: dict) -> tuple[Any, Any]:
     return pytree.tree_map(spec, args), pytree.tree_map(spec, kwargs)
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
-            dynamic_batch: bool = True) -> tuple[torch.fx.GraphModule, bool]:
+def capture(
+    model: nn.Module, args: tuple, kwargs: dict | None = None, *, dynamic_batch: bool = True
+) -> tuple[torch.fx.GraphModule, bool]:
     """``torch.export`` ``model`` on the example inputs; return (graph module, dynamic?)."""
     kwargs = kwargs or {}
     errors = []
-    for dynamic in ((True, False) if dynamic_batch else (False,)):
+    for dynamic in (True, False) if dynamic_batch else (False,):
         try:
             shapes = None
             if dynamic:
@@ -74,7 +75,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
         "(torch.cond, or move it out of forward), pass inputs the model accepts as "
         "example_inputs (a tuple of positional args; kwargs via example_kwargs), or train this "
         "model with the eager engine instead: mixprec.initialize(model, opt) or "
-        "mixprec.autocast().")
+        "mixprec.autocast()."
+    )
 
 
 def _arg_names(model: nn.Module, n: int) -> list[str]:
@@ -106,8 +108,14 @@ def _rebind(gm: torch.fx.GraphModule, model: nn.Module) -> None:
 class ConvertedModule(nn.Module):
     """A model whose forward runs the mixed-precision graph made by :func:`convert`."""
 
-    def __init__(self, model: nn.Module, example: tuple[tuple, dict], policy: Policy,
-                 options: dict[str, Any], dynamic_batch: bool):
+    def __init__(
+        self,
+        model: nn.Module,
+        example: tuple[tuple, dict],
+        policy: Policy,
+        options: dict[str, Any],
+        dynamic_batch: bool,
+    ):
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -134,8 +142,10 @@ class ConvertedModule(nn.Module):
         device = first.device if first is not None else torch.device("cpu")
         shapes = None
         if not self.dynamic_batch:
-            shapes = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else x
-                           for x in pytree.tree_leaves((args, kwargs)))
+            shapes = tuple(
+                tuple(x.shape) if isinstance(x, torch.Tensor) else x
+                for x in pytree.tree_leaves((args, kwargs))
+            )
         return self.training, str(device), shapes
 
     def _graph(self, args: tuple, kwargs: dict) -> tuple[torch.fx.GraphModule, PassResult]:
@@ -150,10 +160,13 @@ class ConvertedModule(nn.Module):
             example = (args, kwargs) if self._captured or key[2] else self._example
             pristine, dynamic = capture(self._model, *example, dynamic_batch=self.dynamic_batch)
             if self.dynamic_batch and not dynamic:
-                warnings.warn(f"mixprec.convert: {type(self._model).__name__} specializes on its "
-                              "batch size, so each new input shape is captured again. Make the "
-                              "batch dimension symbolic-friendly or pass dynamic_batch=False to "
-                              "silence this.", stacklevel=3)
+                warnings.warn(
+                    f"mixprec.convert: {type(self._model).__name__} specializes on its "
+                    "batch size, so each new input shape is captured again. Make the "
+                    "batch dimension symbolic-friendly or pass dynamic_batch=False to "
+                    "silence this.",
+                    stacklevel=3,
+                )
                 self.dynamic_batch = False
                 key = self._key(args, kwargs)
             self._captured[key] = pristine
@@ -162,8 +175,9 @@ class ConvertedModule(nn.Module):
             warnings.simplefilter("ignore", FutureWarning)
             gm = copy.deepcopy(pristine, memo)
         _rebind(gm, self._model)
-        result = rewrite(gm, self.policy.compute_dtype, output_dtype=self.policy.output_dtype,
-                         **self.options)
+        result = rewrite(
+            gm, self.policy.compute_dtype, output_dtype=self.policy.output_dtype, **self.options
+        )
         self._graphs[(key, dtypes)] = (gm, result)
         return gm, result
 
@@ -195,15 +209,23 @@ def _default_policy(policy: PolicyLike | None) -> Policy:
     g = global_policy()
     if g.compute_dtype != torch.float32:
         return g
-    from mixprec.hardware import default_dtype
+    from mixprec.core.hardware import default_dtype
 
     return Policy("mixed_bfloat16" if default_dtype() == torch.bfloat16 else "mixed_float16")
 
 
-def convert(model: nn.Module, example_inputs: Any, policy: PolicyLike | None = None, *,
-            example_kwargs: Mapping[str, Any] | None = None, dynamic_batch: bool = True,
-            fp32_inside: bool = False, ops: Mapping[Any, str | None] | None = None,
-            fp32_modules: Iterable[str] = (), kernels: str = "auto") -> ConvertedModule:
+def convert(
+    model: nn.Module,
+    example_inputs: Any,
+    policy: PolicyLike | None = None,
+    *,
+    example_kwargs: Mapping[str, Any] | None = None,
+    dynamic_batch: bool = True,
+    fp32_inside: bool = False,
+    ops: Mapping[Any, str | None] | None = None,
+    fp32_modules: Iterable[str] = (),
+    kernels: str = "auto",
+) -> ConvertedModule:
     """Capture ``model`` as a graph and rewrite it to mixed precision (the PAI-TAO design).
 
     Args:
@@ -227,20 +249,28 @@ def convert(model: nn.Module, example_inputs: Any, policy: PolicyLike | None = N
         raise TypeError(f"convert takes an nn.Module, received {type(model).__name__}.")
     if getattr(model, GRAPH_ATTR, False):
         raise ValueError("This model was already converted: convert the original model once.")
-    from mixprec import engine
+    from mixprec.core import engine
 
     if getattr(model, "_mixprec_level", None) or model.__dict__.get(engine.BOUNDARY_ATTR):
-        raise ValueError("convert the float32 model before mixprec.initialize: initialize "
-                         "installs the eager engine, which the graph pass replaces. Call "
-                         "convert(model, x) first, then initialize(converted, optimizer, level).")
+        raise ValueError(
+            "convert the float32 model before mixprec.initialize: initialize "
+            "installs the eager engine, which the graph pass replaces. Call "
+            "convert(model, x) first, then initialize(converted, optimizer, level)."
+        )
     pol = _default_policy(policy)
     if pol.compute_dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"convert needs a 16-bit compute dtype; policy {pol} computes in "
-                         f"{pol.compute_dtype}. Use e.g. 'mixed_bfloat16' or 'mixed_float16'.")
+        raise ValueError(
+            f"convert needs a 16-bit compute dtype; policy {pol} computes in "
+            f"{pol.compute_dtype}. Use e.g. 'mixed_bfloat16' or 'mixed_float16'."
+        )
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
-    options = dict(fp32_inside=fp32_inside, ops=dict(ops or {}),
-                   fp32_modules=tuple(fp32_modules), kernels=kernels)
+    options = dict(
+        fp32_inside=fp32_inside,
+        ops=dict(ops or {}),
+        fp32_modules=tuple(fp32_modules),
+        kernels=kernels,
+    )
     paint.build_lists(fp32_inside=fp32_inside, ops=ops)  # validate ops now, not at first call
     converted = ConvertedModule(model, (args, kwargs), pol, options, dynamic_batch)
     converted._graph(args, kwargs)  # capture now: errors surface at convert time

@@ -1,13 +1,13 @@
 """Colour an FX graph grappler-style: which nodes run in 16-bit, which stay float32, and why.
 
-Design (``shared/reference/keras_graph.md`` §4.3-4.4, TensorFlow's ``auto_mixed_precision``):
+Design (TensorFlow's ``auto_mixed_precision``; ``docs/design.md``, "The graph pass"):
 
-* The four lists come from :mod:`mixprec.cast_table`, the same data the eager engine reads:
+* The four lists come from :mod:`mixprec.core.cast_table`, the same data the eager engine reads:
   ``lower`` ops are the **allow** list, ``fp32`` ops the **deny** list, ``promote`` ops and
-  :data:`~mixprec.cast_table.GRAPH_INFER` the **infer** list, and
-  :data:`~mixprec.cast_table.GRAPH_CLEAR` the **clear** list. With ``fp32_inside`` the ops whose
-  16-bit kernels accumulate in float32 (layer norm, softmax) move from deny to infer, as in eager.
-  An op in no list is a float32 boundary (grappler's rule for unknown ops).
+  :data:`~mixprec.core.cast_table.GRAPH_INFER` the **infer** list, and
+  :data:`~mixprec.core.cast_table.GRAPH_CLEAR` the **clear** list. With ``fp32_inside`` the ops
+  whose 16-bit kernels accumulate in float32 (layer norm, softmax) move from deny to infer, as in
+  eager. An op in no list is a float32 boundary (grappler's rule for unknown ops).
 * A node is *processable* when its output is a float32 tensor (or a tuple of them, read through
   ``getitem``), it mutates nothing, has no explicit ``dtype=`` and is not under a module forced to
   float32. Placeholders, parameters, constants and the graph outputs keep their dtype.
@@ -18,7 +18,7 @@ Design (``shared/reference/keras_graph.md`` §4.3-4.4, TensorFlow's ``auto_mixed
 
 The graph is any ``torch.fx`` graph whose nodes carry dtype metadata (``meta["val"]`` from
 torch.export / dynamo, or ``meta["tensor_meta"]`` from ``ShapeProp``), at the ATen level or the
-torch level: ops are named by :func:`mixprec.cast_table.op_name` in both.
+torch level: ops are named by :func:`mixprec.core.cast_table.op_name` in both.
 """
 
 from __future__ import annotations
@@ -32,20 +32,50 @@ import torch
 from torch import fx
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from mixprec.cast_table import FP32, GRAPH_CLEAR, GRAPH_INFER, LOWER, PROMOTE, current_table
-from mixprec.cast_table import op_name
-from mixprec.engine import FP32_INSIDE_OPS
+from mixprec.core.cast_table import (
+    FP32,
+    GRAPH_CLEAR,
+    GRAPH_INFER,
+    LOWER,
+    PROMOTE,
+    current_table,
+    op_name,
+)
+from mixprec.core.engine import FP32_INSIDE_OPS
 
-__all__ = ["ALLOW", "DENY", "INFER", "CLEAR", "LISTS", "Lists", "Colouring", "build_lists",
-           "colour", "is_multi", "meta_val", "node_op"]
+__all__ = [
+    "ALLOW",
+    "CLEAR",
+    "DENY",
+    "INFER",
+    "LISTS",
+    "Colouring",
+    "Lists",
+    "build_lists",
+    "colour",
+    "is_multi",
+    "meta_val",
+    "node_op",
+]
 
 ALLOW, DENY, INFER, CLEAR = "allow", "deny", "infer", "clear"
 LISTS = (ALLOW, DENY, INFER, CLEAR)
 # ops whose result has an input's storage dtype by construction (gather from a table): the cast
 # goes on the (small) output instead of the (large) weight
 SOURCE_OPS = frozenset({"embedding", "embedding_bag", "_embedding_bag"})
-CAST_OPS = frozenset({"_to_copy", "to", "float", "half", "bfloat16", "double", "type",
-                      "convert_element_type", "_convert_element_type"})
+CAST_OPS = frozenset(
+    {
+        "_to_copy",
+        "to",
+        "float",
+        "half",
+        "bfloat16",
+        "double",
+        "type",
+        "convert_element_type",
+        "_convert_element_type",
+    }
+)
 DROP_OPS = frozenset({"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"})
 
 
@@ -65,8 +95,12 @@ class Lists:
         return None
 
 
-def build_lists(table: Mapping[str, str] | None = None, *, fp32_inside: bool = False,
-                ops: Mapping[Any, str | None] | None = None) -> Lists:
+def build_lists(
+    table: Mapping[str, str] | None = None,
+    *,
+    fp32_inside: bool = False,
+    ops: Mapping[Any, str | None] | None = None,
+) -> Lists:
     """The lists from the cast table (default: the current one) plus convert-time overrides.
 
     ``ops`` moves ops between lists: ``{"gelu": "deny", torch.softmax: "infer", "mm": None}``
@@ -85,8 +119,10 @@ def build_lists(table: Mapping[str, str] | None = None, *, fp32_inside: bool = F
     for op, kind in (ops or {}).items():
         name = op_name(op)[0]
         if kind is not None and kind not in LISTS:
-            raise ValueError(f"Unknown list {kind!r} for op {name!r}: expected one of {LISTS} "
-                             "or None (a float32 boundary).")
+            raise ValueError(
+                f"Unknown list {kind!r} for op {name!r}: expected one of {LISTS} "
+                "or None (a float32 boundary)."
+            )
         for s in sets.values():
             s.discard(name)
         if kind is not None:
@@ -135,7 +171,7 @@ def _mutates(node: fx.Node) -> bool:
     if schema is not None and schema.is_mutable:
         return True
     name = node_op(node) or ""
-    return name.endswith("_") and not name.startswith("_") or "out" in node.kwargs
+    return (name.endswith("_") and not name.startswith("_")) or "out" in node.kwargs
 
 
 @dataclass
@@ -186,8 +222,9 @@ def _float_out(node: fx.Node) -> bool:
     return _dtype_of(v) in COLOURABLE
 
 
-def _classify(node: fx.Node, lists: Lists, fp32_modules: tuple[str, ...],
-              low_inputs: frozenset[fx.Node]) -> tuple[str | None, str]:
+def _classify(
+    node: fx.Node, lists: Lists, fp32_modules: tuple[str, ...], low_inputs: frozenset[fx.Node]
+) -> tuple[str | None, str]:
     name = node_op(node)
     if name is None:
         return None, "not an op"
@@ -223,8 +260,13 @@ def _carries_float(node: fx.Node) -> bool:
     return dt is not None and dt.is_floating_point
 
 
-def colour(graph: fx.Graph, lists: Lists, *, fp32_modules: Iterable[str] = (),
-           low_inputs: Iterable[fx.Node] = ()) -> Colouring:
+def colour(
+    graph: fx.Graph,
+    lists: Lists,
+    *,
+    fp32_modules: Iterable[str] = (),
+    low_inputs: Iterable[fx.Node] = (),
+) -> Colouring:
     """Run grappler's painting passes on ``graph``; the graph itself is not changed.
 
     ``low_inputs``: placeholder/get_attr nodes that hold 16-bit tensors (weights stored in
@@ -251,8 +293,11 @@ def colour(graph: fx.Graph, lists: Lists, *, fp32_modules: Iterable[str] = (),
     for n, kind in c.kind.items():
         if kind == ALLOW:
             c.allow.add(n)
-            c.reason[n] = (f"{node_op(n)} gathers from a 16-bit table" if node_op(n) in SOURCE_OPS
-                           else f"{node_op(n)} is on the allow list (cast table: lower)")
+            c.reason[n] = (
+                f"{node_op(n)} gathers from a 16-bit table"
+                if node_op(n) in SOURCE_OPS
+                else f"{node_op(n)} is on the allow list (cast table: lower)"
+            )
 
     # pass 2: deny propagates forwards through clear/infer chains that lead into infer or deny
     upstream: set[fx.Node] = set()
@@ -313,13 +358,15 @@ def colour(graph: fx.Graph, lists: Lists, *, fp32_modules: Iterable[str] = (),
 
     for n, kind in c.kind.items():
         if n not in c.allow and n not in c.reason:
-            c.reason[n] = (f"{kind} op not between allow ops" if kind in (INFER, CLEAR)
-                           else f"{kind} op")
+            c.reason[n] = (
+                f"{kind} op not between allow ops" if kind in (INFER, CLEAR) else f"{kind} op"
+            )
     return c
 
 
-def _walk(start: fx.Node, edges: Mapping[fx.Node, list[fx.Node]], ok: Any,
-          seen: set[fx.Node]) -> None:
+def _walk(
+    start: fx.Node, edges: Mapping[fx.Node, list[fx.Node]], ok: Any, seen: set[fx.Node]
+) -> None:
     """Depth-first from ``start`` along ``edges`` through nodes that satisfy ``ok``."""
     stack = [start]
     while stack:

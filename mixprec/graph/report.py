@@ -1,9 +1,9 @@
 """The precision report: what the graph pass chose for every node, why, and what it cost.
 
-Grappler's weak spot (``keras_graph.md`` §4.6) is that users cannot see which parts of the model
-ran in which dtype without VLOG dumps. Here the same facts are data: one row per op node (dtype,
-list, reason, module path), every cast with its size, grappler's summary line, and the bytes the
-ops write in 16-bit vs 32-bit. Print it for a terminal table, or ``to_dict()`` / ``to_json()``.
+Grappler's weak spot (TensorFlow's ``auto_mixed_precision``) is that users cannot see which parts of
+the model ran in which dtype without VLOG dumps. Here the same facts are data: one row per op node
+(dtype, list, reason, module path), every cast with its size, grappler's summary line, and the bytes
+the ops write in 16-bit vs 32-bit. Print it for a terminal table, or ``to_dict()`` / ``to_json()``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,13 @@ __all__ = ["NodeRow", "PrecisionReport"]
 
 
 def _short(dtype: torch.dtype | None) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-            torch.float64: "fp64", None: "-"}.get(dtype, str(dtype).replace("torch.", ""))
+    return {
+        torch.float32: "fp32",
+        torch.bfloat16: "bf16",
+        torch.float16: "fp16",
+        torch.float64: "fp64",
+        None: "-",
+    }.get(dtype, str(dtype).replace("torch.", ""))
 
 
 @dataclass
@@ -71,15 +76,26 @@ class PrecisionReport:
             else:
                 kind, why = "fixed", c.fixed.get(n, "")
             rows.append(NodeRow(n.name, op, paint._module_path(n), kind, _short(dt), why, size))
-        casts = [dict(producer=k.producer, src=_short(k.src), dst=_short(k.dst), kind=k.kind,
-                      consumers=k.consumers, bytes=k.numel * k.dst.itemsize) for k in rw.casts]
+        casts = [
+            dict(
+                producer=k.producer,
+                src=_short(k.src),
+                dst=_short(k.dst),
+                kind=k.kind,
+                consumers=k.consumers,
+                bytes=k.numel * k.dst.itemsize,
+            )
+            for k in rw.casts
+        ]
         considered = len(c.kind)
         lowered = len(c.allow)
         runtime = rw.count("activation", "input")
-        summary = (f"Converted {lowered}/{considered} nodes to {str(low)[6:]} using {runtime} "
-                   f"cast(s) (excluding {rw.count('weight')} weight cast(s); {rw.count('folded')} "
-                   f"constant(s) folded; {rw.count('retargeted')} existing cast(s) retargeted, "
-                   f"{rw.count('removed')} removed; {rw.count('implicit')} left to type promotion)")
+        summary = (
+            f"Converted {lowered}/{considered} nodes to {str(low)[6:]} using {runtime} "
+            f"cast(s) (excluding {rw.count('weight')} weight cast(s); {rw.count('folded')} "
+            f"constant(s) folded; {rw.count('retargeted')} existing cast(s) retargeted, "
+            f"{rw.count('removed')} removed; {rw.count('implicit')} left to type promotion)"
+        )
         traffic: Counter[str] = Counter({"16-bit": 0, "32-bit": 0})
         fp32_graph = 0
         for r in rows:
@@ -105,9 +121,15 @@ class PrecisionReport:
         return {k: dict(v) for k, v in sorted(out.items())}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "summary": self.summary, "bytes": self.bytes,
-                "by_op": self.by_op(), "by_module": self.by_module(),
-                "nodes": [asdict(r) for r in self.nodes], "casts": self.casts}
+        return {
+            "dtype": self.dtype,
+            "summary": self.summary,
+            "bytes": self.bytes,
+            "by_op": self.by_op(),
+            "by_module": self.by_module(),
+            "nodes": [asdict(r) for r in self.nodes],
+            "casts": self.casts,
+        }
 
     def to_json(self, path: str | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=1)
@@ -126,19 +148,27 @@ class PrecisionReport:
             groups: dict[tuple[str, str, str], list[NodeRow]] = defaultdict(list)
             for r in self.nodes:
                 groups[(r.op, r.list, r.dtype)].append(r)
-            body = [[op, kind, dt, str(len(rs)), rs[0].reason]
-                    for (op, kind, dt), rs in sorted(groups.items())]
-        widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h)
-                  for i, h in enumerate(head)]
+            body = [
+                [op, kind, dt, str(len(rs)), rs[0].reason]
+                for (op, kind, dt), rs in sorted(groups.items())
+            ]
+        widths = [
+            max(len(h), *(len(row[i]) for row in body)) if body else len(h)
+            for i, h in enumerate(head)
+        ]
         widths[-1] = min(widths[-1], 70)
-        lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)),
-                 "  ".join("-" * w for w in widths)]
+        lines = [
+            "  ".join(h.ljust(w) for h, w in zip(head, widths)),
+            "  ".join("-" * w for w in widths),
+        ]
         lines += ["  ".join(c[:w].ljust(w) for c, w in zip(row, widths)) for row in body]
         return "\n".join(line.rstrip() for line in lines)
 
     def __str__(self) -> str:
         mb = {k: v / 2**20 for k, v in self.bytes.items()}
-        traffic = (f"Bytes written by ops per call: {mb.get('16-bit', 0):.2f} MiB in 16-bit, "
-                   f"{mb.get('32-bit', 0):.2f} MiB in 32-bit (float32 graph: "
-                   f"{mb.get('float32 graph', 0):.2f} MiB)")
-        return "\n".join([self.summary, traffic, "", self.table()])
+        traffic = (
+            f"Bytes written by ops per call: {mb.get('16-bit', 0):.2f} MiB in 16-bit, "
+            f"{mb.get('32-bit', 0):.2f} MiB in 32-bit (float32 graph: "
+            f"{mb.get('float32 graph', 0):.2f} MiB)"
+        )
+        return f"{self.summary}\n{traffic}\n\n{self.table()}"

@@ -13,11 +13,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from mixprec import kernels
+from mixprec.core import kernels
 from mixprec.graph import casts, paint
 
-__all__ = ["PassResult", "rewrite", "auto_attention"]
-
+__all__ = ["PassResult", "auto_attention", "rewrite"]
 
 
 @dataclass
@@ -33,7 +32,7 @@ class PassResult:
 def auto_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
     """``scaled_dot_product_attention`` that takes mixprec's measured-faster path when it applies.
 
-    Same rule as the eager engine with ``kernels="auto"`` (see :mod:`mixprec.kernels`).
+    Same rule as the eager engine with ``kernels="auto"`` (see :mod:`mixprec.core.kernels`).
     """
     out = kernels.try_decomposed_attention(args, kwargs)
     if out is not None:
@@ -51,10 +50,17 @@ def _stored_dtype(gm: fx.GraphModule, n: fx.Node) -> torch.dtype | None:
     return None
 
 
-def rewrite(gm: fx.GraphModule, dtype: torch.dtype, *, lists: paint.Lists | None = None,
-            fp32_inside: bool = False, ops: Mapping[Any, str | None] | None = None,
-            fp32_modules: Iterable[str] = (), output_dtype: torch.dtype | None = torch.float32,
-            kernels: str = "torch") -> PassResult:
+def rewrite(
+    gm: fx.GraphModule,
+    dtype: torch.dtype,
+    *,
+    lists: paint.Lists | None = None,
+    fp32_inside: bool = False,
+    ops: Mapping[Any, str | None] | None = None,
+    fp32_modules: Iterable[str] = (),
+    output_dtype: torch.dtype | None = torch.float32,
+    kernels: str = "torch",
+) -> PassResult:
     """Colour ``gm`` for ``dtype`` and rewrite it in place (see :mod:`mixprec.graph.paint`).
 
     Args:
@@ -70,14 +76,18 @@ def rewrite(gm: fx.GraphModule, dtype: torch.dtype, *, lists: paint.Lists | None
     if kernels not in ("auto", "torch"):
         raise ValueError(f"kernels must be 'auto' or 'torch', received {kernels!r}.")
     lists = lists or paint.build_lists(fp32_inside=fp32_inside, ops=ops)
-    low_inputs = [n for n in gm.graph.nodes if _stored_dtype(gm, n) in (torch.float16,
-                                                                          torch.bfloat16)]
+    low_inputs = [
+        n for n in gm.graph.nodes if _stored_dtype(gm, n) in (torch.float16, torch.bfloat16)
+    ]
     c = paint.colour(gm.graph, lists, fp32_modules=fp32_modules, low_inputs=low_inputs)
     rw = casts.apply(gm, c, dtype, output_dtype=output_dtype)
     if kernels == "auto":
         for n in gm.graph.nodes:
-            if n in c.allow and paint.node_op(n) == "scaled_dot_product_attention" \
-                    and n.op == "call_function":
+            if (
+                n in c.allow
+                and paint.node_op(n) == "scaled_dot_product_attention"
+                and n.op == "call_function"
+            ):
                 n.target = auto_attention
         gm.recompile()
     return PassResult(c, rw, dtype, gm.graph)

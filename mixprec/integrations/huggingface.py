@@ -21,7 +21,7 @@ import torch
 from transformers import Trainer
 
 import mixprec
-from mixprec.optimizer import MixedPrecisionOptimizer
+from mixprec.core.optimizer import MixedPrecisionOptimizer
 
 __all__ = ["MixprecTrainer"]
 
@@ -36,14 +36,21 @@ class MixprecTrainer(Trainer):
         *args, **kwargs: as for ``transformers.Trainer``.
     """
 
-    def __init__(self, *args: Any, mixprec_level: str = "O1",
-                 mixprec_dtype: torch.dtype | None = None,
-                 mixprec_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        mixprec_level: str = "O1",
+        mixprec_dtype: torch.dtype | None = None,
+        mixprec_options: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         if self.args.fp16 or self.args.bf16:
-            raise ValueError(f"MixprecTrainer does the mixed precision itself; received "
-                             f"TrainingArguments(fp16={self.args.fp16}, bf16={self.args.bf16}). "
-                             "Set both to False and choose mixprec_level/mixprec_dtype instead.")
+            raise ValueError(
+                f"MixprecTrainer does the mixed precision itself; received "
+                f"TrainingArguments(fp16={self.args.fp16}, bf16={self.args.bf16}). "
+                "Set both to False and choose mixprec_level/mixprec_dtype instead."
+            )
         self.mixprec_level = mixprec_level
         self.mixprec_dtype = mixprec_dtype
         self.mixprec_options = dict(mixprec_options or {})
@@ -59,12 +66,18 @@ class MixprecTrainer(Trainer):
         self.accelerator.backward = scaled_backward
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
-        optimizer = super().create_optimizer(model) if model is not None else \
-            super().create_optimizer()
+        optimizer = (
+            super().create_optimizer(model) if model is not None else super().create_optimizer()
+        )
         if self.mixprec_optimizer is None:
             target = self.model if model is None else model
-            _, wrapped = mixprec.initialize(target, optimizer, level=self.mixprec_level,
-                                            dtype=self.mixprec_dtype, **self.mixprec_options)
+            _, wrapped = mixprec.initialize(
+                target,
+                optimizer,
+                level=self.mixprec_level,
+                dtype=self.mixprec_dtype,
+                **self.mixprec_options,
+            )
             self.optimizer = self.mixprec_optimizer = wrapped
         return self.optimizer
 

@@ -1,6 +1,6 @@
 """A PyTorch Lightning precision plugin that runs mixprec levels: ``MixprecPrecision("O2")``.
 
-Design (``shared/reference/torch_amp.md`` §5.1): Lightning's ``MixedPrecision`` plugin is
+Design (``docs/design.md``, "Compatibility layers"): Lightning's ``MixedPrecision`` plugin is
 torch.autocast + GradScaler. This plugin swaps in mixprec at the four seams Lightning offers:
 
 * ``connect`` -- calls :func:`mixprec.initialize` on the LightningModule and its optimizers
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 import mixprec
-from mixprec.optimizer import MixedPrecisionOptimizer
+from mixprec.core.optimizer import MixedPrecisionOptimizer
 
 try:  # the unified package first, then the standalone one
     from lightning.pytorch.plugins.precision import Precision as _Precision
@@ -46,8 +46,9 @@ class MixprecPrecision(_Precision):
         **overrides: any :func:`mixprec.initialize` override (``loss_scale``, ``init_scale``...).
     """
 
-    def __init__(self, level: str = "O1", dtype: torch.dtype | None = None,
-                 **overrides: Any) -> None:
+    def __init__(
+        self, level: str = "O1", dtype: torch.dtype | None = None, **overrides: Any
+    ) -> None:
         super().__init__()
         self.level = level
         self.dtype = dtype
@@ -59,15 +60,21 @@ class MixprecPrecision(_Precision):
     # -- setup -------------------------------------------------------------------------------
     def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> Any:
         if optimizers:
-            model, wrapped = mixprec.initialize(model, list(optimizers), level=self.level,
-                                                dtype=self.dtype, **self.overrides)
+            model, wrapped = mixprec.initialize(
+                model, list(optimizers), level=self.level, dtype=self.dtype, **self.overrides
+            )
         else:
-            model, wrapped = mixprec.initialize(model, level=self.level, dtype=self.dtype,
-                                                **self.overrides), []
+            model, wrapped = (
+                mixprec.initialize(model, level=self.level, dtype=self.dtype, **self.overrides),
+                [],
+            )
         self.optimizers = list(wrapped)
         params = [p for p in model.parameters() if p.is_floating_point()]
-        self.dtype = next((p.dtype for p in params if p.dtype != torch.float32), None) or \
-            self.dtype or mixprec.default_dtype(params[0].device if params else None)
+        self.dtype = (
+            next((p.dtype for p in params if p.dtype != torch.float32), None)
+            or self.dtype
+            or mixprec.default_dtype(params[0].device if params else None)
+        )
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
         return model, self.optimizers, lr_schedulers
@@ -81,16 +88,18 @@ class MixprecPrecision(_Precision):
             yield
 
     # -- backward and step -------------------------------------------------------------------
-    def backward(self, tensor: Tensor, model: Any, optimizer: Any, *args: Any,
-                 **kwargs: Any) -> None:
+    def backward(
+        self, tensor: Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
         if not self.optimizers:
             model.backward(tensor, *args, **kwargs)
             return
         with mixprec.scale_loss(tensor, self.optimizers) as scaled:
             model.backward(scaled, *args, **kwargs)
 
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any],
-                       **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         closure_result = self._wrap_closure(model, optimizer, closure)
         skipped_backward = closure_result is None
         if getattr(model, "automatic_optimization", True) and skipped_backward:
@@ -102,9 +111,15 @@ class MixprecPrecision(_Precision):
     def state_dict(self) -> dict[str, Any]:
         """Loss scalers and fp32 masters: Lightning saves the 16-bit model at O2, and the
         masters would otherwise be rebuilt from it with fp16/bf16 precision."""
-        return {"optimizers": [{"masters": o.state_dict()["masters"],
-                                "scalers": [s.scaler.state_dict() for s in o.slots]}
-                               for o in self.optimizers]}
+        return {
+            "optimizers": [
+                {
+                    "masters": o.state_dict()["masters"],
+                    "scalers": [s.scaler.state_dict() for s in o.slots],
+                }
+                for o in self.optimizers
+            ]
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ from test_engine_dispatch import _Block, _Net
 from torch import nn
 
 import mixprec
-from mixprec import dispatch
+from mixprec.core import dispatch
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -99,8 +99,7 @@ def test_loss_scale_change_does_not_recompile_on_cuda():
     block, opt = mixprec.initialize(block, opt, level="O2", dtype=F16)
     scaler = opt.slot(0).scaler
     counter = CompileCounter()
-    fn = torch.compile(lambda x: scaler.scale_loss(block(x).float().pow(2).mean()),
-                       backend=counter)
+    fn = torch.compile(lambda x: scaler.scale_loss(block(x).float().pow(2).mean()), backend=counter)
     x = torch.randn(4, 8, device="cuda")
     compiled = []
     for _ in range(3):

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.models import GPT, GPTConfig
+from mixprec.bench.models import GPT, GPTConfig
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
 
 def test_check_reports_the_real_capability():
@@ -44,8 +44,7 @@ def test_locate_and_range_audit_on_cuda_tensors():
     with torch.no_grad():
         model[2].weight.mul_(1e5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = mixprec.initialize(model, opt, level="O1", dtype=torch.float16,
-                                    loss_scale=None)
+    model, opt = mixprec.initialize(model, opt, level="O1", dtype=torch.float16, loss_scale=None)
     x = torch.randn(4, 8, device="cuda") * 1e2
     with mixprec.locate_nonfinite(model) as loc:
         model(x).float().sum().backward()
@@ -61,8 +60,13 @@ def test_gpt_trains_on_cuda(level):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, n_layer=2, n_embd=64, n_head=4)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model, opt = mixprec.initialize(model, opt, level=level, dtype=torch.bfloat16,
-                                    **({"update": "kahan"} if level == "O3" else {}))
+    model, opt = mixprec.initialize(
+        model,
+        opt,
+        level=level,
+        dtype=torch.bfloat16,
+        **({"update": "kahan"} if level == "O3" else {}),
+    )
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randint(0, 96, (8, 33), device="cuda", generator=g)
     losses = []
@@ -78,15 +82,22 @@ def test_gpt_trains_on_cuda(level):
 
 def test_hf_llama_trains_on_cuda_at_o2():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, intermediate_size=128,
-                                   vocab_size=128, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
-    ids = torch.randint(0, 128, (4, 32), device="cuda",
-                        generator=torch.Generator(device="cuda").manual_seed(0))
+    ids = torch.randint(
+        0, 128, (4, 32), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)
+    )
     losses = []
     for _ in range(25):
         loss = model(input_ids=ids, labels=ids).loss

@@ -14,16 +14,15 @@ from torch import nn
 from training_helpers import assert_bitwise, assert_tree_bitwise, mse, poisoned
 
 import mixprec
-from mixprec import loss_scale
+from mixprec.core import loss_scale
 
 BF16, FP16 = torch.bfloat16, torch.float16
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
 
 def _model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.LayerNorm(64),
-                         nn.Linear(64, 8)).cuda()
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.LayerNorm(64), nn.Linear(64, 8)).cuda()
 
 
 def _data(n: int = 40, seed: int = 1):
@@ -78,8 +77,11 @@ def test_overflow_skip_leaves_weights_masters_and_state_bitwise_unchanged(dtype)
     model, opt = _build("O2", dtype)
     data = _data(6)
     _train(model, opt, data[:3])
-    before = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.optimizer.state_dict()),
-              [m.detach().clone() for _, m in opt._pairs])
+    before = (
+        copy.deepcopy(model.state_dict()),
+        copy.deepcopy(opt.optimizer.state_dict()),
+        [m.detach().clone() for _, m in opt._pairs],
+    )
     scale = opt.loss_scale
     _, skipped = _train(model, opt, data[3:4], poison_at={0})
     assert skipped == [True]
@@ -123,8 +125,9 @@ def test_fused_adamw_behind_fp32_masters():
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("level,dtype", [("O1", FP16), ("O2", FP16), ("O2", BF16),
-                                         ("O3", BF16)])
+@pytest.mark.parametrize(
+    ("level", "dtype"), [("O1", FP16), ("O2", FP16), ("O2", BF16), ("O3", BF16)]
+)
 def test_resume_is_bit_exact_on_cuda(level, dtype):
     data = _data(10)
     straight = _build(level, dtype)

@@ -25,7 +25,7 @@ from torch import nn
 
 import mixprec
 import mixprec.distributed as mpd
-from mixprec.models import GPT, GPTConfig
+from mixprec.bench.models import GPT, GPTConfig
 
 INF = float("inf")
 RANK = WORLD = 0
@@ -107,8 +107,9 @@ def poison_local_grad(opt: mixprec.MixedPrecisionOptimizer, inject: bool) -> Non
         loc = g.to_local().clone()
         if inject:
             loc.view(-1)[0] = INF
-        p.grad = DTensor.from_local(loc, g.device_mesh, g.placements, run_check=False,
-                                    shape=g.shape, stride=g.stride())
+        p.grad = DTensor.from_local(
+            loc, g.device_mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride()
+        )
     else:
         g = g.clone()
         g.view(-1)[0] = INF
@@ -118,13 +119,16 @@ def poison_local_grad(opt: mixprec.MixedPrecisionOptimizer, inject: bool) -> Non
 # -- DDP ------------------------------------------------------------------------------------------
 def scenario_wire_dtype() -> dict:
     out = {}
-    for name, level, dtype, extra in (("O1-bf16", "O1", torch.bfloat16, {}),
-                                      ("O2-bf16", "O2", torch.bfloat16, {}),
-                                      ("O2-fp16", "O2", torch.float16, {"init_scale": 256.0}),
-                                      ("O0-fp32", "O0", None, {})):
+    for name, level, dtype, extra in (
+        ("O1-bf16", "O1", torch.bfloat16, {}),
+        ("O2-bf16", "O2", torch.bfloat16, {}),
+        ("O2-fp16", "O2", torch.float16, {"init_scale": 256.0}),
+        ("O0-fp32", "O0", None, {}),
+    ):
         model = mlp(0)
-        model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                        level=level, dtype=dtype, **extra)
+        model, opt = mixprec.initialize(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), level=level, dtype=dtype, **extra
+        )
         ddp = mpd.wrap_ddp(model, opt)
         x, y = batch(0)
         log: list = []
@@ -133,12 +137,16 @@ def scenario_wire_dtype() -> dict:
         grad_dtypes = sorted({str(p.grad.dtype) for p in opt.master_params()})
         opt.step()
         hook = ddp.mixprec_comm_hook
-        out[name] = {"collective_dtypes": sorted({d for d, _, op in log}),
-                     "collective_numel": sum(n for _, n, _ in log),
-                     "param_numel": sum(p.numel() for p in model.parameters()),
-                     "hook_dtypes": sorted(str(d) for d in hook.wire_dtypes),
-                     "wire_bytes": hook.wire_bytes, "grad_bytes": hook.grad_bytes,
-                     "master_grad_dtypes": grad_dtypes, "skipped": opt.step_skipped}
+        out[name] = {
+            "collective_dtypes": sorted({d for d, _, op in log}),
+            "collective_numel": sum(n for _, n, _ in log),
+            "param_numel": sum(p.numel() for p in model.parameters()),
+            "hook_dtypes": sorted(str(d) for d in hook.wire_dtypes),
+            "wire_bytes": hook.wire_bytes,
+            "grad_bytes": hook.grad_bytes,
+            "master_grad_dtypes": grad_dtypes,
+            "skipped": opt.step_skipped,
+        }
     return out
 
 
@@ -161,8 +169,13 @@ def scenario_skip_one_rank() -> dict:
     out = {}
     for synced in (True, False):
         model = mlp(0)
-        model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                        level="O2", dtype=torch.float16, init_scale=1024.0)
+        model, opt = mixprec.initialize(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            level="O2",
+            dtype=torch.float16,
+            init_scale=1024.0,
+        )
         ddp = mpd.wrap_ddp(model, opt)
         if not synced:
             # control: each rank decides alone (an identity reducer, so that the plain-DDP
@@ -177,9 +190,12 @@ def scenario_skip_one_rank() -> dict:
         except RuntimeError as e:
             in_sync = str(e)
         out["synced" if synced else "unsynced"] = {
-            "skipped": skipped, "scales": scales, "skipped_steps": opt.skipped_steps,
+            "skipped": skipped,
+            "scales": scales,
+            "skipped_steps": opt.skipped_steps,
             "params_equal_across_ranks": all(bitwise_equal(params, o) for o in others),
-            "assert_in_sync": in_sync}
+            "assert_in_sync": in_sync,
+        }
     return out
 
 
@@ -189,25 +205,30 @@ def scenario_plain_ddp() -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     out = {}
-    for name, level, dtype, extra in (("O2-fp16", "O2", torch.float16, {"init_scale": 1024.0}),
-                                      ("O1-bf16", "O1", torch.bfloat16, {}),
-                                      ("O0-fp32", "O0", None, {})):
+    for name, level, dtype, extra in (
+        ("O2-fp16", "O2", torch.float16, {"init_scale": 1024.0}),
+        ("O1-bf16", "O1", torch.bfloat16, {}),
+        ("O0-fp32", "O0", None, {}),
+    ):
         model = mlp(RANK)  # a different init per rank: DDP broadcasts rank 0's parameters
-        model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                        level=level, dtype=dtype, **extra)
+        model, opt = mixprec.initialize(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), level=level, dtype=dtype, **extra
+        )
         ddp = DDP(model)
         skipped, scales = _train_poisoned(ddp, opt)
         params, masters = flat(model.parameters()), flat(opt.master_params())
-        out[name] = {"skipped": skipped, "scales": scales,
-                     "params_equal_across_ranks": all(bitwise_equal(params, o)
-                                                      for o in gathered(params)),
-                     "masters_equal_across_ranks": all(bitwise_equal(masters, o)
-                                                       for o in gathered(masters)),
-                     "verdicts_reduced": opt.reduce_flags is not None}
+        out[name] = {
+            "skipped": skipped,
+            "scales": scales,
+            "params_equal_across_ranks": all(bitwise_equal(params, o) for o in gathered(params)),
+            "masters_equal_across_ranks": all(bitwise_equal(masters, o) for o in gathered(masters)),
+            "verdicts_reduced": opt.reduce_flags is not None,
+        }
     model = mlp(0)
     ddp = DDP(model)  # built before initialize: stale buckets, refused at the first step
-    model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                    level="O2", dtype=torch.bfloat16)
+    model, opt = mixprec.initialize(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), level="O2", dtype=torch.bfloat16
+    )
     x, y = batch(0)
     opt.backward(mse(ddp, local(x), local(y)))
     try:
@@ -223,9 +244,12 @@ def scenario_ddp_equals_single() -> dict:
     for name, level, dtype in (("O0-fp32", "O0", None), ("O2-bf16", "O2", torch.bfloat16)):
         init = mlp(0).state_dict()
         model = mlp(100 + RANK)  # differently seeded replicas: DDP + wrap_ddp must sync them
-        model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.05,
-                                                               momentum=0.9),
-                                        level=level, dtype=dtype)
+        model, opt = mixprec.initialize(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            level=level,
+            dtype=dtype,
+        )
         if RANK == 0:
             with torch.no_grad():  # rank 0 holds the reference init; the others get it by DDP
                 for p, v in zip(model.parameters(), init.values()):
@@ -240,9 +264,9 @@ def scenario_ddp_equals_single() -> dict:
             opt.zero_grad()
         dist_w = flat(opt.master_params())
         ref = mlp(0)
-        ref, ref_opt = mixprec.initialize(ref, torch.optim.SGD(ref.parameters(), lr=0.05,
-                                                               momentum=0.9),
-                                          level=level, dtype=dtype)
+        ref, ref_opt = mixprec.initialize(
+            ref, torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9), level=level, dtype=dtype
+        )
         start = flat(ref_opt.master_params())
         for step in range(4):
             x, y = batch(step)
@@ -250,10 +274,12 @@ def scenario_ddp_equals_single() -> dict:
             ref_opt.step()
             ref_opt.zero_grad()
         ref_w = flat(ref_opt.master_params())
-        out[name] = {"max_diff": (dist_w - ref_w).abs().max().item(),
-                     "update_norm": (ref_w - start).norm().item(),
-                     "diff_norm": (dist_w - ref_w).norm().item(),
-                     "ranks_equal": all(bitwise_equal(dist_w, o) for o in gathered(dist_w))}
+        out[name] = {
+            "max_diff": (dist_w - ref_w).abs().max().item(),
+            "update_norm": (ref_w - start).norm().item(),
+            "diff_norm": (dist_w - ref_w).norm().item(),
+            "ranks_equal": all(bitwise_equal(dist_w, o) for o in gathered(dist_w)),
+        }
     return out
 
 
@@ -266,14 +292,16 @@ def scenario_order_errors() -> dict:
     def ddp_first():
         model = mlp(0)
         ddp = DDP(model)
-        _, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                    level="O2", dtype=torch.bfloat16)
+        _, opt = mixprec.initialize(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), level="O2", dtype=torch.bfloat16
+        )
         mpd.wrap_ddp(ddp, opt)
 
     def initialize_wrapper():
         ddp = DDP(mlp(0))
-        ddp, opt = mixprec.initialize(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1),
-                                      level="O2", dtype=torch.bfloat16)
+        ddp, opt = mixprec.initialize(
+            ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), level="O2", dtype=torch.bfloat16
+        )
         mpd.wrap_ddp(ddp, opt)
 
     def not_initialized():
@@ -281,12 +309,17 @@ def scenario_order_errors() -> dict:
 
     def right_order_prebuilt():  # DDP built by the user after initialize: accepted
         model = mlp(0)
-        model, opt = mixprec.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                        level="O2", dtype=torch.bfloat16)
+        model, opt = mixprec.initialize(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), level="O2", dtype=torch.bfloat16
+        )
         mpd.wrap_ddp(DDP(model), opt)
 
-    cases = {"ddp_first": ddp_first, "initialize_wrapper": initialize_wrapper,
-             "not_initialized": not_initialized, "right_order_prebuilt": right_order_prebuilt}
+    cases = {
+        "ddp_first": ddp_first,
+        "initialize_wrapper": initialize_wrapper,
+        "not_initialized": not_initialized,
+        "right_order_prebuilt": right_order_prebuilt,
+    }
     for name, fn in cases.items():
         try:
             fn()
@@ -302,13 +335,25 @@ def _ckpt_run(steps: int, save_at: int | None, path: str, fsdp: bool) -> dict:
     def build(seed: int):
         if fsdp:
             model = mlp(seed)
-            return mpd.initialize_fsdp(model, lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-                                       level="O2", dtype=torch.float16, init_scale=2.0**14,
-                                       growth_interval=2, hysteresis=2)
+            return mpd.initialize_fsdp(
+                model,
+                lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                level="O2",
+                dtype=torch.float16,
+                init_scale=2.0**14,
+                growth_interval=2,
+                hysteresis=2,
+            )
         model = mlp(seed)
-        model, opt = mixprec.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                        level="O2", dtype=torch.float16, init_scale=2.0**14,
-                                        growth_interval=2, hysteresis=2)
+        model, opt = mixprec.initialize(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            level="O2",
+            dtype=torch.float16,
+            init_scale=2.0**14,
+            growth_interval=2,
+            hysteresis=2,
+        )
         return mpd.wrap_ddp(model, opt), opt
 
     model, opt = build(0)
@@ -324,23 +369,32 @@ def _ckpt_run(steps: int, save_at: int | None, path: str, fsdp: bool) -> dict:
         opt.step()
         opt.zero_grad()
     weights = flat(mpd.fp32_full_state_dict(model, opt).values())
-    inner = [t for s in opt.optimizer.state.values() for t in s.values()
-             if isinstance(t, torch.Tensor)]
+    inner = [
+        t for s in opt.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+    ]
     if fsdp:
         inner = [t.to_local() if hasattr(t, "to_local") else t for t in inner]
-    return {"weights": weights, "inner": flat(inner), "scaler": opt.slots[0].scaler.state_dict(),
-            "skipped_steps": opt.skipped_steps}
+    return {
+        "weights": weights,
+        "inner": flat(inner),
+        "scaler": opt.slots[0].scaler.state_dict(),
+        "skipped_steps": opt.skipped_steps,
+    }
 
 
 def _ckpt(fsdp: bool) -> dict:
     tmp = Path(os.environ["MIXPREC_DIST_TMP"]) / ("fsdp_ckpt" if fsdp else "ddp_ckpt.pt")
     full = _ckpt_run(6, None, str(tmp), fsdp)
     resumed = _ckpt_run(6, 3, str(tmp), fsdp)
-    return {"weights_bitwise": bitwise_equal(full["weights"], resumed["weights"]),
-            "inner_state_bitwise": bitwise_equal(full["inner"], resumed["inner"]),
-            "scaler_full": full["scaler"], "scaler_resumed": resumed["scaler"],
-            "skipped_full": full["skipped_steps"], "skipped_resumed": resumed["skipped_steps"],
-            "weights_max_diff": (full["weights"] - resumed["weights"]).abs().max().item()}
+    return {
+        "weights_bitwise": bitwise_equal(full["weights"], resumed["weights"]),
+        "inner_state_bitwise": bitwise_equal(full["inner"], resumed["inner"]),
+        "scaler_full": full["scaler"],
+        "scaler_resumed": resumed["scaler"],
+        "skipped_full": full["skipped_steps"],
+        "skipped_resumed": resumed["skipped_steps"],
+        "weights_max_diff": (full["weights"] - resumed["weights"]).abs().max().item(),
+    }
 
 
 def scenario_ckpt_ddp() -> dict:
@@ -374,13 +428,13 @@ def _train_gpt(fsdp: bool, steps: int) -> dict:
     model = GPT(GPT_SMALL)
     make = lambda ps: torch.optim.AdamW(ps, lr=3e-3)  # noqa: E731
     if fsdp:
-        from mixprec.models import Block
+        from mixprec.bench.models import Block
 
-        model, opt = mpd.initialize_fsdp(model, make, level="O2", dtype=torch.bfloat16,
-                                         units=Block)
+        model, opt = mpd.initialize_fsdp(model, make, level="O2", dtype=torch.bfloat16, units=Block)
     else:
-        model, opt = mixprec.initialize(model, make(model.parameters()), level="O2",
-                                        dtype=torch.bfloat16)
+        model, opt = mixprec.initialize(
+            model, make(model.parameters()), level="O2", dtype=torch.bfloat16
+        )
         model = mpd.wrap_ddp(model, opt)
     losses, log = [], []
     for step in range(steps):
@@ -397,10 +451,14 @@ def _train_gpt(fsdp: bool, steps: int) -> dict:
         dist.all_reduce(lv)
         losses.append(lv.item() / WORLD)
     p = next(iter(opt.master_params()))
-    return {"losses": losses, "skipped_steps": opt.skipped_steps,
-            "param_type": type(p).__name__, "param_dtype": str(p.dtype),
-            "output_dtype": str(model(local(tokens(0)[0])).dtype),
-            "grad_comm_dtypes": sorted({d for d, _, op in log if "MAX" not in op})}
+    return {
+        "losses": losses,
+        "skipped_steps": opt.skipped_steps,
+        "param_type": type(p).__name__,
+        "param_dtype": str(p.dtype),
+        "output_dtype": str(model(local(tokens(0)[0])).dtype),
+        "grad_comm_dtypes": sorted({d for d, _, op in log if "MAX" not in op}),
+    }
 
 
 def scenario_fsdp_gpt() -> dict:
@@ -408,8 +466,9 @@ def scenario_fsdp_gpt() -> dict:
     return {"ddp": _train_gpt(False, steps), "fsdp": _train_gpt(True, steps)}
 
 
-SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items()
-             if name.startswith("scenario_")}
+SCENARIOS = {
+    name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")
+}
 
 
 def main() -> None:
@@ -430,8 +489,11 @@ def main() -> None:
             results[name] = SCENARIOS[name]()
         except Exception:  # noqa: BLE001 - reported to the test, which fails with it
             results[name] = {"error": traceback.format_exc()}
-            print(f"[rank {RANK}] scenario {name} failed:\n{results[name]['error']}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[rank {RANK}] scenario {name} failed:\n{results[name]['error']}",
+                file=sys.stderr,
+                flush=True,
+            )
         Path(args.out, f"rank{RANK}.json").write_text(json.dumps(results, indent=1))
         dist.barrier()
     dist.destroy_process_group()

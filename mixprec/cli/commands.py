@@ -1,0 +1,278 @@
+"""The ``mixprec`` command: ``demo`` (the main job), ``bench`` and ``check``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from mixprec.bench.runner import MODES
+from mixprec.numerics import report as report_cli
+
+__all__ = ["main"]
+
+_WORKLOADS = ("seed-mlp", "mnist1d-cnn", "char-gpt")
+
+
+def _print_table(headers: list[str], rows: list[list[str]], title: str) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+        print(title)
+        for line in [headers, ["-" * w for w in widths], *rows]:
+            print("  ".join(c.ljust(w) for c, w in zip(line, widths)))
+        return
+    table = Table(title=title)
+    for h in headers:
+        table.add_column(h, justify="left" if h == "mode" else "right", no_wrap=True)
+    for r in rows:
+        table.add_row(*r)
+    console = Console()
+    if not console.is_terminal:  # logs and pipes: do not squeeze the table into 80 columns
+        console = Console(width=120)
+    console.print(table)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from mixprec.cli import demo
+    from mixprec.core.hardware import check
+
+    report = check("cpu", verbose=False)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
+    chosen = demo.pick_dtype(report, dtype)
+    fast = report.is_fast(chosen)
+    print(
+        f"mixprec demo: the Keras guide's MLP on MNIST-1D (generated locally), {args.steps} "
+        f"steps per mode, batch {args.batch}, on {report.name} "
+        f"[{' '.join(report.features) or 'no AVX512/AMX flags'}] with torch {torch.__version__}"
+    )
+    if not fast:
+        print(
+            f"{chosen} is not fast on this CPU ({report.dtypes[str(chosen)[6:]].reason}); "
+            f"to keep the run short the MLP is {demo.SLOW_WIDTH} wide (not 4096) and the "
+            f"16-bit levels train for at most {args.budget:.0f} s each, to show their memory "
+            "and accuracy."
+        )
+    results = demo.run_demo(
+        steps=args.steps,
+        levels=tuple(args.levels),
+        batch=args.batch,
+        seed=args.seed,
+        progress=not args.no_progress,
+        dtype=chosen,
+        budget=args.budget,
+    )
+    _print_table(demo.HEADERS, demo.format_results(results), "fp32 vs mixed precision")
+    print(demo.verdict(results, report, chosen))
+    return 0
+
+
+def _narrow(wl: object, width: int) -> object:
+    """The workload with a narrower model, where 16-bit matmuls are emulated (~80x slower)."""
+    import dataclasses
+
+    from mixprec.bench.models import GPT, GPTConfig, SeedMLP
+
+    if wl.name == "seed-mlp":
+        return dataclasses.replace(
+            wl,
+            make_model=lambda data: SeedMLP(data["x"].shape[1], width, 10),
+            description=wl.description.replace("4096-4096", f"{width}-{width}"),
+        )
+    if wl.name == "char-gpt":
+        return dataclasses.replace(
+            wl,
+            make_model=lambda data: GPT(GPTConfig(n_layer=2, n_head=4, n_embd=128)),
+            description=wl.description.replace("4x384", "2x128"),
+        )
+    return wl
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import dataclasses
+    import pathlib
+
+    from mixprec.bench import report, runner
+    from mixprec.bench.workloads import WORKLOADS, make_large_mnist1d
+    from mixprec.cli.demo import SLOW_WIDTH
+    from mixprec.cli.progress import make_progress
+    from mixprec.core.hardware import check
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    command = "mixprec bench " + " ".join(args.argv)
+    hw = check("cpu", verbose=False)
+    support = hw.dtypes.get(str(dtype)[6:])
+    time_budget = args.time_budget
+    slow = not hw.is_fast(dtype)
+    if slow:
+        time_budget = time_budget or (10.0 if args.quick else 60.0)
+        print(
+            f"{dtype} is not fast on {hw.name} ({support.reason if support else 'unknown'}): "
+            f"each mode trains for at most {time_budget:.0f} s, evaluates once at the end, and "
+            f"the seed MLP is {SLOW_WIDTH} wide (not 4096) and the GPT 2x128 (not 4x384), so "
+            "the 16-bit modes show their memory and per-step cost here, not their speed on a "
+            "GPU or a bf16 CPU."
+        )
+        import warnings
+
+        from mixprec.core.hardware import MixprecPerformanceWarning
+
+        warnings.simplefilter("ignore", MixprecPerformanceWarning)  # said once, above
+    out = pathlib.Path(args.out)
+    results = {}
+    for name in args.workloads:
+        wl = WORKLOADS[name]
+        if args.mnist1d_samples and name in ("seed-mlp", "mnist1d-cnn"):
+            n = args.mnist1d_samples  # a larger generated set for timing (80/20 split)
+            wl = dataclasses.replace(wl, prepare=lambda quick, seed, n=n: make_large_mnist1d(n))
+        if slow:
+            wl = _narrow(wl, SLOW_WIDTH)
+        steps = args.steps or (wl.quick_steps if args.quick else wl.steps)
+        with make_progress(not args.no_progress) as ui:
+            tasks = {m: ui.add(f"{name} {m}", steps) for m in args.modes}
+            modes = runner.run_workload(
+                wl,
+                list(args.modes),
+                dtype=dtype,
+                batch_size=args.batch_size,
+                steps=steps,
+                time_budget=time_budget,
+                quick=args.quick,
+                seed=args.seed,
+                eval_every=steps if slow else None,
+                memory=not args.no_memory,
+                max_batch_mb=args.max_batch,
+                on_step=lambda m, step, loss, tasks=tasks: ui.advance(tasks[m]),
+            )
+        results[name] = (wl, modes)
+        unit = "accuracy" if wl.metric == "accuracy" else "val loss"
+        _print_table(
+            report.HEADERS,
+            report.rows(wl, modes),
+            f"{name}: {wl.description} ({unit}, target {wl.target})",
+        )
+        if not args.no_plots:
+            for path in report.write_plots(wl, modes, out):
+                print(f"wrote {path}")
+    doc = report.to_json(report.meta(command, dtype, args.seed, args.quick), results)
+    path = pathlib.Path(args.json) if args.json else out / "results.json"
+    report.write_json(doc, path)
+    print(f"wrote {path}")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from mixprec.core.hardware import check
+
+    check(args.device, verbose=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mixprec", description="Automatic mixed precision for PyTorch."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="train a model in fp32 and mixed precision, side by side")
+    d.add_argument("--steps", type=int, default=60, help="training steps per mode (default 60)")
+    d.add_argument("--batch", type=int, default=512)
+    d.add_argument(
+        "--levels",
+        nargs="+",
+        default=["O0", "O1", "O2"],
+        choices=["O0", "O1", "O2", "O3"],
+        help="O0 is the fp32 baseline; put it first",
+    )
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16"],
+        default=None,
+        help="16-bit dtype (default: the fast one here, per `mixprec check`)",
+    )
+    d.add_argument(
+        "--budget",
+        type=float,
+        default=20.0,
+        metavar="SECONDS",
+        help="where the 16-bit dtype is slow here, train each 16-bit level at most "
+        "this long (default 20)",
+    )
+    d.add_argument("--no-progress", action="store_true")
+    d.set_defaults(run=_demo)
+    b = sub.add_parser("bench", help="time-to-accuracy benchmarks: every mode, one run")
+    b.add_argument(
+        "workloads",
+        nargs="*",
+        metavar="WORKLOAD",
+        help=f"one or more of {', '.join(_WORKLOADS)} (default: all)",
+    )
+    b.add_argument(
+        "--modes",
+        nargs="+",
+        default=["fp32", "torch-autocast", "O1", "O2", "O3"],
+        choices=list(MODES),
+    )
+    b.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    b.add_argument("--batch-size", type=int, default=None)
+    b.add_argument("--steps", type=int, default=None, help="training steps per mode")
+    b.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="stop a mode once its training time exceeds this many seconds",
+    )
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--quick", action="store_true", help="small data and few steps (< 2 min)")
+    b.add_argument(
+        "--max-batch",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="also find the largest batch (default x 2^k) whose step fits in MB",
+    )
+    b.add_argument(
+        "--mnist1d-samples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="time the MNIST-1D workloads on a larger generated set of N samples "
+        "(80/20 split) instead of the standard 4000/1000 one",
+    )
+    b.add_argument("--out", default="bench_out", help="folder for plots and results.json")
+    b.add_argument("--json", default=None, help="results file (default OUT/results.json)")
+    b.add_argument("--no-plots", action="store_true")
+    b.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
+    b.add_argument("--no-progress", action="store_true")
+    b.set_defaults(run=_bench)
+    c = sub.add_parser("check", help="which 16-bit dtypes are supported and fast here")
+    c.add_argument("--device", default=None)
+    c.set_defaults(run=_check)
+    __import__("mixprec.inference.bench", fromlist=["add_parser"]).add_parser(sub)
+    report_cli.add_parser(sub)
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
+    if args.command == "bench":
+        unknown = [w for w in args.workloads if w not in _WORKLOADS]
+        if unknown:
+            parser.error(f"unknown workload(s) {unknown}: choose from {list(_WORKLOADS)}.")
+        args.workloads = args.workloads or list(_WORKLOADS)
+    if args.command == "demo" and args.steps < 3:
+        parser.error(f"--steps must be at least 3, received {args.steps}.")
+    for name in ("steps", "batch_size", "mnist1d_samples"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} must be a positive integer, received {value}.")
+    for name in ("time_budget", "max_batch"):
+        value = getattr(args, name, None)
+        if value is not None and not value > 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, received {value}.")
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""The core: everything a mixed-precision training step needs, and nothing above it.
+
+Data flows down this list (see ``docs/design.md``):
+
+* :mod:`~mixprec.core.policy` -- dtype policies (``mixed_bfloat16`` ...) and the global policy;
+* :mod:`~mixprec.core.cast_table` -- the op rules (16-bit / fp32 / promote), as data that the
+  engine, the graph pass and the docs all read; :mod:`~mixprec.core.torch_lists` holds torch's
+  own autocast lists, so the differences are known;
+* :mod:`~mixprec.core.dispatch` and :mod:`~mixprec.core.engine` -- the eager engine: an
+  ``autocast`` region on torch's Autocast dispatch keys, module boundaries and ``set_policy``;
+  :mod:`~mixprec.core.kernels` -- faster 16-bit formulations of a few ops;
+* :mod:`~mixprec.core.loss_scale` -- static and dynamic loss scaling;
+* :mod:`~mixprec.core.optimizer` -- fp32 master weights, unscale and finite check, skipped steps,
+  ``scale_loss``; :mod:`~mixprec.core.clipping` and :mod:`~mixprec.core.lean` (pure 16-bit
+  updates) plug into it;
+* :mod:`~mixprec.core.initialize` -- the O0-O3 levels that wire all of the above to a model;
+* :mod:`~mixprec.core.hardware`, :mod:`~mixprec.core.memory`, :mod:`~mixprec.core.footprint`,
+  :mod:`~mixprec.core.norms` -- facts about the device, memory and layers that the rest consult.
+
+Nothing here imports the tools (graph pass, numerics, inference, distributed, compat, CLI);
+they build on the core and register with it where they must. Public names are re-exported from
+:mod:`mixprec`.
+"""

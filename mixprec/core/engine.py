@@ -1,0 +1,304 @@
+"""The eager mixed-precision engine: ``with mixprec.autocast(torch.bfloat16): ...``.
+
+Mechanism (chosen by measurement, see ``benchmarks/NOTES.md``): a region is a ``torch.autocast``
+region plus a mixprec frame on this thread's stack (:mod:`mixprec.core.dispatch`). torch's C++
+autocast kernels lower matmuls and convolutions and cache one 16-bit copy of each weight per
+region; mixprec's own kernels, registered on the autocast dispatch keys for only the ops whose
+cast-table rule differs from torch's on that device, apply the rest: float32 for softmax, norms,
+reductions, exp/log/pow and losses on every device, promotion instead of an error for a
+float16/bfloat16 mix, 16-bit-in/out norms and softmax with ``fp32_inside``. The host cost is
+torch.autocast's plus a few microseconds per op that mixprec actually handles; ops the table
+does not list follow torch.autocast's rule for the device (:mod:`mixprec.core.torch_lists`).
+
+Because the state lives where torch.autocast keeps its own, ``torch.utils.checkpoint``
+recomputes a region's forward with the same dtypes, and autograd replays the recorded casts:
+call ``backward`` outside the region.
+
+Module boundaries (per-module policies and the levels of :func:`mixprec.initialize`) wrap the
+module's forward: push a frame, cast inputs on entry and outputs on exit.
+
+fp64 and integer tensors pass through, in-place ops and ``out=`` calls are never downcast, and
+ops given an explicit ``dtype=`` keep it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree
+
+from mixprec.core import dispatch
+from mixprec.core.dispatch import FP32_INSIDE_OPS, Frame, cast_leaf
+from mixprec.core.policy import (
+    POLICY_ATTR,
+    Policy,
+    PolicyLike,
+    as_policy,
+    get_policy,
+    global_policy,
+)
+
+__all__ = [
+    "FP32_INSIDE_OPS",
+    "autocast",
+    "cast_tree",
+    "install_boundary",
+    "is_active",
+    "remove_boundary",
+    "set_policy",
+]
+
+_LOW = (torch.float16, torch.bfloat16)
+_KERNELS = ("auto", "torch")
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """How a module boundary runs: its policy and the engine options for its subtree.
+
+    Args:
+        policy: compute dtype for the subtree and output dtype at its exit.
+        cast_inputs: cast floating inputs to the compute dtype on entry.
+        fp32_inside: let :data:`FP32_INSIDE_OPS` keep 16-bit inputs and outputs.
+        kernels: see :class:`autocast`.
+        cast_outputs: cast floating outputs to ``policy.output_dtype`` on exit.
+    """
+
+    policy: Policy
+    cast_inputs: bool = True
+    fp32_inside: bool = False
+    kernels: str = "auto"
+    cast_outputs: bool = True
+
+
+def cast_tree(obj: Any, dtype: torch.dtype, *, only_low: bool = False) -> Any:
+    """Cast every floating tensor (not fp64) in a nested structure to ``dtype``.
+
+    Structures: lists, tuples, namedtuples, dicts (subclasses such as ``OrderedDict`` and HF
+    ``ModelOutput`` keep their type), dataclass instances and any other node registered with
+    ``torch.utils._pytree``. With ``only_low`` only 16-bit tensors are cast (used to widen
+    inputs to float32).
+    """
+    if isinstance(obj, torch.Tensor):
+        return cast_leaf(obj, dtype, only_low)
+    if isinstance(obj, (list, tuple)):
+        items = [cast_tree(x, dtype, only_low=only_low) for x in obj]
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*items)
+        if type(obj) in (list, tuple):
+            return type(obj)(items)
+        try:
+            return type(obj)(items)
+        except TypeError:
+            return items if isinstance(obj, list) else tuple(items)
+    if isinstance(obj, dict):
+        items = {k: cast_tree(v, dtype, only_low=only_low) for k, v in obj.items()}
+        if type(obj) is dict:
+            return items
+        out = copy.copy(obj)  # keep dict subclasses (OrderedDict, HF ModelOutput, defaultdict)
+        for k, v in items.items():
+            out[k] = v
+        return out
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            if hasattr(obj, f.name):
+                object.__setattr__(
+                    out, f.name, cast_tree(getattr(obj, f.name), dtype, only_low=only_low)
+                )
+        return out
+    if type(obj) in _pytree.SUPPORTED_NODES:
+        leaves, spec = _pytree.tree_flatten(obj)
+        leaves = [cast_tree(x, dtype, only_low=only_low) for x in leaves]
+        return _pytree.tree_unflatten(leaves, spec)
+    return obj
+
+
+def _frame_for(policy: Policy | None, kernels: str, fp32_inside: bool = False) -> Frame:
+    if policy is None or not policy.is_lower:
+        return Frame(None, kernels)
+    return Frame(policy.compute_dtype, kernels, FP32_INSIDE_OPS if fp32_inside else frozenset())
+
+
+class autocast:
+    """Run the ops in a region under the cast table, in a 16-bit compute dtype.
+
+    Args:
+        dtype_or_policy: ``torch.bfloat16``/``torch.float16``, or any policy spelling; None
+            uses the global policy. A policy whose compute dtype is float32 disables the engine.
+        enabled: False makes the region a no-op (control flow stays the same).
+        cache_enabled: keep one 16-bit copy of each weight for the region (default True).
+        kernels: ``"auto"`` (default) swaps in mixprec's kernels where they were measured
+            faster -- today the decomposed attention for CPU bfloat16 training, see
+            :mod:`mixprec.core.kernels`; ``"torch"`` always runs torch's own kernels.
+
+    Forward only: call ``backward`` outside the region (autograd replays the recorded casts).
+
+    Example:
+        >>> model = torch.nn.Linear(4, 4)
+        >>> with autocast(torch.bfloat16):
+        ...     y = model(torch.randn(2, 4))
+        >>> y.dtype
+        torch.bfloat16
+    """
+
+    def __init__(
+        self,
+        dtype_or_policy: PolicyLike | None = None,
+        *,
+        enabled: bool = True,
+        cache_enabled: bool = True,
+        kernels: str = "auto",
+    ):
+        if kernels not in _KERNELS:
+            raise ValueError(f"kernels={kernels!r} is not one of {_KERNELS}.")
+        policy = global_policy() if dtype_or_policy is None else as_policy(dtype_or_policy)
+        if policy.compute_dtype not in (*_LOW, torch.float32, torch.float64):
+            raise ValueError(f"autocast needs a floating compute dtype, received {policy}.")
+        self.policy = policy
+        self.enabled = enabled
+        self.cache_enabled = cache_enabled
+        self.kernels = kernels
+        self._stack: list[tuple[Frame, Any]] = []
+
+    def __enter__(self) -> autocast:
+        if self.enabled:
+            if self.policy.is_lower:
+                from mixprec.core.hardware import warn_if_slow
+
+                warn_if_slow(self.policy.compute_dtype)
+            frame = _frame_for(self.policy, self.kernels)
+            saved = dispatch.push(frame, cache_enabled=self.cache_enabled)
+            self._stack.append((frame, saved))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            frame, saved = self._stack.pop()
+            dispatch.pop(frame, saved)
+
+
+def is_active() -> bool:
+    """True inside a region where the engine lowers ops (a 16-bit frame is on top)."""
+    frame = dispatch.top()
+    return frame is not None and frame.dtype is not None
+
+
+# -- per-module policy boundaries ------------------------------------------------------------
+
+BOUNDARY_ATTR = "_mixprec_boundary"
+
+
+def _boundary(module: nn.Module) -> Boundary | None:
+    spec = module.__dict__.get(BOUNDARY_ATTR)
+    if spec is not None:
+        return spec
+    policy = get_policy(module)
+    if policy is None:
+        return None
+    outer = dispatch.top()
+    return Boundary(
+        policy,
+        kernels=outer.kernels if outer else "auto",
+        fp32_inside=bool(outer and outer.fp32_inside),
+    )
+
+
+class _Forward:
+    """A module's forward with a boundary: its own forward inside the boundary's frame.
+
+    A forward wrapper rather than forward hooks: under ``torch.compile(model)`` the root module's
+    hooks are traced as frames of their own, whose autocast state changes do not survive
+    compilation; the wrapper keeps the frame and the forward in one traced function. It keeps
+    the wrapped forward's signature, pickles and deep-copies with its module.
+    """
+
+    def __init__(self, module: nn.Module, inner: Any) -> None:
+        self.module = module
+        self.inner = inner  # an instance-level forward the module had, else None
+
+    def _wrapped(self) -> Any:
+        return (
+            self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+        )
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self._wrapped())
+
+    @property
+    def __code__(self) -> Any:  # tools that read a forward's argument names (torch.export)
+        return self._wrapped().__code__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        spec = _boundary(module)
+        if self.inner is not None:
+            forward = self.inner
+        else:
+            forward, args = type(module).forward, (module, *args)
+        if spec is None:
+            return forward(*args, **kwargs)
+        if spec.cast_inputs:
+            dtype = spec.policy.compute_dtype
+            args, kwargs = cast_tree(args, dtype), cast_tree(kwargs, dtype)
+        frame = _frame_for(spec.policy, spec.kernels, spec.fp32_inside)
+        saved = dispatch.push(frame)
+        try:
+            output = forward(*args, **kwargs)
+        finally:
+            dispatch.pop(frame, saved)
+        if output is None or not spec.cast_outputs:
+            return output
+        return cast_tree(output, spec.policy.output_dtype)
+
+
+def has_boundary(module: nn.Module) -> bool:
+    """True when :func:`install_boundary` was called on ``module``."""
+    return isinstance(module.__dict__.get("forward"), _Forward)
+
+
+def install_boundary(module: nn.Module) -> None:
+    """Make ``module`` compute under its own policy (idempotent)."""
+    if has_boundary(module):
+        return
+    dispatch.sync(first=True)  # now, not while a compiler traces the first forward
+    module.__dict__["forward"] = _Forward(module, module.__dict__.get("forward"))
+
+
+def remove_boundary(module: nn.Module) -> None:
+    """Undo :func:`install_boundary`, if it was called."""
+    wrapper = module.__dict__.get("forward")
+    if isinstance(wrapper, _Forward):
+        if wrapper.inner is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = wrapper.inner
+
+
+def set_policy(module: nn.Module, policy: PolicyLike | None) -> nn.Module:
+    """Attach ``policy`` to ``module``; it wins over the global policy for the whole subtree.
+
+    The module then computes in ``policy.compute_dtype``: its floating inputs are cast on entry
+    and its outputs to ``policy.output_dtype`` on exit, inside or outside a
+    ``mixprec.autocast`` region. ``Policy("float32")`` keeps a subtree in full precision.
+    Storage (``param_dtype``) is applied by :func:`mixprec.initialize`. ``None`` removes it.
+
+    Returns:
+        The module, for chaining.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"set_policy expects an nn.Module, received {type(module).__name__}.")
+    if policy is None:
+        if hasattr(module, POLICY_ATTR):
+            delattr(module, POLICY_ATTR)
+        remove_boundary(module)
+        return module
+    object.__setattr__(module, POLICY_ATTR, as_policy(policy))
+    install_boundary(module)
+    return module

@@ -1,0 +1,338 @@
+"""Hardware check: which 16-bit float dtypes are supported, and fast, on a device.
+
+Design choices:
+
+* "Fast" means matmul expected faster than float32. Supported-but-slow is a real state: torch
+  has bf16/fp16 CPU kernels everywhere, but without the right units they lose to fp32.
+* Rules are data (:data:`_CPU_RULES`) plus small pure functions (:func:`_cpu_support`,
+  :func:`_cuda_support`, :func:`_other_support`) over a flag set or a compute capability, so
+  they are unit-testable with faked inputs and changed in one place.
+* CPU rules follow measurement, not the ISA list: bf16 is fast with AMX-BF16 (~4x fp32) or
+  AVX512_BF16; fp16 only with AMX-FP16. With AVX512_FP16 + AMX-BF16, torch 2.13's fp16 matmul
+  measured about fp32 speed (~170-200 vs ~190 GFLOP/s; bf16 ~650-830), so AVX512_FP16 alone
+  is supported, not fast.
+* CPU flags come from /proc/cpuinfo (the hardware, whatever ``ATEN_CPU_CAPABILITY`` says).
+  Without an x86 ``flags`` line (macOS, Windows, ARM) we fall back to
+  ``torch.backends.cpu.get_cpu_capability()``, which cannot see bf16 units: bf16 not fast.
+* CUDA: fp16 tensor cores from capability 7.0, bf16 from 8.0; bf16 "supported" is
+  ``torch.cuda.is_bf16_supported()`` (which counts emulation). Other devices (mps, xpu, ...):
+  supported, not characterised, so not fast.
+* Nothing touches CUDA at import. Reports are cached per resolved device string (``"cuda"``
+  becomes ``"cuda:<current>"``) since mixprec checks often. :func:`warn_if_slow` warns once
+  per (dtype, device) with its own registry, independent of the ``warnings`` filters.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "DtypeSupport",
+    "HardwareReport",
+    "MixprecPerformanceWarning",
+    "check",
+    "default_dtype",
+    "warn_if_slow",
+]
+
+#: CPU ISA flags worth reporting, in /proc/cpuinfo spelling.
+_CPU_FEATURES: tuple[str, ...] = (
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_fp16",
+)
+
+#: Per dtype, ordered ``(flag or None, fast, reason)`` rules; the first whose flag is present
+#: (``None`` always matches) decides. Every CPU dtype is supported: torch has kernels for both.
+_CPU_RULES: dict[str, tuple[tuple[str | None, bool, str], ...]] = {
+    "bfloat16": (
+        ("amx_bf16", True, "AMX-BF16 tiles: bf16 matmul ~4x fp32"),
+        ("avx512_bf16", True, "AVX512_BF16: bf16 matmul faster than fp32 (AMX-BF16 gains more)"),
+        (None, False, "no AVX512_BF16/AMX-BF16: bf16 matmul is emulated, slower than fp32"),
+    ),
+    "float16": (
+        ("amx_fp16", True, "AMX-FP16 tiles (oneDNN): fp16 matmul faster than fp32"),
+        (
+            "avx512_fp16",
+            False,
+            "AVX512_FP16 present but torch's fp16 matmul does not use it; "
+            "measured about fp32 speed",
+        ),
+        (
+            None,
+            False,
+            "no AVX512_FP16/AMX-FP16: fp16 matmul runs reference loops, slower than fp32",
+        ),
+    ),
+}
+
+_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_NAMES: dict[torch.dtype, str] = {dt: key for key, dt in _DTYPES.items()}
+_CUDA_FP16_TENSOR_CORES: tuple[int, int] = (7, 0)
+_CUDA_BF16_TENSOR_CORES: tuple[int, int] = (8, 0)
+_DEVICE_HELP = "None, a torch.device, or a device string like 'cpu', 'cuda', 'cuda:1', 'mps'"
+
+
+class MixprecPerformanceWarning(UserWarning):
+    """A 16-bit dtype was requested on a device where it is not expected to beat float32."""
+
+
+@dataclass(frozen=True)
+class DtypeSupport:
+    """How well a device handles one 16-bit dtype.
+
+    Attributes:
+        dtype: The dtype described.
+        supported: Whether torch can run matmuls in it on the device.
+        fast: Whether its matmul is expected to be faster than float32.
+        reason: Human-readable justification of ``supported``/``fast``.
+    """
+
+    dtype: torch.dtype
+    supported: bool
+    fast: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class HardwareReport:
+    """Result of :func:`check` for one device. Shared via a cache: do not mutate ``dtypes``.
+
+    Attributes:
+        device: Resolved device string, e.g. ``"cpu"`` or ``"cuda:0"``.
+        name: CPU model name or GPU name.
+        features: Relevant CPU ISA flags, or ``("sm_XY",)`` on CUDA.
+        dtypes: ``"bfloat16"`` and ``"float16"`` mapped to their :class:`DtypeSupport`.
+    """
+
+    device: str
+    name: str
+    features: tuple[str, ...]
+    dtypes: dict[str, DtypeSupport] = field(hash=False)
+
+    def is_fast(self, dtype: torch.dtype) -> bool:
+        """True when ``dtype`` is supported and fast on this device."""
+        support = self.dtypes.get(str(dtype).replace("torch.", ""))
+        return bool(support is not None and support.supported and support.fast)
+
+    @property
+    def best_dtype(self) -> torch.dtype:
+        """The best fast 16-bit dtype (bf16 preferred: fp32 range, no loss scaling), else fp32."""
+        for key in ("bfloat16", "float16"):
+            support = self.dtypes.get(key)
+            if support is not None and support.supported and support.fast:
+                return support.dtype
+        return torch.float32
+
+    def __str__(self) -> str:
+        lines = [
+            f"mixprec hardware check: {self.device} ({self.name})",
+            f"features: {' '.join(self.features) or '(none detected)'}",
+            f"{'dtype':<10}{'supported':<11}{'fast':<6}reason",
+        ]
+        yes = {True: "yes", False: "no"}
+        for key, s in self.dtypes.items():
+            lines.append(f"{key:<10}{yes[s.supported]:<11}{yes[s.fast]:<6}{s.reason}")
+        lines.append(f"best dtype: {self.best_dtype}")
+        return "\n".join(lines)
+
+
+def _cpu_support(flags: frozenset[str]) -> dict[str, DtypeSupport]:
+    """Applies :data:`_CPU_RULES` to a set of CPU flags (pure)."""
+    result = {}
+    for key, rules in _CPU_RULES.items():
+        fast, reason = next((f, r) for flag, f, r in rules if flag is None or flag in flags)
+        result[key] = DtypeSupport(_DTYPES[key], supported=True, fast=fast, reason=reason)
+    return result
+
+
+def _cuda_support(capability: tuple[int, int], bf16_supported: bool) -> dict[str, DtypeSupport]:
+    """CUDA dtype support from compute capability and ``torch.cuda.is_bf16_supported()`` (pure)."""
+    cap, cc = tuple(capability), f"compute capability {capability[0]}.{capability[1]}"
+
+    def reason(name: str, threshold: tuple[int, int]) -> str:
+        has = cap >= threshold
+        return (
+            f"{cc} {'>=' if has else '<'} {threshold[0]}.{threshold[1]}: "
+            f"{'' if has else 'no '}{name} tensor cores"
+        )
+
+    bf16_reason = reason("bf16", _CUDA_BF16_TENSOR_CORES)
+    if not bf16_supported:
+        bf16_reason += "; torch.cuda.is_bf16_supported() is False"
+    bf16_fast = bf16_supported and cap >= _CUDA_BF16_TENSOR_CORES
+    return {
+        "bfloat16": DtypeSupport(torch.bfloat16, bf16_supported, bf16_fast, bf16_reason),
+        "float16": DtypeSupport(
+            torch.float16,
+            True,
+            cap >= _CUDA_FP16_TENSOR_CORES,
+            reason("fp16", _CUDA_FP16_TENSOR_CORES),
+        ),
+    }
+
+
+def _other_support(device_type: str) -> dict[str, DtypeSupport]:
+    """Devices mixprec has no rules for: supported, not known to be fast (pure)."""
+    reason = f"{device_type}: not characterised by mixprec"
+    return {key: DtypeSupport(dt, True, False, reason) for key, dt in _DTYPES.items()}
+
+
+def _parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
+    """The first ``model name`` and ``flags`` of /proc/cpuinfo text ("" / empty if absent)."""
+    name, flags = "", frozenset[str]()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not name:
+            name = value.strip()
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+    return name, flags
+
+
+def _read_cpu() -> tuple[str, frozenset[str]]:
+    """CPU name and flags of this machine; falls back to torch's CPU capability off x86 Linux."""
+    cpuinfo = Path("/proc/cpuinfo")
+    name, flags = _parse_cpuinfo(cpuinfo.read_text(errors="replace") if cpuinfo.is_file() else "")
+    if not flags:  # no x86 flags line: torch only tells the vector width, never bf16/fp16 units
+        capability = str(torch.backends.cpu.get_cpu_capability())
+        flags = frozenset({"avx512f"}) if capability.startswith("AVX512") else frozenset()
+    return (
+        name or platform.processor() or platform.machine() or "unknown CPU",
+        _usable_flags(flags, os.environ.get("ONEDNN_MAX_CPU_ISA", "")),
+    )
+
+
+_ONEDNN_16BIT = frozenset({"avx512_bf16", "amx_bf16", "amx_tile", "amx_int8", "avx512_fp16"})
+
+
+def _usable_flags(flags: frozenset[str], max_isa: str) -> frozenset[str]:
+    """``flags`` less the 16-bit units oneDNN may not use under ``ONEDNN_MAX_CPU_ISA`` (pure).
+
+    An ISA cap below AVX512_CORE_BF16 makes bf16 matmuls emulated (measured ~80x slower than
+    fp32), whatever the hardware has.
+    """
+    isa = max_isa.strip().upper()
+    if not isa or isa in ("ALL", "DEFAULT") or "BF16" in isa or "AMX" in isa or "AVX10" in isa:
+        return flags
+    return flags - _ONEDNN_16BIT
+
+
+def _resolve_device(device: str | torch.device | None) -> str:
+    """Normalises ``device`` to a cache key: ``"cpu"``, ``"cuda:<index>"`` or ``str(device)``."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"unknown device {device!r}; expected {_DEVICE_HELP}") from e
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device must be {_DEVICE_HELP}; got {type(device).__name__} {device!r}")
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{str(device)!r} requested but torch.cuda.is_available() is False")
+        return f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"
+    return str(device)
+
+
+@functools.cache
+def _report(device: str) -> HardwareReport:
+    """Builds the (cached) report for a resolved device string."""
+    if device == "cpu":
+        name, flags = _read_cpu()
+        features = tuple(f for f in _CPU_FEATURES if f in flags)
+        return HardwareReport(device, name, features, _cpu_support(flags))
+    if device.startswith("cuda:"):
+        index = int(device.split(":")[1])
+        capability = torch.cuda.get_device_capability(index)
+        with torch.cuda.device(index):
+            bf16 = torch.cuda.is_bf16_supported()
+        features = (f"sm_{capability[0]}{capability[1]}",)
+        return HardwareReport(
+            device, torch.cuda.get_device_name(index), features, _cuda_support(capability, bf16)
+        )
+    return HardwareReport(device, device, (), _other_support(device.split(":")[0]))
+
+
+def check(device: str | torch.device | None = None, *, verbose: bool = True) -> HardwareReport:
+    """Reports which 16-bit dtypes are supported and fast on ``device``.
+
+    Args:
+        device: ``None`` (``"cuda"`` if available, else ``"cpu"``), a string or torch.device.
+        verbose: Print the report as a table.
+
+    Returns:
+        The (cached) :class:`HardwareReport`.
+
+    Raises:
+        ValueError: ``device`` is not a valid device string (TypeError: not a str/device).
+        RuntimeError: A CUDA device is requested but CUDA is unavailable.
+    """
+    report = _report(_resolve_device(device))
+    if verbose:
+        print(report)
+    return report
+
+
+def default_dtype(device: str | torch.device | None = None) -> torch.dtype:
+    """The 16-bit dtype (bf16 or fp16) mixprec should use on ``device`` (as for :func:`check`).
+
+    CUDA: bfloat16 where fast (capability >= 8.0), else float16 (the only option below). CPU
+    and other devices: bfloat16 (fp32 range, no loss scaling), even where it is not fast.
+    """
+    report = _report(_resolve_device(device))
+    if report.device.startswith("cuda:") and not report.dtypes["bfloat16"].fast:
+        return torch.float16
+    return torch.bfloat16
+
+
+_warned: set[tuple[torch.dtype, str]] = set()
+
+
+def warn_if_slow(
+    dtype: torch.dtype, device: str | torch.device | None = None, *, stacklevel: int = 2
+) -> None:
+    """Warns (once per dtype and device per process) if ``dtype`` is not fast on ``device``.
+
+    Args:
+        dtype: The compute dtype about to be used; only bfloat16/float16 are checked.
+        device: As for :func:`check`.
+        stacklevel: Passed to :func:`warnings.warn`; the default points at the caller.
+    """
+    if dtype not in _NAMES:
+        return
+    report = _report(_resolve_device(device))
+    support = report.dtypes[_NAMES[dtype]]
+    if support.fast or (dtype, report.device) in _warned:
+        return
+    _warned.add((dtype, report.device))
+    alternative = default_dtype(report.device)
+    if alternative == dtype or not report.dtypes[_NAMES[alternative]].fast:
+        alternative = report.best_dtype  # a fast 16-bit dtype, or plain float32
+    what = "is not expected to be faster than float32" if support.supported else "is unsupported"
+    warnings.warn(
+        f"{dtype} {what} on {report.device} ({report.name}): {support.reason}. "
+        f"Suggested alternative: {alternative}.",
+        category=MixprecPerformanceWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def _reset_warnings() -> None:
+    """Forgets which (dtype, device) pairs have been warned about (for tests)."""
+    _warned.clear()

@@ -1,0 +1,465 @@
+"""Memory-lean 16-bit updates: an fp32 step on temporaries, written back by nearest rounding,
+Kahan compensation or stochastic rounding.
+
+Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit updates"):
+
+* **One wrapper for any per-parameter optimizer.** Pure 16-bit training loses every update
+  smaller than half an ulp of the weight. Rather than re-implementing SGD and AdamW, the
+  wrapped optimizer runs its own (fused / foreach) fp32 math on *temporaries*: for a chunk of
+  16-bit parameters we widen ``w32 = w (+ c)`` and the gradients into one flat fp32 buffer,
+  move the parameters' optimizer state onto those temporaries (16-bit moments widened), call
+  the inner ``step()`` with only that chunk in its ``param_groups``, then write back:
+
+  - ``"nearest"``: ``w = round(w32)`` -- the plain ablation;
+  - ``"kahan"``: ``w = round(w32)``, ``c = round16(w32 - w)``. The residual is exact in fp32
+    and the 16-bit compensation buffer keeps its top 8 (bf16) / 11 (fp16) bits: the weight
+    behaves like a 16+8-bit number, at +2 bytes per parameter;
+  - ``"stochastic"``: ``w = SR(w32)``, unbiased (``E[w] = w32``), no extra memory. bf16 uses
+    the integer trick of torchao's ``bf16_stochastic_round`` (add 16 random bits below the bf16
+    mantissa of the fp32 pattern, then truncate); fp16 picks between the two fp16 neighbours
+    with probability proportional to distance (subnormals included).
+
+  The math is the optimizer's own, so any optimizer whose update is per parameter works (SGD
+  with momentum / nesterov / weight decay, Adam, AdamW, RMSprop, Adagrad, ...). Optimizers that
+  couple parameters across a step (LBFGS, global-norm schemes inside ``step``) do not, because
+  the inner ``step()`` is called once per chunk.
+* **Chunks bound the transient memory.** The fp32 temporaries exist for one chunk at a time
+  (``chunk_elements``, default 2**20 elements, ~4 MB per fp32 buffer; a larger parameter forms
+  its own chunk); they are allocated after the backward pass has freed its activations, so
+  they do not raise the peak of a training step. Nothing fp32 persists except the state keys
+  kept in fp32.
+* **State dtype per key.** ``state_dtype="auto"`` (default) stores first moments
+  (``exp_avg``, ``momentum_buffer``) in the parameter's 16-bit dtype and everything else --
+  notably Adam's second moment -- in fp32: with ``beta2 = 0.999`` a bf16 ``exp_avg_sq`` cannot
+  move by less than 2**-9 of itself per step, so ``v <- 0.999 v`` rounds back to ``v`` and the
+  second moment stops decaying (tests/test_lean.py measures it). A dtype applies to every
+  floating state tensor; a dict maps keys to dtypes (unlisted keys fp32).
+* **Reproducible randomness.** One ``torch.Generator`` per device, seeded with ``seed`` (the
+  same on every rank, so data-parallel replicas round identically). Chunks are visited in a
+  fixed order, so the random stream is a function of the seed and the number of steps taken;
+  skipped steps draw nothing. Generator states and compensation buffers are in
+  :meth:`LeanUpdate.state_dict`, which makes a resume bit-exact.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = ["UPDATES", "LeanUpdate", "StateDtype", "stochastic_round"]
+
+UPDATES = ("nearest", "kahan", "stochastic")
+StateDtype = str | torch.dtype | dict | None
+_LOW = (torch.float16, torch.bfloat16)
+_FIRST_MOMENTS = ("exp_avg", "momentum_buffer")
+_BITS_PER_DRAW = 48  # random_(0, 2**48) on int64: three uniform 16-bit lanes per draw
+
+
+# --------------------------------------------------------------------------- rounding
+
+
+def _random16(n: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """``n`` uniform 16-bit integers in [0, 65536) as int32 (3 lanes of each 48-bit draw)."""
+    draws = -(-n // 3)
+    raw = torch.empty(draws, dtype=torch.int64, device=device).random_(
+        0, 2**_BITS_PER_DRAW, generator=generator
+    )
+    lanes = raw.view(torch.int16).view(draws, 4)  # little-endian: lanes 0-2 uniform, lane 3 zero
+    if sys.byteorder == "big":
+        lanes = lanes[:, 1:]
+    out = torch.empty(draws, 3, dtype=torch.int32, device=device)
+    out.copy_(lanes[:, :3])
+    return out.view(-1)[:n].bitwise_and_(0xFFFF)
+
+
+def _sr_bf16_(x: Tensor, generator: torch.Generator | None) -> Tensor:
+    """In place on contiguous fp32 ``x``: clear the 16 low bits after adding 16 random ones.
+
+    ``x`` then holds bf16 values exactly (copying it to bf16 is lossless). The magnitude is
+    rounded up with probability (dropped bits) / 2**16, so ``E[result] = x``; signs and
+    infinities are preserved (the sign bit is never reached by the carry for finite values).
+    """
+    bits = x.view(torch.int32)
+    bits.add_(_random16(x.numel(), generator, x.device)).bitwise_and_(-65536)
+    return x
+
+
+def _sr_generic(x: Tensor, dtype: torch.dtype, generator: torch.Generator | None) -> Tensor:
+    """Stochastic rounding of fp32 ``x`` to ``dtype`` via its two neighbours (any float dtype)."""
+    near = x.to(dtype)
+    err = x - near.float()
+    toward = torch.where(err > 0, torch.inf, -torch.inf).to(dtype)
+    other = torch.nextafter(near, toward)
+    gap = other.float() - near.float()
+    u = torch.rand(x.shape, generator=generator, device=x.device)
+    # |err| <= gap / 2, so take the far neighbour with probability |err| / gap: E[out] = x.
+    take = (err != 0) & torch.isfinite(gap) & (u * gap.abs() < err.abs())
+    return torch.where(take, other, near)
+
+
+def stochastic_round(
+    x: Tensor, dtype: torch.dtype = torch.bfloat16, generator: torch.Generator | None = None
+) -> Tensor:
+    """Round ``x`` (fp32) to ``dtype`` stochastically: each value goes to one of its two
+    neighbours in ``dtype`` with probability proportional to closeness, so ``E[out] == x``.
+
+    Args:
+        x: a float32 tensor.
+        dtype: ``torch.bfloat16`` or ``torch.float16``.
+        generator: a ``torch.Generator`` on ``x.device`` for reproducible draws.
+    """
+    if dtype not in _LOW:
+        raise ValueError(
+            f"stochastic_round rounds to torch.bfloat16 or torch.float16, received {dtype}."
+        )
+    if x.dtype != torch.float32:
+        raise TypeError(
+            f"stochastic_round expects a float32 tensor, received {x.dtype}; call .float() first."
+        )
+    if dtype == torch.bfloat16:
+        return _sr_bf16_(x.detach().clone(memory_format=torch.contiguous_format), generator).to(
+            dtype
+        )
+    return _sr_generic(x, dtype, generator)
+
+
+# --------------------------------------------------------------------------- state dtypes
+
+
+def _state_policy(state_dtype: StateDtype) -> Any:
+    """Validate ``state_dtype``; return a function ``(key, param dtype) -> storage dtype``."""
+    allowed = (
+        "'auto' (first moments 16-bit, the rest fp32), torch.float32, torch.bfloat16, "
+        "torch.float16, or a dict {state key: dtype}"
+    )
+    floats = (torch.float32, *_LOW)
+    if state_dtype is None or state_dtype == "auto":
+        return lambda key, low: low if key in _FIRST_MOMENTS else torch.float32
+    if isinstance(state_dtype, torch.dtype):
+        if state_dtype not in floats:
+            raise ValueError(f"state_dtype={state_dtype} is not allowed; use {allowed}.")
+        return lambda key, low: state_dtype
+    if isinstance(state_dtype, dict):
+        bad = {k: v for k, v in state_dtype.items() if not isinstance(k, str) or v not in floats}
+        if bad:
+            raise ValueError(
+                f"state_dtype has invalid entries {bad}; keys are state names "
+                f"such as 'exp_avg', values one of {floats}."
+            )
+        table = dict(state_dtype)
+        return lambda key, low: table.get(key, torch.float32)
+    raise ValueError(f"state_dtype={state_dtype!r} is not allowed; use {allowed}.")
+
+
+# --------------------------------------------------------------------------- the updater
+
+
+class LeanUpdate:
+    """Steps ``optimizer``'s 16-bit parameters in fp32 chunk by chunk; see the module docstring.
+
+    Args:
+        optimizer: the wrapped optimizer; its ``param_groups`` hold the 16-bit model
+            parameters (no fp32 masters). fp32 parameters in it are stepped as they are.
+        update: ``"nearest"``, ``"kahan"`` or ``"stochastic"``.
+        state_dtype: see the module docstring (default ``"auto"``).
+        seed: seed of the per-device generators used by ``"stochastic"``.
+        chunk_elements: parameters per fp32 temporary chunk (whole parameters only).
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        update: str,
+        *,
+        state_dtype: StateDtype = "auto",
+        seed: int = 0,
+        chunk_elements: int = 2**20,
+    ):
+        if update not in UPDATES:
+            raise ValueError(
+                f"update={update!r} is not an update mode; expected one of "
+                f"{UPDATES} (or None for the optimizer's own 16-bit step)."
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"update_seed must be an int, received {seed!r}.")
+        if (
+            isinstance(chunk_elements, bool)
+            or not isinstance(chunk_elements, int)
+            or chunk_elements < 1
+        ):
+            raise ValueError(f"chunk_elements must be an int >= 1, received {chunk_elements!r}.")
+        self.optimizer = optimizer
+        self.update = update
+        self.state_dtype = state_dtype
+        self._dtype_for = _state_policy(state_dtype)
+        self.seed = seed
+        self.chunk_elements = chunk_elements
+        self.compensation: dict[Tensor, Tensor] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        self._scratch: dict[tuple[str, torch.device], Tensor] = {}
+        self.add_params(p for g in optimizer.param_groups for p in g["params"])
+
+    def add_params(self, params: Iterable[Tensor]) -> None:
+        """Give new 16-bit parameters their (zero) compensation buffers in ``"kahan"`` mode."""
+        if self.update != "kahan":
+            return
+        for p in params:
+            if p.dtype in _LOW and p not in self.compensation:
+                self.compensation[p] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+
+    def params(self) -> list[Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        gen = self.generators.get(key)
+        if gen is None:
+            gen = self.generators[key] = torch.Generator(device=device).manual_seed(self.seed)
+        return gen
+
+    # -- the step --------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> Any:
+        """One optimizer step over every parameter with a gradient; returns the last result."""
+        groups = self.optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        result = None
+        # fp32 scratch reused by every chunk of this step: one allocation per buffer and step
+        # (fresh CPU allocations of this size cost page faults on every step; freed at the end)
+        self._scratch = {}
+        try:
+            for gi, plist in enumerate(saved):
+                ready = [p for p in plist if p.grad is not None]
+                if any(p.grad.is_sparse for p in ready):
+                    raise RuntimeError(
+                        "update modes need dense gradients; a parameter has a "
+                        "sparse gradient (use update=None for this optimizer)."
+                    )
+                own = [p for p in ready if p.dtype not in _LOW]
+                if own:
+                    result = self._inner_step(groups, gi, own)
+                for chunk in self._chunks([p for p in ready if p.dtype in _LOW]):
+                    result = self._step_chunk(groups, gi, chunk)
+        finally:
+            for g, plist in zip(groups, saved):
+                g["params"] = plist
+            self._scratch = {}
+        return result
+
+    def _buffer(self, name: str, numel: int, device: torch.device) -> Tensor:
+        """The first ``numel`` elements of this step's fp32 scratch buffer ``name``."""
+        buf = self._scratch.get((name, device))
+        if buf is None or buf.numel() < numel:
+            size = max(numel, self.chunk_elements)
+            buf = self._scratch[(name, device)] = torch.empty(
+                size, dtype=torch.float32, device=device
+            )
+        return buf[:numel]
+
+    def _inner_step(self, groups: list[dict], index: int, params: list[Tensor]) -> Any:
+        for j, g in enumerate(groups):
+            g["params"] = params if j == index else []
+        return self.optimizer.step()
+
+    def _chunks(self, params: list[Tensor]) -> list[list[Tensor]]:
+        by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for p in params:
+            by_kind.setdefault((p.device, p.dtype), []).append(p)
+        chunks: list[list[Tensor]] = []
+        for plist in by_kind.values():
+            current: list[Tensor] = []
+            size = 0
+            for p in plist:
+                if current and size + p.numel() > self.chunk_elements:
+                    chunks.append(current)
+                    current, size = [], 0
+                current.append(p)
+                size += p.numel()
+            if current:
+                chunks.append(current)
+        return chunks
+
+    def _step_chunk(self, groups: list[dict], index: int, chunk: list[Tensor]) -> Any:
+        device, low = chunk[0].device, chunk[0].dtype
+        numels = [p.numel() for p in chunk]
+        flat = self._buffer("weights", sum(numels), device)
+        w32 = [v.view(p.shape) for v, p in zip(flat.split(numels), chunk)]
+        gflat = self._buffer("grads", sum(numels), device)
+        g32 = [v.view(p.shape) for v, p in zip(gflat.split(numels), chunk)]
+        torch._foreach_copy_(w32, chunk)
+        comps = [self.compensation[p] for p in chunk] if self.update == "kahan" else []
+        if comps:
+            torch._foreach_add_(w32, comps)
+        torch._foreach_copy_(g32, [p.grad for p in chunk])
+        for t, g in zip(w32, g32):
+            t.grad = g
+        state = self.optimizer.state
+        originals = [state.pop(p, None) for p in chunk]
+        try:
+            for t, st in zip(w32, self._widen_states(originals, device)):
+                if st is not None:
+                    state[t] = st
+            result = self._inner_step(groups, index, w32)
+        except BaseException:
+            for t, p, st in zip(w32, chunk, originals):
+                state.pop(t, None)
+                if st is not None:
+                    state[p] = st
+            raise
+        scratch = {flat.untyped_storage().data_ptr(), gflat.untyped_storage().data_ptr()}
+        scratch |= {
+            v.untyped_storage().data_ptr()
+            for t in w32
+            for v in (state.get(t) or {}).values()
+            if isinstance(v, Tensor) and v.dtype == torch.float32 and v._base is not None
+        }
+        for t, p, st in zip(w32, chunk, originals):
+            new = state.pop(t, None)
+            t.grad = None
+            if new is not None:
+                state[p] = self._narrow_state(new, st or {}, low, scratch)
+        self._write_back(chunk, w32, flat, comps, low, device)
+        return result
+
+    def _widen_states(self, states: list[dict | None], device: torch.device) -> list[dict | None]:
+        """Copies of ``states`` with 16-bit tensors widened, one flat fp32 buffer per key."""
+        out = [None if not st else dict(st) for st in states]
+        by_key: dict[str, list[tuple[dict, Tensor]]] = {}
+        for st in out:
+            for k, v in (st or {}).items():
+                if isinstance(v, Tensor) and v.dtype in _LOW:
+                    by_key.setdefault(k, []).append((st, v))
+        for k, items in by_key.items():
+            sizes = [v.numel() for _, v in items]
+            buf = self._buffer("state:" + k, sum(sizes), device)
+            wide = [b.view(v.shape) for b, (_, v) in zip(buf.split(sizes), items)]
+            torch._foreach_copy_(wide, [v for _, v in items])
+            for (st, _), w in zip(items, wide):
+                st[k] = w
+        return out
+
+    def _narrow_state(
+        self, new: dict[str, Any], old: dict[str, Any], low: torch.dtype, scratch: set[int]
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in new.items():
+            if (
+                not isinstance(v, Tensor)
+                or not v.is_floating_point()
+                or k == "step"
+                or v.dim() == 0
+            ):
+                out[k] = v
+                continue
+            want = self._dtype_for(k, low)
+            prev = old.get(k)
+            if (
+                isinstance(prev, Tensor)
+                and prev.dtype == want
+                and prev.shape == v.shape
+                and prev is not v
+            ):
+                out[k] = prev.copy_(v)
+            elif v.dtype != want or v.untyped_storage().data_ptr() in scratch:
+                out[k] = v.to(want, copy=True)
+            else:
+                out[k] = v
+        return out
+
+    def _write_back(
+        self,
+        chunk: list[Tensor],
+        w32: list[Tensor],
+        flat: Tensor,
+        comps: list[Tensor],
+        low: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if self.update == "stochastic":
+            gen = self.generator(device)
+            if low == torch.bfloat16:
+                _sr_bf16_(flat, gen)  # now exactly representable: the copy below is lossless
+                torch._foreach_copy_(chunk, w32)
+            else:
+                rounded = _sr_generic(flat, low, gen)
+                torch._foreach_copy_(
+                    chunk,
+                    [
+                        v.view(p.shape)
+                        for v, p in zip(rounded.split([p.numel() for p in chunk]), chunk)
+                    ],
+                )
+            return
+        torch._foreach_copy_(chunk, w32)  # round to nearest
+        if comps:
+            torch._foreach_sub_(w32, chunk)  # exact residual w32 - round(w32)
+            torch._foreach_copy_(comps, w32)
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Compensation buffers (in parameter order) and generator states."""
+        return {
+            "update": self.update,
+            "seed": self.seed,
+            "compensation": [
+                None if (c := self.compensation.get(p)) is None else c.detach().clone()
+                for p in self.params()
+            ],
+            "generators": {k: g.get_state() for k, g in self.generators.items()},
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, Any] | None) -> None:
+        """Restore compensation and generators; None (an older checkpoint) resets them."""
+        if sd is None:
+            for c in self.compensation.values():
+                c.zero_()
+            self.generators.clear()
+            return
+        if sd.get("update") != self.update:
+            raise ValueError(
+                f"The checkpoint was saved with update={sd.get('update')!r}, this "
+                f"optimizer uses update={self.update!r}; initialize with the same "
+                "update mode to resume."
+            )
+        params = self.params()
+        comps = sd["compensation"]
+        if len(comps) != len(params):
+            raise ValueError(
+                f"The checkpoint has {len(comps)} compensation entries, this "
+                f"optimizer has {len(params)} parameters."
+            )
+        for p, saved in zip(params, comps):
+            mine = self.compensation.get(p)
+            if (mine is None) != (saved is None):
+                raise ValueError(
+                    "The checkpoint's compensation buffers do not match this "
+                    "optimizer's 16-bit parameters (another model or level?)."
+                )
+            if mine is not None:
+                mine.copy_(saved)
+        self.seed = int(sd.get("seed", self.seed))
+        self.generators.clear()
+        for key, state in sd["generators"].items():
+            self.generator(torch.device(key)).set_state(state)
+
+    def restore_state_dtypes(self, saved: dict[str, Any]) -> None:
+        """Undo ``Optimizer.load_state_dict``'s cast of every state tensor to the parameter's
+        dtype: put back the saved tensors (fp32 second moments stay fp32, bit for bit)."""
+        ids = [i for g in saved["param_groups"] for i in g["params"]]
+        for p, i in zip(self.params(), ids):
+            st, src = self.optimizer.state.get(p), saved["state"].get(i)
+            if not st or not src:
+                continue
+            for k, v in src.items():
+                if (
+                    isinstance(v, Tensor)
+                    and isinstance(st.get(k), Tensor)
+                    and st[k].dtype != v.dtype
+                ):
+                    st[k] = v.detach().to(device=st[k].device, copy=True)

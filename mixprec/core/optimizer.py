@@ -1,0 +1,559 @@
+"""The mixed-precision optimizer: fp32 master weights, unscaling, and skipped steps.
+
+Design (``docs/design.md``, "Master weights and the optimizer"):
+
+* It wraps any ``torch.optim.Optimizer``. Where a model parameter is 16-bit it keeps an fp32
+  *master* copy, puts the master into the inner optimizer's ``param_groups`` (so the optimizer
+  state is fp32 too), steps it, then writes the 16-bit copy back. fp32 parameters are their own
+  masters.
+* After each backward (``scale_loss`` exit, ``backward()``), 16-bit gradients are moved into fp32
+  master gradients and everything is unscaled and checked for inf/NaN in one fused pass
+  (``loss_scale.unscale_and_check_``) that leaves the verdict on the device. ``step()`` reads it
+  with a single host sync, updates the loss scalers, and on a non-finite gradient skips the
+  update entirely: parameters, masters and optimizer state stay bitwise unchanged, the
+  gradients are dropped, ``step_skipped`` is True and ``skipped_steps`` counts up.
+* Gradient accumulation: gradients already unscaled are stashed before the next backward and
+  added back after it, so each micro-batch is unscaled with the scale it was scaled with.
+* One loss scaler per loss (``num_losses``), shared by every optimizer the loss touches; an
+  overflow in one loss skips only the optimizers whose gradients it produced.
+* Without masters, ``update`` ("nearest" | "kahan" | "stochastic") hands the step to
+  :class:`mixprec.core.lean.LeanUpdate`: fp32 arithmetic on per-chunk temporaries, written back to
+  the 16-bit weights with that rounding. ``update=None`` keeps the inner optimizer
+  stepping the 16-bit parameters itself. A skipped step never reaches the updater, so
+  compensation buffers, 16-bit state and the rounding generators stay untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from mixprec.core.clipping import register_masters
+from mixprec.core.lean import LeanUpdate, StateDtype
+from mixprec.core.loss_scale import LossScaler, unscale_and_check_
+
+__all__ = ["SETTLE_HOOKS", "MixedPrecisionOptimizer", "scale_loss"]
+
+#: ``hook(optimizer)``, run by every step before it reads its verdicts. The distributed layer
+#: adds one (a plain ``DDP(model)`` seen running the model: the ranks must skip together). A
+#: registry rather than an import: the core imports nothing above it.
+SETTLE_HOOKS: list[Callable[[MixedPrecisionOptimizer], None]] = []
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def read_flags(flags: list[Tensor]) -> list[float]:
+    """Read 1-element verdict tensors to the host with one sync per device involved."""
+    if not flags:
+        return []
+    if len({f.device for f in flags}) == 1:
+        return torch.cat([f.reshape(1) for f in flags]).tolist()
+    return [float(f) for f in flags]
+
+
+def _version(grad: Tensor) -> int:
+    """A gradient's version counter; for a DTensor (FSDP2) that of its local shard, which is
+    what in-place accumulation bumps (the DTensor's own counter stays 0)."""
+    local = getattr(grad, "_local_tensor", None)
+    return (local if isinstance(local, Tensor) else grad)._version
+
+
+class LossSlot:
+    """A loss scaler plus the device-side verdicts recorded since its last update."""
+
+    def __init__(self, scaler: LossScaler):
+        self.scaler = scaler
+        self.pending: list[Tensor] = []
+
+    def flush(self, values: list[float] | None = None) -> None:
+        """Apply the pending verdicts (reading them from the device unless given)."""
+        if not self.pending:
+            return
+        if values is None:
+            values = read_flags(self.pending)
+        self.scaler.update(any(v != 0 for v in values))
+        self.pending.clear()
+
+
+def rounds_to(master: Tensor, value: Tensor) -> bool:
+    """True when ``value`` is ``master`` in ``value``'s (narrower) dtype: it says nothing the
+    more precise master does not, so the master is kept."""
+    return value.dtype != master.dtype and torch.equal(master.to(value.dtype), value)
+
+
+class MixedPrecisionOptimizer(Optimizer):
+    """Wraps an optimizer with fp32 master weights, loss-scale handling and overflow skips.
+
+    Built by :func:`mixprec.initialize`; use it like the optimizer it wraps. Extra API:
+    ``backward(loss, loss_id=0)``, ``loss_scale``, ``step_skipped``, ``skipped_steps``,
+    ``clip_grad_norm_(max_norm)`` and ``master_params()``.
+
+    Hold an LR scheduler on skipped steps with ``if not opt.step_skipped: sched.step()``.
+
+    ``update``, ``state_dtype``, ``update_seed``: the memory-lean 16-bit step (no masters); see
+    :mod:`mixprec.core.lean`. ``lean`` is the :class:`~mixprec.core.lean.LeanUpdate` (None without).
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        slots: list[LossSlot],
+        *,
+        master_weights: bool = True,
+        master_dtype: torch.dtype = torch.float32,
+        update: str | None = None,
+        state_dtype: StateDtype = None,
+        update_seed: int = 0,
+    ):
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                "MixedPrecisionOptimizer wraps a torch.optim.Optimizer, received "
+                f"{type(optimizer).__name__}."
+            )
+        if update is not None and master_weights:
+            raise ValueError(
+                f"update={update!r} replaces fp32 master weights: it needs "
+                "master_weights=False (the O3 default)."
+            )
+        if update is None and (state_dtype is not None or update_seed != 0):
+            raise ValueError(
+                "state_dtype and update_seed apply to an update mode; pass "
+                "update='nearest', 'kahan' or 'stochastic' as well."
+            )
+        self.optimizer = optimizer
+        self.slots = slots
+        self.master_weights = master_weights
+        self.master_dtype = master_dtype
+        self.step_skipped = False
+        self.skipped_steps = 0
+        self._model_to_master: dict[Tensor, Tensor] = {}
+        self._pairs: list[tuple[Tensor, Tensor]] = []  # (model param, master) for 16-bit params
+        self._master_ids: set[int] = set()
+        self._found: dict[torch.device, Tensor] = {}
+        self._touched: set[int] = set()  # loss ids recorded since the last step
+        self._stash: dict[Tensor, Tensor] = {}
+        self._grad_buffers: dict[int, Tensor] = {}  # id(master) -> persistent fp32 grad
+        # fp32 grads already checked: id(param) -> (weakref to grad, grad._version). A grad that
+        # is new or was accumulated into since (a plain backward) is checked again.
+        self._checked: dict[int, tuple[Any, int]] = {}
+        # Distributed training sets this to reduce the verdict flags across ranks (in one
+        # collective) so every rank skips the same steps; it returns the reduced flags.
+        self.reduce_flags: Callable[[list[Tensor]], list[Tensor]] | None = None
+        # A plain DistributedDataParallel seen running the model (weakref; set by the
+        # distributed layer's forward hook): its settle hook makes the next verdicts global.
+        self._plain_ddp: Any = None
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        for group in optimizer.param_groups:
+            group["params"] = [self._master_for(p) for p in group["params"]]
+        register_masters(self._pairs)  # torch's clip_grad_norm_ on model params reaches these
+        self._versions = [p._version for p, _ in self._pairs]
+        self.lean: LeanUpdate | None = None
+        if update is not None:
+            self.lean = LeanUpdate(
+                optimizer, update, state_dtype=state_dtype or "auto", seed=update_seed
+            )
+
+    # -- delegation: schedulers and user code see the inner optimizer's groups and state -------
+    param_groups = property(
+        lambda self: self.optimizer.param_groups,
+        lambda self, v: setattr(self.optimizer, "param_groups", v),
+    )
+    state = property(lambda self: self.optimizer.state)
+    defaults = property(lambda self: self.optimizer.defaults)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return (
+            f"MixedPrecisionOptimizer({self.optimizer!r}, masters={len(self._pairs)}, "
+            f"loss_scale={self.loss_scale})"
+        )
+
+    def _master_for(self, p: Tensor) -> Tensor:
+        if not (self.master_weights and p.dtype in _LOW):
+            return p
+        master = self._model_to_master.get(p)
+        if master is None:
+            master = p.detach().to(self.master_dtype).requires_grad_(p.requires_grad)
+            self._model_to_master[p] = master
+            self._pairs.append((p, master))
+            self._master_ids.add(id(master))
+        return master
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        masters = [self._master_for(p) for p in params]
+        self.optimizer.add_param_group({**param_group, "params": masters})
+        if self.lean is not None:
+            self.lean.add_params(masters)
+
+    def master_params(self) -> list[Tensor]:
+        """The tensors the inner optimizer steps (fp32 masters or fp32 model parameters)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _own_params(self) -> list[Tensor]:
+        """Parameters the inner optimizer steps directly: fp32 ones, no master behind them."""
+        return [p for p in self.master_params() if id(p) not in self._master_ids]
+
+    def model_params(self) -> list[Tensor]:
+        """The model's own parameters managed by this optimizer."""
+        back = {id(m): p for p, m in self._pairs}
+        return [back.get(id(m), m) for m in self.master_params()]
+
+    @property
+    def loss_scale(self) -> float:
+        """The current scale of loss 0."""
+        return self.slot(0).scaler.scale
+
+    def slot(self, loss_id: int) -> LossSlot:
+        if not 0 <= loss_id < len(self.slots):
+            raise ValueError(
+                f"loss_id={loss_id} is out of range: this optimizer was initialized "
+                f"with num_losses={len(self.slots)}; pass num_losses to initialize."
+            )
+        return self.slots[loss_id]
+
+    # -- gradients ------------------------------------------------------------------------------
+    def _found_for(self, device: torch.device) -> Tensor:
+        flag = self._found.get(device)
+        if flag is None:
+            flag = self._found[device] = torch.zeros(1, device=device)
+        return flag
+
+    def _stash_grads(self) -> None:
+        """Before a backward: move already-unscaled grads of fp32 parameters out of the way."""
+        for p in self._own_params():
+            if p.grad is not None and p not in self._stash:
+                self._stash[p] = p.grad
+                p.grad = None
+
+    def _unscale(self, scale: float) -> Tensor | None:
+        """After a backward: unscale fresh grads into master grads; return the verdict flag."""
+        fresh: dict[torch.device, list[Tensor]] = {}
+        targets: list[tuple[Tensor, Tensor]] = []
+        call_flags: dict[torch.device, Tensor] = {}
+
+        def flag_for(device: torch.device) -> Tensor:
+            if device not in call_flags:
+                call_flags[device] = torch.zeros(1, device=device)
+            return call_flags[device]
+
+        if scale == 1.0:
+            # Nothing to unscale: check the 16-bit grads where they are (half the bytes of an
+            # fp32 pass), then widen. With a scale, widening comes first (fp16 would underflow).
+            by_device: dict[torch.device, list[Tensor]] = {}
+            for p, _ in self._pairs:
+                if p.grad is not None:
+                    by_device.setdefault(p.grad.device, []).append(p.grad)
+            for device, grads in by_device.items():
+                unscale_and_check_(grads, 1.0, flag_for(device))
+        widened = self._widen()
+        for g, master in widened:
+            if scale != 1.0:
+                fresh.setdefault(g.device, []).append(g)
+            targets.append((master, g))
+        for p in self._own_params():
+            if p.grad is not None:
+                fresh.setdefault(p.grad.device, []).append(p.grad)
+                targets.append((p, p.grad))
+        if not targets:
+            return None
+        for device, grads in fresh.items():
+            unscale_and_check_(grads, 1.0 / scale, flag_for(device))
+        flags = list(call_flags.values())
+        for device, flag in call_flags.items():
+            self._found_for(device).add_(flag)
+        for target, g in targets:
+            stashed = self._stash.pop(target, None)
+            if target.grad is None or target.grad is g:
+                target.grad = g if stashed is None else g.add_(stashed)
+            else:
+                target.grad.add_(g)
+            self._checked[id(target)] = (weakref.ref(target.grad), _version(target.grad))
+        if len(flags) == 1:
+            return flags[0]
+        return torch.tensor([sum(read_flags(flags))])  # several devices: rare, one sync each
+
+    def _widen(self) -> list[tuple[Tensor, Tensor]]:
+        """Move 16-bit model grads into fp32 tensors; return ``(fp32 grad, master)`` pairs.
+
+        A master whose grad is empty gets its persistent buffer: allocating fresh fp32 grads
+        every step costs page faults that took ~3x longer than the copy itself on CPU
+        (benchmarks/NOTES.md). The price is 4 bytes per 16-bit parameter kept between steps.
+        """
+        out: list[tuple[Tensor, Tensor]] = []
+        srcs: list[Tensor] = []
+        bufs: list[Tensor] = []
+        for p, master in self._pairs:
+            if p.grad is None:
+                continue
+            if master.grad is None and p.grad.layout == torch.strided:
+                buf = self._grad_buffers.get(id(master))
+                if buf is None or buf.shape != p.grad.shape or buf.device != p.grad.device:
+                    buf = torch.empty(p.grad.shape, dtype=self.master_dtype, device=p.grad.device)
+                    self._grad_buffers[id(master)] = buf
+                srcs.append(p.grad)
+                bufs.append(buf)
+                out.append((buf, master))
+            else:
+                out.append((p.grad.to(self.master_dtype), master))
+            p.grad = None
+        if bufs:
+            torch._foreach_copy_(bufs, srcs)
+        return out
+
+    def record_backward(self, loss_id: int) -> Tensor | None:
+        """Called after ``backward`` of a loss scaled by ``loss_id``'s scaler.
+
+        Returns this optimizer's verdict flag for the backward (None: it produced no gradients).
+        """
+        slot = self.slot(loss_id)
+        flag = self._unscale(slot.scaler.scale)
+        self._restore_stash()
+        if flag is not None:
+            slot.pending.append(flag)
+            self._touched.add(loss_id)
+        return flag
+
+    def share_verdict(self, flag: Tensor) -> None:
+        """Also skip the next step on ``flag``: another optimizer's verdict for the same loss."""
+        self._found_for(flag.device).add_(flag)
+
+    def _restore_stash(self) -> None:
+        """Give back stashed grads of parameters the last backward did not reach."""
+        for p, stashed in self._stash.items():
+            p.grad = stashed if p.grad is None else p.grad.add_(stashed)
+        self._stash.clear()
+
+    def prepare_backward(self) -> None:
+        """Called before ``backward``: take in raw grads, stash unscaled grads for accumulation."""
+        if self._has_raw_grads():
+            self._unscale(1.0)  # grads of a plain loss.backward(): checked, not to be unscaled
+        self._stash_grads()
+
+    def backward(self, loss: Tensor, loss_id: int = 0, **kwargs: Any) -> None:
+        """``scale_loss(loss, self, loss_id)`` then ``backward()`` in one call."""
+        with scale_loss(loss, self, loss_id=loss_id) as scaled:
+            scaled.backward(**kwargs)
+
+    def _unchecked(self, p: Tensor) -> bool:
+        if p.grad is None:
+            return False
+        seen = self._checked.get(id(p))
+        return seen is None or seen[0]() is not p.grad or seen[1] != _version(p.grad)
+
+    def _has_raw_grads(self) -> bool:
+        """True when some gradient has not been through the finite check yet."""
+        if any(p.grad is not None for p, _ in self._pairs):
+            return True
+        return any(self._unchecked(p) for p in self._own_params())
+
+    def _settle(self) -> bool:
+        """Process raw grads, read every verdict with one host sync, update the scalers."""
+        if self._has_raw_grads():
+            self._unscale(1.0)  # plain loss.backward() (alone or after scaled ones): unscaled
+        for hook in SETTLE_HOOKS:  # e.g. DDP(model) without wrap_ddp: same verdict everywhere
+            hook(self)
+        slots = [self.slots[i] for i in sorted(self._touched)]
+        flags = list(self._found.values())
+        all_flags = flags + [p for s in slots for p in s.pending]
+        if self.reduce_flags is not None and all_flags:
+            all_flags = self.reduce_flags(all_flags)
+        values = read_flags(all_flags)
+        found = any(v != 0 for v in values[: len(flags)])
+        offset = len(flags)
+        for s in slots:
+            n = len(s.pending)
+            s.flush(values[offset : offset + n])
+            offset += n
+        self._found.clear()
+        self._touched.clear()
+        return found
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the *unscaled* master gradients to ``max_norm``; return their total norm."""
+        if self._has_raw_grads():
+            self._unscale(1.0)
+        grads = [p for p in self.master_params() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type, foreach=True)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Step the masters and copy them back, or skip the step on a non-finite gradient."""
+        if closure is not None:
+            raise NotImplementedError(
+                "MixedPrecisionOptimizer.step does not take a closure: "
+                "compute the loss, call backward(loss), then step()."
+            )
+        found = self._settle()
+        self.step_skipped = found
+        if found:
+            self.skipped_steps += 1
+            self._drop_grads()
+            return None
+        for hook in self._optimizer_step_pre_hooks.values():
+            hook(self, (), {})
+        self._adopt_model_writes()
+        result = self.optimizer.step() if self.lean is None else self.lean.step()
+        if self._pairs:
+            torch._foreach_copy_([p for p, _ in self._pairs], [m for _, m in self._pairs])
+            self._versions = [p._version for p, _ in self._pairs]
+        for hook in self._optimizer_step_post_hooks.values():
+            hook(self, (), {})
+        for _, master in self._pairs:  # used up: a loop that only zeroes the model's grads
+            master.grad = None  # must not add them into the next step (as in Apex)
+        return result
+
+    def _adopt_model_writes(self) -> None:
+        """A 16-bit weight written since the last step (``with torch.no_grad(): w.fill_(...)``,
+        a load into a submodule) gives its value to the master, which the step would otherwise
+        copy back over it. Only weights whose version counter moved are compared; a weight that
+        is the master rounded (e.g. a resume) leaves the more precise master alone."""
+        versions = self.__dict__.get("_versions")
+        if versions is None or len(versions) != len(self._pairs):
+            return
+        for (p, master), seen in zip(self._pairs, versions):
+            if p._version != seen and not rounds_to(master, p):
+                master.copy_(p)
+
+    def _drop_grads(self) -> None:
+        for p in self.master_params():
+            p.grad = None
+        for p, _ in self._pairs:
+            p.grad = None
+        self._stash.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._stash.clear()
+        self._found.clear()  # the verdicts were about the gradients dropped here
+        params: Iterable[Tensor] = [*self.master_params(), *(p for p, _ in self._pairs)]
+        for p in params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().requires_grad_(False).zero_()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        out = {
+            "optimizer": self.optimizer.state_dict(),
+            "masters": [m.detach().clone() for _, m in self._pairs],
+            "scalers": [s.scaler.state_dict() for s in self.slots],
+            "skipped_steps": self.skipped_steps,
+            "step_skipped": self.step_skipped,
+        }
+        if self.lean is not None:
+            out["lean"] = self.lean.state_dict()
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        missing = {"optimizer", "masters", "scalers", "skipped_steps"} - set(state_dict)
+        if missing:
+            raise KeyError(f"Not a MixedPrecisionOptimizer state dict: missing {sorted(missing)}.")
+        masters = state_dict["masters"]
+        if len(masters) != len(self._pairs):
+            raise ValueError(
+                f"The checkpoint has {len(masters)} master weights, this optimizer "
+                f"has {len(self._pairs)}: was it saved at another level or model?"
+            )
+        for (p, m), saved in zip(self._pairs, masters):
+            m.copy_(saved)
+            p.copy_(saved)
+        if self.lean is not None:
+            self.lean.load_state_dict(state_dict.get("lean"))
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.lean is not None:
+            self.lean.restore_state_dtypes(state_dict["optimizer"])
+        if len(state_dict["scalers"]) != len(self.slots):
+            raise ValueError(
+                f"The checkpoint has {len(state_dict['scalers'])} loss scalers, this "
+                f"optimizer has {len(self.slots)} (num_losses)."
+            )
+        for slot, sd in zip(self.slots, state_dict["scalers"]):
+            slot.scaler.load_state_dict(sd)
+            slot.pending.clear()
+        self.skipped_steps = int(state_dict["skipped_steps"])
+        self.step_skipped = bool(state_dict.get("step_skipped", False))
+
+
+@contextlib.contextmanager
+def scale_loss(
+    loss: Tensor,
+    optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer],
+    loss_id: int = 0,
+) -> Iterator[Tensor]:
+    """Yield ``loss`` times the current scale of loss ``loss_id``; call ``.backward()`` on it.
+
+    On exit the gradients of every given optimizer are unscaled into fp32 master gradients and
+    checked for inf/NaN (one fused pass, no host sync); the next ``step()`` acts on the verdict.
+    """
+    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if not opts or not all(isinstance(o, MixedPrecisionOptimizer) for o in opts):
+        raise TypeError(
+            "scale_loss expects the optimizer(s) returned by mixprec.initialize, "
+            f"received {[type(o).__name__ for o in opts]}."
+        )
+    _check_loss(loss)
+    if any(o.slots is not opts[0].slots for o in opts[1:]):
+        raise ValueError(
+            "scale_loss got optimizers from different initialize calls, which have "
+            "different loss scalers; initialize every model and optimizer a loss "
+            "touches in one call (lists of models and optimizers)."
+        )
+    slot = opts[0].slot(loss_id)
+    for o in opts:
+        o.prepare_backward()
+    try:
+        yield slot.scaler.scale_loss(loss)
+    except BaseException:
+        for o in opts:  # the backward failed: give back the grads stashed for accumulation
+            o._restore_stash()
+        raise
+    flags = [o.record_backward(loss_id) for o in opts]
+    # One loss, one verdict: a non-finite gradient anywhere in this loss's gradients skips every
+    # optimizer it produced gradients for (Apex semantics), not only the one holding it.
+    for o, own in zip(opts, flags):
+        if own is not None:
+            for f in flags:
+                if f is not None and f is not own:
+                    o.share_verdict(f)
+
+
+def _check_loss(loss: Any) -> None:
+    """A clear error for a loss backward cannot take (instead of autograd's)."""
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"scale_loss expects a loss tensor, received {type(loss).__name__}.")
+    if not (loss.is_floating_point() or loss.is_complex()):
+        raise TypeError(
+            f"The loss is a {loss.dtype} tensor: gradients need a floating loss. "
+            "Compute it from the model's outputs in floating point (e.g. "
+            "F.cross_entropy(logits, target))."
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            f"The loss must be a single number, received shape "
+            f"{tuple(loss.shape)}: reduce it first (loss.mean() or loss.sum())."
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "The loss does not require grad, so backward has nothing to "
+            "differentiate: it was computed under torch.no_grad()/inference_mode(), "
+            "from detached tensors, or from a model whose parameters all have "
+            "requires_grad=False."
+        )

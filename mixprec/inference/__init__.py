@@ -1,0 +1,11 @@
+"""Inference: a trained model served in mixed precision, exported, or stored in int8.
+
+* :mod:`~mixprec.inference.prepare` -- ``for_inference``: an eval-mode mixed-precision model;
+* :mod:`~mixprec.inference.export` -- ``export`` to ONNX or a ``torch.export`` program, casts
+  stored in the graph;
+* :mod:`~mixprec.inference.quantize` -- int8 storage for chosen Linear/Conv layers;
+* :mod:`~mixprec.inference.bench` -- latency, throughput and accuracy of each way to serve.
+"""
+
+from mixprec.inference.prepare import *  # noqa: F403 - the old mixprec.inference module's API
+from mixprec.inference.prepare import __all__  # noqa: F401

