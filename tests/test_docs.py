@@ -142,3 +142,16 @@ def test_readme_gives_the_test_command_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m pytest -q" in text and "python -m pytest -q" in ci
     assert "mixprec demo" in text
+
+
+def test_design_sections_cited_by_docstrings_exist():
+    design = (ROOT / "docs" / "design.md").read_text()
+    headings = set(re.findall(r"^## (.+)$", design, re.MULTILINE))
+    cited = {
+        (m.group(1), path.relative_to(ROOT).as_posix())
+        for path in (ROOT / "mixprec").rglob("*.py")
+        for m in re.finditer(r'design\.md``,\s*"([^"]+)"', path.read_text())
+    }
+    assert cited, "no module docstring cites docs/design.md: has the citation style changed?"
+    missing = sorted((section, where) for section, where in cited if section not in headings)
+    assert not missing, f"docstrings cite sections docs/design.md does not have: {missing}"

@@ -9,10 +9,7 @@ from __future__ import annotations
 import pathlib
 import sys
 
-try:
-    from mixprec.core.cast_table import table_markdown
-except ImportError:  # the flat layout (before mixprec/core/)
-    from mixprec.cast_table import table_markdown
+from mixprec.core.cast_table import table_markdown
 
 BEGIN, END = "<!-- op-table:begin -->", "<!-- op-table:end -->"
 TARGET = pathlib.Path(__file__).resolve().parent.parent / "docs" / "ops.md"
