@@ -7,7 +7,7 @@ import sys as _sys
 
 import torch.distributed as _dist
 
-import mixprec.core.clipping
+import mixprec.core.clipping  # makes torch.nn.utils.clip_grad_norm_ reach fp32 masters
 from mixprec import _moved
 from mixprec.compat.keras import LossScaleOptimizer
 from mixprec.core.cast_table import cast_rules, register_op

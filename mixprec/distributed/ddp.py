@@ -52,6 +52,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mixprec.core import engine, initialize, optimizer
+from mixprec.core.initialize import _MARK  # set by initialize on every model it prepared
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.distributed.verdicts import (
     _optimizers,
@@ -62,7 +63,6 @@ from mixprec.distributed.verdicts import (
 
 __all__ = ["AllReduceHook", "adopt_ddp", "watch_ddp", "wrap_ddp"]
 
-_MARK = "_mixprec_initialized"  # set by mixprec.initialize on every model it prepared
 _WIRE = (torch.float16, torch.bfloat16, torch.float32)
 _ORDER_FIX = (
     "Build the model, call mixprec.initialize(model, optimizer, ...) on the bare "
@@ -332,14 +332,13 @@ def watch_ddp(model: nn.Module, optimizers: Sequence[MixedPrecisionOptimizer]) -
         model.register_forward_pre_hook(_DDPWatch(optimizers))
 
 
-@torch.no_grad()
 def adopt_ddp(optimizer: MixedPrecisionOptimizer) -> None:
     """Make ``optimizer`` safe under the plain DDP it was seen in; a collective on DDP's group.
 
     Raises if that DDP was built before ``initialize`` changed the parameter dtypes (its
     buckets are stale and gradients are not averaged correctly).
     """
-    if optimizer._plain_ddp is None:
+    if optimizer._plain_ddp is None:  # every step runs this: no grad-mode switch before it
         return  # no plain DDP seen since the last step: the common case, one attribute read
     ref, optimizer._plain_ddp = optimizer._plain_ddp, None
     ddp = ref() if ref is not None else None
@@ -354,7 +353,7 @@ def adopt_ddp(optimizer: MixedPrecisionOptimizer) -> None:
             f"ranks would silently diverge. {_ORDER_FIX}"
         )
     group = ddp.process_group
-    _broadcast_masters([optimizer], group)
+    _broadcast_masters([optimizer], group)  # itself under no_grad
     sync_verdicts(optimizer, group)
 
 

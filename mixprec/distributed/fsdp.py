@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from mixprec.core.hardware import default_dtype
-from mixprec.core.initialize import LEVELS, initialize
+from mixprec.core.initialize import _MARK, LEVELS, initialize
 from mixprec.core.norms import is_norm
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.core.policy import Policy, PolicyLike, as_policy
@@ -53,7 +53,6 @@ __all__ = ["fsdp_mp_policy", "initialize_fsdp"]
 
 _F32 = torch.float32
 _LOW = (torch.float16, torch.bfloat16)
-_MARK = "_mixprec_initialized"
 
 
 def fsdp_mp_policy(
