@@ -10,12 +10,17 @@ that need a cast, the attention kernel choice; on CUDA the fp32-inside norms and
 ``binary_cross_entropy``. Every other op costs nothing extra. A function mode seeing every
 Python-level call cost ~6 us per call before doing any work and was dropped.
 
-A kernel applies mixprec's rule only while a mixprec frame is on top of this thread's stack;
-reached from a user's own ``torch.autocast`` it behaves as torch would (the op's torch rule, or
-plain pass-through), so registering kernels changes nothing outside mixprec regions. Inside
-backward (activation-checkpoint recomputation, which re-enters torch.autocast with the
-forward's settings but not mixprec's frame, possibly on another thread) the last mixprec frame
-of that dtype applies, so recomputed forwards match the original bit for bit.
+A kernel applies mixprec's rule only while a mixprec frame is on top of this thread's stack.
+Reached from a user's own ``torch.autocast`` it calls torch's own kernel, taken with
+``torch.library.get_kernel`` before mixprec registered over it (or falls through where torch has
+none), so registering kernels changes nothing outside mixprec regions -- eager, under fake
+tensors (dynamo, AOTAutograd, export), inductor or ``torch.func``. When a Python mode's restored
+TLS or the Python dispatcher brings a call back to the key, the kernel steps past it with the
+key excluded: the Python dispatcher recomputes the key from the TLS, not from the key set it is
+handed. Inside backward (activation-checkpoint recomputation, which re-enters torch.autocast
+with the forward's settings but not mixprec's frame, possibly on another thread) the frame of
+the region whose autograd node is being run applies, so recomputed forwards match the original
+bit for bit, and a user's own checkpointed code gets torch's rules.
 
 Cache: torch's weight-cast cache is used (one cast per weight per region, not kept across
 regions). It does not see in-place updates, so mixprec clears it when a leaf that requires grad
@@ -25,9 +30,9 @@ is updated in place inside a region (kernels on the common in-place update ops) 
 
 from __future__ import annotations
 
-import functools
 import threading
 import warnings
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -135,7 +140,19 @@ class _State(threading.local):
 
 
 _state = _State()
-_last: dict[torch.dtype, Frame] = {}  # process-wide: the frame backward recomputation uses
+
+# Backward recomputation (activation checkpointing) re-enters torch.autocast with the forward's
+# dtype but not mixprec's frame, maybe on another thread. Autograd numbers the nodes it creates
+# (per-thread sequence numbers): a region records the numbers of its nodes as a span, and a
+# kernel run by backward takes the frame of the innermost span (of the autocast dtype) that holds
+# the node being executed -- the frame its forward ran in. Anything else backward runs (a user's
+# own torch.autocast and checkpoint) holds no span and gets torch's behaviour. Spans of graphs
+# long gone fall off the end of the deque.
+_spans: deque[tuple[int, int, Frame]] = deque(maxlen=4096)
+_span_of: dict[tuple[int, torch.dtype], Frame | None] = {}  # (node number, dtype) -> frame
+_seq = getattr(torch._C._autograd, "_get_sequence_nr", None)
+_current_node = getattr(torch._C, "_current_autograd_node", None)
+_last: dict[torch.dtype, Frame] = {}  # torch without node numbers: the last frame of a dtype
 
 
 def top() -> Frame | None:
@@ -152,17 +169,23 @@ class _Saved:
     autocast: list[tuple[str, bool, torch.dtype]]
     cache: bool
     mode: Any = None  # the export mode entered by this push, if any
+    first_node: int = -1  # autograd's next node number at the push (eager, grad enabled)
 
 
-@functools.cache
+_device_types: list[tuple[str, ...]] = []
+
+
 def _devices() -> tuple[str, ...]:
-    """Device types whose torch.autocast state a region sets (asked once: hot path)."""
-    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    """Device types whose torch.autocast state a region sets (asked once: hot path). A plain
+    list, not ``functools.cache``: dynamo warns on every traced call of a cached function."""
+    if not _device_types:
+        _device_types.append(("cpu", "cuda") if torch.cuda.is_available() else ("cpu",))
+    return _device_types[0]
 
 
 def _enter(frame: Frame) -> None:
     _state.frames.append(frame)
-    if frame.dtype is not None:
+    if frame.dtype is not None and _seq is None:
         _last[frame.dtype] = frame
 
 
@@ -188,6 +211,8 @@ def push(frame: Frame, cache_enabled: bool | None = None) -> _Saved:
         return saved
     else:
         _enter(frame)
+        if _seq is not None and frame.dtype is not None and torch.is_grad_enabled():
+            saved.first_node = _seq()
     torch.autocast_increment_nesting()
     if cache_enabled is not None:
         torch.set_autocast_cache_enabled(cache_enabled and saved.cache)
@@ -217,6 +242,11 @@ def pop(frame: Frame, saved: _Saved) -> None:
         raise RuntimeError("mixprec.autocast regions were exited out of order.")
     else:
         _state.frames.pop()
+        if saved.first_node >= 0:
+            end = _seq()
+            if end > saved.first_node:  # it created nodes that backward may recompute
+                _spans.append((saved.first_node, end, frame))
+                _span_of.clear()
     if (
         not tracing
         and frame.dtype is not None
@@ -254,9 +284,26 @@ def _frame_for_kernel(device: str) -> Frame | None:
     frames = _state.frames
     if frames:
         return frames[-1]
-    if torch._C._current_graph_task_id() != -1:  # backward: checkpoint recomputation
-        return _last.get(torch.get_autocast_dtype(device))
-    return None
+    if torch._C._current_graph_task_id() == -1:
+        return None
+    # backward: a recomputation of a region's forward (activation checkpointing), or not
+    dtype = torch.get_autocast_dtype(device)
+    if _seq is None or _current_node is None:
+        return _last.get(dtype)
+    node = _current_node()
+    if node is None:
+        return None
+    key = (node._sequence_nr(), dtype)
+    if key not in _span_of:
+        if len(_span_of) > 4096:
+            _span_of.clear()
+        number, best = key[0], None
+        for first, end, frame in _spans:
+            inner = best is None or end - first < best[1] - best[0]
+            if first <= number < end and frame.dtype == dtype and inner:
+                best = (first, end, frame)
+        _span_of[key] = None if best is None else best[2]
+    return _span_of[key]
 
 
 # -- casts ------------------------------------------------------------------------------------
@@ -364,35 +411,56 @@ def apply_rule(
     return op(*args, **kwargs)  # "input": run in the inputs' dtype
 
 
+def _torch_kernel(op: Any, key: DispatchKey) -> Any:
+    """torch's own kernel for ``op`` on ``key``, taken before mixprec registers over it (None
+    where torch has none, the key falling through, or this torch cannot hand kernels out)."""
+    overload = op._schema.overload_name
+    qualname = op._schema.name + (f".{overload}" if overload else "")
+    get_kernel = getattr(torch.library, "get_kernel", None)  # torch >= 2.9
+    if get_kernel is None or not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key.name):
+        return None
+    return get_kernel(op, key)
+
+
 def _rule_kernel(name: str, device: str, op: Any) -> Callable:
     key = _KEYS[device]
     without = DispatchKeySet(key)
     trule = _torch_rule(device, name)
+    native = _torch_kernel(op, key)
 
     def apply(rule: str | None, frame: Frame | None, args: tuple, kwargs: dict) -> Any:
         with torch._C._ExcludeDispatchKeyGuard(without):
             return apply_rule(rule, name, frame, torch.get_autocast_dtype(device), args, kwargs, op)
 
-    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        if _state.busy:  # re-entered through a Python mode's restored TLS (fake tensors)
+    def past(keyset: Any, args: tuple, kwargs: dict) -> Any:
+        # the next kernel below the autocast key; excluded too, for the Python dispatcher (fake
+        # tensors, dynamo, export), which recomputes the key from the TLS, not from ``keyset``
+        with torch._C._ExcludeDispatchKeyGuard(without):
             return op.redispatch(keyset.remove(key), *args, **kwargs)
-        _state.busy = True
-        try:
-            return dispatch(keyset, args, kwargs)
-        finally:
-            _state.busy = False
 
-    def dispatch(keyset: Any, args: tuple, kwargs: dict) -> Any:
+    def as_torch(keyset: Any, args: tuple, kwargs: dict) -> Any:
+        """What torch does without mixprec: its own kernel, else fall through."""
+        if native is not None:
+            return native.call_boxed(keyset, *args, **kwargs)
+        if trule is None:
+            return past(keyset, args, kwargs)
+        return apply(trule, None, args, kwargs)  # torch < 2.9: its rule, replayed
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         frame = _frame_for_kernel(device)
         if frame is None or frame.dtype is None:
-            if trule is None:  # torch has no rule here: continue as if we were not registered
-                return op.redispatch(keyset.remove(key), *args, **kwargs)
-            return apply(trule, None, args, kwargs)
-        table, opted_out = cast_table._effective()
-        rule = table.get(name)
-        if rule is None:
-            rule = "input" if name in opted_out else trule
-        return apply(rule, frame, args, kwargs)
+            return as_torch(keyset, args, kwargs)
+        if _state.busy:  # re-entered through a Python mode's restored TLS (fake tensors)
+            return past(keyset, args, kwargs)
+        _state.busy = True
+        try:
+            table, opted_out = cast_table._effective()
+            rule = table.get(name)
+            if rule is None:
+                rule = "input" if name in opted_out else trule
+            return apply(rule, frame, args, kwargs)
+        finally:
+            _state.busy = False
 
     return kernel
 

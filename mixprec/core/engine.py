@@ -168,7 +168,8 @@ class autocast:
 
     def __enter__(self) -> autocast:
         if self.enabled:
-            if self.policy.is_lower:
+            if self.policy.is_lower and not torch.compiler.is_compiling():
+                # (traced, it reads /proc/cpuinfo through a cached function: dynamo warns)
                 from mixprec.core.hardware import warn_if_slow
 
                 warn_if_slow(self.policy.compute_dtype)
