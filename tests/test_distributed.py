@@ -176,6 +176,15 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(ranks, scenario):
         assert res["skipped_resumed"] == res["skipped_full"] == 2
 
 
+def test_o2_masters_are_the_fp32_weights_loaded_before_or_after_initialize(ranks):
+    for res in result(ranks, "exact_masters"):
+        assert res == {
+            f"{mode}.{order}": True
+            for mode in ("ddp", "fsdp")
+            for order in ("load_then_init", "init_then_load")
+        }
+
+
 # -- single-process API checks (no process group needed) -------------------------------------------
 def test_hook_and_policy_validation():
     import torch

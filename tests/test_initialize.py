@@ -503,3 +503,69 @@ def test_wrapped_distributed_models_are_refused_with_the_order_to_use():
     fsdp = type("FSDPLinear", (nn.Linear, type("FSDPModule", (), {})), {})(2, 2)
     with pytest.raises(TypeError, match="initialize_fsdp"):
         mixprec.initialize(fsdp)
+
+
+# -- the masters start from the weights the model held ---------------------------------------------
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+            for _ in range(2)
+        )
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize("make", [_mlp, _Residual], ids=["mlp", "residual"])
+@pytest.mark.parametrize("order", ["load_then_init", "init_then_load"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_o2_masters_hold_the_loaded_fp32_weights_bit_for_bit(make, order, dtype):
+    """Load pretrained fp32 weights, then initialize (the usual fine-tuning order): the masters
+    used to be built from the 16-bit rounding (bf16: relative error 2-3e-3 per tensor)."""
+    torch.manual_seed(0)
+    pretrained = {k: v.clone() for k, v in make().state_dict().items()}
+    torch.manual_seed(1)
+    model = make()
+    if order == "load_then_init":
+        model.load_state_dict(pretrained)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = mixprec.initialize(model, opt, level="O2", dtype=dtype)
+    if order == "init_then_load":
+        model.load_state_dict(pretrained)
+    assert any(p.dtype == dtype for p in model.parameters())  # the model itself is 16-bit
+    got = mixprec.fp32_state_dict(model, opt)
+    assert got.keys() == pretrained.keys()
+    for key, want in pretrained.items():
+        assert got[key].dtype == torch.float32
+        assert torch.equal(got[key], want), key
+    # and training starts from them: one step with lr 0 changes nothing
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.backward(model(torch.randn(2, 8 if make is _mlp else 16)).float().sum())
+    opt.step()
+    assert all(torch.equal(mixprec.fp32_state_dict(model, opt)[k], pretrained[k]) for k in got)
+
+
+def test_o2_masters_do_not_share_storage_with_the_users_tensors():
+    """A model whose parameters *are* the user's tensors (load_state_dict(assign=True)): the
+    masters are copies, so stepping them leaves the user's dict alone."""
+    torch.manual_seed(0)
+    pretrained = {k: v.clone() for k, v in _mlp().state_dict().items()}
+    kept = {k: v.clone() for k, v in pretrained.items()}
+    model = _mlp()
+    model.load_state_dict(pretrained, assign=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
+    opt.backward(model(torch.randn(4, 8)).float().pow(2).sum())
+    opt.step()
+    assert all(torch.equal(pretrained[k], kept[k]) for k in kept)
+    assert not torch.equal(mixprec.fp32_state_dict(model, opt)["0.weight"], kept["0.weight"])

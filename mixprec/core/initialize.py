@@ -136,14 +136,26 @@ def _overflows(before: Tensor, after: Tensor) -> bool:
     )
 
 
-def _cast_storage(module: nn.Module, dtype: torch.dtype, keep_norm: bool) -> None:
-    """Store parameters and floating buffers in ``dtype``; Parameter objects keep identity."""
+def _cast_storage(
+    module: nn.Module,
+    dtype: torch.dtype,
+    keep_norm: bool,
+    keep: set[int] | None = None,
+    kept: dict[int, Tensor] | None = None,
+) -> None:
+    """Store parameters and floating buffers in ``dtype``; Parameter objects keep identity.
+
+    The parameters whose id is in ``keep`` leave their pre-cast value in ``kept`` (a copy, made
+    one parameter at a time, so the peak stays one parameter above the cast model plus masters).
+    """
     own = get_policy(module)
     if own is not None:
         dtype = own.param_dtype
     if not (keep_norm and is_norm(module)):
         for p in module.parameters(recurse=False):
-            if p.is_floating_point() and p.dtype != torch.float64:
+            if p.is_floating_point() and p.dtype != torch.float64 and p.dtype != dtype:
+                if keep is not None and kept is not None and id(p) in keep and id(p) not in kept:
+                    kept[id(p)] = p.detach().clone()
                 p.data = p.data.to(dtype)
         for name, b in module.named_buffers(recurse=False):
             if b is not None and b.is_floating_point() and b.dtype != torch.float64:
@@ -160,7 +172,7 @@ def _cast_storage(module: nn.Module, dtype: torch.dtype, keep_norm: bool) -> Non
                     continue
                 module._buffers[name] = cast
     for child in module.children():
-        _cast_storage(child, dtype, keep_norm)
+        _cast_storage(child, dtype, keep_norm, keep, kept)
 
 
 def _resolve(
@@ -362,6 +374,15 @@ def initialize(
     if level != "O0":
         warn_if_slow(dtype, device, stacklevel=3)
 
+    # The masters start from the exact values the model holds now, not from its 16-bit rounding
+    # (load pretrained fp32 weights, then initialize): copies of the parameters the optimizers
+    # step, handed to the optimizer wrapper as its masters.
+    to_keep = (
+        {id(p) for o in opt_list for g in o.param_groups for p in g["params"]}
+        if props["cast_params"] and props["master_weights"]
+        else set()
+    )
+    fp32_values: dict[int, Tensor] = {}
     for m in model_list:
         if props["cast_params"]:
             if props["keep_frozen_fp32"]:  # exact fp32 values for fp32_state_dict, 4 B/param
@@ -373,7 +394,7 @@ def initialize(
                     }
                     if frozen:
                         sub.__dict__[FROZEN_ATTR] = frozen
-            _cast_storage(m, dtype, bool(props["keep_norm_fp32"]))
+            _cast_storage(m, dtype, bool(props["keep_norm_fp32"]), to_keep, fp32_values)
         elif level == "O0":
             _cast_storage(m, torch.float32, False)
         graph = m.__dict__.get("_mixprec_graph", False)  # mixprec.convert: casts are in its graph
@@ -409,9 +430,16 @@ def initialize(
         _warn_vanishing_eps(opt_list, dtype)  # an update mode does its arithmetic in fp32
     slots = [LossSlot(s) for s in props["scalers"]]
     wrapped = [
-        MixedPrecisionOptimizer(o, slots, master_weights=props["master_weights"], **props["lean"])
+        MixedPrecisionOptimizer(
+            o,
+            slots,
+            master_weights=props["master_weights"],
+            fp32_values=fp32_values,
+            **props["lean"],
+        )
         for o in opt_list
     ]
+    fp32_values.clear()
     refresh = _LoadRefresh(wrapped, model_list)
     for model in model_list:
         for m in model.modules():  # every module: a submodule may be loaded on its own

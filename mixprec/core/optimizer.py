@@ -111,6 +111,7 @@ class MixedPrecisionOptimizer(Optimizer):
         update: str | None = None,
         state_dtype: StateDtype = None,
         update_seed: int = 0,
+        fp32_values: dict[int, Tensor] | None = None,
     ):
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
@@ -151,8 +152,12 @@ class MixedPrecisionOptimizer(Optimizer):
         self._plain_ddp: Any = None
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        # the values parameters held before they were cast to 16 bits (by id): the masters start
+        # from them, not from the rounded weights (taken over, not copied: see initialize)
+        self._given = fp32_values if fp32_values is not None else {}
         for group in optimizer.param_groups:
             group["params"] = [self._master_for(p) for p in group["params"]]
+        del self._given
         register_masters(self._pairs)  # torch's clip_grad_norm_ on model params reaches these
         self._versions = [p._version for p, _ in self._pairs]
         self.lean: LeanUpdate | None = None
@@ -186,7 +191,9 @@ class MixedPrecisionOptimizer(Optimizer):
             return p
         master = self._model_to_master.get(p)
         if master is None:
-            master = p.detach().to(self.master_dtype).requires_grad_(p.requires_grad)
+            given = self.__dict__.get("_given", {}).pop(id(p), None)
+            source = given if given is not None and given.shape == p.shape else p.detach()
+            master = source.detach().to(self.master_dtype).requires_grad_(p.requires_grad)
             self._model_to_master[p] = master
             self._pairs.append((p, master))
             self._master_ids.add(id(master))

@@ -28,6 +28,7 @@ import mixprec.distributed as mpd
 from mixprec.bench.models import GPT, GPTConfig
 
 INF = float("inf")
+BF16 = torch.bfloat16
 RANK = WORLD = 0
 
 
@@ -403,6 +404,43 @@ def scenario_ckpt_ddp() -> dict:
 
 def scenario_ckpt_fsdp() -> dict:
     return _ckpt(fsdp=True)
+
+
+def scenario_exact_masters() -> dict:
+    """fp32 weights loaded before or after initialize come back bit for bit from
+    ``fp32_full_state_dict`` (FSDP2 O2 and DDP O2)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    pretrained = {k: v.clone() for k, v in mlp(11).state_dict().items()}
+    out = {}
+    for fsdp in (False, True):
+        for order in ("load_then_init", "init_then_load"):
+            model = mlp(3)
+            if order == "load_then_init":
+                model.load_state_dict(pretrained)
+            if fsdp:
+                model, opt = mpd.initialize_fsdp(
+                    model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), level="O2", dtype=BF16
+                )
+            else:
+                model, opt = mixprec.initialize(
+                    model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O2", BF16
+                )
+                model = mpd.wrap_ddp(model, opt)
+            if order == "init_then_load":
+                if fsdp:
+                    set_model_state_dict(  # it turns the dict's values into DTensors
+                        model,
+                        {k: v.clone() for k, v in pretrained.items()},
+                        options=StateDictOptions(full_state_dict=True),
+                    )
+                else:
+                    model.module.load_state_dict(pretrained)
+            got = mpd.fp32_full_state_dict(model, opt)
+            out[f"{'fsdp' if fsdp else 'ddp'}.{order}"] = sorted(got) == sorted(pretrained) and all(
+                bitwise_equal(got[k], pretrained[k]) for k in pretrained
+            )
+    return out
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------------
