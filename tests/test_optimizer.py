@@ -747,3 +747,84 @@ def test_failed_backward_inside_scale_loss_keeps_accumulated_grads():
         raise RuntimeError("boom")
     for p, g in zip(opt.master_params(), before):
         assert_bitwise(p.grad, g)
+
+
+# ------------------------------------------------------------- skip counters agree
+
+
+def _grad_of(opt, model_param):
+    """The gradient the optimizer steps for ``model_param`` (its master's at O2)."""
+    master = opt._model_to_master.get(model_param, model_param)
+    return master.grad
+
+
+@pytest.mark.parametrize(("level", "dtype"), [("O1", FP16), ("O2", FP16), ("O2", BF16)])
+@pytest.mark.parametrize("when", ["after_backward", "after_clip"])
+def test_an_inf_written_after_backward_skips_and_counts_everywhere(level, dtype, when):
+    """A gradient made non-finite after the scaled backward (user code, a hook) skips the step:
+    the loss scaler backs off and counts it like an overflow in the backward itself. (The
+    scaler used to see only the backward's verdict: 4 skips, scaler.skipped_steps 0.)"""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, opt = initialize(model, opt, level=level, dtype=dtype, loss_scale="dynamic")
+    scaler = opt.slot(0).scaler
+    x, y = batch()
+    scales = [scaler.scale]
+    for _ in range(4):
+        opt.backward(mse(model, x, y))
+        if when == "after_clip":
+            opt.clip_grad_norm_(1.0)
+        _grad_of(opt, model[0].weight).view(-1)[0] = INF
+        before = snapshot(model, opt)
+        opt.step()
+        assert opt.step_skipped and scaler.last_step_skipped
+        assert_tree_bitwise(before, snapshot(model, opt))
+        opt.zero_grad()
+        scales.append(scaler.scale)
+    assert opt.skipped_steps == scaler.skipped_steps == scaler.steps == 4
+    assert scales == [scales[0] / 2**k for k in range(5)]
+    opt.backward(mse(model, x, y))  # and a clean step counts as one
+    opt.step()
+    assert not opt.step_skipped and (scaler.steps, scaler.skipped_steps) == (5, 4)
+
+
+def test_a_late_inf_counts_against_every_loss_that_fed_the_step_and_only_those():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, opt = initialize(model, opt, level="O1", dtype=FP16, num_losses=3)
+    x, y = batch()
+    opt.backward(mse(model, x, y), loss_id=0)
+    opt.backward(mse(model, x, y) * 0.5, loss_id=1)
+    model[3].weight.grad.view(-1)[1] = NAN
+    opt.step()
+    counts = [(s.scaler.steps, s.scaler.skipped_steps) for s in opt.slots]
+    assert opt.step_skipped and opt.skipped_steps == 1
+    assert counts == [(1, 1), (1, 1), (0, 0)]  # loss 2 did not take part in this step
+
+
+def test_an_overflow_in_one_loss_backs_off_that_loss_only():
+    """Per-loss scalers (Apex's num_losses): the optimizer skips, each scaler judges its own loss."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, opt = initialize(model, opt, level="O1", dtype=FP16, num_losses=2)
+    x, y = batch()
+    opt.backward(mse(model, x, y), loss_id=0)
+    with poisoned(model[0].bias):
+        opt.backward(mse(model, x, y), loss_id=1)
+    opt.step()
+    assert opt.step_skipped and opt.skipped_steps == 1
+    assert [(s.scaler.steps, s.scaler.skipped_steps) for s in opt.slots] == [(1, 0), (1, 1)]
+
+
+def test_a_plain_backward_with_no_scaled_loss_leaves_the_scaler_alone():
+    """No loss was scaled for this step: the optimizer skips it, no scaler took part."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, opt = initialize(model, opt, level="O1", dtype=FP16)
+    x, y = batch()
+    with poisoned(model[0].weight):
+        mse(model, x, y).backward()
+    opt.step()
+    scaler = opt.slot(0).scaler
+    assert opt.step_skipped and opt.skipped_steps == 1
+    assert (scaler.steps, scaler.skipped_steps) == (0, 0)

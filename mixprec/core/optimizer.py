@@ -12,6 +12,10 @@ Design (``docs/design.md``, "Master weights and the optimizer"):
   with a single host sync, updates the loss scalers, and on a non-finite gradient skips the
   update entirely: parameters, masters and optimizer state stay bitwise unchanged, the
   gradients are dropped, ``step_skipped`` is True and ``skipped_steps`` counts up.
+* Verdicts: a gradient checked outside a scaled backward (a plain ``loss.backward()``, one
+  written after its check, on a model parameter or a master) skips the step and counts as an
+  overflow for every loss scaler whose loss fed the step, so the optimizer's and the scaler's
+  skip counts agree; an overflow inside one loss's backward moves that loss's scaler only.
 * Gradient accumulation: gradients already unscaled are stashed before the next backward and
   added back after it, so each micro-batch is unscaled with the scale it was scaled with.
 * One loss scaler per loss (``num_losses``), shared by every optimizer the loss touches; an
@@ -58,6 +62,13 @@ def read_flags(flags: list[Tensor]) -> list[float]:
     return [float(f) for f in flags]
 
 
+def _by_device(tensors: list[Tensor]) -> dict[torch.device, list[Tensor]]:
+    out: dict[torch.device, list[Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
+
+
 def _version(grad: Tensor) -> int:
     """A gradient's version counter; for a DTensor (FSDP2) that of its local shard, which is
     what in-place accumulation bumps (the DTensor's own counter stays 0)."""
@@ -72,13 +83,14 @@ class LossSlot:
         self.scaler = scaler
         self.pending: list[Tensor] = []
 
-    def flush(self, values: list[float] | None = None) -> None:
-        """Apply the pending verdicts (reading them from the device unless given)."""
+    def flush(self, values: list[float] | None = None, skipped: bool = False) -> None:
+        """Apply the pending verdicts (reading them from the device unless given); ``skipped``:
+        the step is skipped for a reason found outside this loss's backward, which counts too."""
         if not self.pending:
             return
         if values is None:
             values = read_flags(self.pending)
-        self.scaler.update(any(v != 0 for v in values))
+        self.scaler.update(skipped or any(v != 0 for v in values))
         self.pending.clear()
 
 
@@ -138,6 +150,10 @@ class MixedPrecisionOptimizer(Optimizer):
         self._pairs: list[tuple[Tensor, Tensor]] = []  # (model param, master) for 16-bit params
         self._master_ids: set[int] = set()
         self._found: dict[torch.device, Tensor] = {}
+        # verdicts of gradients checked outside a scaled backward (a plain loss.backward(), a
+        # gradient written after it): they skip the step and count against every loss scaler
+        # whose loss fed this step, so the scaler's and the optimizer's counts agree
+        self._late: dict[torch.device, Tensor] = {}
         self._touched: set[int] = set()  # loss ids recorded since the last step
         self._stash: dict[Tensor, Tensor] = {}
         self._grad_buffers: dict[int, Tensor] = {}  # id(master) -> persistent fp32 grad
@@ -179,6 +195,7 @@ class MixedPrecisionOptimizer(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_late", {})  # pickled before late verdicts were kept apart
 
     def __repr__(self) -> str:
         return (
@@ -247,6 +264,14 @@ class MixedPrecisionOptimizer(Optimizer):
                 self._stash[p] = p.grad
                 p.grad = None
 
+    def _check_late(self) -> None:
+        """Check gradients that have not been through a check yet (not unscaled: they did not
+        come from a scaled backward)."""
+        flag = self._unscale(1.0)
+        if flag is not None:
+            late = self._late.get(flag.device)
+            self._late[flag.device] = flag if late is None else late.add_(flag)
+
     def _unscale(self, scale: float) -> Tensor | None:
         """After a backward: unscale fresh grads into master grads; return the verdict flag."""
         fresh: dict[torch.device, list[Tensor]] = {}
@@ -257,6 +282,14 @@ class MixedPrecisionOptimizer(Optimizer):
             if device not in call_flags:
                 call_flags[device] = torch.zeros(1, device=device)
             return call_flags[device]
+
+        def flags_of(call_flags: dict[torch.device, Tensor]) -> Tensor | None:
+            for device, flag in call_flags.items():
+                self._found_for(device).add_(flag)
+            flags = list(call_flags.values())
+            if len(flags) <= 1:
+                return flags[0] if flags else None
+            return torch.tensor([sum(read_flags(flags))])  # several devices: one sync each
 
         if scale == 1.0:
             # Nothing to unscale: check the 16-bit grads where they are (half the bytes of an
@@ -276,13 +309,17 @@ class MixedPrecisionOptimizer(Optimizer):
             if p.grad is not None:
                 fresh.setdefault(p.grad.device, []).append(p.grad)
                 targets.append((p, p.grad))
+        # a master gradient written since its check (clipping by hand, a hook): checked as is
+        changed = [m.grad for _, m in self._pairs if self._unchecked(m)]
+        for device, grads in _by_device(changed).items():
+            unscale_and_check_(grads, 1.0, flag_for(device))
+        for _, m in self._pairs:
+            if m.grad is not None and self._unchecked(m):
+                self._checked[id(m)] = (weakref.ref(m.grad), _version(m.grad))
         if not targets:
-            return None
+            return flags_of(call_flags)
         for device, grads in fresh.items():
             unscale_and_check_(grads, 1.0 / scale, flag_for(device))
-        flags = list(call_flags.values())
-        for device, flag in call_flags.items():
-            self._found_for(device).add_(flag)
         for target, g in targets:
             stashed = self._stash.pop(target, None)
             if target.grad is None or target.grad is g:
@@ -290,9 +327,7 @@ class MixedPrecisionOptimizer(Optimizer):
             else:
                 target.grad.add_(g)
             self._checked[id(target)] = (weakref.ref(target.grad), _version(target.grad))
-        if len(flags) == 1:
-            return flags[0]
-        return torch.tensor([sum(read_flags(flags))])  # several devices: rare, one sync each
+        return flags_of(call_flags)
 
     def _widen(self) -> list[tuple[Tensor, Tensor]]:
         """Move 16-bit model grads into fp32 tensors; return ``(fp32 grad, master)`` pairs.
@@ -348,7 +383,7 @@ class MixedPrecisionOptimizer(Optimizer):
     def prepare_backward(self) -> None:
         """Called before ``backward``: take in raw grads, stash unscaled grads for accumulation."""
         if self._has_raw_grads():
-            self._unscale(1.0)  # grads of a plain loss.backward(): checked, not to be unscaled
+            self._check_late()  # grads of a plain loss.backward(): checked, not to be unscaled
         self._stash_grads()
 
     def backward(self, loss: Tensor, loss_id: int = 0, **kwargs: Any) -> None:
@@ -366,34 +401,38 @@ class MixedPrecisionOptimizer(Optimizer):
         """True when some gradient has not been through the finite check yet."""
         if any(p.grad is not None for p, _ in self._pairs):
             return True
-        return any(self._unchecked(p) for p in self._own_params())
+        return any(self._unchecked(p) for p in self.master_params())
 
     def _settle(self) -> bool:
         """Process raw grads, read every verdict with one host sync, update the scalers."""
         if self._has_raw_grads():
-            self._unscale(1.0)  # plain loss.backward() (alone or after scaled ones): unscaled
+            self._check_late()  # plain loss.backward() (alone or after scaled ones), or a
+            # gradient changed after its check: not unscaled
         for hook in SETTLE_HOOKS:  # e.g. DDP(model) without wrap_ddp: same verdict everywhere
             hook(self)
         slots = [self.slots[i] for i in sorted(self._touched)]
         flags = list(self._found.values())
-        all_flags = flags + [p for s in slots for p in s.pending]
+        late = list(self._late.values())
+        all_flags = flags + late + [p for s in slots for p in s.pending]
         if self.reduce_flags is not None and all_flags:
             all_flags = self.reduce_flags(all_flags)
         values = read_flags(all_flags)
         found = any(v != 0 for v in values[: len(flags)])
-        offset = len(flags)
+        found_late = any(v != 0 for v in values[len(flags) : len(flags) + len(late)])
+        offset = len(flags) + len(late)
         for s in slots:
             n = len(s.pending)
-            s.flush(values[offset : offset + n])
+            s.flush(values[offset : offset + n], skipped=found_late)
             offset += n
         self._found.clear()
+        self._late.clear()
         self._touched.clear()
         return found
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the *unscaled* master gradients to ``max_norm``; return their total norm."""
         if self._has_raw_grads():
-            self._unscale(1.0)
+            self._check_late()
         grads = [p for p in self.master_params() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type, foreach=True)
 
@@ -446,6 +485,7 @@ class MixedPrecisionOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._stash.clear()
         self._found.clear()  # the verdicts were about the gradients dropped here
+        self._late.clear()
         params: Iterable[Tensor] = [*self.master_params(), *(p for p, _ in self._pairs)]
         for p in params:
             if p.grad is None:
