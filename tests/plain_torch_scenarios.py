@@ -189,6 +189,10 @@ def inplace_and_clipping(out: dict[str, Any]) -> None:
     with torch.autocast("cpu", BF16):
         opt.step()
         out["optimizer.after"] = model(x)
+    torch._dynamo.reset()  # a compiled optimizer step: same graphs, same breaks
+    explained = torch._dynamo.explain(opt.step)()
+    out["optimizer.compiled"] = torch.tensor([explained.graph_count, explained.graph_break_count])
+    out["optimizer.compiled_after"] = model(x)
 
 
 SCENARIOS = (op_lists, compiled_model, checkpointing, functorch, exported, inplace_and_clipping)

@@ -413,6 +413,8 @@ class MixedPrecisionOptimizer(Optimizer):
         slots = [self.slots[i] for i in sorted(self._touched)]
         flags = list(self._found.values())
         late = list(self._late.values())
+        if self.reduce_flags is not None:  # the same number of flags on every rank
+            late = [self._late.get(d, torch.zeros_like(f)) for d, f in self._found.items()]
         all_flags = flags + late + [p for s in slots for p in s.pending]
         if self.reduce_flags is not None and all_flags:
             all_flags = self.reduce_flags(all_flags)
