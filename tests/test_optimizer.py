@@ -803,7 +803,7 @@ def test_a_late_inf_counts_against_every_loss_that_fed_the_step_and_only_those()
 
 
 def test_an_overflow_in_one_loss_backs_off_that_loss_only():
-    """Per-loss scalers (Apex's num_losses): the optimizer skips, each scaler judges its own loss."""
+    """Per-loss scalers (Apex's num_losses): the optimizer skips, each scaler judges its loss."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     model, opt = initialize(model, opt, level="O1", dtype=FP16, num_losses=2)
