@@ -72,6 +72,8 @@ def _by_device(tensors: list[Tensor]) -> dict[torch.device, list[Tensor]]:
 def _version(grad: Tensor) -> int:
     """A gradient's version counter; for a DTensor (FSDP2) that of its local shard, which is
     what in-place accumulation bumps (the DTensor's own counter stays 0)."""
+    if type(grad) is Tensor:  # the common case, without the attribute lookup
+        return grad._version
     local = getattr(grad, "_local_tensor", None)
     return (local if isinstance(local, Tensor) else grad)._version
 
@@ -310,12 +312,11 @@ class MixedPrecisionOptimizer(Optimizer):
                 fresh.setdefault(p.grad.device, []).append(p.grad)
                 targets.append((p, p.grad))
         # a master gradient written since its check (clipping by hand, a hook): checked as is
-        changed = [m.grad for _, m in self._pairs if self._unchecked(m)]
-        for device, grads in _by_device(changed).items():
+        changed = [m for _, m in self._pairs if self._unchecked(m)]
+        for device, grads in _by_device([m.grad for m in changed]).items():
             unscale_and_check_(grads, 1.0, flag_for(device))
-        for _, m in self._pairs:
-            if m.grad is not None and self._unchecked(m):
-                self._checked[id(m)] = (weakref.ref(m.grad), _version(m.grad))
+        for m in changed:
+            self._checked[id(m)] = (weakref.ref(m.grad), _version(m.grad))
         if not targets:
             return flags_of(call_flags)
         for device, grads in fresh.items():
