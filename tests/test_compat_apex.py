@@ -503,10 +503,13 @@ def test_o2_state_dict_holds_exact_masters_and_old_checkpoints_load():
     assert model.weight.dtype == torch.float16
     assert torch.equal(model.state_dict()["weight"], master.detach())  # not fp16-rounded
     assert not torch.equal(master.detach(), model.weight.detach().float())
-    # an Apex-era optimizer checkpoint (plain torch state dict) loads; masters from the model
-    opt.load_state_dict(torch.optim.SGD(nn.Linear(4, 4).parameters(), lr=5e-3).state_dict())
+    # an Apex-era checkpoint: fp32 model values and a plain torch optimizer state dict. The
+    # model's values reach the masters; the optimizer's state dict leaves them alone.
+    fp32_model = nn.Linear(4, 4)
+    model.load_state_dict(fp32_model.state_dict())
+    opt.load_state_dict(torch.optim.SGD(fp32_model.parameters(), lr=5e-3).state_dict())
     assert opt.param_groups[0]["lr"] == 5e-3
-    assert torch.equal(opt.master_params()[0].detach(), model.weight.detach().float())
+    assert torch.equal(opt.master_params()[0].detach(), fp32_model.weight.detach())
 
 
 # -- initialize semantics, registration, FP16_Optimizer --------------------------------------

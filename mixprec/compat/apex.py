@@ -12,8 +12,9 @@ Where Apex has a known flaw and fixing it cannot break a caller, mixprec's behav
 
 * O2 checkpoints keep the fp32 masters: the returned optimizer's ``state_dict`` carries them and
   ``model.state_dict()`` returns the masters' exact fp32 values (Apex returns fp32 casts of the
-  fp16 weights, so a resume loses precision, apex#180/#480). A plain torch optimizer state dict
-  (an old Apex checkpoint) still loads; the masters are then rebuilt from the model.
+  fp16 weights, so a resume loses precision, apex#180/#480). The optimizer's ``state_dict`` is
+  torch's layout, which the plain torch optimizer loads. A plain torch optimizer state dict (an
+  old Apex checkpoint) still loads; the masters then keep the model's loaded values.
 * Every level, static scaling included, checks gradients and skips a non-finite step (Apex's
   static scaling never checks).
 * The numerically risky ops (softmax, norms, losses, ...) run in fp32 at O2/O3 too, and outputs
@@ -94,7 +95,8 @@ class AmpOptimizer(MixedPrecisionOptimizer):
     ``torch.optim.Optimizer``, so LR schedulers accept it) with Apex's step-time behaviour.
 
     * A skipped step prints Apex's "Gradient overflow. Skipping step" line at ``verbosity >= 1``.
-    * ``load_state_dict`` also takes a plain torch optimizer state dict (an Apex checkpoint).
+    * ``state_dict()`` loads into the plain torch optimizer; ``load_state_dict`` also takes a
+      plain torch optimizer state dict (an Apex checkpoint).
     """
 
     _amp_verbosity = 1
@@ -113,17 +115,6 @@ class AmpOptimizer(MixedPrecisionOptimizer):
                 f"{self.loss_scale}"
             )
         return loss
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "masters" in state_dict and "optimizer" in state_dict:
-            super().load_state_dict(state_dict)
-            return
-        # An Apex-era checkpoint: the inner optimizer's state; the masters come from the model.
-        self.optimizer.load_state_dict(state_dict)
-        for p, master in zip(self.model_params(), self.master_params()):
-            if p is not master:
-                master.copy_(p)
 
 
 def _as_list(obj: Any) -> tuple[list[Any], bool]:
