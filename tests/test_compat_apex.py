@@ -93,7 +93,7 @@ def test_basic_casts(name, in_dtype):
     out = probe(x)
     want = {HALF: torch.float16, FLOAT: torch.float32, MATCH: in_dtype}[expect]
     assert probe.seen == [want]
-    assert out.dtype == torch.float32  # mixprec: model outputs are fp32 at every level
+    assert out.dtype == want  # O1, as Apex: the output keeps the dtype of the op that made it
     out.float().sum().backward()
     assert x.grad is not None and x.grad.dtype == in_dtype
 
@@ -592,7 +592,11 @@ def test_register_functions_decorators_and_disable_casts():
     probe = _o1(Probe(fn, lin=nn.Linear(h, h)))
     probe(torch.randn(b, h))
     assert probe.seen == [torch.float32]  # sigmoid registered as a float function
-    assert ns.custom(torch.ones(1), torch.ones(1)) == (torch.float32, torch.float32)  # outside
+    # O1 casts every op of this thread, as Apex's patches did, until the handle is deactivated
+    assert ns.custom(torch.ones(1), torch.ones(1)) == (torch.float16, torch.float16)
+    amp._amp_state.handle._deactivate()
+    assert ns.custom(torch.ones(1), torch.ones(1)) == (torch.float32, torch.float32)
+    assert probe.lin(torch.ones(1, h)).dtype == torch.float32
     amp.reset()
     assert mixprec.core.cast_table.rule_for(torch.sigmoid) is None
     assert ns.custom.__name__ == "<lambda>" and not hasattr(ns.custom, "__wrapped__")
