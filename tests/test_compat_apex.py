@@ -93,7 +93,7 @@ def test_basic_casts(name, in_dtype):
     out = probe(x)
     want = {HALF: torch.float16, FLOAT: torch.float32, MATCH: in_dtype}[expect]
     assert probe.seen == [want]
-    assert out.dtype == torch.float32  # mixprec: model outputs are fp32 at every level
+    assert out.dtype == want  # O1, as Apex: the output keeps the dtype of the op that made it
     out.float().sum().backward()
     assert x.grad is not None and x.grad.dtype == in_dtype
 
@@ -503,10 +503,13 @@ def test_o2_state_dict_holds_exact_masters_and_old_checkpoints_load():
     assert model.weight.dtype == torch.float16
     assert torch.equal(model.state_dict()["weight"], master.detach())  # not fp16-rounded
     assert not torch.equal(master.detach(), model.weight.detach().float())
-    # an Apex-era optimizer checkpoint (plain torch state dict) loads; masters from the model
-    opt.load_state_dict(torch.optim.SGD(nn.Linear(4, 4).parameters(), lr=5e-3).state_dict())
+    # an Apex-era checkpoint: fp32 model values and a plain torch optimizer state dict. The
+    # model's values reach the masters; the optimizer's state dict leaves them alone.
+    fp32_model = nn.Linear(4, 4)
+    model.load_state_dict(fp32_model.state_dict())
+    opt.load_state_dict(torch.optim.SGD(fp32_model.parameters(), lr=5e-3).state_dict())
     assert opt.param_groups[0]["lr"] == 5e-3
-    assert torch.equal(opt.master_params()[0].detach(), model.weight.detach().float())
+    assert torch.equal(opt.master_params()[0].detach(), fp32_model.weight.detach())
 
 
 # -- initialize semantics, registration, FP16_Optimizer --------------------------------------
@@ -589,7 +592,11 @@ def test_register_functions_decorators_and_disable_casts():
     probe = _o1(Probe(fn, lin=nn.Linear(h, h)))
     probe(torch.randn(b, h))
     assert probe.seen == [torch.float32]  # sigmoid registered as a float function
-    assert ns.custom(torch.ones(1), torch.ones(1)) == (torch.float32, torch.float32)  # outside
+    # O1 casts every op of this thread, as Apex's patches did, until the handle is deactivated
+    assert ns.custom(torch.ones(1), torch.ones(1)) == (torch.float16, torch.float16)
+    amp._amp_state.handle._deactivate()
+    assert ns.custom(torch.ones(1), torch.ones(1)) == (torch.float32, torch.float32)
+    assert probe.lin(torch.ones(1, h)).dtype == torch.float32
     amp.reset()
     assert mixprec.core.cast_table.rule_for(torch.sigmoid) is None
     assert ns.custom.__name__ == "<lambda>" and not hasattr(ns.custom, "__wrapped__")

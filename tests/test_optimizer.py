@@ -46,7 +46,7 @@ def snapshot(model: nn.Module, opt) -> dict:
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "masters": [m.detach().clone() for _, m in opt._pairs],
-        "state": copy.deepcopy(opt.state_dict()["optimizer"]),
+        "state": copy.deepcopy(opt.optimizer.state_dict()),
     }
 
 

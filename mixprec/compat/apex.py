@@ -10,27 +10,37 @@ the device, ``initialize`` says so (``verbosity >= 1``) and ``dtype=torch.bfloat
 
 Where Apex has a known flaw and fixing it cannot break a caller, mixprec's behaviour wins:
 
-* O2 checkpoints keep the fp32 masters: the returned optimizer's ``state_dict`` carries them and
+* O2 checkpoints keep the fp32 masters: the returned optimizer's ``state_dict`` (torch's layout,
+  which the plain torch optimizer loads, with mixprec's state beside it) carries them, and
   ``model.state_dict()`` returns the masters' exact fp32 values (Apex returns fp32 casts of the
   fp16 weights, so a resume loses precision, apex#180/#480). A plain torch optimizer state dict
-  (an old Apex checkpoint) still loads; the masters are then rebuilt from the model.
+  (an old Apex checkpoint) still loads; the masters then keep the model's loaded values.
+* Apex's restore order -- fresh model and optimizer, ``load_state_dict`` into them, then
+  ``initialize`` -- resumes exactly: existing optimizer state is re-keyed onto the masters (as
+  Apex does), and the masters start from the model's fp32 values, not from their 16-bit casts.
 * Every level, static scaling included, checks gradients and skips a non-finite step (Apex's
   static scaling never checks).
-* The numerically risky ops (softmax, norms, losses, ...) run in fp32 at O2/O3 too, and outputs
-  are fp32 at every level (Apex: O1 outputs keep the op's dtype). ``binary_cross_entropy`` is
-  cast to fp32 instead of banned.
+* The numerically risky ops (softmax, norms, losses, ...) run in fp32 at O2/O3 too.
+  ``binary_cross_entropy`` is cast to fp32 instead of banned. As in Apex, O1 outputs keep the
+  dtype of the op that made them (``cast_model_outputs`` casts them) and O2/O3 outputs are fp32.
 * ``initialize`` may be called again for new models (Apex: once per process); state is per call,
   ``amp.state_dict`` reports the latest call's scalers. Registrations work before or after it.
 * Dynamic scaling has a floor (``min_loss_scale``, default 1.0) instead of none.
 * ``delay_unscale`` is accepted and unnecessary: every backward is unscaled with its own scale.
 * ``keep_batchnorm_fp32`` keeps every normalization layer fp32 (LayerNorm, GroupNorm too).
+* Optimizer wrappers such as ``LARC(SGD(...))`` are accepted as in Apex
+  (:mod:`mixprec.compat.optimizer_view`); ``install()`` also provides ``apex.parallel.LARC``
+  (:mod:`mixprec.compat.larc`).
+* ``amp.init()``, Apex's older handle API, runs on a mixprec region
+  (:mod:`mixprec.compat.amp_handle`). ``_amp_state`` exposes what Apex's tests and tools read:
+  ``loss_scalers[i].loss_scale()`` (and ``_loss_scale`` to set it), ``opt_properties``,
+  ``handle``; ``allow_incoming_model_not_fp32`` is accepted (16-bit models are always taken).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import sys
 import types
 import weakref
@@ -42,10 +52,13 @@ import torch
 from torch import Tensor, nn
 
 import mixprec
+from mixprec.compat import amp_casts, larc
 from mixprec.compat import fp16_optimizer as fp16_utils
+from mixprec.compat.amp_checkpoint import fp32_values, install_fp32_state_dict, take_state
+from mixprec.compat.amp_handle import AmpHandle, NoOpHandle, step_without_casts
 from mixprec.compat.fp16_optimizer import FP16_Optimizer
+from mixprec.compat.optimizer_view import as_torch_optimizer
 from mixprec.core import engine
-from mixprec.core.dispatch import float_dtypes
 from mixprec.core.hardware import default_dtype
 from mixprec.core.loss_scale import LossScaler
 from mixprec.core.optimizer import LossSlot, MixedPrecisionOptimizer
@@ -56,19 +69,41 @@ _LEVELS = ("O0", "O1", "O2", "O3")
 _APEX_LOSS_SCALE = {"O0": 1.0, "O1": "dynamic", "O2": "dynamic", "O3": 1.0}
 _APEX_MASTERS = {"O0": False, "O1": None, "O2": True, "O3": False}
 _APEX_KEEP_BN = {"O0": None, "O1": None, "O2": True, "O3": False}
-_TORCH_NAMESPACES = (
-    torch,
-    torch.nn.functional,
-    torch.Tensor,
-    torch.linalg,
-    torch.special,
-    torch.fft,
-)
-_RULES = {"half": "lower", "float": "fp32", "promote": "promote"}
+
+
+class _ScalerView:
+    """Apex's ``LossScaler`` surface over one of mixprec's loss scalers: ``loss_scale()``,
+    ``_loss_scale`` (settable, as Apex's tests set it) and ``_unskipped``."""
+
+    def __init__(self, slot: LossSlot) -> None:
+        self._slot = slot
+
+    def loss_scale(self) -> float:
+        return self._slot.scaler.scale
+
+    @property
+    def _loss_scale(self) -> float:
+        return self._slot.scaler.scale
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        self._slot.scaler.scale = float(value)
+
+    @property
+    def _unskipped(self) -> int:
+        return self._slot.scaler.growth_tracker
+
+    @property
+    def dynamic(self) -> bool:
+        return self._slot.scaler.dynamic
+
+    def __repr__(self) -> str:
+        return f"LossScaler view of {self._slot.scaler!r}"
 
 
 class _AmpState:
-    """Apex's process-global ``_amp_state``, reduced to what the namespace needs."""
+    """Apex's process-global ``_amp_state`` (``amp._amp_state``): the latest call's scalers,
+    options and handle."""
 
     def __init__(self) -> None:
         self.initialized = False
@@ -77,8 +112,16 @@ class _AmpState:
         self.slots: list[LossSlot] = []
         self.wrappers: weakref.WeakValueDictionary[int, AmpOptimizer] = (
             weakref.WeakValueDictionary()
-        )  # id(inner torch optimizer) -> returned optimizer
-        self.registered: list[tuple[Any, str, Any]] = []  # (owner, name, original) to undo
+        )  # id(optimizer the caller passed) -> returned optimizer
+        self.opt_properties: types.SimpleNamespace | None = None
+        self.handle: AmpHandle | None = None
+        self.handles: list[AmpHandle] = []  # from amp.init, deactivated by reset() in reverse
+        self.allow_incoming_model_not_fp32 = False
+        self.hard_override = False
+
+    @property
+    def loss_scalers(self) -> list[_ScalerView]:
+        return [_ScalerView(slot) for slot in self.slots]
 
 
 _state = _AmpState()
@@ -94,10 +137,13 @@ class AmpOptimizer(MixedPrecisionOptimizer):
     ``torch.optim.Optimizer``, so LR schedulers accept it) with Apex's step-time behaviour.
 
     * A skipped step prints Apex's "Gradient overflow. Skipping step" line at ``verbosity >= 1``.
-    * ``load_state_dict`` also takes a plain torch optimizer state dict (an Apex checkpoint).
+    * ``step(closure)`` evaluates the closure once, then steps.
+    * ``state_dict()`` loads into the plain torch optimizer; ``load_state_dict`` also takes a
+      plain torch optimizer state dict (an Apex checkpoint).
     """
 
     _amp_verbosity = 1
+    _amp_original: Any = None  # what the caller passed to initialize (a torch optimizer, a LARC)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -105,7 +151,7 @@ class AmpOptimizer(MixedPrecisionOptimizer):
         if closure is not None:  # Apex raises; one evaluation then one step is what users mean
             with torch.enable_grad():
                 loss = closure()
-        super().step()
+        step_without_casts(super().step)
         # (the base class drops the masters' grads after a step, as Apex does)
         if self.step_skipped and self._amp_verbosity >= 1:
             print(
@@ -113,17 +159,6 @@ class AmpOptimizer(MixedPrecisionOptimizer):
                 f"{self.loss_scale}"
             )
         return loss
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "masters" in state_dict and "optimizer" in state_dict:
-            super().load_state_dict(state_dict)
-            return
-        # An Apex-era checkpoint: the inner optimizer's state; the masters come from the model.
-        self.optimizer.load_state_dict(state_dict)
-        for p, master in zip(self.model_params(), self.master_params()):
-            if p is not master:
-                master.copy_(p)
 
 
 def _as_list(obj: Any) -> tuple[list[Any], bool]:
@@ -291,37 +326,75 @@ def initialize(
         _hint_dtype(dtype, device, explicit)
     scalers = [LossScaler.from_spec(spec if spec != 1.0 else None, **scaler_opts)]
     scalers += [copy.deepcopy(scalers[0]) for _ in range(int(num_losses) - 1)]
-    if cast_model_type is False or (level == "O1" and patch_torch_functions is False):
-        # Apex leaves the model alone (no casts, no forward patch): only masters and scaling.
-        slots = [LossSlot(s) for s in scalers]
-        wrapped = [MixedPrecisionOptimizer(o, slots, master_weights=masters) for o in opt_list]
-    else:
-        kwargs: dict[str, Any] = dict(
-            num_losses=int(num_losses),
-            loss_scale=scalers[0],
-            cast_model_outputs=cast_model_outputs or torch.float32,
-        )
-        if level in ("O2", "O3"):
-            kwargs["keep_norm_fp32"] = bool(keep_bn)
-            kwargs["master_weights"] = masters
-        out = mixprec.initialize(
-            model_list,
-            opt_list or None,
-            level=level,
-            dtype=None if level == "O0" else dtype,
-            **kwargs,
-        )
-        wrapped = out[1] if opt_list else []
-        slots = wrapped[0].slots if wrapped else [LossSlot(s) for s in scalers]
-    for w in wrapped:
+    torch_opts = [as_torch_optimizer(o) for o in opt_list]
+    leave_model = cast_model_type is False or (level == "O1" and patch_torch_functions is False)
+    # Apex's restore order (load_state_dict, then initialize): masters start from the fp32
+    # values the model holds now, and the loaded state moves onto them after wrapping.
+    fp32 = fp32_values(torch_opts) if masters and not leave_model and level != "O1" else {}
+    carried = [take_state(o) for o in torch_opts]
+    try:
+        if leave_model:
+            # Apex leaves the model alone (no casts, no forward patch): masters and scaling.
+            slots = [LossSlot(s) for s in scalers]
+            wrapped = [
+                MixedPrecisionOptimizer(o, slots, master_weights=masters) for o in torch_opts
+            ]
+        else:
+            kwargs: dict[str, Any] = dict(
+                num_losses=int(num_losses),
+                loss_scale=scalers[0],
+                # Apex: O1 outputs keep the op's dtype, O2/O3 outputs are fp32
+                cast_model_outputs=cast_model_outputs
+                if level == "O1"
+                else cast_model_outputs or torch.float32,
+            )
+            if level in ("O2", "O3"):
+                kwargs["keep_norm_fp32"] = bool(keep_bn)
+                kwargs["master_weights"] = masters
+            out = mixprec.initialize(
+                model_list,
+                torch_opts or None,
+                level=level,
+                dtype=None if level == "O0" else dtype,
+                **kwargs,
+            )
+            wrapped = out[1] if torch_opts else []
+            slots = wrapped[0].slots if wrapped else [LossSlot(s) for s in scalers]
+    except BaseException:
+        for o, (items, _) in zip(torch_opts, carried):
+            o.state.update(items)  # give the caller's optimizer its state back
+        raise
+    for w, original, (_, sd) in zip(wrapped, opt_list, carried):
+        with torch.no_grad():
+            for p, master in zip(w.model_params(), w.master_params()):
+                if p is not master and id(p) in fp32:
+                    master.copy_(fp32[id(p)])
+        if sd is not None:
+            w.load_state_dict(sd)  # torch's layout, by index: onto the masters
         w.__class__ = AmpOptimizer
         w._amp_verbosity = _state.verbosity
-        _state.wrappers[id(w.optimizer)] = w
+        w._amp_original = original
+        _state.wrappers[id(original)] = w
     _state.slots = slots
     _state.initialized, _state.enabled = True, True
+    _state.opt_properties = types.SimpleNamespace(
+        enabled=True,
+        opt_level=level,
+        cast_model_type=False
+        if cast_model_type is False
+        else {"O0": torch.float32, "O1": None}.get(level, dtype),
+        patch_torch_functions=level == "O1" and patch_torch_functions is not False,
+        keep_batchnorm_fp32=keep_bn if level in ("O2", "O3") else None,
+        master_weights=masters if level != "O1" else None,
+        loss_scale=spec,
+        cast_model_outputs=cast_model_outputs,
+        num_losses=int(num_losses),
+    )
+    if _state.opt_properties.patch_torch_functions and not leave_model:
+        _o1_region(dtype, model_list)
     if level in ("O2", "O3") or cast_model_type is False:
         for m in model_list:
-            _install_fp32_state_dict(m, wrapped)
+            install_fp32_state_dict(m, wrapped)
     _print(
         1,
         f"mixprec amp: opt_level {level}, dtype {dtype if level != 'O0' else torch.float32}"
@@ -333,47 +406,19 @@ def initialize(
     return out_models, (wrapped if many_opts else wrapped[0])
 
 
-def _master_map(wrappers: list[MixedPrecisionOptimizer]) -> dict[int, Tensor]:
-    return {
-        id(p): m
-        for w in wrappers
-        for p, m in zip(w.model_params(), w.master_params())
-        if p is not m
-    }
-
-
-def _install_fp32_state_dict(model: nn.Module, wrappers: list[MixedPrecisionOptimizer]) -> None:
-    """``state_dict()`` returns fp32 (exact master values); loading also sets the masters."""
-    refs = [weakref.ref(w) for w in wrappers]
-
-    def live() -> list[MixedPrecisionOptimizer]:
-        return [w for w in (r() for r in refs) if w is not None]
-
-    def save_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-        masters = _master_map(live())
-        own = dict(module.named_parameters(recurse=False))
-        own.update(dict(module.named_buffers(recurse=False)))
-        for name, t in own.items():
-            key = prefix + name
-            if t is None or key not in state_dict or not t.is_floating_point():
-                continue
-            src = masters.get(id(t))
-            if src is not None:
-                state_dict[key] = src.detach().clone()
-            elif t.dtype in (torch.float16, torch.bfloat16):
-                state_dict[key] = state_dict[key].float()
-
-    @torch.no_grad()
-    def load_hook(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        masters = _master_map(live())
-        for name, p in module.named_parameters(recurse=False):
-            value, master = state_dict.get(prefix + name), masters.get(id(p))
-            if master is not None and isinstance(value, Tensor) and value.shape == master.shape:
-                master.copy_(value)
-
-    for module in model.modules():
-        module._register_state_dict_hook(save_hook)
-        module.register_load_state_dict_pre_hook(load_hook)
+def _o1_region(dtype: torch.dtype, models: list[nn.Module]) -> None:
+    """Apex's O1 patches every torch function for the process, so the loss computed from the
+    model's 16-bit outputs runs under the cast lists too (``mean``, losses: fp32). The shim
+    opens a mixprec region on this thread instead, once (a live one is reused), until
+    ``amp._amp_state.handle._deactivate()`` or ``amp.reset()``."""
+    live = _state.handle
+    region = live._region if live is not None and live._live else None
+    if region is not None and region.policy.compute_dtype == dtype:
+        live._models.extend(models)
+        return
+    handle = AmpHandle(dtype=dtype, models=models, verbosity=_state.verbosity)
+    _state.handles = [h for h in _state.handles if h._live] + [handle]
+    _state.handle = handle
 
 
 def _resolve_optimizers(optimizers: Any) -> list[MixedPrecisionOptimizer]:
@@ -381,8 +426,8 @@ def _resolve_optimizers(optimizers: Any) -> list[MixedPrecisionOptimizer]:
     for o in _as_list(optimizers)[0]:
         if isinstance(o, MixedPrecisionOptimizer):
             out.append(o)
-        elif id(o) in _state.wrappers and _state.wrappers[id(o)].optimizer is o:
-            out.append(_state.wrappers[id(o)])  # the original torch optimizer: use its wrapper
+        elif id(o) in _state.wrappers and _state.wrappers[id(o)]._amp_original is o:
+            out.append(_state.wrappers[id(o)])  # the optimizer passed to initialize: its wrapper
         else:
             raise TypeError(
                 f"amp.scale_loss got {type(o).__name__}, which was not passed "
@@ -419,6 +464,8 @@ def scale_loss(
     opts = _resolve_optimizers(optimizers)
     with mixprec.scale_loss(loss.float(), opts, loss_id=loss_id) as scaled:
         yield scaled
+    if engine.is_active():  # an O1 region: its cached weight casts go stale at the next step
+        torch.clear_autocast_cache()
 
 
 def master_params(optimizer: Any) -> Iterator[Tensor]:
@@ -465,145 +512,105 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
             s.load_state_dict(full)
 
 
-# -- user functions: registration, decorators, disable_casts ----------------------------------
-
-
-def _cast_wrapper(fn: Callable, kind: str) -> Callable:
-    """Wrap a function that the engine cannot see (a C++/CUDA extension, user Python)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not engine.is_active():
-            return fn(*args, **kwargs)
-        if kind == "half":
-            low = torch.get_autocast_dtype("cpu")  # the engine sets it to the region's dtype
-            return fn(*engine.cast_tree(args, low), **engine.cast_tree(kwargs, low))
-        if kind == "promote":
-            found = float_dtypes(kwargs, float_dtypes(args, set()))
-            if not (len(found) > 1 and torch.float32 in found):
-                return fn(*args, **kwargs)
-        args, kwargs = (
-            engine.cast_tree(args, torch.float32),
-            engine.cast_tree(kwargs, torch.float32),
-        )
-        if kind == "float":
-            with disable_casts():
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    wrapper.__wrapped_by_mixprec_amp__ = kind  # type: ignore[attr-defined]
-    return wrapper
-
-
-def _register(module: Any, name: str, kind: str) -> None:
-    if not hasattr(module, name):
-        raise ValueError(f"No function named {name} in module {module}.")
-    fn = getattr(module, name)
-    if any(module is ns for ns in _TORCH_NAMESPACES):
-        from mixprec.core.cast_table import rule_for
-
-        _state.registered.append((None, name, (fn, rule_for(fn))))
-        mixprec.register_op(fn, _RULES[kind])  # the engine sees every spelling of a torch op
-        return
-    _state.registered.append((module, name, fn))
-    setattr(module, name, _cast_wrapper(fn, kind))
-
-
-def register_half_function(module: Any, name: str) -> None:
-    """Run ``module.name`` in 16-bit inside mixed-precision regions (Apex: FP16)."""
-    _register(module, name, "half")
-
-
-def register_float_function(module: Any, name: str) -> None:
-    """Run ``module.name`` in float32 inside mixed-precision regions."""
-    _register(module, name, "float")
-
-
-def register_promote_function(module: Any, name: str) -> None:
-    """Run ``module.name`` in the widest input dtype (fp16+fp32 -> fp32)."""
-    _register(module, name, "promote")
-
-
-def half_function(fn: Callable) -> Callable:
-    """Decorator: cast floating arguments to the region's 16-bit dtype."""
-    return _cast_wrapper(fn, "half")
-
-
-def float_function(fn: Callable) -> Callable:
-    """Decorator: cast floating arguments to float32 and run the body with casts off."""
-    return _cast_wrapper(fn, "float")
-
-
-def promote_function(fn: Callable) -> Callable:
-    """Decorator: if arguments mix 16-bit and float32, cast them all to float32."""
-    return _cast_wrapper(fn, "promote")
+# -- disable_casts, reset, init ---------------------------------------------------------------
 
 
 @contextlib.contextmanager
 def disable_casts() -> Iterator[None]:
     """Turn mixprec's casts off inside the block: every op runs in its inputs' dtype."""
+    handle = _state.handle
+    if handle is not None and handle.is_active():
+        with handle._disable_casts():
+            yield
+        return
     with mixprec.autocast("float32"):
         yield
 
 
 def reset() -> None:
-    """mixprec extension: undo registrations and forget the amp state (tests, notebooks)."""
-    for owner, name, original in reversed(_state.registered):
-        if owner is None:
-            fn, rule = original
-            mixprec.register_op(fn, rule)
-        else:
-            setattr(owner, name, original)
+    """mixprec extension: undo registrations, close the regions of live ``amp.init`` handles
+    and forget the amp state (tests, notebooks)."""
+    for handle in reversed(_state.handles):
+        handle._deactivate()
+    amp_casts.undo_registrations()
     _state.__init__()
 
 
-def init(*args: Any, **kwargs: Any) -> Any:
-    """Apex's pre-2019 ``amp.init`` handle API is not provided (Apex itself calls it dead)."""
-    raise NotImplementedError(
-        "amp.init() (Apex's legacy handle API) is not supported: call "
-        "model, optimizer = amp.initialize(model, optimizer, opt_level='O1')"
-        " and use `with amp.scale_loss(loss, optimizer) as s: s.backward()`."
-    )
+def init(
+    enabled: bool = True,
+    loss_scale: Any = "dynamic",
+    enable_caching: bool = True,
+    verbose: bool = False,
+    allow_banned: bool = False,
+    *,
+    dtype: torch.dtype = torch.float16,
+) -> AmpHandle:
+    """Apex's older API: ``handle = amp.init()`` opens a float16 mixprec region on this thread
+    (O1 casting for every op until ``handle._deactivate()``) and returns the handle;
+    ``handle.scale_loss(loss, optimizer)`` and ``handle.wrap_optimizer(optimizer, num_loss)``
+    scale losses (:mod:`mixprec.compat.amp_handle`). ``enabled=False`` returns a handle that
+    does nothing. ``dtype`` (mixprec extension) picks the 16-bit dtype."""
+    if not enabled:
+        handle: AmpHandle = NoOpHandle()
+    else:
+        handle = AmpHandle(
+            loss_scale, enable_caching, verbose, dtype=dtype, verbosity=_state.verbosity
+        )
+        _state.handles = [h for h in _state.handles if h._live]
+        _state.handles.append(handle)
+    _state.handle = handle
+    return handle
 
 
 # -- the namespaces --------------------------------------------------------------------------
 
 amp = types.ModuleType("mixprec.compat.apex.amp", "Apex's amp namespace, running on mixprec.")
-for _name in (
-    "initialize",
-    "scale_loss",
-    "master_params",
-    "state_dict",
-    "load_state_dict",
-    "register_half_function",
-    "register_float_function",
-    "register_promote_function",
-    "half_function",
-    "float_function",
-    "promote_function",
-    "disable_casts",
-    "init",
-    "reset",
+for _fn in (
+    initialize,
+    scale_loss,
+    master_params,
+    state_dict,
+    load_state_dict,
+    amp_casts.register_half_function,
+    amp_casts.register_float_function,
+    amp_casts.register_promote_function,
+    amp_casts.half_function,
+    amp_casts.float_function,
+    amp_casts.promote_function,
+    disable_casts,
+    init,
+    reset,
 ):
-    setattr(amp, _name, globals()[_name])
+    setattr(amp, _fn.__name__, _fn)
 amp.AmpOptimizer = AmpOptimizer  # type: ignore[attr-defined]
+amp._amp_state = _state  # type: ignore[attr-defined]
 
 _INSTALLED: list[str] = []
 
 
 def install() -> None:
-    """Make ``import apex``, ``from apex import amp`` and ``from apex.fp16_utils import
-    FP16_Optimizer`` resolve to mixprec, for code you cannot edit. Refuses if a real ``apex``
-    package is already imported."""
+    """Make ``import apex``, ``from apex import amp``, ``from apex.fp16_utils import
+    FP16_Optimizer`` and ``from apex.parallel.LARC import LARC`` resolve to mixprec, for code
+    you cannot edit. Refuses if a real ``apex`` package is already imported."""
     existing = sys.modules.get("apex")
     if existing is not None and not getattr(existing, "__mixprec__", False):
         raise RuntimeError("A real 'apex' package is already imported; mixprec will not shadow it.")
     apex = types.ModuleType("apex", "mixprec's stand-in for NVIDIA Apex (amp, fp16_utils).")
     apex.__mixprec__ = True  # type: ignore[attr-defined]
     apex.__path__ = []  # type: ignore[attr-defined]  # a package, so submodule imports work
+    parallel = types.ModuleType("apex.parallel", "mixprec's stand-in for apex.parallel (LARC).")
+    parallel.__path__ = []  # type: ignore[attr-defined]
+    parallel.LARC = larc.LARC  # type: ignore[attr-defined]  # as Apex: the class shadows the module
     apex.amp = amp  # type: ignore[attr-defined]
     apex.fp16_utils = fp16_utils  # type: ignore[attr-defined]
-    for name, module in (("apex", apex), ("apex.amp", amp), ("apex.fp16_utils", fp16_utils)):
+    apex.parallel = parallel  # type: ignore[attr-defined]
+    for name, module in (
+        ("apex", apex),
+        ("apex.amp", amp),
+        ("apex.fp16_utils", fp16_utils),
+        ("apex.parallel", parallel),
+        ("apex.parallel.LARC", larc),
+    ):
         sys.modules[name] = module
         _INSTALLED.append(name)
 

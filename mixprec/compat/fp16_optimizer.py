@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from mixprec.core.loss_scale import LossScaler
-from mixprec.core.optimizer import LossSlot, MixedPrecisionOptimizer
+from mixprec.core.optimizer import MIXPREC_KEY, LossSlot, MixedPrecisionOptimizer
 
 __all__ = ["FP16Model", "FP16_Optimizer", "convert_network", "network_to_half", "to_python_float"]
 
@@ -176,7 +176,7 @@ class FP16_Optimizer:
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        masters = self.mixed.state_dict()["masters"]
+        masters = self.mixed.state_dict()[MIXPREC_KEY]["masters"]
         return {
             "loss_scaler": self._slot.scaler.state_dict(),
             "dynamic_loss_scale": self.dynamic_loss_scale,
@@ -198,11 +198,13 @@ class FP16_Optimizer:
             masters = [m for group in masters for m in group]
         self.mixed.load_state_dict(
             {
-                "optimizer": state_dict["optimizer_state_dict"],
-                "masters": list(masters),
-                "scalers": [scaler],
-                "skipped_steps": int(state_dict.get("skipped_steps", 0)),
-                "step_skipped": bool(state_dict.get("overflow", False)),
+                **state_dict["optimizer_state_dict"],
+                MIXPREC_KEY: {
+                    "masters": list(masters),
+                    "scalers": [scaler],
+                    "skipped_steps": int(state_dict.get("skipped_steps", 0)),
+                    "step_skipped": bool(state_dict.get("overflow", False)),
+                },
             }
         )
         self.dynamic_loss_scale = bool(

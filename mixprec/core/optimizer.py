@@ -43,7 +43,13 @@ from mixprec.core.clipping import register_masters
 from mixprec.core.lean import LeanUpdate, StateDtype
 from mixprec.core.loss_scale import LossScaler, unscale_and_check_
 
-__all__ = ["SETTLE_HOOKS", "MixedPrecisionOptimizer", "scale_loss"]
+__all__ = [
+    "MIXPREC_KEY",
+    "SETTLE_HOOKS",
+    "MixedPrecisionOptimizer",
+    "scale_loss",
+    "split_state_dict",
+]
 
 #: ``hook(optimizer)``, run by every step before it reads its verdicts. The distributed layer
 #: adds one (a plain ``DDP(model)`` seen running the model: the ranks must skip together). A
@@ -500,46 +506,95 @@ class MixedPrecisionOptimizer(Optimizer):
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        out = {
-            "optimizer": self.optimizer.state_dict(),
+        """torch's layout, so the torch optimizer this wraps (or a plain one over the fp32
+        model) loads it as it is: the inner optimizer's ``state`` and ``param_groups`` (indices
+        over the masters), plus mixprec's own state under ``"mixprec"`` -- the masters' exact
+        values, every loss scaler, the skip counters and, with an update mode, its state.
+        ``torch.optim.Optimizer.load_state_dict`` ignores the extra key."""
+        inner = self.optimizer.state_dict()
+        if MIXPREC_KEY in inner:
+            raise RuntimeError(
+                f"The wrapped {type(self.optimizer).__name__}'s state dict already has a "
+                f"{MIXPREC_KEY!r} entry; wrap a plain torch optimizer, not a mixprec one."
+            )
+        own: dict[str, Any] = {
             "masters": [m.detach().clone() for _, m in self._pairs],
             "scalers": [s.scaler.state_dict() for s in self.slots],
             "skipped_steps": self.skipped_steps,
             "step_skipped": self.step_skipped,
         }
         if self.lean is not None:
-            out["lean"] = self.lean.state_dict()
-        return out
+            own["lean"] = self.lean.state_dict()
+        return {**inner, MIXPREC_KEY: own}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        missing = {"optimizer", "masters", "scalers", "skipped_steps"} - set(state_dict)
-        if missing:
-            raise KeyError(f"Not a MixedPrecisionOptimizer state dict: missing {sorted(missing)}.")
-        masters = state_dict["masters"]
-        if len(masters) != len(self._pairs):
-            raise ValueError(
-                f"The checkpoint has {len(masters)} master weights, this optimizer "
-                f"has {len(self._pairs)}: was it saved at another level or model?"
-            )
-        for (p, m), saved in zip(self._pairs, masters):
+        """Load :meth:`state_dict`'s output, the older mixprec layout (``optimizer``,
+        ``masters``, ``scalers``, ... at the top), or a plain torch optimizer's state dict.
+
+        A plain torch dict sets the inner optimizer's state and hyper-parameters only: the
+        masters keep following the model (load the model's state dict for its weights) and the
+        loss scalers and counters keep their state. The layout and the numbers of masters and
+        scalers are checked before anything is written.
+        """
+        inner, own = split_state_dict(state_dict)
+        if own is not None:
+            self._check_own(own)
+            if self.lean is not None:
+                self.lean.load_state_dict(own.get("lean"))
+        self.optimizer.load_state_dict(inner)
+        if self.lean is not None:
+            self.lean.restore_state_dtypes(inner)
+        if own is None:
+            return
+        for (p, m), saved in zip(self._pairs, own["masters"]):
             m.copy_(saved)
             p.copy_(saved)
-        if self.lean is not None:
-            self.lean.load_state_dict(state_dict.get("lean"))
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        if self.lean is not None:
-            self.lean.restore_state_dtypes(state_dict["optimizer"])
-        if len(state_dict["scalers"]) != len(self.slots):
-            raise ValueError(
-                f"The checkpoint has {len(state_dict['scalers'])} loss scalers, this "
-                f"optimizer has {len(self.slots)} (num_losses)."
-            )
-        for slot, sd in zip(self.slots, state_dict["scalers"]):
+        for slot, sd in zip(self.slots, own["scalers"]):
             slot.scaler.load_state_dict(sd)
             slot.pending.clear()
-        self.skipped_steps = int(state_dict["skipped_steps"])
-        self.step_skipped = bool(state_dict.get("step_skipped", False))
+        self.skipped_steps = int(own["skipped_steps"])
+        self.step_skipped = bool(own.get("step_skipped", False))
+
+    def _check_own(self, own: dict[str, Any]) -> None:
+        missing = sorted({"masters", "scalers", "skipped_steps"} - set(own))
+        if missing:
+            raise KeyError(
+                f"The checkpoint's {MIXPREC_KEY!r} entry misses {missing}: it was not "
+                "written by MixedPrecisionOptimizer.state_dict."
+            )
+        if len(own["masters"]) != len(self._pairs):
+            raise ValueError(
+                f"The checkpoint has {len(own['masters'])} master weights, this optimizer "
+                f"has {len(self._pairs)}: was it saved at another level or model?"
+            )
+        if len(own["scalers"]) != len(self.slots):
+            raise ValueError(
+                f"The checkpoint has {len(own['scalers'])} loss scalers, this "
+                f"optimizer has {len(self.slots)} (num_losses)."
+            )
+
+
+#: The key of mixprec's own state in :meth:`MixedPrecisionOptimizer.state_dict`.
+MIXPREC_KEY = "mixprec"
+_OLD_KEYS = ("optimizer", "masters", "scalers", "skipped_steps")
+
+
+def split_state_dict(state_dict: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``(torch optimizer state dict, mixprec's own state or None)`` from any layout
+    :meth:`MixedPrecisionOptimizer.load_state_dict` takes."""
+    if isinstance(state_dict, dict) and "state" in state_dict and "param_groups" in state_dict:
+        inner = {k: v for k, v in state_dict.items() if k != MIXPREC_KEY}
+        return inner, state_dict.get(MIXPREC_KEY)
+    if isinstance(state_dict, dict) and all(k in state_dict for k in _OLD_KEYS):
+        return state_dict["optimizer"], {k: v for k, v in state_dict.items() if k != "optimizer"}
+    keys = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else None
+    raise KeyError(
+        "Not an optimizer state dict: expected torch's layout ('state', 'param_groups', and "
+        f"mixprec's {MIXPREC_KEY!r} entry from MixedPrecisionOptimizer.state_dict) or "
+        f"mixprec's older layout {list(_OLD_KEYS)}; received "
+        + (f"keys {keys}." if keys is not None else f"a {type(state_dict).__name__}.")
+    )
 
 
 @contextlib.contextmanager

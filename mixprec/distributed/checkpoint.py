@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mixprec.core.initialize import fp32_state_dict
-from mixprec.core.optimizer import MixedPrecisionOptimizer
+from mixprec.core.optimizer import MIXPREC_KEY, MixedPrecisionOptimizer
 
 __all__ = ["fp32_full_state_dict", "load_checkpoint", "save_checkpoint"]
 
@@ -62,7 +62,7 @@ def _check_optimizer(optimizer: Any) -> None:
 
 def _mixprec_part(optimizer: MixedPrecisionOptimizer) -> dict[str, Any]:
     """The optimizer's own state without the inner optimizer (saved by DCP by name)."""
-    part = {k: v for k, v in optimizer.state_dict().items() if k != "optimizer"}
+    part = optimizer.state_dict()[MIXPREC_KEY]
     if part.get("masters"):
         raise NotImplementedError(
             "Separate fp32 masters on a sharded model are not supported: "
@@ -81,7 +81,7 @@ def _dcp_state(model: nn.Module, optimizer: MixedPrecisionOptimizer) -> dict[str
     return {
         "model": get_model_state_dict(model),
         "optimizer": get_optimizer_state_dict(model, optimizer.optimizer),
-        "mixprec": _mixprec_part(optimizer),
+        MIXPREC_KEY: _mixprec_part(optimizer),
     }
 
 
@@ -162,7 +162,7 @@ def load_checkpoint(
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer.optimizer, state["optimizer"])
         optimizer.load_state_dict(
-            {**state["mixprec"], "optimizer": optimizer.optimizer.state_dict()}
+            {**optimizer.optimizer.state_dict(), MIXPREC_KEY: state[MIXPREC_KEY]}
         )
         return
     if path.is_dir():
