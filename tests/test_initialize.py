@@ -278,26 +278,64 @@ def test_non_module_and_non_optimizer_inputs():
         initialize(m.state_dict(), o)
     with pytest.raises(TypeError, match=r"expects an nn.Module .* received function"):
         initialize([m, lambda x: x], o)
-    with pytest.raises(TypeError, match=r"expects a torch.optim.Optimizer .* received list"):
+    with pytest.raises(TypeError, match=r"takes torch.optim.Optimizer .* received list, which"):
         initialize(m, [list(m.parameters())])
-    with pytest.raises(TypeError, match=r"expects a torch.optim.Optimizer .* received dict"):
+    with pytest.raises(TypeError, match=r"takes torch.optim.Optimizer .* received dict, which"):
         initialize(m, {"lr": 0.1})
     with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer, received int"):
         MixedPrecisionOptimizer(3, [])
 
 
-def test_optimizer_already_stepped():
+def _torch_amp_checkpoint():
+    """A run trained with plain torch (as a torch.amp user would have): model and optimizer
+    state dicts after three AdamW steps."""
     m = make_model()
-    o = torch.optim.AdamW(m.parameters(), lr=0.1)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
     x, y = regression_data(8)
-    mse(m, x, y).backward()
-    o.step()
-    with pytest.raises(
-        RuntimeError,
-        match="Optimizer 0 already has state: call initialize before the first optimizer step",
-    ):
-        initialize(m, o, "O2", BF16)
-    assert all(p.dtype == FP32 for p in m.parameters())
+    for _ in range(3):
+        mse(m, x, y).backward()
+        o.step()
+        o.zero_grad()
+    return m.state_dict(), o.state_dict()
+
+
+def _resume(level: str, order: str):
+    weights, opt_state = _torch_amp_checkpoint()
+    m = make_model(seed=5)  # other weights: everything must come from the checkpoint
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    if order == "load_then_init":  # Apex's documented order
+        m.load_state_dict(weights)
+        o.load_state_dict(opt_state)
+    m, o = initialize(m, o, level, BF16 if level != "O0" else None)
+    if order == "init_then_load":
+        m.load_state_dict(weights)
+        o.load_state_dict(opt_state)  # a plain torch optimizer state dict
+    return m, o
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_a_torch_optimizer_state_resumes_in_either_order(level):
+    """Loading a plain torch optimizer state before initialize used to be refused ("already
+    has state"), and after it raised KeyError (not a MixedPrecisionOptimizer state dict)."""
+    _, want = _torch_amp_checkpoint()
+    runs = {order: _resume(level, order) for order in ("load_then_init", "init_then_load")}
+    x, y = regression_data(8)
+    for order, (m, o) in runs.items():
+        got = o.state_dict()
+        assert len(got["state"]) == len(want["state"]), order
+        for i, s in want["state"].items():  # the state sits on what the wrapper steps
+            assert torch.equal(got["state"][i]["step"], s["step"]), order
+            dtype = o.master_params()[i].dtype
+            assert torch.equal(got["state"][i]["exp_avg"], s["exp_avg"].to(dtype)), order
+        for _ in range(2):
+            o.backward(mse(m, x, y))
+            o.step()
+            o.zero_grad()
+    (ma, oa), (mb, ob) = runs.values()
+    assert all(
+        torch.equal(a, b) for a, b in zip(ma.state_dict().values(), mb.state_dict().values())
+    )
+    assert all(torch.equal(a, b) for a, b in zip(oa.master_params(), ob.master_params()))
 
 
 def test_loss_id_out_of_range():
@@ -569,3 +607,46 @@ def test_o2_masters_do_not_share_storage_with_the_users_tensors():
     opt.step()
     assert all(torch.equal(pretrained[k], kept[k]) for k in kept)
     assert not torch.equal(mixprec.fp32_state_dict(model, opt)["0.weight"], kept["0.weight"])
+
+
+class _Lars:
+    """An optimizer wrapper that is not a torch optimizer (as Apex's LARC): it scales each
+    gradient by a trust ratio, then steps the optimizer it wraps."""
+
+    def __init__(self, optimizer, trust: float = 0.02):
+        self.optim, self.trust = optimizer, trust
+
+    param_groups = property(lambda self: self.optim.param_groups)
+    state = property(lambda self: self.optim.state)
+
+    def step(self):
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        ratio = self.trust * p.norm() / (p.grad.norm() + 1e-12)
+                        p.grad.mul_(ratio)
+        return self.optim.step()
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_an_optimizer_wrapper_trains_at_every_level_and_sees_the_masters(level):
+    m = make_model()
+    lars = _Lars(torch.optim.SGD(m.parameters(), lr=0.5))
+    m, o = initialize(m, lars, level, BF16 if level != "O0" else None)
+    x, y = regression_data(16)
+    losses = []
+    for _ in range(6):
+        loss = mse(m, x, y)
+        losses.append(loss.item())
+        o.backward(loss)
+        o.step()
+        o.zero_grad()
+    assert losses[-1] < losses[0] and all(math.isfinite(v) for v in losses)
+    if level == "O2":  # the wrapper steps the fp32 masters
+        assert all(p.dtype == FP32 for g in lars.param_groups for p in g["params"])
+
+
+def test_an_object_that_is_no_optimizer_is_refused_with_what_it_lacks():
+    with pytest.raises(TypeError, match=r"initialize takes torch.optim.Optimizer.*no state, step"):
+        initialize(make_model(), type("Fake", (), {"param_groups": []})(), "O2", BF16)

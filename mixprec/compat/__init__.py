@@ -4,8 +4,7 @@
   (``from mixprec.compat.apex import amp``, or ``mixprec.compat.apex.install()`` to make an
   unchanged ``from apex import amp`` import mixprec), with its parts:
   :mod:`~mixprec.compat.amp_handle` (``amp.init()``), :mod:`~mixprec.compat.amp_casts` (user
-  cast registrations), :mod:`~mixprec.compat.amp_checkpoint`,
-  :mod:`~mixprec.compat.optimizer_view` (optimizer wrappers), :mod:`~mixprec.compat.larc`
+  cast registrations), :mod:`~mixprec.compat.amp_checkpoint`, :mod:`~mixprec.compat.larc`
   (``apex.parallel.LARC``) and :mod:`~mixprec.compat.fp16_optimizer`.
 
 The Keras-style ``LossScaleOptimizer`` lives in :mod:`mixprec.compat.keras`

@@ -6,11 +6,9 @@ Design (``docs/design.md``, "Compatibility layers"):
   ``model.state_dict()`` returns float32, taking the fp32 masters' exact values where they
   exist (Apex returns fp32 casts of the 16-bit weights, so a resume loses the masters'
   precision), and ``load_state_dict`` writes the loaded values into the masters too.
-* Apex's documented restore order loads a checkpoint into a fresh fp32 model and plain torch
-  optimizer *before* ``amp.initialize``. :func:`fp32_values` keeps the parameters' fp32 values
-  across the cast so the masters start from them, and :func:`take_state` lifts the loaded
-  optimizer state out so that it can be loaded again, by index, onto the masters (Apex did the
-  same with ``optimizer.load_state_dict(optimizer.state_dict())``).
+* Apex's documented restore order (load a checkpoint into a fresh fp32 model and plain torch
+  optimizer *before* ``amp.initialize``) is :func:`mixprec.initialize`'s own: the masters start
+  from the fp32 values, and the loaded optimizer state moves onto them by index.
 """
 
 from __future__ import annotations
@@ -23,29 +21,7 @@ from torch import Tensor, nn
 
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 
-__all__ = ["fp32_values", "install_fp32_state_dict", "take_state"]
-
-
-def fp32_values(optimizers: list[torch.optim.Optimizer]) -> dict[int, Tensor]:
-    """The fp32 values of the parameters the optimizers hold. Casting the model gives each
-    parameter new storage (``p.data = ...``), so these keep the fp32 numbers without a copy."""
-    return {
-        id(p): p.detach()
-        for o in optimizers
-        for g in o.param_groups
-        for p in g["params"]
-        if p.dtype == torch.float32
-    }
-
-
-def take_state(optimizer: torch.optim.Optimizer) -> tuple[dict[Any, Any], dict[str, Any] | None]:
-    """Empty the optimizer's state; return ``(the entries, its state dict or None)``."""
-    if not optimizer.state:
-        return {}, None
-    sd = optimizer.state_dict()
-    items = dict(optimizer.state)
-    optimizer.state.clear()
-    return items, sd
+__all__ = ["install_fp32_state_dict"]
 
 
 def _master_map(wrappers: list[MixedPrecisionOptimizer]) -> dict[int, Tensor]:

@@ -29,7 +29,7 @@ Where Apex has a known flaw and fixing it cannot break a caller, mixprec's behav
 * ``delay_unscale`` is accepted and unnecessary: every backward is unscaled with its own scale.
 * ``keep_batchnorm_fp32`` keeps every normalization layer fp32 (LayerNorm, GroupNorm too).
 * Optimizer wrappers such as ``LARC(SGD(...))`` are accepted as in Apex
-  (:mod:`mixprec.compat.optimizer_view`); ``install()`` also provides ``apex.parallel.LARC``
+  (:mod:`mixprec.core.optimizer_view`); ``install()`` also provides ``apex.parallel.LARC``
   (:mod:`mixprec.compat.larc`).
 * ``amp.init()``, Apex's older handle API, runs on a mixprec region
   (:mod:`mixprec.compat.amp_handle`). ``_amp_state`` exposes what Apex's tests and tools read:
@@ -54,14 +54,14 @@ from torch import Tensor, nn
 import mixprec
 from mixprec.compat import amp_casts, larc
 from mixprec.compat import fp16_optimizer as fp16_utils
-from mixprec.compat.amp_checkpoint import fp32_values, install_fp32_state_dict, take_state
+from mixprec.compat.amp_checkpoint import install_fp32_state_dict
 from mixprec.compat.amp_handle import AmpHandle, NoOpHandle, step_without_casts
 from mixprec.compat.fp16_optimizer import FP16_Optimizer
-from mixprec.compat.optimizer_view import as_torch_optimizer
 from mixprec.core import engine
 from mixprec.core.hardware import default_dtype
 from mixprec.core.loss_scale import LossScaler
-from mixprec.core.optimizer import LossSlot, MixedPrecisionOptimizer
+from mixprec.core.optimizer import LossSlot, MixedPrecisionOptimizer, take_state
+from mixprec.core.optimizer_view import as_torch_optimizer
 
 __all__ = ["AmpOptimizer", "FP16_Optimizer", "amp", "install", "uninstall"]
 
@@ -328,10 +328,9 @@ def initialize(
     scalers += [copy.deepcopy(scalers[0]) for _ in range(int(num_losses) - 1)]
     torch_opts = [as_torch_optimizer(o) for o in opt_list]
     leave_model = cast_model_type is False or (level == "O1" and patch_torch_functions is False)
-    # Apex's restore order (load_state_dict, then initialize): masters start from the fp32
-    # values the model holds now, and the loaded state moves onto them after wrapping.
-    fp32 = fp32_values(torch_opts) if masters and not leave_model and level != "O1" else {}
-    carried = [take_state(o) for o in torch_opts]
+    # Apex's restore order (load_state_dict, then initialize) is initialize's own: the masters
+    # start from the fp32 values the model holds, and the loaded state moves onto them.
+    carried = [take_state(o) for o in torch_opts] if leave_model else []
     try:
         if leave_model:
             # Apex leaves the model alone (no casts, no forward patch): masters and scaling.
@@ -339,6 +338,9 @@ def initialize(
             wrapped = [
                 MixedPrecisionOptimizer(o, slots, master_weights=masters) for o in torch_opts
             ]
+            for w, sd in zip(wrapped, carried):
+                if sd is not None:
+                    w.load_state_dict(sd)  # torch's layout, by index: onto the masters
         else:
             kwargs: dict[str, Any] = dict(
                 num_losses=int(num_losses),
@@ -361,16 +363,11 @@ def initialize(
             wrapped = out[1] if torch_opts else []
             slots = wrapped[0].slots if wrapped else [LossSlot(s) for s in scalers]
     except BaseException:
-        for o, (items, _) in zip(torch_opts, carried):
-            o.state.update(items)  # give the caller's optimizer its state back
+        for o, sd in zip(torch_opts, carried):
+            if sd is not None and not o.state:
+                o.load_state_dict(sd)  # give the caller's optimizer its state back
         raise
-    for w, original, (_, sd) in zip(wrapped, opt_list, carried):
-        with torch.no_grad():
-            for p, master in zip(w.model_params(), w.master_params()):
-                if p is not master and id(p) in fp32:
-                    master.copy_(fp32[id(p)])
-        if sd is not None:
-            w.load_state_dict(sd)  # torch's layout, by index: onto the masters
+    for w, original in zip(wrapped, opt_list):
         w.__class__ = AmpOptimizer
         w._amp_verbosity = _state.verbosity
         w._amp_original = original

@@ -12,7 +12,8 @@ Data flows down this list (see ``docs/design.md``):
 * :mod:`~mixprec.core.loss_scale` -- static and dynamic loss scaling;
 * :mod:`~mixprec.core.optimizer` -- fp32 master weights, unscale and finite check, skipped steps,
   ``scale_loss``; :mod:`~mixprec.core.clipping` and :mod:`~mixprec.core.lean` (pure 16-bit
-  updates) plug into it;
+  updates) plug into it; :mod:`~mixprec.core.optimizer_view` gives optimizer wrappers
+  (``LARC(SGD(...))``) a ``torch.optim.Optimizer`` face;
 * :mod:`~mixprec.core.initialize` -- the O0-O3 levels that wire all of the above to a model;
 * :mod:`~mixprec.core.hardware`, :mod:`~mixprec.core.memory`, :mod:`~mixprec.core.footprint`,
   :mod:`~mixprec.core.norms` -- facts about the device, memory and layers that the rest consult.

@@ -149,6 +149,7 @@ _state = _State()
 # own torch.autocast and checkpoint) holds no span and gets torch's behaviour. Spans of graphs
 # long gone fall off the end of the deque.
 _spans: deque[tuple[int, int, Frame]] = deque(maxlen=4096)
+_open: dict[int, tuple[int, Frame]] = {}  # regions not exited yet (id of their _Saved)
 _span_of: dict[tuple[int, torch.dtype], Frame | None] = {}  # (node number, dtype) -> frame
 _seq = getattr(torch._C._autograd, "_get_sequence_nr", None)
 _current_node = getattr(torch._C, "_current_autograd_node", None)
@@ -213,6 +214,7 @@ def push(frame: Frame, cache_enabled: bool | None = None) -> _Saved:
         _enter(frame)
         if _seq is not None and frame.dtype is not None and torch.is_grad_enabled():
             saved.first_node = _seq()
+            _open[id(saved)] = (saved.first_node, frame)
     torch.autocast_increment_nesting()
     if cache_enabled is not None:
         torch.set_autocast_cache_enabled(cache_enabled and saved.cache)
@@ -243,6 +245,7 @@ def pop(frame: Frame, saved: _Saved) -> None:
     else:
         _state.frames.pop()
         if saved.first_node >= 0:
+            _open.pop(id(saved), None)
             end = _seq()
             if end > saved.first_node:  # it created nodes that backward may recompute
                 _spans.append((saved.first_node, end, frame))
@@ -298,7 +301,8 @@ def _frame_for_kernel(device: str) -> Frame | None:
         if len(_span_of) > 4096:
             _span_of.clear()
         number, best = key[0], None
-        for first, end, frame in _spans:
+        now = _seq() + 1
+        for first, end, frame in (*_spans, *((f, now, fr) for f, fr in list(_open.values()))):
             inner = best is None or end - first < best[1] - best[0]
             if first <= number < end and frame.dtype == dtype and inner:
                 best = (first, end, frame)

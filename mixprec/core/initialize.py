@@ -49,7 +49,9 @@ from mixprec.core.optimizer import (
     MixedPrecisionOptimizer,
     rounds_to,
     scale_loss,
+    take_state,
 )
+from mixprec.core.optimizer_view import as_torch_optimizer
 from mixprec.core.policy import Policy, PolicyLike, as_policy, get_policy
 
 __all__ = ["LEVELS", "MODEL_HOOKS", "fp32_state_dict", "initialize", "scale_loss"]
@@ -301,10 +303,14 @@ def initialize(
         ...     torch.nn.Linear(4, 4).parameters(), lr=0.1))  # doctest: +SKIP
     """
     model_list, many_models = _as_list(models, nn.Module, "an nn.Module")
-    opt_list, many_opts = (
-        ([], False)
+    many_opts = isinstance(optimizers, (list, tuple))
+    opt_list = (
+        []
         if optimizers is None
-        else _as_list(optimizers, Optimizer, "a torch.optim.Optimizer")
+        # an optimizer wrapper (LARC(SGD(...))) gets a torch.optim.Optimizer face
+        else [
+            as_torch_optimizer(o, "initialize") for o in (optimizers if many_opts else [optimizers])
+        ]
     )
     plan = None
     if isinstance(policy, Mapping):  # per-module policies, e.g. the plan mixprec.tune returns
@@ -337,10 +343,6 @@ def initialize(
                 f"Optimizer {i} holds {len(foreign)} parameter(s) that none of the "
                 f"given models own (shapes {foreign[:4]}...): pass every model whose "
                 "parameters it optimizes."
-            )
-        if o.state:
-            raise RuntimeError(
-                f"Optimizer {i} already has state: call initialize before the first optimizer step."
             )
     if plan is not None:
         for path, module_policy in plan.items():
@@ -429,16 +431,29 @@ def initialize(
     if props["cast_params"] and not props["master_weights"] and props["lean"].get("update") is None:
         _warn_vanishing_eps(opt_list, dtype)  # an update mode does its arithmetic in fp32
     slots = [LossSlot(s) for s in props["scalers"]]
-    wrapped = [
-        MixedPrecisionOptimizer(
-            o,
-            slots,
-            master_weights=props["master_weights"],
-            fp32_values=fp32_values,
-            **props["lean"],
-        )
-        for o in opt_list
-    ]
+    # Apex's restore order -- load the checkpoint into the plain model and optimizer, then
+    # initialize -- and a resumed torch.amp run: the optimizer's state is lifted out and loaded
+    # again, by index, onto what the wrapper steps (the fp32 masters at O2)
+    carried = [take_state(o) for o in opt_list]
+    try:
+        wrapped = [
+            MixedPrecisionOptimizer(
+                o,
+                slots,
+                master_weights=props["master_weights"],
+                fp32_values=fp32_values,
+                **props["lean"],
+            )
+            for o in opt_list
+        ]
+        for w, sd in zip(wrapped, carried):
+            if sd is not None:  # state loaded (or stepped) before initialize: onto the masters
+                w.load_state_dict(sd)
+    except BaseException:
+        for o, sd in zip(opt_list, carried):
+            if sd is not None and not o.state:
+                o.load_state_dict(sd)  # give the caller's optimizer its state back
+        raise
     fp32_values.clear()
     refresh = _LoadRefresh(wrapped, model_list)
     for model in model_list:

@@ -575,6 +575,16 @@ class MixedPrecisionOptimizer(Optimizer):
             )
 
 
+def take_state(optimizer: Optimizer) -> dict[str, Any] | None:
+    """Empty ``optimizer``'s state; return its state dict (None when it had no state), to be
+    loaded into the wrapper once it is built (the masters then take the state, by index)."""
+    if not optimizer.state:
+        return None
+    sd = optimizer.state_dict()
+    optimizer.state.clear()
+    return sd
+
+
 #: The key of mixprec's own state in :meth:`MixedPrecisionOptimizer.state_dict`.
 MIXPREC_KEY = "mixprec"
 _OLD_KEYS = ("optimizer", "masters", "scalers", "skipped_steps")

@@ -2,11 +2,11 @@
 
 Design (``docs/design.md``, "Compatibility layers"): Apex's ``amp.initialize`` accepted any
 object that behaves like an optimizer -- ``param_groups``, ``state``, ``step`` -- because it
-only patched those. mixprec's optimizer wraps a real ``torch.optim.Optimizer``, so the shim
-puts this view between them: an ``Optimizer`` subclass whose groups, state and methods are the
-wrapper's own (the same objects, not copies). The fp32 masters mixprec puts into
-``param_groups`` at O2 are therefore what the wrapper sees when it steps, so a wrapper that
-rescales gradients (LARC) rescales the masters' fp32 gradients.
+only patched those. mixprec's optimizer wraps a real ``torch.optim.Optimizer``, so
+``initialize`` and the Apex shim put this view between them: an ``Optimizer`` subclass whose
+groups, state and methods are the wrapper's own (the same objects, not copies). The fp32
+masters mixprec puts into ``param_groups`` at O2 are therefore what the wrapper sees when it
+steps, so a wrapper that rescales gradients (LARC) rescales the masters' fp32 gradients.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class OptimizerView(Optimizer):
         if not hasattr(self.wrapper, "add_param_group"):
             raise NotImplementedError(
                 f"{type(self.wrapper).__name__} has no add_param_group; add the group to the "
-                "optimizer it wraps before passing it to amp.initialize."
+                "optimizer it wraps before passing it to initialize."
             )
         self.wrapper.add_param_group(param_group)
 
