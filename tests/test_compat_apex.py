@@ -660,3 +660,35 @@ def test_fp16_optimizer_checkpoint_is_exact_and_static_default():
     for a, b_ in zip(opt.param_groups[0]["params"], opt2.param_groups[0]["params"]):
         assert a.dtype == torch.float32 and torch.equal(a.detach(), b_.detach())
     assert torch.equal(lin.weight.detach(), lin2.weight.detach())
+
+
+@pytest.mark.parametrize("convert", ["network_to_half", "FP16Model"])
+def test_fp16_optimizer_masters_start_from_the_fp32_weights(convert):
+    """Apex's order: load pretrained fp32 weights, convert the network, build FP16_Optimizer.
+    The masters hold the fp32 values, not their fp16 rounding (Apex copies the rounding)."""
+    from mixprec.compat.fp16_optimizer import FP16Model, _fp32_before
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    want = [p.detach().clone() for p in net.parameters()]
+    model = network_to_half(net) if convert == "network_to_half" else FP16Model(net)
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
+    masters = opt.mixed.master_params()
+    assert all(torch.equal(m, w) for m, w in zip(masters, want))
+    assert not any(torch.equal(m, w.half().float()) for m, w in zip(masters, want))
+    assert not _fp32_before  # handed over: nothing kept twice
+    model(torch.randn(2, 8))
+
+
+def test_converted_network_run_without_fp16_optimizer_keeps_no_fp32_copy():
+    from mixprec.compat.fp16_optimizer import _fp32_before
+
+    net = network_to_half(nn.Linear(8, 8))
+    assert len(_fp32_before) == 2
+    net(torch.randn(2, 8))  # inference only: the fp32 values are released at the first forward
+    assert not _fp32_before
+    opt = FP16_Optimizer(torch.optim.SGD(net.parameters(), lr=0.1), verbose=False)
+    assert all(
+        torch.equal(m, p.float()) for m, p in zip(opt.mixed.master_params(), net.parameters())
+    )

@@ -16,10 +16,16 @@ caller):
   closure themselves are not supported (Apex documents them as incompatible with dynamic
   scaling too).
 * Apex's ``bfloat16`` blind spot: bf16 parameters get fp32 masters exactly like fp16 ones.
+* The masters start from the fp32 values ``network_to_half`` / ``convert_network`` / ``FP16Model``
+  cast, not from their 16-bit rounding (Apex copies the rounded weights): the conversion keeps
+  each trainable parameter's fp32 tensor until an ``FP16_Optimizer`` takes it as a master or
+  the network first runs forward, whichever comes first (no copy is made; the fp32 storage is
+  released later than it would be). After ``model.half()`` only the rounded values exist.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +34,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from mixprec.core.loss_scale import LossScaler
-from mixprec.core.optimizer import MIXPREC_KEY, LossSlot, MixedPrecisionOptimizer
+from mixprec.core.optimizer import MIXPREC_KEY, LossSlot, MixedPrecisionOptimizer, rounds_to
 
 __all__ = ["FP16Model", "FP16_Optimizer", "convert_network", "network_to_half", "to_python_float"]
 
@@ -93,7 +99,12 @@ class FP16_Optimizer:
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
         scaler = _scaler(static_loss_scale, self.dynamic_loss_scale, dynamic_loss_args)
         self._slot = LossSlot(scaler)
-        self.mixed = MixedPrecisionOptimizer(init_optimizer, [self._slot], master_weights=True)
+        self.mixed = MixedPrecisionOptimizer(
+            init_optimizer,
+            [self._slot],
+            master_weights=True,
+            fp32_values=_take_fp32(init_optimizer),
+        )
         self.optimizer = init_optimizer
         self.first_closure_call_this_step = True
         self.verbose = verbose
@@ -218,17 +229,47 @@ class FP16_Optimizer:
 # -- model conversion helpers (apex/fp16_utils/fp16util.py) ----------------------------------
 
 
+# id(parameter) -> (weak ref to it, the fp32 tensor it held before convert_network cast it)
+_fp32_before: dict[int, tuple[weakref.ref, Tensor]] = {}
+
+
+def _take_fp32(optimizer: Optimizer) -> dict[int, Tensor]:
+    """The pre-cast fp32 values of ``optimizer``'s parameters that still hold their rounding."""
+    out = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            hit = _fp32_before.pop(id(p), None)
+            if hit is not None and hit[0]() is p and rounds_to(hit[1], p):
+                out[id(p)] = hit[1]
+    return out
+
+
+def _forget_fp32(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook: the network runs without an FP16_Optimizer taking its fp32 values."""
+    for p in module.parameters():
+        _fp32_before.pop(id(p), None)
+    handle = module.__dict__.pop("_mixprec_forget_fp32", None)
+    if handle is not None:
+        handle.remove()
+
+
 def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast parameters and buffers of every module except affine batchnorm (Apex's rule)."""
+    for key in [k for k, (ref, _) in _fp32_before.items() if ref() is None]:
+        del _fp32_before[key]  # parameters that are gone
     for module in network.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.affine:
             continue
         for p in module.parameters(recurse=False):
             if p.is_floating_point():
+                if p.requires_grad and p.dtype == torch.float32 and dtype != torch.float32:
+                    _fp32_before[id(p)] = (weakref.ref(p), p.data)
                 p.data = p.data.to(dtype)
         for name, b in module.named_buffers(recurse=False):
             if b is not None and b.is_floating_point():
                 module._buffers[name] = b.to(dtype)
+    if "_mixprec_forget_fp32" not in network.__dict__:
+        network.__dict__["_mixprec_forget_fp32"] = network.register_forward_pre_hook(_forget_fp32)
     return network
 
 
