@@ -650,3 +650,33 @@ def test_an_optimizer_wrapper_trains_at_every_level_and_sees_the_masters(level):
 def test_an_object_that_is_no_optimizer_is_refused_with_what_it_lacks():
     with pytest.raises(TypeError, match=r"initialize takes torch.optim.Optimizer.*no state, step"):
         initialize(make_model(), type("Fake", (), {"param_groups": []})(), "O2", BF16)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_stepping_the_original_optimizer_after_initialize_raises_with_the_fix(level):
+    """`mixprec.initialize(model, opt, "O2")` without `model, opt =`: the original optimizer
+    now holds the fp32 masters, which get no gradients -- 20 steps moved the weights by exactly
+    0, silently."""
+    m = make_model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    mixprec.initialize(m, opt, level=level, dtype=BF16)
+    x, y = regression_data(8)
+    mse(m, x, y).backward()
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(RuntimeError, match=r"wrapped by mixprec.initialize.*model, opt = mixprec"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+
+
+def test_the_returned_optimizer_still_steps_with_the_guard_in_place():
+    m = make_model()
+    m, opt = mixprec.initialize(m, torch.optim.AdamW(m.parameters(), lr=1e-2), "O2", BF16)
+    x, y = regression_data(8)
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.backward(mse(m, x, y))
+    opt.step()
+    assert not opt.step_skipped
+    assert any(not torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    import pickle
+
+    pickle.loads(pickle.dumps(opt.optimizer))  # the guard pickles (it guards nothing there)

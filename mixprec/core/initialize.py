@@ -47,11 +47,12 @@ from mixprec.core.norms import is_norm
 from mixprec.core.optimizer import (
     LossSlot,
     MixedPrecisionOptimizer,
+    StepGuard,
     rounds_to,
     scale_loss,
     take_state,
 )
-from mixprec.core.optimizer_view import as_torch_optimizer
+from mixprec.core.optimizer_view import OptimizerView, as_torch_optimizer
 from mixprec.core.policy import Policy, PolicyLike, as_policy, get_policy
 
 __all__ = ["LEVELS", "MODEL_HOOKS", "fp32_state_dict", "initialize", "scale_loss"]
@@ -455,6 +456,10 @@ def initialize(
                 o.load_state_dict(sd)  # give the caller's optimizer its state back
         raise
     fp32_values.clear()
+    for o, w in zip(opt_list, wrapped):
+        inner = o.wrapper if isinstance(o, OptimizerView) else o
+        if hasattr(inner, "register_step_pre_hook"):
+            inner.register_step_pre_hook(StepGuard(w, level))
     refresh = _LoadRefresh(wrapped, model_list)
     for model in model_list:
         for m in model.modules():  # every module: a submodule may be loaded on its own

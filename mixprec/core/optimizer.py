@@ -462,7 +462,11 @@ class MixedPrecisionOptimizer(Optimizer):
         for hook in self._optimizer_step_pre_hooks.values():
             hook(self, (), {})
         self._adopt_model_writes()
-        result = self.optimizer.step() if self.lean is None else self.lean.step()
+        self._in_step = True
+        try:
+            result = self.optimizer.step() if self.lean is None else self.lean.step()
+        finally:
+            self._in_step = False
         if self._pairs:
             torch._foreach_copy_([p for p, _ in self._pairs], [m for _, m in self._pairs])
             self._versions = [p._version for p, _ in self._pairs]
@@ -573,6 +577,44 @@ class MixedPrecisionOptimizer(Optimizer):
                 f"The checkpoint has {len(own['scalers'])} loss scalers, this "
                 f"optimizer has {len(self.slots)} (num_losses)."
             )
+
+
+class StepGuard:
+    """A step pre-hook on the optimizer :func:`mixprec.initialize` wrapped: stepping it directly
+    (``initialize(model, opt)`` without ``model, opt =``) raises with the fix. Its parameters are
+    now what the wrapper steps -- fp32 masters at O2, with no gradients of their own -- so that
+    step would train nothing (or skip the unscale and the finite check), silently."""
+
+    def __init__(self, wrapper: MixedPrecisionOptimizer, level: str) -> None:
+        self.wrapper = weakref.ref(wrapper)  # dead: the user kept only the original, stepping it
+        self.level = level
+        self.masters = bool(wrapper._pairs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"level": self.level, "masters": self.masters}  # a pickled copy guards nothing
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.wrapper = None
+
+    def __call__(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if self.wrapper is None:
+            return
+        wrapper = self.wrapper()
+        if wrapper is not None and wrapper.__dict__.get("_in_step", False):
+            return
+        what = (
+            "its parameters are now fp32 master copies that only the returned optimizer "
+            "updates, so this step would train nothing"
+            if self.masters
+            else "stepping it directly skips the unscale and the inf/NaN check"
+        )
+        raise RuntimeError(
+            f"This {type(optimizer).__name__} was wrapped by mixprec.initialize (level "
+            f"{self.level}): {what}. Use the optimizer initialize returned -- "
+            "`model, opt = mixprec.initialize(model, opt, ...)`, then `opt.backward(loss)` "
+            "and `opt.step()`."
+        )
 
 
 def take_state(optimizer: Optimizer) -> dict[str, Any] | None:
