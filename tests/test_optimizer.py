@@ -828,3 +828,58 @@ def test_a_plain_backward_with_no_scaled_loss_leaves_the_scaler_alone():
     scaler = opt.slot(0).scaler
     assert opt.step_skipped and opt.skipped_steps == 1
     assert (scaler.steps, scaler.skipped_steps) == (0, 0)
+
+
+def test_a_plain_backward_under_loss_scaling_warns_once_with_the_fix():
+    """`loss.backward()` where `opt.backward(loss)` was meant: with fp16 loss scaling on, small
+    losses' 16-bit gradients underflow to zero (100 % of a first layer's, measured), silently."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, opt = initialize(model, opt, level="O2", dtype=FP16)
+    x, y = batch()
+    with pytest.warns(UserWarning, match=r"without loss scaling.*opt.backward\(loss\)") as rec:
+        mse(model, x, y).backward()
+        opt.step()
+    assert rec[0].filename == __file__  # points at the user's step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mse(model, x, y).backward()  # once per optimizer
+        opt.step()
+        opt.zero_grad()
+        opt.backward(mse(model, x, y))  # the right call never warns
+        opt.step()
+
+
+def test_a_plain_backward_without_loss_scaling_does_not_warn():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, opt = initialize(model, opt, level="O2", dtype=BF16)  # bf16: no scaling
+    x, y = batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mse(model, x, y).backward()
+        opt.step()
+    assert not opt.step_skipped
+
+
+@pytest.mark.parametrize(
+    ("level", "dtype"), [("O0", None), ("O1", FP16), ("O2", FP16), ("O3", BF16)]
+)
+def test_grad_of_gives_every_parameter_its_unscaled_gradient_at_every_level(level, dtype):
+    """At O2 `p.grad` is None after backward (the gradient lives on the fp32 master): per-layer
+    gradient-norm logging crashed or silently logged only the norm layers."""
+    model = make_model()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model, opt = initialize(model, opt, level=level, dtype=dtype)
+    x, y = batch()
+    opt.backward(mse(model, x, y))
+    mse(ref, x, y).backward()
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        g = opt.grad_of(p)
+        assert g is not None, name
+        assert g.dtype == (torch.float32 if level in ("O0", "O1", "O2") else p.dtype), name
+        tol = 0 if level == "O0" else 0.1  # unscaled: the fp32 gradient within 16-bit error
+        assert torch.allclose(g.float(), r.grad, rtol=tol, atol=tol * r.grad.abs().max()), name
+    if level == "O2":
+        assert model[0].weight.grad is None  # where the usual idiom looked

@@ -30,6 +30,7 @@ Design (``docs/design.md``, "Master weights and the optimizer"):
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -113,7 +114,7 @@ class MixedPrecisionOptimizer(Optimizer):
 
     Built by :func:`mixprec.initialize`; use it like the optimizer it wraps. Extra API:
     ``backward(loss, loss_id=0)``, ``loss_scale``, ``step_skipped``, ``skipped_steps``,
-    ``clip_grad_norm_(max_norm)`` and ``master_params()``.
+    ``clip_grad_norm_(max_norm)``, ``grad_of(param)`` and ``master_params()``.
 
     Hold an LR scheduler on skipped steps with ``if not opt.step_skipped: sched.step()``.
 
@@ -240,6 +241,22 @@ class MixedPrecisionOptimizer(Optimizer):
         """Parameters the inner optimizer steps directly: fp32 ones, no master behind them."""
         return [p for p in self.master_params() if id(p) not in self._master_ids]
 
+    def grad_of(self, param: Tensor) -> Tensor | None:
+        """The unscaled gradient the next ``step()`` uses for model parameter ``param``: its fp32
+        master's at O2 (where ``param.grad`` is None after ``backward``: the 16-bit gradient was
+        moved into the master), ``param.grad`` otherwise. Read it after ``opt.backward(loss)``,
+        e.g. for per-layer gradient norms::
+
+            for name, p in model.named_parameters():
+                g = opt.grad_of(p)
+                if g is not None:
+                    print(name, g.norm().item())
+        """
+        if self._has_raw_grads():
+            self._check_late()  # a plain backward: checked, and moved to the masters
+        master = self._model_to_master.get(param)
+        return (master if master is not None else param).grad
+
     def model_params(self) -> list[Tensor]:
         """The model's own parameters managed by this optimizer."""
         back = {id(m): p for p, m in self._pairs}
@@ -279,6 +296,22 @@ class MixedPrecisionOptimizer(Optimizer):
         if flag is not None:
             late = self._late.get(flag.device)
             self._late[flag.device] = flag if late is None else late.add_(flag)
+
+    def _warn_unscaled(self) -> None:
+        """Gradients reached this step from no scaled backward while a loss scale is in force:
+        ``loss.backward()`` where ``opt.backward(loss)`` was meant (once per optimizer)."""
+        scaler = self.slots[0].scaler if self.slots else None
+        if scaler is None or scaler.scale == 1.0 or self.__dict__.get("_warned_unscaled"):
+            return
+        self._warned_unscaled = True
+        warnings.warn(
+            f"The gradients of this step came from a backward without loss scaling, while "
+            f"the loss scale is {scaler.scale:g}: 16-bit gradients of a small loss underflow "
+            "to zero unscaled. Call opt.backward(loss) (or `with mixprec.scale_loss(loss, "
+            "opt) as scaled: scaled.backward()`) instead of loss.backward().",
+            UserWarning,
+            stacklevel=5,  # the caller of step() (through torch.no_grad's wrapper)
+        )
 
     def _unscale(self, scale: float) -> Tensor | None:
         """After a backward: unscale fresh grads into master grads; return the verdict flag."""
@@ -415,6 +448,8 @@ class MixedPrecisionOptimizer(Optimizer):
         if self._has_raw_grads():
             self._check_late()  # plain loss.backward() (alone or after scaled ones), or a
             # gradient changed after its check: not unscaled
+            if not self._touched:
+                self._warn_unscaled()
         for hook in SETTLE_HOOKS:  # e.g. DDP(model) without wrap_ddp: same verdict everywhere
             hook(self)
         slots = [self.slots[i] for i in sorted(self._touched)]
