@@ -837,8 +837,8 @@ def test_a_plain_backward_under_loss_scaling_warns_once_with_the_fix():
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     model, opt = initialize(model, opt, level="O2", dtype=FP16)
     x, y = batch()
+    mse(model, x, y).backward()
     with pytest.warns(UserWarning, match=r"without loss scaling.*opt.backward\(loss\)") as rec:
-        mse(model, x, y).backward()
         opt.step()
     assert rec[0].filename == __file__  # points at the user's step()
     with warnings.catch_warnings():
