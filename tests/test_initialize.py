@@ -652,7 +652,7 @@ def test_an_object_that_is_no_optimizer_is_refused_with_what_it_lacks():
         initialize(make_model(), type("Fake", (), {"param_groups": []})(), "O2", BF16)
 
 
-@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("level", ["O2"])
 def test_stepping_the_original_optimizer_after_initialize_raises_with_the_fix(level):
     """`mixprec.initialize(model, opt, "O2")` without `model, opt =`: the original optimizer
     now holds the fp32 masters, which get no gradients -- 20 steps moved the weights by exactly

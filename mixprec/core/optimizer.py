@@ -615,41 +615,37 @@ class MixedPrecisionOptimizer(Optimizer):
 
 
 class StepGuard:
-    """A step pre-hook on the optimizer :func:`mixprec.initialize` wrapped: stepping it directly
-    (``initialize(model, opt)`` without ``model, opt =``) raises with the fix. Its parameters are
-    now what the wrapper steps -- fp32 masters at O2, with no gradients of their own -- so that
-    step would train nothing (or skip the unscale and the finite check), silently."""
+    """A step pre-hook on the optimizer :func:`mixprec.initialize` wrapped with fp32 masters.
+    Stepping it directly (``initialize(model, opt)`` without ``model, opt =``, then
+    ``loss.backward(); opt.step()``) would step masters that have no gradients while the 16-bit
+    model holds them -- training nothing, silently -- so that raises with the fix. Other direct
+    steps pass (``torch.distributed.checkpoint`` steps it once with zero master gradients to
+    create the state)."""
 
     def __init__(self, wrapper: MixedPrecisionOptimizer, level: str) -> None:
-        self.wrapper = weakref.ref(wrapper)  # dead: the user kept only the original, stepping it
+        self.wrapper = weakref.ref(wrapper)
+        self.pairs = wrapper._pairs  # (16-bit model parameter, master); alive without wrapper
         self.level = level
-        self.masters = bool(wrapper._pairs)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"level": self.level, "masters": self.masters}  # a pickled copy guards nothing
+        return {"level": self.level}  # a pickled copy guards nothing
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.wrapper = None
+        self.__dict__.update(state, wrapper=None, pairs=[])
 
     def __call__(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        if self.wrapper is None:
-            return
-        wrapper = self.wrapper()
+        wrapper = self.wrapper() if self.wrapper is not None else None
         if wrapper is not None and wrapper.__dict__.get("_in_step", False):
             return
-        what = (
-            "its parameters are now fp32 master copies that only the returned optimizer "
-            "updates, so this step would train nothing"
-            if self.masters
-            else "stepping it directly skips the unscale and the inf/NaN check"
-        )
-        raise RuntimeError(
-            f"This {type(optimizer).__name__} was wrapped by mixprec.initialize (level "
-            f"{self.level}): {what}. Use the optimizer initialize returned -- "
-            "`model, opt = mixprec.initialize(model, opt, ...)`, then `opt.backward(loss)` "
-            "and `opt.step()`."
-        )
+        if any(p.grad is not None and m.grad is None for p, m in self.pairs):
+            raise RuntimeError(
+                f"This {type(optimizer).__name__} was wrapped by mixprec.initialize (level "
+                f"{self.level}): its parameters are now fp32 master copies that only the "
+                "returned optimizer fills with gradients, so this step would train nothing. "
+                "Use the optimizer initialize returned -- `model, opt = "
+                "mixprec.initialize(model, opt, ...)`, then `opt.backward(loss)` and "
+                "`opt.step()`."
+            )
 
 
 def take_state(optimizer: Optimizer) -> dict[str, Any] | None:
