@@ -10,10 +10,14 @@ Every model is a tiny config built offline; 16-bit shapes stay tiny (no native b
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+import mixprec
 from mixprec.core.cast_table import LOWER, current_table
 from mixprec.graph import convert
 from mixprec.graph.compile import backend
@@ -266,3 +270,134 @@ def test_a_tensor_slice_does_not_pull_its_producer_into_16bit():
     assert result.rewrite.count("weight") == 2  # the head's weight and bias, not the scale
     gm, inputs = be.seen[0]
     check_real_dtypes(gm, result, *inputs)
+
+
+# --- Hugging Face models, with their default use_cache ------------------------------------------
+
+VOCAB = 100
+HF_MODELS = ["llama", "mistral", "qwen2", "gemma", "gpt2", "bert", "t5"]
+
+
+def hf_model(kind: str) -> tuple[nn.Module, torch.Tensor, dict]:
+    """A tiny model built from its config (no download), a batch of ids and extra kwargs."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    decoder = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**decoder))
+    elif kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**decoder))
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**decoder))
+    elif kind == "gemma":
+        model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**decoder, head_dim=16))
+    elif kind == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0
+        )
+        cfg.eos_token_id = 0
+        model = transformers.GPT2LMHeadModel(cfg)
+    elif kind == "bert":
+        cfg = transformers.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+        )
+        model = transformers.BertForMaskedLM(cfg)
+    else:
+        cfg = transformers.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2
+        )
+        model = transformers.T5ForConditionalGeneration(cfg)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    return model, ids, ({"decoder_input_ids": ids} if kind == "t5" else {})
+
+
+def lm_loss(out, ids: torch.Tensor) -> torch.Tensor:
+    assert out.logits.dtype == FP32  # the mixed policy's float32 outputs
+    return F.cross_entropy(out.logits.flatten(0, 1), ids.flatten())
+
+
+def train_o2(model: nn.Module, ids: torch.Tensor, kwargs: dict, steps: int = 10) -> list[float]:
+    """``steps`` AdamW steps at O2, as the docs show; finite losses that fall."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = mixprec.initialize(model, opt, level="O2", dtype=BF16)
+    losses = []
+    for _ in range(steps):
+        out = model(ids, **kwargs)
+        assert getattr(out, "past_key_values", None) is None  # the cache is off
+        loss = lm_loss(out, ids)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < losses[0] - 0.5, losses
+    return losses
+
+
+def assert_report_follows_cast_table(report) -> None:
+    """Every op the cast table lowers ran in bf16, every op it keeps float32 in float32."""
+    rules = current_table()
+    for op, dtypes in report.by_op().items():
+        if rules.get(op) == LOWER:
+            assert set(dtypes) == {"bf16"}, (op, dtypes)
+        elif rules.get(op) == "fp32":
+            assert set(dtypes) <= {"fp32", "-"}, (op, dtypes)
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.mark.parametrize("kind", HF_MODELS)
+def test_hugging_face_model_converts_and_trains_at_o2(kind):
+    """Before: every decoder and T5 failed to capture (their DynamicCache/EncoderDecoderCache
+    output is not a pytree); with use_cache=False, the Llama family failed in attention on
+    float32 q/k and bf16 v."""
+    model, ids, kwargs = hf_model(kind)
+    assert model.config.use_cache  # the default is left as it is
+    graph = convert(model, (ids,), "mixed_bfloat16", example_kwargs=kwargs)
+    assert model.config.use_cache  # captured with the cache off, then restored
+    assert graph.dynamic_batch  # one graph for every batch size
+    report = graph.precision_report()
+    by_op = report.by_op()
+    assert by_op.get("linear", {}).get("bf16", 0) + by_op.get("addmm", {}).get("bf16", 0) >= 9
+    assert by_op["scaled_dot_product_attention"] == {"bf16": 6 if kind == "t5" else 2}
+    assert_report_follows_cast_table(report)
+    check_real_dtypes(*graph._graph(*graph._example), ids, *kwargs.values())
+
+    train_o2(graph, ids, kwargs)
+    report = graph.precision_report()  # the O2 graph: 16-bit weights, no weight casts
+    assert [c for c in report.casts if c["kind"] == "weight"] == []
+    assert_report_follows_cast_table(report)
+    check_real_dtypes(*graph._graph(*graph._example), ids, *kwargs.values())
+
+
+def test_the_cache_is_off_in_graphs_and_asking_for_it_says_why_not():
+    model, ids, _ = hf_model("llama")
+    graph = convert(model, (ids,), "mixed_bfloat16")
+    out = graph(ids)
+    assert out.past_key_values is None and model.config.use_cache
+    torch.testing.assert_close(graph(ids, use_cache=False).logits, out.logits)
+    with pytest.raises(ValueError, match="without its key/value cache.*use_cache=True"):
+        graph(ids, use_cache=True)
+    with pytest.raises(ValueError, match="Call the original model for generation"):
+        convert(model, (ids,), example_kwargs={"use_cache": True})
+    assert model(ids).past_key_values is not None  # the model itself is untouched
+
+    compiled = mixprec.graph.compile(model, "mixed_bfloat16", compiler="eager")
+    assert compiled(ids).past_key_values is None
+    assert compiled(ids, use_cache=True).past_key_values is not None  # asked for: returned

@@ -21,6 +21,7 @@ import torch
 from torch import fx, nn
 
 from mixprec.core.policy import PolicyLike
+from mixprec.graph.caches import has_cache_switch
 from mixprec.graph.convert import GRAPH_ATTR
 
 __all__ = ["backend", "compile"]
@@ -92,13 +93,21 @@ def compile(
     The mark tells :func:`mixprec.initialize` that the casts live in the graph: it then stores
     weights and wraps the optimizer for the level, without installing the eager engine.
 
+    A Hugging Face model is called with ``use_cache=False`` unless the call passes
+    ``use_cache``: its key/value cache would be graph outputs, cast to the output dtype and kept
+    alive, which training does not use (:mod:`mixprec.graph.caches`).
+
     Each call compiles its own entry function: dynamo caches compiled code per code object,
     and a plain ``torch.compile(model)`` shares ``Module.__call__``'s with every model of the
     process -- after a few models its recompile limit sends the rest to eager mode, where
     16-bit weights without the pass's casts fail.
     """
 
+    no_cache = has_cache_switch(model)
+
     def entry(*args: Any, **kwargs: Any) -> Any:
+        if no_cache and "use_cache" not in kwargs:  # a training graph returns no kv cache
+            kwargs = {**kwargs, "use_cache": False}
         return model(*args, **kwargs)
 
     entry.__code__ = entry.__code__.replace(co_name=f"mixprec_graph_entry_{next(_entries)}")
