@@ -6,12 +6,18 @@ plus three removals grappler leaves out; ``docs/design.md``, "The graph pass"):
 * An ATen op computes in the dtype of its inputs, so colouring a node 16-bit means giving it
   16-bit inputs. Every producer whose dtype differs from what a consumer needs gets **one** cast
   per target dtype, shared by all consumers that need it.
+* Every floating input of an allow op gets the op's dtype, 0-dim ones included: matmul,
+  convolution and attention kernels take no mix (a 0-dim float32 ``input`` of a bf16 ``addmm``
+  fails). :func:`apply` checks this after placing the casts (:func:`mixed_allow_inputs`), from
+  the dtype each node really produces: its colour, its cast target, its traced dtype when it is
+  fixed, the dtype of the tensor it writes when it works in place.
 * Existing float casts in the model (``x.float()``, ``.to(dtype)``): a cast to float32 whose
   readers all run in 16-bit is retargeted to 16-bit; a cast that no longer changes the dtype is
   removed. A cast's own input is never cast (no cast pairs).
 * Casts of constants are folded: a buffer that needs no gradient and is never mutated is cast
-  once, here, and stored; 0-dim tensors are not cast at all (type promotion already lets a 16-bit
-  tensor meet a 0-dim float32 one in 16-bit). Parameters are cast at run time, since they train.
+  once, here, and stored; 0-dim tensors are not cast for any other op (type promotion already
+  lets a 16-bit tensor meet a 0-dim float32 one in 16-bit). Parameters are cast at run time,
+  since they train.
 * A graph output keeps the dtype the float32 model returned (``output_dtype`` for floats): the
   "float32 outputs" rule of mixed policies.
 * A promote-rule op (add, mul, ...) coloured float32 that already has a float32 tensor input
@@ -31,16 +37,18 @@ from torch import fx
 
 from mixprec.core.cast_table import PROMOTE, current_table
 from mixprec.graph.paint import (
+    ALLOW,
     CAST_OPS,
     COLOURABLE,
     DROP_OPS,
     SOURCE_OPS,
     Colouring,
     meta_val,
+    mutates,
     node_op,
 )
 
-__all__ = ["CastRecord", "Rewrite", "apply", "cast_to"]
+__all__ = ["CastRecord", "Rewrite", "apply", "cast_to", "mixed_allow_inputs"]
 
 # ops that take their first argument as data and keep statistics/affine params in their own
 # dtype: always for batch norm (its running statistics are updated in place, so they cannot be
@@ -185,6 +193,8 @@ def apply(
             dt[n] = dt.get(n.args[0]) or _float_dtype(v)
         elif _cast_target(n) is not None:
             dt[n] = _cast_target(n)
+        elif mutates(n) and n.args and isinstance(n.args[0], fx.Node) and _float_dtype(v):
+            dt[n] = dt.get(n.args[0]) or _float_dtype(v)  # in place: the dtype of what it writes
         else:
             dt[n] = _float_dtype(v)
         rw.dtypes[n.name] = dt[n]
@@ -241,8 +251,12 @@ def apply(
                     or (name in _DATA_PORT_WHEN_LOW and c.is_low(n) and _on_cpu(n))
                 ):
                     continue
-                if _is_scalar(p) and not all(_is_scalar(q) for q in _tensor_args(n)):
-                    continue
+                if (
+                    c.kind[n] != ALLOW
+                    and _is_scalar(p)
+                    and not all(_is_scalar(q) for q in _tensor_args(n))
+                ):
+                    continue  # type promotion lets a 0-dim tensor meet any float dtype
                 want = low if c.is_low(n) else torch.float32
                 if want != have and _promotes(n, p, want, dt):
                     rw.casts.append(
@@ -263,9 +277,36 @@ def apply(
     for p, wants in needs.items():
         for want, readers in wants.items():
             _insert(gm, p, want, readers, dt, weights, written, rw)
+    mixed = mixed_allow_inputs(graph, c, dt)
+    if mixed:
+        raise AssertionError(
+            "mixprec graph pass: allow ops would receive floating inputs in different dtypes "
+            f"after the rewrite: {mixed[:3]}. Please report this with the model; "
+            "ops={name: None} makes such an op a float32 boundary meanwhile."
+        )
     graph.lint()
     gm.recompile()
     return rw
+
+
+def mixed_allow_inputs(
+    graph: fx.Graph, c: Colouring, dt: dict[fx.Node, torch.dtype | None]
+) -> list[tuple[str, dict[str, str]]]:
+    """Allow-list nodes whose floating inputs do not all have one dtype: ``(node, {input:
+    dtype})``. Empty after :func:`apply`, which checks it: matmul, convolution and attention
+    kernels take no mix (and a mix would silently move the op to float32 or fail).
+
+    The norms on the allow list (moved there with ``ops=``) are left out: their kernels take
+    16-bit data with float32 weights by design (``_DATA_PORT_WHEN_LOW``).
+    """
+    out = []
+    for n in graph.nodes:
+        if c.kind.get(n) != ALLOW or node_op(n) in _DATA_PORT_ONLY | _DATA_PORT_WHEN_LOW:
+            continue
+        ins = {p.name: dt.get(p) for p in _tensor_args(n) if dt.get(p) is not None}
+        if len(set(ins.values())) > 1:
+            out.append((n.name, {k: str(v).replace("torch.", "") for k, v in ins.items()}))
+    return out
 
 
 def _promotes(n: fx.Node, p: fx.Node, want: torch.dtype, dt: dict) -> bool:

@@ -21,6 +21,7 @@ import torch
 from torch import fx, nn
 
 from mixprec.core.policy import PolicyLike
+from mixprec.graph.caches import has_cache_switch
 from mixprec.graph.convert import GRAPH_ATTR
 
 __all__ = ["backend", "compile"]
@@ -52,6 +53,7 @@ def backend(
     results: list[Any] = []
 
     def mixprec_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        _drop_enabled_autocast(gm)
         results.append(rewrite(gm, pol.compute_dtype, output_dtype=pol.output_dtype, **options))
         if compiler == "eager":
             return gm.forward
@@ -63,6 +65,41 @@ def backend(
 
     mixprec_backend.results = results  # type: ignore[attr-defined]  # one PassResult per graph
     return mixprec_backend
+
+
+def _low_storage(model: nn.Module) -> tuple[str, torch.dtype] | None:
+    """(device type, dtype) of the model's first 16-bit parameter, or None."""
+    for p in model.parameters():
+        if p.dtype in (torch.bfloat16, torch.float16):
+            return p.device.type, p.dtype
+    return None
+
+
+def _is_autocast(n: fx.Node, name: str) -> bool:
+    return n.op == "call_function" and getattr(n.target, "__name__", "") == name
+
+
+def _drop_enabled_autocast(gm: fx.GraphModule) -> None:
+    """Remove the autocast regions that *enable* autocast from a dynamo graph.
+
+    The pass takes autocast's place: it decides the dtypes there. Regions that disable autocast
+    stay, and :mod:`mixprec.graph.paint` keeps their ops float32, as the model asked.
+    """
+    changed = False
+    for n in list(gm.graph.nodes):
+        if not _is_autocast(n, "_enter_autocast"):
+            continue
+        enabled = n.args[2] if len(n.args) > 2 else n.kwargs.get("enabled", True)
+        if not enabled:
+            continue
+        for u in list(n.users):
+            if not _is_autocast(u, "_exit_autocast") or u.users:
+                raise AssertionError(f"unexpected reader {u.format_node()} of {n.name}")
+            gm.graph.erase_node(u)
+        gm.graph.erase_node(n)
+        changed = True
+    if changed:
+        gm.recompile()
 
 
 class _Compiled(nn.Module):
@@ -92,14 +129,32 @@ def compile(
     The mark tells :func:`mixprec.initialize` that the casts live in the graph: it then stores
     weights and wraps the optimizer for the level, without installing the eager engine.
 
+    Once weights are stored in 16-bit (O2, O3) the model is traced under ``torch.autocast``:
+    its own code can mix dtypes that only a cast policy reconciles (T5's float32 norms feed
+    16-bit projections, and a 16-bit position bias meets the float32 query in attention), and
+    dynamo checks each op on fake tensors as it traces. The backend removes that autocast
+    region before the pass, which then decides every dtype itself.
+
+    A Hugging Face model is called with ``use_cache=False`` unless the call passes
+    ``use_cache``: its key/value cache would be graph outputs, cast to the output dtype and kept
+    alive, which training does not use (:mod:`mixprec.graph.caches`).
+
     Each call compiles its own entry function: dynamo caches compiled code per code object,
     and a plain ``torch.compile(model)`` shares ``Module.__call__``'s with every model of the
     process -- after a few models its recompile limit sends the rest to eager mode, where
     16-bit weights without the pass's casts fail.
     """
 
+    no_cache = has_cache_switch(model)
+
     def entry(*args: Any, **kwargs: Any) -> Any:
-        return model(*args, **kwargs)
+        if no_cache and "use_cache" not in kwargs:  # a training graph returns no kv cache
+            kwargs = {**kwargs, "use_cache": False}
+        stored = _low_storage(model)  # read while dynamo traces; it guards on the dtypes
+        if stored is None:
+            return model(*args, **kwargs)
+        with torch.autocast(stored[0], dtype=stored[1]):  # removed again by the backend
+            return model(*args, **kwargs)
 
     entry.__code__ = entry.__code__.replace(co_name=f"mixprec_graph_entry_{next(_entries)}")
     compiled = _Compiled(

@@ -17,6 +17,8 @@ Design:
   the weight casts disappear.
 * If the batch dimension cannot be symbolic (the model specializes on it), the capture falls
   back to one graph per input shape, with a warning that says so.
+* Hugging Face models are captured with their key/value cache off (:mod:`mixprec.graph.caches`):
+  torch.export cannot return the cache objects, and training does not use them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from mixprec.core.policy import Policy, PolicyLike, as_policy, global_policy
 from mixprec.graph import paint
+from mixprec.graph.caches import no_cache, strip_use_cache
 from mixprec.graph.report import PrecisionReport
 from mixprec.graph.rewrite import PassResult, rewrite
 
@@ -65,7 +68,8 @@ def capture(
             if dynamic:
                 a, k = _batch_spec(args, kwargs)
                 shapes = {**dict(zip(_arg_names(model, len(args)), a)), **k} if k else a
-            ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
+            with no_cache(model):
+                ep = torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False)
             return ep.module(), dynamic
         except Exception as e:  # noqa: BLE001 - reported below with the fix
             errors.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
@@ -182,6 +186,7 @@ class ConvertedModule(nn.Module):
         return gm, result
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs = strip_use_cache(self._model, kwargs)
         gm, result = self._graph(args, kwargs)
         self._last = result
         return gm(*args, **kwargs)
@@ -264,7 +269,7 @@ def convert(
             f"{pol.compute_dtype}. Use e.g. 'mixed_bfloat16' or 'mixed_float16'."
         )
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    kwargs = dict(example_kwargs or {})
+    kwargs = strip_use_cache(model, dict(example_kwargs or {}))
     options = dict(
         fp32_inside=fp32_inside,
         ops=dict(ops or {}),

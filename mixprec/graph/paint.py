@@ -11,10 +11,17 @@ Design (TensorFlow's ``auto_mixed_precision``; ``docs/design.md``, "The graph pa
 * A node is *processable* when its output is a float32 tensor (or a tuple of them, read through
   ``getitem``), it mutates nothing, has no explicit ``dtype=`` and is not under a module forced to
   float32. Placeholders, parameters, constants and the graph outputs keep their dtype.
+* A node's colour must be a dtype it can actually produce, since the casts are placed from the
+  colours. So three more kinds of node keep their traced dtype: a ``getitem`` reading a node the
+  pass does not colour (torch.export turns a ``torch.autocast(enabled=False)`` or ``no_grad``
+  region, such as RoPE's cos/sin, into one such node), an op with no floating input to cast, and
+  an op inside a region where the model disables autocast (dynamo inlines those regions; the
+  model asked for float32 there, as torch.autocast would give it).
 * The passes are grappler's, in its order: paint allow ops; propagate deny forwards through the
   clear/infer chains that lead into another infer or deny op; paint allow the infer and clear
   nodes sandwiched between allow nodes; spread allow through clear runs in both directions;
-  give a multi-output node and its ``getitem`` readers one colour.
+  give a multi-output node and its ``getitem`` readers one colour (a ``getitem`` on a tensor,
+  dynamo's ``x[:, -k:]``, is a clear op of its own, not such a reader).
 
 The graph is any ``torch.fx`` graph whose nodes carry dtype metadata (``meta["val"]`` from
 torch.export / dynamo, or ``meta["tensor_meta"]`` from ``ShapeProp``), at the ATen level or the
@@ -55,6 +62,7 @@ __all__ = [
     "colour",
     "is_multi",
     "meta_val",
+    "mutates",
     "node_op",
 ]
 
@@ -166,7 +174,7 @@ def node_op(node: fx.Node) -> str | None:
     return name + "_" if inplace else name
 
 
-def _mutates(node: fx.Node) -> bool:
+def mutates(node: fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     if schema is not None and schema.is_mutable:
         return True
@@ -223,18 +231,29 @@ def _float_out(node: fx.Node) -> bool:
 
 
 def _classify(
-    node: fx.Node, lists: Lists, fp32_modules: tuple[str, ...], low_inputs: frozenset[fx.Node]
+    node: fx.Node,
+    lists: Lists,
+    fp32_modules: tuple[str, ...],
+    low_inputs: frozenset[fx.Node],
+    kinds: Mapping[fx.Node, str | None],
+    no_autocast: frozenset[fx.Node],
 ) -> tuple[str | None, str]:
     name = node_op(node)
     if name is None:
         return None, "not an op"
     if name in CAST_OPS:
         return None, "existing cast"
+    src = node.args[0] if name == "getitem" and node.args else None
+    if isinstance(src, fx.Node) and is_multi(meta_val(src)) and src not in kinds:
+        # a read of one output of a node the pass does not recolour (a boundary, or a captured
+        # region such as torch.export's wrap_with_autocast): a getitem cannot change a dtype,
+        # so it has its producer's; readers that need another get a cast after it
+        return None, f"reads an output of {src.name} ({node_op(src) or src.op}), a fixed node"
     if name in SOURCE_OPS:
         if node.args and node.args[0] in low_inputs and _float_out(node):
             return ALLOW, ""  # a 16-bit table: its rows come out 16-bit, a source of allow
         return None, "gathers from its table in the table's dtype; cast after it"
-    if _mutates(node):
+    if mutates(node):
         return None, "mutates an input"
     if node.kwargs.get("dtype") is not None:
         return None, "explicit dtype="
@@ -242,10 +261,38 @@ def _classify(
         return None, "no float32 output"
     if _forced_fp32(node, fp32_modules):
         return None, f"module {_module_path(node)!r} forced to float32"
+    if node in no_autocast:
+        return None, "the model disabled autocast here (torch.autocast(enabled=False))"
     kind = lists.of(name)
     if kind is None:
         return None, f"op {name!r} is in no list: a float32 boundary"
+    if not any(True for _ in _float_edges(node)):
+        # a factory (torch.full, torch.rand): no floating input to cast, so it keeps its dtype
+        return None, "no floating input: keeps the dtype it was traced with"
     return kind, ""
+
+
+def _autocast_disabled(graph: fx.Graph) -> frozenset[fx.Node]:
+    """Nodes inside ``torch.autocast(..., enabled=False)`` regions of a dynamo graph.
+
+    dynamo inlines such a region between ``_enter_autocast`` and ``_exit_autocast`` nodes (the
+    third argument of the enter node is ``enabled``). torch.export keeps the region as one
+    ``wrap_with_autocast`` node instead, which is a boundary already. A model disables autocast
+    where it wants float32 (rotary embeddings, a loss), so the pass keeps those ops float32 too.
+    """
+    inside: set[fx.Node] = set()
+    stack: list[bool] = []  # enabled flag of each open region
+    for n in graph.nodes:
+        name = getattr(n.target, "__name__", "")
+        if n.op == "call_function" and name == "_enter_autocast":
+            enabled = n.args[2] if len(n.args) > 2 else n.kwargs.get("enabled", True)
+            stack.append(bool(enabled))
+        elif n.op == "call_function" and name == "_exit_autocast":
+            if stack:
+                stack.pop()
+        elif stack and not stack[-1]:
+            inside.add(n)
+    return frozenset(inside)
 
 
 def _float_edges(node: fx.Node) -> Iterable[fx.Node]:
@@ -275,10 +322,11 @@ def colour(
     c = Colouring(lists)
     prefixes = tuple(p.strip(".") for p in fp32_modules)
     low = frozenset(low_inputs)
+    no_autocast = _autocast_disabled(graph)
     for node in graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
-        kind, why = _classify(node, lists, prefixes, low)
+        kind, why = _classify(node, lists, prefixes, low, c.kind, no_autocast)
         if kind is None:
             c.fixed[node] = why
         else:
@@ -341,6 +389,8 @@ def colour(
 
     # pass 5: a multi-output node and its getitem readers share one colour
     for n in c.kind:
+        if not is_multi(meta_val(n)):
+            continue  # a getitem on a tensor (dynamo's x[..., :k]) is a clear op of its own
         readers = [u for u in n.users if u.target is operator.getitem and u in c.kind]
         if not readers:
             continue
