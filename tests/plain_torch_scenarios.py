@@ -174,6 +174,10 @@ def inplace_and_clipping(out: dict[str, Any]) -> None:
     out["clip.norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
     torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
     out["clip.grads"] = [p.grad.clone() for p in model.parameters()]
+    torch._dynamo.reset()
+    clip = torch.compile(torch.nn.utils.clip_grad_norm_, backend="aot_eager", fullgraph=True)
+    out["clip.compiled_norm"] = clip(list(model.parameters()), 1e-4)
+    out["clip.compiled_grads"] = [p.grad.clone() for p in model.parameters()]
 
     def sgd(params: list[torch.Tensor]) -> None:
         with torch.no_grad(), torch.autocast("cpu", BF16):
