@@ -2,6 +2,9 @@
 
 python tools/gen_op_table.py          # rewrite docs/ops.md in place
 python tools/gen_op_table.py --check  # exit 1 if docs/ops.md is out of date
+
+Two marks come from data too: the engine's ``FP32_INSIDE_OPS`` (16-bit in and out at O2/O3)
+and the table's ``PYTHON_FUNCTIONS`` (entries the eager engine never sees whole).
 """
 
 from __future__ import annotations
@@ -9,10 +12,25 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from mixprec.core.cast_table import table_markdown
+from mixprec.core.cast_table import DEFAULT_TABLE, FP32, PYTHON_FUNCTIONS, table_markdown
+from mixprec.core.dispatch import FP32_INSIDE_OPS
 
 BEGIN, END = "<!-- op-table:begin -->", "<!-- op-table:end -->"
 TARGET = pathlib.Path(__file__).resolve().parent.parent / "docs" / "ops.md"
+INSIDE, PYTHON = "†", "‡"
+LEGEND = (
+    f"{INSIDE} at O2 and O3 (`fp32_inside`): 16-bit inputs, weights included, and a 16-bit "
+    "output; the kernel computes in float32 inside.\n\n"
+    f"{PYTHON} a Python function, not an aten op: in eager mode each op it calls follows its "
+    "own rule ([below](#python-functions-in-the-table))."
+)
+
+
+def marks() -> dict[str, str]:
+    out = {n: INSIDE for n in FP32_INSIDE_OPS if DEFAULT_TABLE.get(n) == FP32}
+    for name in PYTHON_FUNCTIONS:
+        out[name] = out.get(name, "") + PYTHON
+    return out
 
 
 def render(text: str) -> str:
@@ -22,7 +40,7 @@ def render(text: str) -> str:
         )
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{table_markdown()}\n{END}{tail}"
+    return f"{head}{BEGIN}\n{table_markdown(marks=marks())}\n\n{LEGEND}\n{END}{tail}"
 
 
 if __name__ == "__main__":

@@ -1,19 +1,27 @@
 """The cast table: which ops run in 16-bit, which stay in float32, which promote.
 
 This table is data. The eager engine (``mixprec.autocast``), the graph pass and the generated op
-table in the README all read it, so they cannot drift apart.
+table in ``docs/ops.md`` all read it, so they cannot drift apart.
 
 Rules (the Apex / torch.autocast / grappler vocabulary; ``docs/design.md``, "The cast table"):
 
 * ``"lower"`` -- compute-bound ops (matmul, conv, linear, attention, RNNs): floating inputs are
-  cast to the 16-bit compute dtype; the kernels accumulate in float32 internally.
+  cast to the 16-bit compute dtype; torch's kernels accumulate in float32 (on CUDA cuBLAS may
+  round some partial sums to 16-bit, see ``docs/ops.md``).
 * ``"fp32"`` -- numerically risky ops (softmax, norms, reductions, exp/log/pow, losses): floating
-  inputs are cast to float32. Unlike torch.autocast's CPU list, these are protected on *every*
-  device, and for float16 on CPU too.
+  inputs are cast to float32, on CPU as on CUDA (torch.autocast's CPU list leaves most of them in
+  16-bit). At O2/O3 (``fp32_inside``) the engine exempts the few whose torch kernels accumulate
+  in float32 (softmax, log_softmax, layer_norm, group_norm): they keep 16-bit inputs and outputs.
 * ``"promote"`` -- ops with several floating inputs run in the widest of them (float32 beats
   16-bit; a float16/bfloat16 mix goes to float32 instead of raising).
 * anything unlisted runs as ``torch.autocast`` runs it on the device (mostly in the dtype of its
-  inputs; see :mod:`mixprec.core.torch_lists`).
+  inputs; see :mod:`mixprec.core.torch_lists`). ``batch_norm`` is unlisted on purpose: its
+  kernels take a 16-bit activation with float32 statistics and compute in float32, and an
+  ``"fp32"`` rule would cast 16-bit running statistics (O3) to copies that the kernel updates
+  in place instead of the module's buffers.
+
+What each rule makes the kernels receive, per level, is ``docs/ops.md``, "What runs"; a test
+runs those rows through the engine.
 
 Ops are keyed by their base name ("mm", "softmax", "layer_norm"), so ``torch.softmax``,
 ``Tensor.softmax``, ``F.softmax`` and ``torch.ops.aten.softmax.int`` share one entry; ``add_``
@@ -36,6 +44,7 @@ __all__ = [
     "GRAPH_INFER",
     "LOWER",
     "PROMOTE",
+    "PYTHON_FUNCTIONS",
     "RULES",
     "cast_rules",
     "current_table",
@@ -374,6 +383,21 @@ GRAPH_INFER: frozenset[str] = frozenset(
     }
 )
 
+# Entries that name Python functions of torch.nn.functional rather than aten ops. torch.export
+# (and with it the graph pass) sees such a call whole; the eager engine works on the dispatcher
+# and sees only the aten ops the function calls, each under its own rule. A test checks that
+# exactly these entries have no aten op; docs/ops.md says what each of them runs in eager mode.
+PYTHON_FUNCTIONS: frozenset[str] = frozenset(
+    {
+        "softmin",
+        "normalize",
+        "local_response_norm",
+        "cross_entropy",
+        "gaussian_nll_loss",
+        "multilabel_soft_margin_loss",
+    }
+)
+
 DEFAULT_TABLE: Mapping[str, str] = {
     name: rule
     for rule, groups in _CATEGORIES.items()
@@ -525,13 +549,21 @@ def rule_for(op: Any) -> str | None:
     return None if inplace else current_table().get(name)
 
 
-def table_markdown(table: Mapping[str, str] | None = None) -> str:
-    """The op table as Markdown (used to generate the README's table)."""
+def table_markdown(
+    table: Mapping[str, str] | None = None, marks: Mapping[str, str] | None = None
+) -> str:
+    """The op table as Markdown (``tools/gen_op_table.py`` writes it into ``docs/ops.md``).
+
+    Args:
+        table: ``{op name: rule}``; default :data:`DEFAULT_TABLE`.
+        marks: ``{op name: suffix}`` written right after an op's name (a footnote marker).
+    """
     table = DEFAULT_TABLE if table is None else table
+    marks = marks or {}
     lines = ["| rule | group | ops |", "|---|---|---|"]
     for rule, groups in _CATEGORIES.items():
         for group, names in groups.items():
-            ops = ", ".join(f"`{n}`" for n in names if table.get(n) == rule)
+            ops = ", ".join(f"`{n}`{marks.get(n, '')}" for n in names if table.get(n) == rule)
             if ops:
                 lines.append(f"| {rule} | {group} | {ops} |")
     return "\n".join(lines)
