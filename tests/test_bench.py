@@ -221,3 +221,42 @@ def test_bench_rejects_bad_mnist1d_samples(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--mnist1d-samples", "0"])
     assert "--mnist1d-samples must be a positive integer" in capsys.readouterr().err
+
+
+def _mode(name, times):
+    return runner.ModeResult(name, step_times=list(times), evals=[(0, 0.0, 0.5)])
+
+
+def _ratio_cell(cell):
+    """'2.00x faster' -> 2.0, '1.25x slower' -> 0.8, 'same speed' -> 1.0 (time ratio base/mode)."""
+    if cell == "same speed":
+        return 1.0
+    value, word = cell.split()
+    return float(value.rstrip("x")) ** (1 if word == "faster" else -1)
+
+
+def test_table_ratios_are_the_ratios_of_the_numbers_shown():
+    # per-round ratios (median 2.07) that differ from the ratio of the medians (2.5 / 1.45 =
+    # 1.72): the table must show numbers a reader can check against each other
+    wl = _tiny_workload()
+    fp32 = [0.9, 1.0, 2.0, 3.0, 4.0]
+    modes = {
+        "fp32": _mode("fp32", fp32),
+        "torch-autocast": _mode("torch-autocast", [t / 1.1 for t in fp32]),
+        "O2": _mode("O2", [0.9, 0.5, 1.5, 1.4, 1.6]),
+    }
+    runner._summarize(wl, modes, batch=8)
+    assert modes["O2"].speedup_vs_fp32 == pytest.approx(2.5 / 1.45)
+    assert report.HEADERS[1:5] == ["median step", "per s", "vs fp32", "vs torch"]
+    rows = {row[0]: row for row in report.rows(wl, modes)}
+    step = {m: float(row[1].removesuffix("ms")) for m, row in rows.items()}
+    for m, row in rows.items():
+        rate = float(row[2].rstrip("k")) * (1e3 if row[2].endswith("k") else 1)
+        assert rate == pytest.approx(8 / (step[m] / 1e3), rel=0.015)  # per s = batch / step
+        for base, cell in (("fp32", row[3]), ("torch-autocast", row[4])):
+            assert _ratio_cell(cell) == pytest.approx(step[base] / step[m], rel=0.015), (m, cell)
+    # and the JSON carries the ratios the table shows
+    doc = report.to_json(report.meta("t", torch.bfloat16, 0, True), {"tiny": (wl, modes)})
+    o2 = doc["workloads"]["tiny"]["modes"]["O2"]
+    assert o2["speedup_vs_fp32"] == pytest.approx(2.5 / 1.45)
+    assert doc["schema"] == "mixprec.bench/2"

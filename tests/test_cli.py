@@ -122,6 +122,11 @@ def test_benchmark_harness_times_every_mode(monkeypatch):
     assert fp32.vs_fp32 == 1.0
     table = benchmarking.format_table(results)
     assert table.count("\n") == len(results) + 1
+    # the ratio columns are the ratios of the median steps the table shows next to them
+    for r, line in zip(results, table.splitlines()[2:]):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert r.vs_fp32 == pytest.approx(fp32.median / r.median)
+        assert float(cells[3].rstrip("x")) == pytest.approx(fp32.median / r.median, abs=0.006)
 
 
 def test_build_step_rejects_unknown_mode():
