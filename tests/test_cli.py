@@ -132,3 +132,33 @@ def test_benchmark_harness_times_every_mode(monkeypatch):
 def test_build_step_rejects_unknown_mode():
     with pytest.raises(ValueError, match="Unknown mode 'O9'"):
         benchmarking.build_step(benchmarking.WORKLOADS["seed-mlp"], "O9")
+
+
+def test_python_dash_m_mixprec_is_the_mixprec_command(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import mixprec
+
+    root = os.path.dirname(os.path.dirname(mixprec.__file__))
+    env = {**os.environ, "PYTHONPATH": root}
+    done = subprocess.run(
+        [sys.executable, "-m", "mixprec", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: mixprec ") and "demo" in done.stdout
+    done = subprocess.run(
+        [sys.executable, "-m", "mixprec", "check"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "best dtype" in done.stdout
