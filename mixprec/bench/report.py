@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import pathlib
 import platform
 from typing import Any
@@ -107,9 +108,15 @@ def _round(obj: Any) -> Any:
 
 
 def write_json(doc: dict[str, Any], path: pathlib.Path) -> None:
-    """Write ``doc`` compactly (per-step lists make an indented file several times larger)."""
+    """Write ``doc`` compactly (per-step lists make an indented file several times larger).
+
+    The file is written next to ``path`` and then renamed over it, so a run stopped while
+    writing (Ctrl-C) leaves the previous complete file, never a truncated one.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_round(doc), separators=(",", ":")) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_round(doc), separators=(",", ":")) + "\n")
+    os.replace(tmp, path)
 
 
 def speed_words(ratio: float | None) -> str:
