@@ -216,8 +216,9 @@ def format_table(results: list[Result]) -> str:
     ]
     for r in results:
         mem = None if r.peak_bytes is None else r.peak_bytes / 2**20
+        step = milliseconds(r.median).removesuffix("ms")
         lines.append(
-            f"| {r.workload} | {r.mode} | {milliseconds(r.median)} | {fmt(r.vs_fp32, '.2f', 'x')} "
+            f"| {r.workload} | {r.mode} | {step} | {fmt(r.vs_fp32, '.2f', 'x')} "
             f"| {fmt(r.vs_torch, '.2f', 'x')} | {fmt(r.casts, 'd')} | {fmt(mem, '.0f')} |"
         )
     return "\n".join(lines)
