@@ -3,8 +3,8 @@
     python benchmarks/bench_step.py                       # both workloads, all modes
     python benchmarks/bench_step.py --workloads gpt --rounds 9 --json out.json
 
-Prints a Markdown table (median step time; speed-ups as medians of per-round ratios against
-fp32 and torch.autocast measured in the same run; peak memory) headed by date, CPU and torch
+Prints a Markdown table (median step time; speed-ups as ratios of those medians against fp32
+and torch.autocast measured in the same rounds; peak memory) headed by date, CPU and torch
 version, ready to paste into the README.
 """
 

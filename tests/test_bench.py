@@ -78,6 +78,38 @@ def test_time_budget_stops_each_mode():
     assert all(len(r.step_times) == 1 for r in res.values())
 
 
+def test_a_shared_budget_ends_every_mode_at_the_same_round(monkeypatch):
+    step = runner.Trainer.step
+
+    def slow_o2(self):  # O2's steps count 1 s more on its clock
+        dt, loss = step(self)
+        return dt + (1.0 if self.mode == "O2" else 0.0), loss
+
+    monkeypatch.setattr(runner.Trainer, "step", slow_o2)
+    wl = _tiny_workload()
+    kw = {"steps": 20, "time_budget": 2.5, "memory": False}
+    alone = runner.run_workload(wl, ["fp32", "O2"], **kw)
+    assert len(alone["fp32"].step_times) == 20 and len(alone["O2"].step_times) == 3
+    together = runner.run_workload(wl, ["fp32", "O2"], together=True, **kw)
+    assert [len(r.step_times) for r in together.values()] == [3, 3]
+    assert [e[0] for e in together["fp32"].evals] == [0, 2, 3]  # evaluated where it stopped
+    # min_steps: a budget never ends a mode before it has that many steps
+    short = runner.run_workload(
+        wl, ["fp32", "O2"], steps=20, time_budget=1e-9, min_steps=4, memory=False
+    )
+    assert [len(r.step_times) for r in short.values()] == [4, 4]
+
+
+def test_quartiles_and_round_ratios():
+    assert runner.quartiles([4.0, 1.0, 3.0, 2.0, 5.0]) == (2.0, 3.0, 4.0)
+    assert runner.quartiles([7.0]) == (7.0, 7.0, 7.0)
+    with pytest.raises(ValueError, match="no step was timed"):
+        runner.quartiles([])
+    # the first (warm-up) round is dropped; above 1 means the second list is faster
+    assert runner.round_ratios([9.0, 2.0, 3.0], [1.0, 1.0, 2.0]) == [2.0, 1.5]
+    assert runner.round_ratios([2.0], [1.0]) == [2.0]
+
+
 def test_json_document_follows_the_schema(tmp_path):
     wl = _tiny_workload()
     modes = runner.run_workload(wl, ["fp32", "O2"], steps=2, memory=False)
@@ -111,6 +143,9 @@ def test_json_document_follows_the_schema(tmp_path):
     }
     assert set(w["modes"]["O2"]) == fields
     assert len(report.rows(wl, modes)) == 2 and report.markdown(wl, modes).count("\n") == 3
+    report.write_json({"schema": "again"}, tmp_path / "r.json")  # replaced whole, no leftovers
+    assert json.loads((tmp_path / "r.json").read_text()) == {"schema": "again"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
 
 
 def test_plots_are_written(tmp_path):
@@ -221,3 +256,90 @@ def test_bench_rejects_bad_mnist1d_samples(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--mnist1d-samples", "0"])
     assert "--mnist1d-samples must be a positive integer" in capsys.readouterr().err
+
+
+def _mode(name, times):
+    return runner.ModeResult(name, step_times=list(times), evals=[(0, 0.0, 0.5)])
+
+
+def _ratio_cell(cell):
+    """'2.00x faster' -> 2.0, '1.25x slower' -> 0.8, 'same speed' -> 1.0 (time ratio base/mode)."""
+    if cell == "same speed":
+        return 1.0
+    value, word = cell.split()
+    return float(value.rstrip("x")) ** (1 if word == "faster" else -1)
+
+
+def test_table_ratios_are_the_ratios_of_the_numbers_shown():
+    # per-round ratios (median 2.07) that differ from the ratio of the medians (2.5 / 1.45 =
+    # 1.72): the table must show numbers a reader can check against each other
+    wl = _tiny_workload()
+    fp32 = [0.9, 1.0, 2.0, 3.0, 4.0]
+    modes = {
+        "fp32": _mode("fp32", fp32),
+        "torch-autocast": _mode("torch-autocast", [t / 1.1 for t in fp32]),
+        "O2": _mode("O2", [0.9, 0.5, 1.5, 1.4, 1.6]),
+    }
+    runner._summarize(wl, modes, batch=8)
+    assert modes["O2"].speedup_vs_fp32 == pytest.approx(2.5 / 1.45)
+    assert report.HEADERS[1:5] == ["median step", "per s", "vs fp32", "vs torch"]
+    rows = {row[0]: row for row in report.rows(wl, modes)}
+    step = {m: float(row[1].removesuffix("ms")) for m, row in rows.items()}
+    for m, row in rows.items():
+        rate = float(row[2].rstrip("k")) * (1e3 if row[2].endswith("k") else 1)
+        assert rate == pytest.approx(8 / (step[m] / 1e3), rel=0.015)  # per s = batch / step
+        for base, cell in (("fp32", row[3]), ("torch-autocast", row[4])):
+            assert _ratio_cell(cell) == pytest.approx(step[base] / step[m], rel=0.015), (m, cell)
+    # and the JSON carries the ratios the table shows
+    doc = report.to_json(report.meta("t", torch.bfloat16, 0, True), {"tiny": (wl, modes)})
+    o2 = doc["workloads"]["tiny"]["modes"]["O2"]
+    assert o2["speedup_vs_fp32"] == pytest.approx(2.5 / 1.45)
+    assert doc["schema"] == "mixprec.bench/2"
+
+
+def test_bench_saves_json_after_each_workload_and_ctrl_c_stops_cleanly(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import mixprec
+
+    root = os.path.dirname(os.path.dirname(mixprec.__file__))
+    path = tmp_path / "results.json"
+    # mnist1d-cnn finishes in seconds; char-gpt would then train for a minute
+    cmd = [sys.executable, "-m", "mixprec", "bench", "mnist1d-cnn", "char-gpt", "--quick"]
+    cmd += ["--modes", "fp32", "--steps", "300", "--batch-size", "2", "--time-budget", "60"]
+    cmd += ["--no-memory", "--no-plots", "--no-progress", "--out", str(tmp_path)]
+    # a terminal delivers Ctrl-C to a child that handles it; a non-interactive shell may have
+    # started these tests with SIGINT ignored, which a child would inherit
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [*cmd, "--json", str(path)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": root},
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        deadline = time.monotonic() + 120
+        while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert path.exists(), "no JSON after the first workload"
+        assert proc.poll() is None, "the run ended before it could be interrupted"
+        saved = json.loads(path.read_text())
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert list(saved["workloads"]) == ["mnist1d-cnn"]
+    assert len(saved["workloads"]["mnist1d-cnn"]["modes"]["fp32"]["step_times"]) == 300
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "interrupted" in err and str(path) in err and "mnist1d-cnn" in err
+    assert json.loads(path.read_text()) == saved  # what finished is still there

@@ -69,3 +69,21 @@ def test_report_on_a_user_factory_with_tune(tmp_path, capsys, monkeypatch):
     assert main(["report", "user_models", "--out", str(out_dir)]) == 2
     assert "module:factory" in capsys.readouterr().err
     sys.modules.pop("user_models", None)
+
+
+def test_report_finds_a_module_in_the_current_folder(tmp_path, capsys, monkeypatch):
+    # the `mixprec` console script does not put the current folder on sys.path (python -m does)
+    (tmp_path / "mymodel.py").write_text(
+        textwrap.dedent("""
+        from torch import nn
+
+        def factory():
+            return nn.Linear(4, 4)
+    """)
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "mymodel", raising=False)
+    assert main(["report", "mymodel:factory", "--no-plots", "--out", str(tmp_path / "o")]) == 0
+    assert "need (model, batch)" in capsys.readouterr().out
+    sys.modules.pop("mymodel", None)

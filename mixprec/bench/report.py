@@ -1,7 +1,12 @@
 """What ``mixprec bench`` writes: a terminal table, a JSON file and PNG plots.
 
 The JSON schema (``SCHEMA``) is versioned so that tools reading old results can tell; every
-number in the table comes from the JSON, so the two cannot disagree.
+number in the table comes from the JSON, so the two cannot disagree. Version 2: the speed-ups
+are ratios of the median steps (version 1 stored medians of per-round ratios).
+
+Columns agree with each other: "per s" is the batch over the median step, and "vs fp32" / "vs
+torch" are ratios of the median steps, so each can be recomputed from the numbers next to it
+(step times are shown to three significant digits for that).
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import pathlib
 import platform
 from typing import Any
@@ -20,9 +26,11 @@ from mixprec.bench.workloads import BenchWorkload
 
 __all__ = [
     "HEADERS",
+    "NOTE",
     "SCHEMA",
     "markdown",
     "meta",
+    "milliseconds",
     "rows",
     "speed_words",
     "to_json",
@@ -30,10 +38,10 @@ __all__ = [
     "write_plots",
 ]
 
-SCHEMA = "mixprec.bench/1"
+SCHEMA = "mixprec.bench/2"
 HEADERS = [
     "mode",
-    "step",
+    "median step",
     "per s",
     "vs fp32",
     "vs torch",
@@ -43,6 +51,10 @@ HEADERS = [
     "skip",
     "max batch",
 ]
+NOTE = (
+    "median step: over the steps after the first; per s: samples (tokens for char-gpt) per "
+    "second at the median step; vs fp32, vs torch: ratios of the median steps."
+)
 
 
 def meta(command: str, dtype: torch.dtype, seed: int, quick: bool) -> dict[str, Any]:
@@ -96,9 +108,15 @@ def _round(obj: Any) -> Any:
 
 
 def write_json(doc: dict[str, Any], path: pathlib.Path) -> None:
-    """Write ``doc`` compactly (per-step lists make an indented file several times larger)."""
+    """Write ``doc`` compactly (per-step lists make an indented file several times larger).
+
+    The file is written next to ``path`` and then renamed over it, so a run stopped while
+    writing (Ctrl-C) leaves the previous complete file, never a truncated one.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_round(doc), separators=(",", ":")) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_round(doc), separators=(",", ":")) + "\n")
+    os.replace(tmp, path)
 
 
 def speed_words(ratio: float | None) -> str:
@@ -116,22 +134,45 @@ def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
     return "-" if v is None else f"{format(v, spec)}{suffix}"
 
 
+def _sig3(v: float) -> str:
+    """At least three significant digits: 1234 -> '1234', 5.214 -> '5.21', 0.8432 -> '0.843'."""
+    if v >= 100:
+        return f"{v:.0f}"
+    if v >= 1:
+        return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+    return f"{v:.3g}"
+
+
+def milliseconds(seconds: float) -> str:
+    """A step time in ms to three significant digits (at least): '5.21ms', '339ms'."""
+    return f"{_sig3(seconds * 1e3)}ms"
+
+
 def _si(v: float) -> str:
-    return f"{v / 1e3:.1f}k" if v >= 1e3 else f"{v:.0f}"
+    return f"{_sig3(v / 1e3)}k" if v >= 1e3 else _sig3(v)
+
+
+def _vs(modes: dict[str, ModeResult], base: str, r: ModeResult) -> str:
+    """The time ratio of ``base``'s median step to ``r``'s, the two medians the table shows."""
+    other = modes.get(base)
+    if other is None or not r.median_step:
+        return "-"
+    return speed_words(other.median_step / r.median_step)
 
 
 def rows(wl: BenchWorkload, modes: dict[str, ModeResult]) -> list[list[str]]:
-    """Table rows for one workload ("per s": samples, or tokens for char-gpt, per second)."""
+    """Table rows for one workload ("per s": samples, or tokens for char-gpt, per second at the
+    median step; "vs fp32" / "vs torch": ratios of the median steps shown)."""
     metric = "{:.1%}" if wl.metric == "accuracy" else "{:.3f}"
     out = []
     for r in modes.values():
         out.append(
             [
                 r.mode,
-                f"{r.median_step * 1e3:.0f}ms",
+                milliseconds(r.median_step),
                 _si(r.throughput),
-                speed_words(r.speedup_vs_fp32),
-                speed_words(r.speedup_vs_torch),
+                _vs(modes, "fp32", r),
+                _vs(modes, "torch-autocast", r),
                 _fmt(None if r.peak_bytes is None else r.peak_bytes / 2**20, ".0f", "MB"),
                 "-" if r.final_metric is None else metric.format(r.final_metric),
                 _fmt(r.time_to_target, ".1f", "s"),

@@ -6,6 +6,12 @@ sum of its own step times, so time-to-target compares modes that saw the same ma
 same moments. Evaluation is not timed. Peak memory and the largest batch that fits a budget are
 measured afterwards, one mode at a time, because resident memory cannot be attributed to one of
 several live models.
+
+Statistics: a mode's step time is the median of its steps (the first, warm-up step dropped), and
+its speed-up is the ratio of two such medians, so a table can show the medians and the ratio
+side by side and a reader can check one against the other. Both modes saw the same rounds, so
+the ratio of medians needs no per-round pairing; the spread of the per-round ratios
+(:func:`round_ratios`, :func:`quartiles`) says how far one run can be trusted.
 """
 
 from __future__ import annotations
@@ -24,7 +30,16 @@ import mixprec
 from mixprec.bench.workloads import BenchWorkload
 from mixprec.core.memory import PeakMemory
 
-__all__ = ["MODES", "ModeResult", "Trainer", "max_batch", "run_workload", "time_to_target"]
+__all__ = [
+    "MODES",
+    "ModeResult",
+    "Trainer",
+    "max_batch",
+    "quartiles",
+    "round_ratios",
+    "run_workload",
+    "time_to_target",
+]
 
 MODES = (
     "fp32",
@@ -54,10 +69,10 @@ class ModeResult:
     evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, wall, metric)
     loss_scales: list[float] = field(default_factory=list)
     skipped_steps: int = 0
-    median_step: float = 0.0
+    median_step: float = 0.0  # median of step_times without the first (warm-up) step
     throughput: float = 0.0  # samples (or tokens) per second at the median step
-    speedup_vs_fp32: float | None = None
-    speedup_vs_torch: float | None = None
+    speedup_vs_fp32: float | None = None  # fp32's median_step / this median_step
+    speedup_vs_torch: float | None = None  # torch-autocast's median_step / this median_step
     final_metric: float | None = None
     time_to_target: float | None = None
     peak_bytes: int | None = None
@@ -225,8 +240,16 @@ def run_workload(
     memory: bool = True,
     max_batch_mb: float | None = None,
     on_step: Callable[[str, int, float], None] | None = None,
+    together: bool = False,
+    min_steps: int = 1,
 ) -> dict[str, ModeResult]:
-    """Train ``modes`` round-robin on ``wl``; return their results keyed by mode."""
+    """Train ``modes`` round-robin on ``wl``; return their results keyed by mode.
+
+    ``time_budget`` (seconds of a mode's own training time) stops a mode once its clock has
+    reached it and it has run ``min_steps`` steps; the others go on. With ``together`` the
+    first mode to get there ends the run for every mode after that round, so all modes run the
+    same steps (comparable accuracies, every round paired).
+    """
     batch = batch_size or wl.batch_size
     steps = steps or (wl.quick_steps if quick else wl.steps)
     every = eval_every or (max(1, steps // 5) if quick else wl.eval_every)
@@ -236,9 +259,17 @@ def run_workload(
     for m, t in trainers.items():
         results[m].evals.append((0, 0.0, t.evaluate()))
     clock = dict.fromkeys(modes, 0.0)
+
+    def spent(m: str) -> bool:
+        return (
+            time_budget is not None
+            and clock[m] >= time_budget
+            and len(results[m].step_times) >= min_steps
+        )
+
     for step in range(1, steps + 1):
         for m, t in trainers.items():
-            if time_budget is not None and clock[m] >= time_budget:
+            if spent(m):
                 continue
             dt, loss = t.step()
             clock[m] += dt
@@ -251,7 +282,7 @@ def run_workload(
                 r.evals.append((step, clock[m], t.evaluate()))
             if on_step is not None:
                 on_step(m, step, loss)
-        if time_budget is not None and all(c >= time_budget for c in clock.values()):
+        if (any if together else all)(spent(m) for m in modes):
             break
     for m, t in trainers.items():
         r = results[m]
@@ -270,9 +301,24 @@ def run_workload(
     return results
 
 
-def _ratio(a: list[float], b: list[float]) -> float | None:
-    pairs = list(zip(a, b))[1:] or list(zip(a, b))  # drop the first (warm-up) step
-    return statistics.median(y / x for x, y in pairs) if pairs else None
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """``(25th percentile, median, 75th percentile)`` of ``values``; the outer two bound the
+    middle half. One value is its own spread."""
+    if not values:
+        raise ValueError("quartiles of an empty list: no step was timed.")
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    low, mid, high = statistics.quantiles(values, n=4, method="inclusive")
+    return low, mid, high
+
+
+def round_ratios(base: list[float], other: list[float]) -> list[float]:
+    """Per-round time ratios ``base / other`` (above 1: ``other`` is faster), warm-up dropped.
+
+    Step ``i`` of every mode ran in round ``i``, so the pairs saw the same machine load.
+    """
+    pairs = list(zip(base, other))
+    return [b / o for b, o in (pairs[1:] or pairs)]
 
 
 def _summarize(wl: BenchWorkload, results: dict[str, ModeResult], batch: int) -> None:
@@ -282,8 +328,9 @@ def _summarize(wl: BenchWorkload, results: dict[str, ModeResult], batch: int) ->
         r.throughput = wl.samples_per_batch(batch) / r.median_step
         r.final_metric = r.evals[-1][2]
         r.time_to_target = time_to_target(r.evals, wl.target, wl.higher_is_better)
+    fp32, torch_amp = results.get("fp32"), results.get("torch-autocast")
     for r in results.values():
-        if "fp32" in results:
-            r.speedup_vs_fp32 = _ratio(r.step_times, results["fp32"].step_times)
-        if "torch-autocast" in results:
-            r.speedup_vs_torch = _ratio(r.step_times, results["torch-autocast"].step_times)
+        if fp32 is not None:
+            r.speedup_vs_fp32 = fp32.median_step / r.median_step
+        if torch_amp is not None:
+            r.speedup_vs_torch = torch_amp.median_step / r.median_step

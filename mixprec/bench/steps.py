@@ -2,9 +2,10 @@
 
 Design (measured on shared 2-core CI machines, see ``benchmarks/NOTES.md``): absolute times drift
 10-20% over an hour and identical code differs by up to 7% between rounds, so each round times every
-mode once, in turn, and speed-ups are the median of the per-round ratios -- never numbers from
-different runs. Peak memory is measured in a separate pass (one mode at a time, model and optimizer
-built inside the measurement) so the timing rounds are not disturbed.
+mode once, in turn, and a speed-up is the ratio of two modes' median steps from the same rounds --
+never numbers from different runs. The table shows those medians next to the ratios, so one can be
+checked against the other. Peak memory is measured in a separate pass (one mode at a time, model
+and optimizer built inside the measurement) so the timing rounds are not disturbed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixprec.bench.models import GPT, GPTConfig, SeedMLP
+from mixprec.bench.report import milliseconds
 from mixprec.bench.runner import MODES, Trainer
 from mixprec.bench.workloads import BenchWorkload
 from mixprec.core.memory import PeakMemory
@@ -122,7 +124,7 @@ class Result:
 
 
 def _ratio(a: list[float], b: list[float]) -> float:
-    return statistics.median(x / y for x, y in zip(b, a))  # speed-up of a over b
+    return statistics.median(b) / statistics.median(a)  # speed-up of a over b
 
 
 def run(
@@ -202,20 +204,21 @@ def emit(header: str, table: str, path: str | None, doc: dict[str, Any]) -> None
 
 
 def format_table(results: list[Result]) -> str:
-    """Markdown table of results."""
+    """Markdown table of results: the speed-ups are ratios of the median steps shown."""
 
-    def fmt(v: float | None, spec: str) -> str:
-        return "-" if v is None else format(v, spec)
+    def fmt(v: float | None, spec: str, suffix: str = "") -> str:
+        return "-" if v is None else format(v, spec) + suffix
 
     lines = [
-        "| workload | mode | median step (s) | speed-up vs fp32 | vs torch.autocast | "
+        "| workload | mode | median step (ms) | speed-up vs fp32 | vs torch.autocast | "
         "casts per step | peak memory (MB) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         mem = None if r.peak_bytes is None else r.peak_bytes / 2**20
+        step = milliseconds(r.median).removesuffix("ms")
         lines.append(
-            f"| {r.workload} | {r.mode} | {r.median:.3f} | {fmt(r.vs_fp32, '.2f')}x | "
-            f"{fmt(r.vs_torch, '.2f')}x | {fmt(r.casts, 'd')} | {fmt(mem, '.0f')} |"
+            f"| {r.workload} | {r.mode} | {step} | {fmt(r.vs_fp32, '.2f', 'x')} "
+            f"| {fmt(r.vs_torch, '.2f', 'x')} | {fmt(r.casts, 'd')} | {fmt(mem, '.0f')} |"
         )
     return "\n".join(lines)

@@ -1,13 +1,20 @@
-"""The ``mixprec`` command: ``demo`` (the main job), ``bench`` and ``check``."""
+"""The ``mixprec`` command: ``demo`` (the main job), ``bench``, ``check`` and ``report``.
+
+Ctrl-C ends any command with one line on stderr and exit status 130 (as a shell reports a
+SIGINT), never a traceback; ``bench`` writes its JSON after every workload, so what finished
+is kept.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
 from mixprec.bench.runner import MODES
+from mixprec.cli.demo import MIN_STEPS, SLOW_WIDTH
 from mixprec.numerics import report as report_cli
 
 __all__ = ["main"]
@@ -44,17 +51,19 @@ def _demo(args: argparse.Namespace) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
     chosen = demo.pick_dtype(report, dtype)
     fast = report.is_fast(chosen)
+    width = args.width or (4096 if fast else demo.SLOW_WIDTH)
     print(
         f"mixprec demo: the Keras guide's MLP on MNIST-1D (generated locally), {args.steps} "
-        f"steps per mode, batch {args.batch}, on {report.name} "
-        f"[{' '.join(report.features) or 'no AVX512/AMX flags'}] with torch {torch.__version__}"
+        f"rounds (each gives every mode one step, in turn), batch {args.batch}, on "
+        f"{report.name} [{' '.join(report.features) or 'no AVX512/AMX flags'}] with torch "
+        f"{torch.__version__}"
     )
     if not fast:
         print(
             f"{chosen} is not fast on this CPU ({report.dtypes[str(chosen)[6:]].reason}); "
-            f"to keep the run short the MLP is {demo.SLOW_WIDTH} wide (not 4096) and the "
-            f"16-bit levels train for at most {args.budget:.0f} s each, to show their memory "
-            "and accuracy."
+            f"to keep the run short the MLP is {width} wide (not 4096) and the rounds stop "
+            f"once a 16-bit level has trained {args.budget:g} s (every mode runs the same "
+            "steps), to show their memory and accuracy."
         )
     results = demo.run_demo(
         steps=args.steps,
@@ -64,13 +73,19 @@ def _demo(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         dtype=chosen,
         budget=args.budget,
+        width=width,
     )
     _print_table(demo.HEADERS, demo.format_results(results), "fp32 vs mixed precision")
+    print(demo.NOTE)
     print(demo.verdict(results, report, chosen))
     return 0
 
 
-def _narrow(wl: object, width: int) -> object:
+QUICK_SLOW_BUDGET = 4.0  # --quick where 16-bit is slow: seconds of training per mode
+QUICK_SLOW_GPT_BATCH = 4  # --quick where 16-bit is slow: char-gpt's batch (not 16)
+
+
+def _narrow(wl: object, width: int, quick: bool) -> object:
     """The workload with a narrower model, where 16-bit matmuls are emulated (~80x slower)."""
     import dataclasses
 
@@ -83,10 +98,12 @@ def _narrow(wl: object, width: int) -> object:
             description=wl.description.replace("4096-4096", f"{width}-{width}"),
         )
     if wl.name == "char-gpt":
+        batch = QUICK_SLOW_GPT_BATCH if quick else wl.batch_size
         return dataclasses.replace(
             wl,
             make_model=lambda data: GPT(GPTConfig(n_layer=2, n_head=4, n_embd=128)),
-            description=wl.description.replace("4x384", "2x128"),
+            batch_size=batch,
+            description=wl.description.replace("4x384", "2x128") + f", batch {batch}",
         )
     return wl
 
@@ -97,7 +114,6 @@ def _bench(args: argparse.Namespace) -> int:
 
     from mixprec.bench import report, runner
     from mixprec.bench.workloads import WORKLOADS, make_large_mnist1d
-    from mixprec.cli.demo import SLOW_WIDTH
     from mixprec.cli.progress import make_progress
     from mixprec.core.hardware import check
 
@@ -108,13 +124,14 @@ def _bench(args: argparse.Namespace) -> int:
     time_budget = args.time_budget
     slow = not hw.is_fast(dtype)
     if slow:
-        time_budget = time_budget or (10.0 if args.quick else 60.0)
+        time_budget = time_budget or (QUICK_SLOW_BUDGET if args.quick else 60.0)
+        gpt = f"2x128, batch {QUICK_SLOW_GPT_BATCH}" if args.quick else "2x128"
         print(
             f"{dtype} is not fast on {hw.name} ({support.reason if support else 'unknown'}): "
-            f"each mode trains for at most {time_budget:.0f} s, evaluates once at the end, and "
-            f"the seed MLP is {SLOW_WIDTH} wide (not 4096) and the GPT 2x128 (not 4x384), so "
-            "the 16-bit modes show their memory and per-step cost here, not their speed on a "
-            "GPU or a bf16 CPU."
+            f"each mode trains for at most {time_budget:g} s (at least {MIN_STEPS} steps), "
+            f"evaluates once at the end, and the seed MLP is {SLOW_WIDTH} wide (not 4096) and "
+            f"the GPT {gpt} (not 4x384), so the 16-bit modes show their memory and per-step "
+            "cost here, not their speed on a GPU or a bf16 CPU."
         )
         import warnings
 
@@ -122,45 +139,61 @@ def _bench(args: argparse.Namespace) -> int:
 
         warnings.simplefilter("ignore", MixprecPerformanceWarning)  # said once, above
     out = pathlib.Path(args.out)
-    results = {}
-    for name in args.workloads:
-        wl = WORKLOADS[name]
-        if args.mnist1d_samples and name in ("seed-mlp", "mnist1d-cnn"):
-            n = args.mnist1d_samples  # a larger generated set for timing (80/20 split)
-            wl = dataclasses.replace(wl, prepare=lambda quick, seed, n=n: make_large_mnist1d(n))
-        if slow:
-            wl = _narrow(wl, SLOW_WIDTH)
-        steps = args.steps or (wl.quick_steps if args.quick else wl.steps)
-        with make_progress(not args.no_progress) as ui:
-            tasks = {m: ui.add(f"{name} {m}", steps) for m in args.modes}
-            modes = runner.run_workload(
-                wl,
-                list(args.modes),
-                dtype=dtype,
-                batch_size=args.batch_size,
-                steps=steps,
-                time_budget=time_budget,
-                quick=args.quick,
-                seed=args.seed,
-                eval_every=steps if slow else None,
-                memory=not args.no_memory,
-                max_batch_mb=args.max_batch,
-                on_step=lambda m, step, loss, tasks=tasks: ui.advance(tasks[m]),
-            )
-        results[name] = (wl, modes)
-        unit = "accuracy" if wl.metric == "accuracy" else "val loss"
-        _print_table(
-            report.HEADERS,
-            report.rows(wl, modes),
-            f"{name}: {wl.description} ({unit}, target {wl.target})",
-        )
-        if not args.no_plots:
-            for path in report.write_plots(wl, modes, out):
-                print(f"wrote {path}")
-    doc = report.to_json(report.meta(command, dtype, args.seed, args.quick), results)
     path = pathlib.Path(args.json) if args.json else out / "results.json"
-    report.write_json(doc, path)
-    print(f"wrote {path}")
+    info = report.meta(command, dtype, args.seed, args.quick)
+    results: dict = {}
+    saved = 0
+    name = None
+    try:
+        for name in args.workloads:
+            wl = WORKLOADS[name]
+            if args.mnist1d_samples and name in ("seed-mlp", "mnist1d-cnn"):
+                n = args.mnist1d_samples  # a larger generated set for timing (80/20 split)
+                wl = dataclasses.replace(wl, prepare=lambda quick, seed, n=n: make_large_mnist1d(n))
+            if slow:
+                wl = _narrow(wl, SLOW_WIDTH, args.quick)
+            steps = args.steps or (wl.quick_steps if args.quick else wl.steps)
+            with make_progress(not args.no_progress) as ui:
+                tasks = {m: ui.add(f"{name} {m}", steps) for m in args.modes}
+                modes = runner.run_workload(
+                    wl,
+                    list(args.modes),
+                    dtype=dtype,
+                    batch_size=args.batch_size,
+                    steps=steps,
+                    time_budget=time_budget,
+                    min_steps=MIN_STEPS if slow else 1,
+                    quick=args.quick,
+                    seed=args.seed,
+                    eval_every=steps if slow else None,
+                    memory=not args.no_memory,
+                    max_batch_mb=args.max_batch,
+                    on_step=lambda m, step, loss, tasks=tasks: ui.advance(tasks[m]),
+                )
+            results[name] = (wl, modes)
+            unit = "accuracy" if wl.metric == "accuracy" else "val loss"
+            _print_table(
+                report.HEADERS,
+                report.rows(wl, modes),
+                f"{name}: {wl.description} ({unit}, target {wl.target})",
+            )
+            print(report.NOTE)
+            if not args.no_plots:
+                for plot in report.write_plots(wl, modes, out):
+                    print(f"wrote {plot}")
+            report.write_json(report.to_json(info, results), path)
+            saved = len(results)
+            print(f"wrote {path} ({saved} of {len(args.workloads)} workloads)")
+    except KeyboardInterrupt:
+        if results and saved < len(results):
+            report.write_json(report.to_json(info, results), path)
+        what = (
+            f"{path} holds the finished workload(s): {', '.join(results)}"
+            if results
+            else "no workload finished, nothing written"
+        )
+        print(f"mixprec bench: interrupted during {name}; {what}.", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -171,6 +204,43 @@ def _check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _threads_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch CPU threads (default: one per core, fewer while other jobs hold cores)",
+    )
+
+
+def _choose_threads(requested: int | None) -> int:
+    """``--threads``, else torch's count, lowered to the cores other jobs leave free (said).
+
+    torch's threads meet at a barrier after every parallel op. While another job holds a core,
+    each op waits for a thread the scheduler has put aside: on 2 cores with two other jobs
+    running, small steps measured 10-100x slower with 2 threads than with 1, and which mode won
+    changed from run to run. The 1-minute load average tells how many cores are taken.
+    """
+    if requested is not None:
+        return requested
+    threads = torch.get_num_threads()
+    cores = os.cpu_count() or threads
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this platform
+        return threads
+    free = max(1, int(cores - load + 0.5))
+    if free < threads:
+        print(
+            f"note: this host is busy (load average {load:.1f} on {cores} cores), so torch runs "
+            f"on {free} of its {threads} threads: threads that wait on each other behind other "
+            "jobs make steps many times slower and timings noisy (--threads N to choose)."
+        )
+        return free
+    return threads
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="mixprec", description="Automatic mixed precision for PyTorch."
@@ -179,6 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="train a model in fp32 and mixed precision, side by side")
     d.add_argument("--steps", type=int, default=60, help="training steps per mode (default 60)")
     d.add_argument("--batch", type=int, default=512)
+    d.add_argument(
+        "--width",
+        type=int,
+        default=None,
+        help=f"the MLP's hidden width (default 4096, or {SLOW_WIDTH} where 16-bit is slow)",
+    )
     d.add_argument(
         "--levels",
         nargs="+",
@@ -198,10 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=20.0,
         metavar="SECONDS",
-        help="where the 16-bit dtype is slow here, train each 16-bit level at most "
-        "this long (default 20)",
+        help="where the 16-bit dtype is slow here, stop the rounds once a 16-bit level has "
+        "trained this long (default 20)",
     )
     d.add_argument("--no-progress", action="store_true")
+    _threads_option(d)
     d.set_defaults(run=_demo)
     b = sub.add_parser("bench", help="time-to-accuracy benchmarks: every mode, one run")
     b.add_argument(
@@ -226,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         help="stop a mode once its training time exceeds this many seconds",
     )
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--quick", action="store_true", help="small data and few steps (< 2 min)")
+    b.add_argument(
+        "--quick",
+        action="store_true",
+        help="small data and few steps: a smoke run of a minute or two on 2 cores",
+    )
     b.add_argument(
         "--max-batch",
         type=float,
@@ -247,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--no-plots", action="store_true")
     b.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
     b.add_argument("--no-progress", action="store_true")
+    _threads_option(b)
     b.set_defaults(run=_bench)
     c = sub.add_parser("check", help="which 16-bit dtypes are supported and fast here")
     c.add_argument("--device", default=None)
@@ -255,6 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     report_cli.add_parser(sub)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
+    if args.command == "demo" and (
+        args.levels[0] != "O0" or len(set(args.levels)) < len(args.levels)
+    ):
+        parser.error(
+            "--levels must start with O0 (the fp32 baseline every ratio is against) and name "
+            f"each level once; received {args.levels}."
+        )
     if args.command == "bench":
         unknown = [w for w in args.workloads if w not in _WORKLOADS]
         if unknown:
@@ -262,16 +351,25 @@ def main(argv: list[str] | None = None) -> int:
         args.workloads = args.workloads or list(_WORKLOADS)
     if args.command == "demo" and args.steps < 3:
         parser.error(f"--steps must be at least 3, received {args.steps}.")
-    for name in ("steps", "batch_size", "mnist1d_samples"):
+    for name in ("steps", "batch_size", "mnist1d_samples", "width", "batch", "threads"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             flag = "--" + name.replace("_", "-")
             parser.error(f"{flag} must be a positive integer, received {value}.")
-    for name in ("time_budget", "max_batch"):
+    for name in ("time_budget", "max_batch", "budget"):
         value = getattr(args, name, None)
         if value is not None and not value > 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, received {value}.")
-    return args.run(args)
+    threads = torch.get_num_threads()
+    try:
+        if args.command in ("demo", "bench"):
+            torch.set_num_threads(_choose_threads(args.threads))
+        return args.run(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback, the shell's exit status
+        print(f"mixprec {args.command}: interrupted.", file=sys.stderr)
+        return 130
+    finally:
+        torch.set_num_threads(threads)  # main() may run inside a longer process (tests)
 
 
 if __name__ == "__main__":

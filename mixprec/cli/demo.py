@@ -2,116 +2,85 @@
 
 The model is the Keras mixed-precision guide's MLP (input -> 4096 -> 4096 -> 10, float32
 softmax cross-entropy), with the input width adapted to MNIST-1D's 40 features. The data is
-generated locally by the ``mnist1d`` package (nothing is downloaded). Each mode trains the same
-model from the same seed on the same batches; the table compares median step time, test
-accuracy, peak memory and skipped steps side by side.
+generated locally by the ``mnist1d`` package (nothing is downloaded). It is the ``seed-mlp``
+workload of ``mixprec bench``, trained by the same round-robin runner
+(:func:`mixprec.bench.runner.run_workload`).
 
-Hardware-honest by design: the demo asks :func:`mixprec.check` which 16-bit dtype is fast on
-the device. Where none is (a CPU without AVX512_BF16/AMX emulates bf16 matmuls, tens of times
-slower than fp32), the 16-bit levels still run -- O2/O3 still cut memory there -- but each
-stops after a time budget, so the demo finishes in about its usual time, and the verdict says
-plainly that mixed precision costs time on this machine. A ratio below 1 is never called a
-speed-up.
+Design choices:
+
+* **Modes take turns.** Every round gives each mode one optimizer step, in turn, and only that
+  step is timed, so all modes see the same machine load at the same moments. Timed one after
+  another, on a busy host the winner could swap between two runs.
+* **Medians and their spread.** The table shows each mode's median step and the middle half of
+  its steps (25th-75th percentile); "vs fp32" is the ratio of the two medians shown. The
+  verdict adds the middle half of the per-round ratios, and says when another mode's ratio lies
+  inside it: then this run does not tell the two apart.
+* **One claim, one mode.** The verdict has one line per claim (speed, accuracy, memory), and
+  each line names the mode its numbers belong to.
+* **Hardware-honest.** The demo asks :func:`mixprec.check` which 16-bit dtype is fast on the
+  device. Where none is (a CPU without AVX512_BF16/AMX emulates bf16 matmuls, tens of times
+  slower than fp32), the 16-bit levels still run -- O2/O3 still cut memory there -- on a
+  narrower MLP (:data:`SLOW_WIDTH`), and the rounds stop once a 16-bit level has trained a time
+  budget, so the demo finishes in about its usual time; every mode still runs the same steps,
+  so the accuracies compare. The verdict then says plainly that 16-bit costs time here. A
+  ratio below 1 is never called a speed-up.
+* Peak memory is measured after the rounds, one mode at a time (resident memory cannot be split
+  between several live models).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
+import dataclasses
+import functools
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import mixprec
+from mixprec.bench import runner
 from mixprec.bench.models import SeedMLP
-from mixprec.bench.report import speed_words
-from mixprec.bench.workloads import load_mnist1d
+from mixprec.bench.report import milliseconds, speed_words
+from mixprec.bench.runner import ModeResult, quartiles, round_ratios
+from mixprec.bench.workloads import WORKLOADS, BenchWorkload
 from mixprec.cli.progress import make_progress
 from mixprec.core.hardware import MixprecPerformanceWarning
-from mixprec.core.memory import PeakMemory
 
-__all__ = ["DemoResult", "format_results", "run_demo", "speed_words", "verdict"]
+__all__ = [
+    "HEADERS",
+    "SLOW_WIDTH",
+    "format_results",
+    "pick_dtype",
+    "run_demo",
+    "speed_words",
+    "verdict",
+]
 
-
-@dataclass
-class DemoResult:
-    mode: str
-    median_step: float
-    accuracy: float
-    first_loss: float
-    final_loss: float
-    peak_bytes: int | None
-    skipped_steps: int
-    steps: int = 0
-
-
-def _batches(n: int, batch: int, steps: int, seed: int) -> Iterator[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    done = 0
-    while done < steps:
-        for idx in torch.randperm(n, generator=g).split(batch):
-            if len(idx) == batch and done < steps:
-                done += 1
-                yield idx
+SLOW_WIDTH = 512  # the MLP's width where 16-bit is emulated: 1/64 of the FLOPs of 4096
+MIN_STEPS = 3  # a time budget never stops a mode before it has this many steps
+_MODE = {"O0": "fp32", "O1": "O1", "O2": "O2", "O3": "O3"}  # level -> runner mode
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def train_one(
-    data: dict[str, torch.Tensor],
-    level: str,
-    dtype: torch.dtype | None,
-    steps: int,
-    batch: int = 512,
-    lr: float = 1e-3,
-    seed: int = 0,
-    on_step: Callable[[], None] | None = None,
-    time_budget: float | None = None,
-    hidden: int = 4096,
-) -> DemoResult:
-    """Train the seed MLP at ``level`` for ``steps`` steps and evaluate on the test split.
+def _mlp(width: int, data: dict[str, torch.Tensor]) -> torch.nn.Module:
+    return SeedMLP(data["x"].shape[1], width, 10)
 
-    With ``time_budget`` (seconds) training stops early once it has used that much time (after
-    at least 3 steps); ``DemoResult.steps`` says how many ran.
-    """
-    x, y = data["x"], data["y"]
-    times: list[float] = []
-    losses: list[float] = []
-    with PeakMemory() as mem:
-        torch.manual_seed(seed)
-        model = SeedMLP(x.shape[1], hidden, 10)
-        opt: Any = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
-        model, opt = mixprec.initialize(model, opt, level=level, dtype=dtype)
-        for idx in _batches(len(x), batch, steps, seed):
-            t0 = time.perf_counter()
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            opt.backward(loss)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            times.append(time.perf_counter() - t0)
-            if on_step is not None:
-                on_step()
-            if time_budget is not None and len(times) >= 3 and sum(times) > time_budget:
-                break
-    model.eval()
-    with torch.no_grad():
-        pred = model(data["x_test"]).argmax(-1)
-    accuracy = (pred == data["y_test"]).float().mean().item()
-    short = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-    name = "fp32" if level == "O0" else f"{level} {short.get(dtype, str(dtype))}"
-    return DemoResult(
-        name,
-        statistics.median(times[2:] or times),
-        accuracy,
-        losses[0],
-        losses[-1],
-        mem.peak_bytes,
-        opt.skipped_steps,
-        len(times),
+
+def workload(width: int, batch: int) -> BenchWorkload:
+    """The bench's seed-mlp workload with a ``width``-wide MLP and batch ``batch``."""
+    wl = WORKLOADS["seed-mlp"]
+    return dataclasses.replace(
+        wl,
+        make_model=functools.partial(_mlp, width),
+        batch_size=batch,
+        description=f"Keras-guide MLP (40-{width}-{width}-10) on MNIST-1D, AdamW 1e-3, "
+        f"batch {batch}",
     )
+
+
+def label(level: str, dtype: torch.dtype) -> str:
+    """The mode's name in the table: ``fp32``, ``O2 bf16``, ..."""
+    return "fp32" if level == "O0" else f"{level} {_SHORT.get(dtype, str(dtype))}"
 
 
 def run_demo(
@@ -122,43 +91,45 @@ def run_demo(
     progress: bool = True,
     dtype: torch.dtype | None = None,
     budget: float = 20.0,
-) -> list[DemoResult]:
-    """Train in fp32 and mixed levels; return one result per mode.
+    width: int | None = None,
+) -> dict[str, ModeResult]:
+    """Train fp32 (``O0``, first) and the mixed ``levels`` in turns; results keyed by label.
 
     ``dtype`` None picks the fast 16-bit dtype :func:`mixprec.check` reports for the CPU. Where
-    none is fast, bf16 runs anyway (for its memory) and each 16-bit level stops after ``budget``
-    seconds of training.
+    none is fast, bf16 runs anyway (for its memory), the MLP is ``SLOW_WIDTH`` wide unless
+    ``width`` says otherwise, and the rounds stop once a 16-bit level has trained ``budget``
+    seconds (and at least ``MIN_STEPS`` steps).
     """
     report = mixprec.check("cpu", verbose=False)
     dtype = pick_dtype(report, dtype)
     slow = not report.is_fast(dtype)
-    hidden = SLOW_WIDTH if slow else 4096
-    levels = levels or ("O0", "O1", "O2")
-    data = load_mnist1d()
-    results = []
-    bar = make_progress(progress)
-    with bar as ui, warnings.catch_warnings():
+    levels = tuple(levels or ("O0", "O1", "O2"))
+    if not levels or levels[0] != "O0" or len(set(levels)) != len(levels):
+        raise ValueError(
+            f"levels must start with O0 (the fp32 baseline every ratio is against) and not "
+            f"repeat a level; received {list(levels)}."
+        )
+    width = width or (SLOW_WIDTH if slow else 4096)
+    modes = [_MODE[level] for level in levels]
+    names = {_MODE[level]: label(level, dtype) for level in levels}
+    with make_progress(progress) as ui, warnings.catch_warnings():
         if slow:  # the caller has told the user already; do not repeat it per level
             warnings.simplefilter("ignore", MixprecPerformanceWarning)
-        for level in levels:
-            task = ui.add(f"{'fp32' if level == 'O0' else level}", steps)
-            results.append(
-                train_one(
-                    data,
-                    level,
-                    None if level == "O0" else dtype,
-                    steps,
-                    batch,
-                    seed=seed,
-                    on_step=lambda t=task: ui.advance(t),
-                    time_budget=budget if slow and level != "O0" else None,
-                    hidden=hidden,
-                )
-            )
-    return results
-
-
-SLOW_WIDTH = 1024  # the MLP's width where 16-bit is emulated: 1/16 of the FLOPs of 4096
+        tasks = {m: ui.add(names[m], steps) for m in modes}
+        results = runner.run_workload(
+            workload(width, batch),
+            modes,
+            dtype=dtype,
+            batch_size=batch,
+            steps=steps,
+            time_budget=budget if slow else None,
+            together=True,
+            min_steps=MIN_STEPS,
+            seed=seed,
+            eval_every=steps,
+            on_step=lambda m, step, loss: ui.advance(tasks[m]),
+        )
+    return {names[m]: results[m] for m in modes}
 
 
 def pick_dtype(report: Any, dtype: torch.dtype | None) -> torch.dtype:
@@ -168,55 +139,120 @@ def pick_dtype(report: Any, dtype: torch.dtype | None) -> torch.dtype:
     return report.best_dtype if report.best_dtype != torch.float32 else torch.bfloat16
 
 
-def verdict(results: list[DemoResult], report: Any, dtype: torch.dtype) -> str:
-    """What mixed precision gets the user on this machine, from the measured results."""
-    base, mixed = results[0], results[1:]
-    if not mixed:
-        return "Only fp32 ran: nothing to compare."
-    best = min(mixed, key=lambda r: r.median_step)
-    ratio = base.median_step / best.median_step
-    lean = min(mixed, key=lambda r: r.peak_bytes or 0)
-    saved = (1 - lean.peak_bytes / base.peak_bytes) if lean.peak_bytes and base.peak_bytes else None
-    memory = f"{lean.mode} uses {saved:.0%} less peak memory" if saved and saved > 0 else None
-    name = str(dtype).replace("torch.", "")
-    if ratio >= 1.005:
-        text = (
-            f"{best.mode} steps are {speed_words(ratio)} than fp32 here; test accuracy "
-            f"{best.accuracy:.1%} vs {base.accuracy:.1%}"
-        )
-        return text + (f"; {memory}." if memory else ".")
-    support = report.dtypes.get(name)
-    why = support.reason if support is not None else "no fast 16-bit unit"
-    text = (
-        f"16-bit is not faster here ({why}): mixed precision costs "
-        f"{1 / ratio:.1f}x the fp32 step time on this machine"
-    )
-    text += f", but {memory}." if memory else "."
-    return text + (
-        " On a GPU (tensor cores) or a CPU with AVX512_BF16/AMX expect 16-bit steps "
-        "to be faster than fp32, with the same memory saving."
-    )
+def _middle_half_ms(seconds: list[float]) -> str:
+    low, _, high = quartiles(seconds)
+    return f"{milliseconds(low).removesuffix('ms')}–{milliseconds(high).removesuffix('ms')} ms"
 
 
-def format_results(results: list[DemoResult]) -> list[list[str]]:
-    """Rows for the demo table; speed is relative to the first (fp32) result."""
-    base = results[0].median_step
+def _ms(seconds: float) -> str:
+    return milliseconds(seconds).replace("ms", " ms")
+
+
+def _mb(r: ModeResult) -> str:
+    return "-" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.0f} MB"
+
+
+def format_results(results: dict[str, ModeResult]) -> list[list[str]]:
+    """Rows for the demo table; "vs fp32" is the ratio of the medians shown."""
+    base = next(iter(results.values()))
     rows = []
-    for r in results:
-        mem = "-" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.0f} MB"
+    for name, r in results.items():
         rows.append(
             [
-                r.mode,
-                str(r.steps),
-                f"{r.median_step * 1e3:.0f} ms",
-                "baseline" if r is results[0] else speed_words(base / r.median_step),
-                f"{r.accuracy * 100:.1f}%",
-                f"{r.final_loss:.3f}",
-                mem,
+                name,
+                str(len(r.step_times)),
+                _ms(r.median_step),
+                _middle_half_ms(r.step_times[1:] or r.step_times),
+                "baseline" if r is base else speed_words(base.median_step / r.median_step),
+                "-" if r.final_metric is None else f"{r.final_metric * 100:.1f}%",
+                f"{r.train_losses[-1]:.3f}" if r.train_losses else "-",
+                _mb(r),
                 str(r.skipped_steps),
             ]
         )
     return rows
 
 
-HEADERS = ["mode", "steps", "step time", "vs fp32", "test acc", "final loss", "peak mem", "skipped"]
+HEADERS = [
+    "mode",
+    "steps",
+    "median step",
+    "middle half",
+    "vs fp32",
+    "test acc",
+    "final loss",
+    "peak mem",
+    "skipped",
+]
+NOTE = (
+    "median step and middle half (25th-75th percentile) over the steps after the first; "
+    "vs fp32 = ratio of the median steps."
+)
+
+
+def verdict(results: dict[str, ModeResult], report: Any, dtype: torch.dtype) -> str:
+    """What mixed precision gets the user on this machine: one line per claim, each naming
+    the mode its numbers come from."""
+    names = list(results)
+    base, mixed = results[names[0]], {n: results[n] for n in names[1:]}
+    if not mixed:
+        return "Only fp32 ran: nothing to compare."
+    ratio = {n: base.median_step / r.median_step for n, r in mixed.items()}
+    fast = max(ratio, key=ratio.__getitem__)
+    per_round = round_ratios(base.step_times, mixed[fast].step_times)
+    faster = ratio[fast] >= 1.005
+    # the spread in the claim's own direction: "x faster" (fp32 / mode) or "x fp32's" (mode / fp32)
+    low, _, high = quartiles(per_round if faster else [1 / r for r in per_round])
+    medians = f"median step {_ms(mixed[fast].median_step)} vs fp32's {_ms(base.median_step)}"
+    spread = (
+        f"per-round ratio {low:.2f}–{high:.2f}x in the middle half of the {len(per_round)} "
+        "rounds after the first"
+    )
+    if faster:
+        lines = [
+            f"Speed: {fast} is the fastest mode, {speed_words(ratio[fast])} than fp32 here "
+            f"({medians}; {spread})."
+        ]
+    else:
+        support = report.dtypes.get(str(dtype).replace("torch.", ""))
+        why = (
+            f"16-bit is not faster here ({support.reason if support else 'no fast 16-bit unit'})"
+            if not report.is_fast(dtype)
+            else "no mixed mode was faster than fp32 on this run"
+        )
+        lines = [
+            f"Speed: {why}: {fast}, the fastest 16-bit mode, takes {1 / ratio[fast]:.1f}x "
+            f"fp32's median step ({medians}; {spread})."
+        ]
+    for n in mixed:
+        if n != fast and low <= (ratio[n] if faster else 1 / ratio[n]) <= high:
+            what = speed_words(ratio[n]) if faster else f"{1 / ratio[n]:.1f}x fp32's median step"
+            lines.append(
+                f"{n} ({what}) is within that spread: this run does not tell it apart from {fast}."
+            )
+    steps = len(base.step_times)
+    accuracy = ", ".join(
+        f"{n} {r.final_metric:.1%}" for n, r in results.items() if r.final_metric is not None
+    )
+    lines.append(f"Accuracy after {steps} steps each, same batches: {accuracy}.")
+    lines.append(_memory_claim(base, mixed))
+    if not faster and not report.is_fast(dtype):
+        lines.append(
+            "On a GPU (tensor cores) or a CPU with AVX512_BF16/AMX expect 16-bit steps to be "
+            "faster than fp32."
+        )
+    return "\n".join(lines)
+
+
+def _memory_claim(base: ModeResult, mixed: dict[str, ModeResult]) -> str:
+    measured = {n: r for n, r in mixed.items() if r.peak_bytes is not None}
+    if base.peak_bytes is None or not measured:
+        return "Memory: not measured on this device."
+    lean = min(measured, key=lambda n: measured[n].peak_bytes)
+    saved = 1 - measured[lean].peak_bytes / base.peak_bytes if base.peak_bytes else 0.0
+    if saved <= 0:
+        return f"Memory: no mixed mode used less peak memory than fp32 ({_mb(base)})."
+    return (
+        f"Memory: {lean} uses {saved:.0%} less peak memory than fp32 "
+        f"({_mb(measured[lean])} vs {_mb(base)})."
+    )

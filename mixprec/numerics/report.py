@@ -17,6 +17,7 @@ import argparse
 import copy
 import importlib
 import json
+import os
 import pathlib
 import sys
 from collections.abc import Callable
@@ -46,12 +47,20 @@ def _default_loss(out: Tensor, target: Tensor) -> Tensor:
 
 
 def load_factory(spec: str) -> tuple[nn.Module, Any, Callable | None]:
-    """Import ``module:factory``, call it, and normalise its result."""
+    """Import ``module:factory``, call it, and normalise its result.
+
+    The module is searched in the current folder first, then on ``sys.path``, as
+    ``python -m`` does: the ``mixprec`` console script does not put the current folder on
+    ``sys.path`` by itself, so it is added (and stays, for the factory's own imports).
+    """
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
         raise ValueError(
             f"Expected MODEL as 'module:factory' (e.g. 'my_pkg.models:make'), received {spec!r}."
         )
+    cwd = os.getcwd()
+    if cwd not in (os.path.abspath(p) for p in sys.path):  # abspath("") is the current folder
+        sys.path.insert(0, cwd)
     try:
         factory = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
