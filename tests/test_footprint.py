@@ -47,7 +47,19 @@ def make(level=None, opt="adamw", **kw):
     [
         (None, {}, "adamw", dict(weights=4, grads=4, masters=0, compensation=0, optimizer_state=8)),
         ("O2", {}, "adamw", dict(weights=2, grads=6, masters=4, compensation=0, optimizer_state=8)),
-        ("O3", {}, "adamw", dict(weights=2, grads=2, masters=0, compensation=0, optimizer_state=4)),
+        (
+            "O3",
+            dict(update=None),  # the optimizer's own bf16 step: bf16 m and v
+            "adamw",
+            dict(weights=2, grads=2, masters=0, compensation=0, optimizer_state=4),
+        ),
+        (
+            "O3",
+            {},  # bf16's default update is "kahan": bf16 m, fp32 v, bf16 compensation
+            "adamw",
+            dict(weights=2, grads=2, masters=0, compensation=2, optimizer_state=6),
+        ),
+        ("O3", {}, "sgd", dict(weights=2, grads=2, masters=0, compensation=2, optimizer_state=2)),
         (
             "O3",
             dict(update="kahan"),

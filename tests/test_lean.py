@@ -46,6 +46,13 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
 
 
+def widened(opt, p):
+    """The fp32 value the update starts from: ``w + c`` (Kahan; ``c`` starts as the residual of
+    rounding the fp32 initialisation), else ``w``."""
+    comp = opt.lean.compensation.get(p)
+    return p.detach().float() + (0 if comp is None else comp.float())
+
+
 def train(model, opt, steps, seed=1):
     """``steps`` steps on one fixed batch (so the loss must fall); returns the losses."""
     losses = []
@@ -179,7 +186,7 @@ def test_one_step_equals_the_fp32_step_rounded(update, opt_fn):
     x, y = batch()
     opt.backward(mse(model, x, y))
     params = list(model.parameters())
-    ref = [p.detach().float().clone().requires_grad_() for p in params]
+    ref = [widened(opt, p).requires_grad_() for p in params]
     for r, p in zip(ref, params):
         r.grad = p.grad.float()
     ref_opt = opt_fn(ref)
@@ -324,7 +331,7 @@ def test_wraps_other_per_parameter_optimizers(opt_cls):
     x, y = batch()
     opt.backward(mse(model, x, y))
     params = list(model.parameters())
-    ref = [p.detach().float().clone().requires_grad_() for p in params]
+    ref = [widened(opt, p).requires_grad_() for p in params]
     for r, p in zip(ref, params):
         r.grad = p.grad.float()
     opt_cls(ref, lr=1e-2).step()
@@ -374,7 +381,9 @@ def test_validation_errors():
     with pytest.raises(ValueError, match="fp32 parameters"):
         initialize(*make(), "O1", BF16, update="kahan")
     with pytest.raises(ValueError, match="apply to an update mode"):
-        initialize(*make(), "O3", BF16, state_dtype=BF16)
+        initialize(*make(), "O3", BF16, update=None, state_dtype=BF16)
+    with pytest.raises(ValueError, match="apply to an update mode"):
+        initialize(*make(), "O3", FP16, state_dtype=BF16)  # fp16 SGD: no update by default
     with pytest.raises(ValueError, match="not an update mode"):
         initialize(*make(), "O3", BF16, update="round")
     with pytest.raises(ValueError, match="state_dtype"):

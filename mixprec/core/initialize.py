@@ -17,12 +17,32 @@ inputs and outputs (``fp32_inside``).
 Without masters (O3), ``update="nearest" | "kahan" | "stochastic"`` runs the optimizer's math in
 fp32 on temporaries and writes the 16-bit weights back with that rounding, with optimizer state
 stored per ``state_dtype`` (:mod:`mixprec.core.lean`). ``update=None`` lets the optimizer step the
-16-bit weights in 16-bit arithmetic; that is the default for bf16, so existing O3 code and
-checkpoints are unchanged. For fp16 with an Adam-family optimizer (``betas`` in its defaults)
-or any optimizer whose ``eps`` rounds to 0 in fp16 (RMSprop's 1e-8), the default is
-``"kahan"``: in fp16 arithmetic such an eps rounds to 0 and Adam's second moment underflows,
-which turned weights NaN on the first step. ``"kahan"`` is the recommended setting
-for pure 16-bit training; pass ``update=None`` explicitly to keep 16-bit arithmetic.
+16-bit weights in 16-bit arithmetic. The default, chosen per optimizer when ``update`` is not
+given:
+
+* **bf16: ``"kahan"``.** bf16 keeps 8 significant bits: the optimizer's own bf16 step loses
+  every update below half an ulp of its weight, and its bf16 second moment stops decaying
+  (``v <- 0.999 v`` rounds back to ``v``), so training stalls once updates get small and ends
+  below fp32's accuracy (``docs/lean.md`` measures it on an MNIST-1D CNN). ``"kahan"`` keeps
+  fp32's accuracy there. The cost, paid by default rather than in accuracy: +2 bytes per
+  parameter for the compensation buffer, +2 more with an Adam-family optimizer (its second
+  moment is fp32: 12 instead of 8 bytes per parameter with AdamW), and a slower optimizer
+  step (the fp32 math on chunked temporaries is about 8 memory passes, and Python work per
+  chunk). ``update=None`` is the cheaper step for whoever accepts the accuracy loss.
+* **fp16: ``"kahan"``** with an Adam-family optimizer (``betas`` in its defaults) or any
+  optimizer whose ``eps`` rounds to 0 in fp16 (RMSprop's 1e-8): in fp16 arithmetic such an eps
+  rounds to 0 and Adam's second moment underflows, which turned weights NaN on the first step.
+  Other fp16 optimizers (SGD) keep their own fp16 step.
+* **None wherever gradients are sparse** (``SparseAdam``, an optimizer holding the weight of an
+  ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``): update modes need dense gradients.
+
+``state_dtype`` and ``update_seed`` apply to the optimizers whose update (given or default) is a
+mode. ``update=None`` restores the optimizer's own 16-bit step. A Kahan buffer starts from the
+residual of rounding the values the parameters held before the cast, as masters start from those
+values, so loading fp32 weights before or after ``initialize`` gives the same ``w + c``. An
+``update=None`` checkpoint (or one from before update modes existed) resumes under ``"kahan"``
+with zero compensation; a checkpoint with an update mode is refused by ``update=None``, whose
+16-bit step would drop the compensation.
 
 A non-finite gradient skips the step at every level, with or without loss scaling. The model is
 modified in place (hooks, parameter storage) and returned.
@@ -252,11 +272,14 @@ def _resolve(
             f"level {level} has {has}. Use level='O3' (or O2 with "
             "master_weights=False)."
         )
-    if lean.get("update") is None and set(lean) - {"update"}:
-        raise ValueError(
-            f"{sorted(set(lean) - {'update'})} apply to an update mode; pass "
-            "update='nearest', 'kahan' or 'stochastic' as well."
-        )
+    # state_dtype / update_seed need an update mode: an explicit one, or O3's default (decided
+    # per optimizer in initialize)
+    if (
+        set(lean) - {"update"}
+        and lean.get("update") is None
+        and ("update" in lean or not _lean_level(props))
+    ):
+        _refuse_mode_options(lean)
     props["lean"] = lean
     spec = overrides.pop(
         "loss_scale", "dynamic" if dtype == torch.float16 and level != "O0" else None
@@ -293,8 +316,9 @@ def initialize(
             None), ``cast_model_outputs`` (dtype or None), ``num_losses``, ``fp32_inside``,
             ``kernels``, the :class:`LossScaler` settings (``init_scale``,
             ``growth_interval``, ``hysteresis``, ``min_scale``, ...) and, without masters,
-            ``update`` (None | "nearest" | "kahan" | "stochastic"), ``state_dtype`` ("auto" |
-            dtype | {key: dtype}) and ``update_seed`` (int) -- see :mod:`mixprec.core.lean`.
+            ``update`` (None | "nearest" | "kahan" | "stochastic"; default "kahan" in bf16,
+            see the module docstring), ``state_dtype`` ("auto" | dtype | {key: dtype}) and
+            ``update_seed`` (int) -- see :mod:`mixprec.core.lean`.
 
     Returns:
         ``model`` or ``(model, optimizer)``, with lists where lists were given.
@@ -377,14 +401,32 @@ def initialize(
     if level != "O0":
         warn_if_slow(dtype, device, stacklevel=3)
 
+    lean_kwargs = [dict(props["lean"]) for _ in opt_list]
+    if _lean_level(props):
+        sparse = _sparse_grad_params(model_list)
+        for i, (o, kw) in enumerate(zip(opt_list, lean_kwargs)):
+            if "update" not in kw:
+                kw["update"] = _default_update(o, dtype, sparse)
+                if kw["update"] is None:  # state_dtype / update_seed go where a mode runs
+                    kw = lean_kwargs[i] = {"update": None}
+        if set(props["lean"]) - {"update"} and all(kw["update"] is None for kw in lean_kwargs):
+            _refuse_mode_options(props["lean"])
+        # an update mode does its arithmetic in fp32; 16-bit arithmetic may lose eps
+        _warn_vanishing_eps(
+            [o if kw["update"] is None else None for o, kw in zip(opt_list, lean_kwargs)], dtype
+        )
+
     # The masters start from the exact values the model holds now, not from its 16-bit rounding
     # (load pretrained fp32 weights, then initialize): copies of the parameters the optimizers
-    # step, handed to the optimizer wrapper as its masters.
-    to_keep = (
-        {id(p) for o in opt_list for g in o.param_groups for p in g["params"]}
-        if props["cast_params"] and props["master_weights"]
-        else set()
-    )
+    # step, handed to the optimizer wrapper as its masters. Kahan compensation starts from the
+    # residual of that rounding, so w + c keeps what the masters would.
+    to_keep = {
+        id(p)
+        for o, kw in zip(opt_list, lean_kwargs)
+        if props["master_weights"] or kw.get("update") == "kahan"
+        for g in o.param_groups
+        for p in g["params"]
+    }
     fp32_values: dict[int, Tensor] = {}
     for m in model_list:
         if props["cast_params"]:
@@ -419,18 +461,6 @@ def initialize(
             engine.install_boundary(m)
         m.__dict__[_MARK] = level
 
-    if (
-        props["cast_params"]
-        and not props["master_weights"]
-        and dtype == torch.float16
-        and "update" not in props["lean"]
-        and (any("betas" in o.defaults for o in opt_list) or _vanishing_eps(opt_list, dtype))
-    ):
-        # fp16 Adam-family state and arithmetic without masters: eps rounds to 0, the second
-        # moment underflows, weights go NaN on the first steps. Run the update in fp32.
-        props["lean"]["update"] = "kahan"
-    if props["cast_params"] and not props["master_weights"] and props["lean"].get("update") is None:
-        _warn_vanishing_eps(opt_list, dtype)  # an update mode does its arithmetic in fp32
     slots = [LossSlot(s) for s in props["scalers"]]
     # Apex's restore order -- load the checkpoint into the plain model and optimizer, then
     # initialize -- and a resumed torch.amp run: the optimizer's state is lifted out and loaded
@@ -443,9 +473,9 @@ def initialize(
                 slots,
                 master_weights=props["master_weights"],
                 fp32_values=fp32_values,
-                **props["lean"],
+                **kw,
             )
-            for o in opt_list
+            for o, kw in zip(opt_list, lean_kwargs)
         ]
         for w, sd in zip(wrapped, carried):
             if sd is not None:  # state loaded (or stepped) before initialize: onto the masters
@@ -455,6 +485,11 @@ def initialize(
             if sd is not None and not o.state:
                 o.load_state_dict(sd)  # give the caller's optimizer its state back
         raise
+    for w in wrapped:
+        for p, comp in w.lean.compensation.items() if w.lean is not None else ():
+            given = fp32_values.get(id(p))
+            if given is not None and given.shape == p.shape:
+                comp.copy_((given.float() - p.detach().float()).to(comp.dtype))
     fp32_values.clear()
     for o, w in zip(opt_list, wrapped):
         inner = o.wrapper if isinstance(o, OptimizerView) else o
@@ -556,18 +591,68 @@ def _refuse_wrapped(m: nn.Module) -> None:
         )
 
 
-def _vanishing_eps(optimizers: list[Optimizer], dtype: torch.dtype) -> tuple[int, float] | None:
-    """``(optimizer index, eps)`` of the first ``eps`` that rounds to 0 in ``dtype``, or None."""
+def _lean_level(props: dict[str, Any]) -> bool:
+    """16-bit parameters without fp32 masters: where update modes (and their default) apply."""
+    return bool(props["cast_params"] and not props["master_weights"])
+
+
+def _refuse_mode_options(lean: dict[str, Any]) -> None:
+    raise ValueError(
+        f"{sorted(set(lean) - {'update'})} apply to an update mode; pass "
+        "update='nearest', 'kahan' or 'stochastic' as well."
+    )
+
+
+def _sparse_grad_params(models: list[nn.Module]) -> set[int]:
+    """ids of the weights that get sparse gradients: ``nn.Embedding(Bag)(sparse=True)``."""
+    return {
+        id(m.weight)
+        for model in models
+        for m in model.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+    }
+
+
+def _default_update(
+    optimizer: Optimizer, dtype: torch.dtype, sparse: set[int] | None = None
+) -> str | None:
+    """The ``update`` an optimizer gets without fp32 masters (O3) when none is given.
+
+    ``"kahan"`` for bf16 with any optimizer, and for fp16 with an Adam-family optimizer
+    (``betas`` in its defaults) or an ``eps`` that rounds to 0 in fp16; otherwise None (the
+    optimizer's own 16-bit step). Update modes need dense gradients, so ``SparseAdam`` and an
+    optimizer holding a parameter whose id is in ``sparse`` (a sparse embedding) get None.
+    The module docstring gives the reasons.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if isinstance(optimizer, torch.optim.SparseAdam) or any(
+        id(p) in (sparse or ()) for p in params
+    ):
+        return None
+    if dtype == torch.bfloat16:
+        return "kahan"
+    if dtype == torch.float16 and (
+        "betas" in optimizer.defaults or _vanishing_eps([optimizer], dtype)
+    ):
+        return "kahan"
+    return None
+
+
+def _vanishing_eps(
+    optimizers: list[Optimizer | None], dtype: torch.dtype
+) -> tuple[int, float] | None:
+    """``(optimizer index, eps)`` of the first ``eps`` that rounds to 0 in ``dtype``, or None.
+    None entries (optimizers that need no check) are skipped."""
     tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # smallest subnormal
     for i, o in enumerate(optimizers):
-        for group in o.param_groups:
+        for group in [] if o is None else o.param_groups:
             eps = group.get("eps")
             if isinstance(eps, float) and 0 < eps < tiny:
                 return i, eps
     return None
 
 
-def _warn_vanishing_eps(optimizers: list[Optimizer], dtype: torch.dtype) -> None:
+def _warn_vanishing_eps(optimizers: list[Optimizer | None], dtype: torch.dtype) -> None:
     """Without masters the optimizer's arithmetic runs in ``dtype``: an ``eps`` that rounds to 0
     there (Adam's 1e-8 in fp16) turns a zero gradient into 0/0 = NaN on the first step."""
     tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # smallest subnormal

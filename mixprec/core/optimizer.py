@@ -612,6 +612,13 @@ class MixedPrecisionOptimizer(Optimizer):
                 f"The checkpoint has {len(own['scalers'])} loss scalers, this "
                 f"optimizer has {len(self.slots)} (num_losses)."
             )
+        saved = own.get("lean")
+        if self.lean is None and saved is not None:  # its compensation would be dropped
+            raise ValueError(
+                f"The checkpoint was saved with update={saved.get('update')!r}, this "
+                "optimizer uses update=None; initialize with the same update mode to resume "
+                f"(update={saved.get('update')!r})."
+            )
 
 
 class StepGuard:
