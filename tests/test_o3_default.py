@@ -287,3 +287,11 @@ def test_bench_o3_accuracy_smoke(tmp_path, capsys):
     assert res["O3 bf16 default"]["bytes_per_param"]["compensation"] == 2.0
     assert all(0 <= r["test_accuracy"] <= 1 and r["time_vs_fp32"] > 0 for r in res.values())
     assert doc["machine"]["torch"] == torch.__version__
+    bench_o3_accuracy.main(["--render", str(out)])  # the saved run's table, ratios of medians
+    rendered = capsys.readouterr().out
+    assert doc["table"] in rendered
+    fp32_ms = 1e3 * res["fp32"]["median_step_s"]
+    row = next(r for r in doc["table"].splitlines() if r.startswith("| O3 bf16 default |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    ms, ratio = float(cells[-6]), float(cells[-5].rstrip("x"))  # before the 4 B/param cells
+    assert ratio == pytest.approx(ms / float(f"{fp32_ms:.3g}"), rel=0.012)  # 3 digits each
