@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from training_helpers import assert_bitwise, make_model, mse, poisoned
+from training_helpers import assert_bitwise, batch, make_model, mse, poisoned, train
 
 import mixprec
 from mixprec import initialize, stochastic_round
@@ -24,11 +24,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPe
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 MODES = ("nearest", "kahan", "stochastic")
-
-
-def batch(seed: int = 1, n: int = 8):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
 
 
 def build(update, opt_fn, dtype=BF16, seed=0, **kw):
@@ -51,19 +46,6 @@ def widened(opt, p):
     rounding the fp32 initialisation), else ``w``."""
     comp = opt.lean.compensation.get(p)
     return p.detach().float() + (0 if comp is None else comp.float())
-
-
-def train(model, opt, steps, seed=1):
-    """``steps`` steps on one fixed batch (so the loss must fall); returns the losses."""
-    losses = []
-    x, y = batch(seed)
-    for _ in range(steps):
-        loss = mse(model, x, y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 # ------------------------------------------------- (a) 1.0 + 1e-3, ten thousand times

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from training_helpers import assert_bitwise, make_model, mse
+from training_helpers import assert_bitwise, batch, make_model, mse, train
 
 import mixprec
 from mixprec import initialize
@@ -26,11 +26,6 @@ from mixprec import initialize
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-
-
-def batch(seed: int = 1, n: int = 8):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
 
 
 def sgd(params):
@@ -50,18 +45,6 @@ def build(opt_fn, dtype=BF16, seed=0, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         return initialize(model, opt_fn(model.parameters()), "O3", dtype, **kw)
-
-
-def train(model, opt, steps, seed=1):
-    x, y = batch(seed)
-    losses = []
-    for _ in range(steps):
-        loss = mse(model, x, y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 # ------------------------------------------------- what initialize builds

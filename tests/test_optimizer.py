@@ -22,6 +22,7 @@ from training_helpers import (
     NAN,
     assert_bitwise,
     assert_tree_bitwise,
+    batch,
     make_model,
     mse,
     poisoned,
@@ -35,11 +36,6 @@ BF16, FP16 = torch.bfloat16, torch.float16
 
 
 # --------------------------------------------------------------------------------- helpers
-
-
-def batch(seed: int = 1, n: int = 8) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
 
 
 def snapshot(model: nn.Module, opt) -> dict:

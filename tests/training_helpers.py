@@ -15,6 +15,25 @@ def make_model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 4))
 
 
+def batch(seed: int = 1, n: int = 8) -> tuple[Tensor, Tensor]:
+    """A fixed regression batch for :func:`make_model`: inputs (n, 8), targets (n, 4)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+
+
+def train(model: nn.Module, opt, steps: int, seed: int = 1) -> list[float]:
+    """``steps`` mixprec steps on one fixed batch (so the loss must fall); returns the losses."""
+    losses = []
+    x, y = batch(seed)
+    for _ in range(steps):
+        loss = mse(model, x, y)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def mse(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     return (model(x).float() - y).pow(2).mean()
 
