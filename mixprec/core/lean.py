@@ -24,8 +24,10 @@ Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit upda
   couple parameters across a step (LBFGS, global-norm schemes inside ``step``) do not, because
   the inner ``step()`` is called once per chunk.
 * **Chunks bound the transient memory.** The fp32 temporaries exist for one chunk at a time
-  (``chunk_elements``, default 2**20 elements, ~4 MB per fp32 buffer; a larger parameter forms
-  its own chunk); they are allocated after the backward pass has freed its activations, so
+  (``chunk_elements``; by default 2**20 elements, ~4 MB per fp32 buffer, on CPU, where larger
+  buffers cost page faults every step, and 2**24, ~64 MB, on GPUs, where each chunk's Python
+  and kernel launches are the cost: GPT-2's 124M parameters took 124 chunks; a larger parameter
+  forms its own chunk); they are allocated after the backward pass has freed its activations, so
   they do not raise the peak of a training step. Nothing fp32 persists except the state keys
   kept in fp32.
 * **State dtype per key.** ``state_dtype="auto"`` (default) stores first moments
@@ -168,7 +170,8 @@ class LeanUpdate:
         update: ``"nearest"``, ``"kahan"`` or ``"stochastic"``.
         state_dtype: see the module docstring (default ``"auto"``).
         seed: seed of the per-device generators used by ``"stochastic"``.
-        chunk_elements: parameters per fp32 temporary chunk (whole parameters only).
+        chunk_elements: parameters per fp32 temporary chunk (whole parameters only); None picks
+            2**20 on CPU and 2**24 elsewhere.
     """
 
     def __init__(
@@ -178,7 +181,7 @@ class LeanUpdate:
         *,
         state_dtype: StateDtype = "auto",
         seed: int = 0,
-        chunk_elements: int = 2**20,
+        chunk_elements: int | None = None,
     ):
         if update not in UPDATES:
             raise ValueError(
@@ -187,7 +190,7 @@ class LeanUpdate:
             )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"update_seed must be an int, received {seed!r}.")
-        if (
+        if chunk_elements is not None and (
             isinstance(chunk_elements, bool)
             or not isinstance(chunk_elements, int)
             or chunk_elements < 1
@@ -255,7 +258,7 @@ class LeanUpdate:
         """The first ``numel`` elements of this step's fp32 scratch buffer ``name``."""
         buf = self._scratch.get((name, device))
         if buf is None or buf.numel() < numel:
-            size = max(numel, self.chunk_elements)
+            size = max(numel, self._chunk_size(device))
             buf = self._scratch[(name, device)] = torch.empty(
                 size, dtype=torch.float32, device=device
             )
@@ -266,6 +269,11 @@ class LeanUpdate:
             g["params"] = params if j == index else []
         return self.optimizer.step()
 
+    def _chunk_size(self, device: torch.device) -> int:
+        if self.chunk_elements is not None:
+            return self.chunk_elements
+        return 2**20 if device.type == "cpu" else 2**24
+
     def _chunks(self, params: list[Tensor]) -> list[list[Tensor]]:
         by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for p in params:
@@ -274,8 +282,9 @@ class LeanUpdate:
         for plist in by_kind.values():
             current: list[Tensor] = []
             size = 0
+            limit = self._chunk_size(plist[0].device)
             for p in plist:
-                if current and size + p.numel() > self.chunk_elements:
+                if current and size + p.numel() > limit:
                     chunks.append(current)
                     current, size = [], 0
                 current.append(p)
@@ -293,8 +302,10 @@ class LeanUpdate:
         g32 = [v.view(p.shape) for v, p in zip(gflat.split(numels), chunk)]
         torch._foreach_copy_(w32, chunk)
         comps = [self.compensation[p] for p in chunk] if self.update == "kahan" else []
-        if comps:
-            torch._foreach_add_(w32, comps)
+        if comps:  # widen into the grads' scratch, then one flat fp32 add (a mixed-dtype
+            # foreach add falls back to a per-tensor loop with a conversion copy each)
+            torch._foreach_copy_(g32, comps)
+            flat.add_(gflat)
         torch._foreach_copy_(g32, [p.grad for p in chunk])
         for t, g in zip(w32, g32):
             t.grad = g
@@ -318,12 +329,15 @@ class LeanUpdate:
             for v in (state.get(t) or {}).values()
             if isinstance(v, Tensor) and v.dtype == torch.float32 and v._base is not None
         }
+        copies: tuple[list[Tensor], list[Tensor]] = ([], [])  # (16-bit state, fp32 value)
         for t, p, st in zip(w32, chunk, originals):
             new = state.pop(t, None)
             t.grad = None
             if new is not None:
-                state[p] = self._narrow_state(new, st or {}, low, scratch)
-        self._write_back(chunk, w32, flat, comps, low, device)
+                state[p] = self._narrow_state(new, st or {}, low, scratch, copies)
+        if copies[0]:
+            torch._foreach_copy_(*copies)  # one launch set, not one copy per tensor and key
+        self._write_back(chunk, w32, flat, comps, low, device, g32, gflat)
         return result
 
     def _widen_states(self, states: list[dict | None], device: torch.device) -> list[dict | None]:
@@ -344,8 +358,15 @@ class LeanUpdate:
         return out
 
     def _narrow_state(
-        self, new: dict[str, Any], old: dict[str, Any], low: torch.dtype, scratch: set[int]
+        self,
+        new: dict[str, Any],
+        old: dict[str, Any],
+        low: torch.dtype,
+        scratch: set[int],
+        copies: tuple[list[Tensor], list[Tensor]],
     ) -> dict[str, Any]:
+        """The stepped state in its storage dtypes; copies into existing tensors are queued in
+        ``copies`` (the caller runs them as one foreach copy)."""
         out: dict[str, Any] = {}
         for k, v in new.items():
             if (
@@ -364,7 +385,9 @@ class LeanUpdate:
                 and prev.shape == v.shape
                 and prev is not v
             ):
-                out[k] = prev.copy_(v)
+                copies[0].append(prev)
+                copies[1].append(v)
+                out[k] = prev
             elif v.dtype != want or v.untyped_storage().data_ptr() in scratch:
                 out[k] = v.to(want, copy=True)
             else:
@@ -379,6 +402,8 @@ class LeanUpdate:
         comps: list[Tensor],
         low: torch.dtype,
         device: torch.device,
+        tmp32: list[Tensor],
+        tmp_flat: Tensor,
     ) -> None:
         if self.update == "stochastic":
             gen = self.generator(device)
@@ -396,8 +421,9 @@ class LeanUpdate:
                 )
             return
         torch._foreach_copy_(chunk, w32)  # round to nearest
-        if comps:
-            torch._foreach_sub_(w32, chunk)  # exact residual w32 - round(w32)
+        if comps:  # the exact residual w32 - round(w32), all in fp32 scratch (flat)
+            torch._foreach_copy_(tmp32, chunk)
+            flat.sub_(tmp_flat)
             torch._foreach_copy_(comps, w32)
 
     # -- checkpoints -----------------------------------------------------------------------
