@@ -1,0 +1,115 @@
+"""FP8 storage: amax, scales, and casts that never hide an overflow.
+
+Design: one small set of functions that every FP8 user in mixprec shares -- the FP8 matmuls of
+the ``fp8=`` option and the FP8 copies of saved activations (``activations="fp8"``) -- so the
+rounding, the scale rule and the handling of inf/NaN are written once.
+
+* A tensor is stored as ``data`` (an FP8 dtype) and a float32 ``scale``, per tensor
+  (``axis=None``) or per slice along ``axis`` (``axis=-1``: one scale per row, the last dim
+  reduced). ``x ~= data.float() / scale``.
+* The scale maps the slice's amax to the format's largest finite value (torchao's and
+  Transformer Engine's rule: ``scale = fp8_max / amax``), optionally rounded down to a power of
+  two, which makes scaling exact (only the FP8 rounding remains).
+* **Overflow is never hidden.** torch's casts to ``float8_e4m3fn`` saturate (inf -> 448), so an
+  inf would come back as a large finite number. Here a non-finite amax gives a zero (or NaN)
+  scale, so the slice holding an inf or a NaN comes back as NaN everywhere: a loss or gradient
+  computed from it is non-finite and a mixed-precision step is skipped, as for fp16 overflow.
+  This costs no host synchronisation. Values are clamped to the format's range before the
+  cast, because casts before torch 2.12 turn out-of-range values into NaN instead of
+  saturating (rounding can put ``amax * scale`` a hair above the largest value).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "FP8_DTYPES",
+    "Float8Data",
+    "amax",
+    "dequantize",
+    "quantize",
+    "scale_for",
+    "sqnr",
+]
+
+E4M3 = torch.float8_e4m3fn  # forward operands and stored activations: 3 mantissa bits, max 448
+E5M2 = torch.float8_e5m2  # gradients: range over precision, max 57344
+FP8_DTYPES = (E4M3, E5M2)
+_TINY = 1e-12  # amax floor: an all-zero slice gets a large finite scale, not inf
+
+
+class Float8Data(NamedTuple):
+    """An FP8 copy of a tensor: ``data`` (FP8) and ``scale`` (float32, broadcastable to it)."""
+
+    data: Tensor
+    scale: Tensor
+
+
+def _check_fp8(dtype: torch.dtype) -> None:
+    if dtype not in FP8_DTYPES:
+        raise ValueError(
+            f"Expected an FP8 dtype (torch.float8_e4m3fn or torch.float8_e5m2), received {dtype}."
+        )
+
+
+def amax(x: Tensor, axis: int | None = None) -> Tensor:
+    """Largest magnitude of ``x`` in float32: one value (``axis=None``) or one per slice along
+    ``axis`` (that dim kept with size 1). NaN anywhere in a slice gives NaN."""
+    a = x.detach().abs()
+    return (a.amax() if axis is None else a.amax(dim=axis, keepdim=True)).float()
+
+
+def scale_for(amax: Tensor, dtype: torch.dtype, power_of_2: bool = False) -> Tensor:
+    """The multiplier that maps ``amax`` onto ``dtype``'s largest finite value.
+
+    A non-finite ``amax`` gives 0 (inf) or NaN (NaN), which :func:`quantize` turns into NaN
+    data. ``power_of_2`` rounds the scale down to a power of two.
+    """
+    _check_fp8(dtype)
+    scale = torch.finfo(dtype).max / amax.float().clamp(min=_TINY)
+    if power_of_2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
+
+
+def quantize(
+    x: Tensor,
+    dtype: torch.dtype = E4M3,
+    axis: int | None = -1,
+    power_of_2: bool = False,
+    scale: Tensor | None = None,
+) -> Float8Data:
+    """``x`` as FP8 data and a float32 scale (per tensor if ``axis`` is None, else per slice).
+
+    ``scale`` (optional) is used instead of one computed from ``x``'s amax, for a caller that
+    already has it (e.g. a scale agreed across ranks).
+    """
+    _check_fp8(dtype)
+    if not x.is_floating_point():
+        raise TypeError(f"quantize takes a floating tensor, received {x.dtype}.")
+    if scale is None:
+        scale = scale_for(amax(x, axis), dtype, power_of_2)
+    top = torch.finfo(dtype).max
+    data = (x.float() * scale).clamp_(-top, top).to(dtype)
+    return Float8Data(data, scale)
+
+
+def dequantize(q: Float8Data, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The values ``q`` stands for, in ``dtype`` (``data / scale``, computed in float32)."""
+    return (q.data.float() / q.scale).to(dtype)
+
+
+def sqnr(reference: Tensor, approx: Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: ``20 log10(|ref| / |ref - approx|)`` (inf if
+    equal). The metric torchao's FP8 tests use; 25 dB is about 2 significant bits of error."""
+    ref = reference.detach().double()
+    err = (ref - approx.detach().double()).norm()
+    if err == 0:
+        return float("inf")
+    return float(20 * torch.log10(ref.norm() / err))
