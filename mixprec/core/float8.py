@@ -68,9 +68,12 @@ def _check_fp8(dtype: torch.dtype) -> None:
         )
 
 
-def amax(x: Tensor, axis: int | None = None) -> Tensor:
-    """Largest magnitude of ``x`` in float32: one value (``axis=None``) or one per slice along
-    ``axis`` (that dim kept with size 1). NaN anywhere in a slice gives NaN."""
+Axis = int | tuple[int, ...] | None
+
+
+def amax(x: Tensor, axis: Axis = None) -> Tensor:
+    """Largest magnitude of ``x`` in float32: one value (``axis=None``) or one per slice, the
+    dims in ``axis`` reduced (kept with size 1). NaN anywhere in a slice gives NaN."""
     a = x.detach().abs()
     return (a.amax() if axis is None else a.amax(dim=axis, keepdim=True)).float()
 
@@ -95,11 +98,12 @@ def scale_for(amax: Tensor, dtype: torch.dtype, power_of_2: bool = False) -> Ten
 def quantize(
     x: Tensor,
     dtype: torch.dtype = E4M3,
-    axis: int | None = -1,
+    axis: Axis = -1,
     power_of_2: bool = False,
     scale: Tensor | None = None,
 ) -> Float8Data:
-    """``x`` as FP8 data and a float32 scale (per tensor if ``axis`` is None, else per slice).
+    """``x`` as FP8 data and a float32 scale: per tensor (``axis=None``) or per slice, the
+    dims in ``axis`` reduced (``-1``: one scale per row).
 
     ``scale`` (optional) is used instead of one computed from ``x``'s amax, for a caller that
     already has it (e.g. a scale agreed across ranks); it is then not assumed to be a power of 2.
