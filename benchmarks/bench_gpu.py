@@ -236,6 +236,31 @@ def run(
     return rows
 
 
+def profile_modes(device: str, smoke: bool, modes: list[Mode], steps: int = 3) -> str:
+    """Top kernels of ``steps`` steps of each mode (torch.profiler), as Markdown: where a mode
+    spends its step, for comparing a slow mode with its torch.autocast reference."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    out = []
+    for name, (wl, _, _) in workloads(device, smoke).items():
+        for m in modes:
+            _tf32(m.tf32)
+            t = Trainer(wl, None, m.trainer_mode, m.dtype, 0, 0, m.options())
+            t.step()  # warm-up (and compilation)
+            with profile(activities=activities) as prof:
+                for _ in range(steps):
+                    t.step()
+            table = prof.key_averages().table(sort_by=sort, row_limit=12)
+            out.append(f"### {name}: {m.label} ({steps} steps)\n\n```\n{table}\n```")
+            del t
+    _tf32(False)
+    return "\n\n".join(out)
+
+
 def machine(device: str) -> str:
     if device != "cuda":
         from mixprec.core.hardware import check
@@ -294,6 +319,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps per mode per round")
     p.add_argument("--modes", nargs="+", help="labels to run (default: all)")
     p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of timing: print each selected mode's top kernels (torch.profiler)",
+    )
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(
@@ -307,6 +337,10 @@ def main(argv: list[str] | None = None) -> None:
     modes = [m for m in MODES if not args.modes or m.label in args.modes]
     if args.device == "cpu":  # a smoke run: compiling every mode would take many minutes
         modes = [m for m in modes if not m.compiled]
+    if args.profile:
+        print(f"{machine(args.device)} · torch {torch.__version__}\n")
+        print(profile_modes(args.device, args.smoke, modes))
+        return
     t0 = time.time()
     rows = run(args.device, args.smoke, args.rounds, args.steps, modes)
     header = (

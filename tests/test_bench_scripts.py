@@ -74,6 +74,12 @@ def test_bench_memory_measures_one_mode_in_its_process():
     assert bench_memory.parse_mode("O2+recompute@compile") == ("O2", "recompute", True)
 
 
+def test_bench_gpu_profiles_modes(capsys):
+    bench_gpu.main(["--device", "cpu", "--smoke", "--profile", "--modes", "mixprec O2 bf16"])
+    text = capsys.readouterr().out
+    assert "### gpt2-small: mixprec O2 bf16 (3 steps)" in text and "Self CPU" in text
+
+
 def test_bench_gpu_refuses_full_shapes_on_cpu():
     with pytest.raises(SystemExit, match="pass --smoke"):
         bench_gpu.main(["--device", "cpu"])
