@@ -138,7 +138,7 @@ def _batch(batch: int) -> tuple[Any, Any]:
 
 def _saved_mb(model: Any, region: Any, x: Any) -> float:
     """MB autograd keeps after one forward (what mixprec's storage hooks keep, if active)."""
-    from mixprec.core import activations, float8
+    from mixprec.core import activations
 
     kept: dict[int, int] = {}
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -147,10 +147,9 @@ def _saved_mb(model: Any, region: Any, x: Any) -> float:
         if isinstance(obj, torch.Tensor):
             return obj.untyped_storage().nbytes()
         if isinstance(obj, activations._Packed):
-            data = obj.data
-            if isinstance(data, float8.Float8Data):
-                return data.data.numel() + data.scale.numel() * 4
-            return data.numel() * data.element_size()
+            if isinstance(obj.data, torch.Tensor):  # a 16-bit copy
+                return obj.data.numel() * obj.data.element_size()
+            return sum(c.data.numel() + c.scale.numel() * 4 for c in obj.data)  # FP8 chunks
         return 0  # recomputed in backward
 
     def note(obj: Any) -> Any:
