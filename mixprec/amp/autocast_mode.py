@@ -9,7 +9,9 @@ reductions and losses on CPU as on CUDA, promotion instead of an error for an fp
 the user's ``mixprec.register_op`` rules -- by pushing a mixprec engine frame for this device
 type only (:mod:`mixprec.core.dispatch`).
 
-Fixed here: ``is_autocast_available("foo")`` answers False instead of raising.
+Fixed here: ``is_autocast_available("foo")`` answers False instead of raising, and a region
+nested in one of another 16-bit dtype clears torch's weight-cast cache on entry and exit (torch
+keys the cache by the weight alone and served the other dtype's copy: a dtype-mismatch error).
 """
 
 from __future__ import annotations
@@ -117,11 +119,24 @@ class autocast(_TorchAutocast):
                 "torch.autocast's own lists on this device."
             )
         self._frames: list[tuple[Frame, Any, Any]] = []  # (frame, saved state, rules scope)
+        self._stale: list[bool] = []  # per entry: the cast cache held another dtype's copies
 
     def __enter__(self) -> autocast:
         if self._enabled and not torch.compiler.is_compiling():
             REGIONS[(self.device, self.fast_dtype)] += 1
         if self._overrides is None or not self._enabled:
+            # torch's cast cache is keyed by the weight alone: a region nested in one of another
+            # dtype was served the outer dtype's copies ("mat1 and mat2 must have the same
+            # dtype"), and the outer region the inner's afterwards. Clear it at both edges.
+            stale = (
+                self._enabled
+                and not torch.compiler.is_compiling()
+                and torch.is_autocast_enabled(self.device)
+                and torch.get_autocast_dtype(self.device) != self.fast_dtype
+            )
+            self._stale.append(stale)
+            if stale:
+                torch.clear_autocast_cache()
             return super().__enter__()
         scope = None
         if self._overrides:  # "mixprec" alone changes no rule: no scope to trace or sync
@@ -145,6 +160,8 @@ class autocast(_TorchAutocast):
         exc_tb: TracebackType | None,
     ) -> bool:
         if self._overrides is None or not self._enabled:
+            if self._stale.pop():
+                torch.clear_autocast_cache()
             return super().__exit__(exc_type, exc_val, exc_tb)
         frame, saved, scope = self._frames.pop()
         try:

@@ -27,7 +27,9 @@ Design (``docs/design.md``, "A drop-in for torch.amp"):
 from __future__ import annotations
 
 import inspect
+import os
 import struct
+import sys
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -49,6 +51,10 @@ _NO_FLOOR = 2.0**-149  # the smallest positive float32: torch's scale has no flo
 _LOCAL = object()  # no cross-rank agreement
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _signatures: dict[Any, list[str]] = {}
+# files whose frames a warning skips to reach the user's call: this package and torch.amp
+_INTERNAL = tuple(
+    os.path.dirname(f) + os.sep for f in (__file__, inspect.getfile(torch.amp.GradScaler))
+)
 
 
 class _NonFiniteEvaluation(Exception):
@@ -180,7 +186,9 @@ class GradScaler(torch.amp.GradScaler):
         self._skipped_t: Tensor | None = None
         self._last: bool | Tensor | None = None
         self._bf16_warned = False
-        self._bf16_seen = self._fp16_seen = 0
+        kind = device.split(":")[0]  # regions entered from now on count
+        self._bf16_seen = autocast_mode.REGIONS[(kind, torch.bfloat16)]
+        self._fp16_seen = autocast_mode.REGIONS[(kind, torch.float16)]
         self._looked_at: set[int] = set()  # optimizers whose gradient dtypes were checked
         self._dtensor: dict[int, bool] = {}
 
@@ -280,13 +288,12 @@ class GradScaler(torch.amp.GradScaler):
 
     def _warn_bfloat16(self, what: str) -> None:
         self._bf16_warned = True
-        warnings.warn(
+        _warn(
             f"GradScaler is enabled but {what}. bfloat16 has float32's exponent range, so "
             "gradients do not underflow and loss scaling only multiplies and divides them. "
             "Drop the scaler (GradScaler(..., enabled=False)), or use dtype=torch.float16 if "
             "float16 was meant.",
             UserWarning,
-            stacklevel=3,
         )
 
     def _unscale_grads_(
@@ -325,7 +332,7 @@ class GradScaler(torch.amp.GradScaler):
         self.last_skip_report = skip_report(
             optimizer, self.get_scale(), self._names, "mixprec.amp.GradScaler"
         )
-        warnings.warn(self.last_skip_report, RuntimeWarning, stacklevel=4)
+        _warn(self.last_skip_report, RuntimeWarning)
 
     # -- ranks ---------------------------------------------------------------------------------
     def _group(self) -> Any:
@@ -444,6 +451,14 @@ class GradScaler(torch.amp.GradScaler):
         if state["_process_group"] not in ("auto", None):
             state["_process_group"] = "auto"  # a process group does not pickle
         return state
+
+
+def _warn(message: str, category: type[Warning]) -> None:
+    """Warn at the first frame outside mixprec.amp and torch.amp: the user's call."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def _group_type() -> tuple[type, ...]:
