@@ -227,7 +227,9 @@ class GradScaler(torch.amp.GradScaler):
             for state in self._per_optimizer_states.values()
             for found_inf in state["found_inf_per_device"].values()
         ]
-        verdict = torch.stack(found_infs).sum().gt(0) if found_infs else None
+        verdict = None  # 1.0 when some optimizer met inf/NaN (each flag is 0.0 or 1.0)
+        if found_infs:
+            verdict = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).amax()
         rule = self._rule
         if new_scale is not None or rule is None:
             super().update(new_scale)
@@ -263,17 +265,17 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return False
         if isinstance(self._last, Tensor):
-            self._last = bool(self._last.item())
+            self._last = bool(self._last.item() > 0)
         return self._last
 
     def _count(self, verdict: bool | Tensor) -> None:
         self._last = verdict
         if isinstance(verdict, bool):
             self._skipped += verdict
-        elif self._skipped_t is None:
-            self._skipped_t = verdict.to(torch.int64)
-        else:
-            self._skipped_t += verdict
+            return
+        if self._skipped_t is None:  # float64: exact counts, one kernel per update
+            self._skipped_t = torch.zeros((), dtype=torch.float64, device=verdict.device)
+        self._skipped_t.add_(verdict)
 
     def _check_bfloat16(self, outputs: Any) -> None:
         device = self._device.split(":")[0]
