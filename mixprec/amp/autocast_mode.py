@@ -83,7 +83,11 @@ class autocast(_TorchAutocast):
             on every device, promotion for an fp16/bf16 mix, rules set with
             ``mixprec.register_op``). A mapping ``{op: "lower" | "fp32" | "promote" | None}``:
             mixprec's table with these overrides inside the region (as ``mixprec.cast_rules``).
-            Only for device types ``"cpu"`` and ``"cuda"``.
+            Only for device types ``"cpu"`` and ``"cuda"``. Under ``torch.compile``, make the
+            region inside the compiled function: it is then part of the graph. Like
+            ``mixprec.autocast``, a region object made outside it (or a decorator) is not
+            applied to the compiled code behind the graph break it causes. A mapping cannot
+            be traced: register its rules with ``mixprec.register_op`` instead.
 
     Example:
         >>> lin = torch.nn.Linear(4, 4)
