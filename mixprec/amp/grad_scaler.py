@@ -186,7 +186,7 @@ class GradScaler(torch.amp.GradScaler):
         self._skipped_t: Tensor | None = None
         self._last: bool | Tensor | None = None
         self._bf16_warned = False
-        kind = device.split(":")[0]  # regions entered from now on count
+        kind = str(device).split(":")[0]  # regions entered from now on count
         self._bf16_seen = autocast_mode.REGIONS[(kind, torch.bfloat16)]
         self._fp16_seen = autocast_mode.REGIONS[(kind, torch.float16)]
         self._looked_at: set[int] = set()  # optimizers whose gradient dtypes were checked
@@ -278,7 +278,7 @@ class GradScaler(torch.amp.GradScaler):
         self._skipped_t.add_(verdict)
 
     def _check_bfloat16(self, outputs: Any) -> None:
-        device = self._device.split(":")[0]
+        device = str(self._device).split(":")[0]
         bf16 = autocast_mode.REGIONS[(device, torch.bfloat16)]
         fp16 = autocast_mode.REGIONS[(device, torch.float16)]
         new_bf16, new_fp16 = bf16 - self._bf16_seen, fp16 - self._fp16_seen
