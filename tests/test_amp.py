@@ -47,6 +47,57 @@ def one_step(scaler, model, opt, inject: float | None = None, dtype=torch.float1
     opt.zero_grad()
 
 
+# -- torch's stage rules, errors and messages, unchanged ------------------------------------------
+def _misuse(A, case: str) -> None:
+    model = tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = A.GradScaler("cpu")
+    if case == "step without scale":
+        scaler.step(opt)
+    loss = F.mse_loss(model(data()[0]), data()[1])
+    if case == "fp16 grads":
+        model.half()
+        loss = F.mse_loss(model(data()[0].half()).float(), data()[1])
+    scaler.scale(loss).backward()
+    if case == "no grads":
+        opt.zero_grad()
+    if case in ("unscale twice", "unscale after step"):
+        if case == "unscale after step":
+            scaler.step(opt)
+        scaler.unscale_(opt)
+        scaler.unscale_(opt)
+    if case == "update without step":
+        scaler.update()
+    if case == "pickle mid-iteration":
+        scaler.unscale_(opt)
+        pickle.dumps(scaler)
+    if case == "load empty":
+        scaler.load_state_dict({})
+    scaler.step(opt)
+    scaler.step(opt)  # "step twice"
+
+
+MISUSES = {
+    "unscale twice": (RuntimeError, r"unscale_\(\) has already been called on this optimizer"),
+    "unscale after step": (RuntimeError, r"unscale_\(\) is being called after step\(\)"),
+    "step twice": (RuntimeError, r"step\(\) has already been called since the last update"),
+    "step without scale": (AssertionError, "Attempted step but _scale is None"),
+    "update without step": (AssertionError, "No inf checks were recorded prior to update"),
+    "no grads": (AssertionError, "No inf checks were recorded for this optimizer"),
+    "fp16 grads": (ValueError, "Attempting to unscale FP16 gradients"),
+    "load empty": (RuntimeError, "The source state dict is empty"),
+    "pickle mid-iteration": (AssertionError, "may only be pickled at the beginning"),
+}
+
+
+@pytest.mark.parametrize("A", [torch.amp, amp], ids=["torch.amp", "mixprec"])
+@pytest.mark.parametrize("case", list(MISUSES))
+def test_misuse_raises_torchs_exception_and_message(A, case):
+    error, message = MISUSES[case]
+    with pytest.raises(error, match=message):
+        _misuse(A, case)
+
+
 # -- traps ------------------------------------------------------------------------------------
 def lbfgs_run(A, scale: float | None, steps: int = 3, positional: bool = True):
     """LBFGS with a closure; ``scale`` None is the plain fp32 reference without a scaler."""
