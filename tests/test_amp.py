@@ -377,6 +377,8 @@ def test_cast_rules_apply_to_this_device_type_only_and_are_checked():
         assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("cuda")
     with pytest.raises(ValueError, match="cast_rules must be None"):
         amp.autocast("cpu", cast_rules="fp32")
+    with pytest.raises(ValueError, match=r"is not a rule; use one of \('lower', 'fp32'"):
+        amp.autocast("cpu", cast_rules={torch.softmax: "float32"})
     with pytest.raises(ValueError, match="needs device_type 'cpu' or 'cuda'"):
         amp.autocast("xpu", cast_rules="mixprec")
 

@@ -59,9 +59,18 @@ def is_autocast_available(device_type: str) -> bool:
 
 def _check_rules(rules: Any) -> Mapping[Any, str | None] | None:
     """``cast_rules`` as overrides for :func:`mixprec.cast_rules` ({} for ``"mixprec"``)."""
-    if rules == "mixprec":
+    if isinstance(rules, str) and rules == "mixprec":
         return {}
     if isinstance(rules, Mapping):
+        if torch.compiler.is_compiling():
+            return rules  # refused with the fix at __enter__
+        for op, rule in rules.items():
+            cast_table.op_name(op)  # raises TypeError for what is not an op
+            if rule is not None and rule not in cast_table.RULES:
+                raise ValueError(
+                    f"cast_rules[{op!r}] = {rule!r} is not a rule; use one of "
+                    f"{cast_table.RULES}, or None for the op's input dtype."
+                )
         return rules
     raise ValueError(
         f"cast_rules must be None (torch.autocast's own op lists), 'mixprec' (mixprec's cast "
