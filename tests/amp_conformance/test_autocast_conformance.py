@@ -52,10 +52,12 @@ def _op_cases() -> list:
         case = OpCase(op, args, kwargs, **how)
         cases.append(pytest.param(case, id=f"{group}-{op}-{str(case.amp_dtype)[6:]}"))
 
-    for entry in lists.torch_16:  # lower precision: float32 inputs, the autocast dtype out
-        add("torch_16", entry)
-    for entry in lists.nn_16:
-        add("nn_16", entry, module=torch._C._nn)
+    for amp_dtype in (BF16, FP16):  # lower precision: float32 inputs, the autocast dtype out
+        how = {"amp_dtype": amp_dtype, "run_as": amp_dtype, "out_type": amp_dtype}
+        for entry in lists.torch_16:
+            add("torch_16", entry, **how)
+        for entry in lists.nn_16:
+            add("nn_16", entry, module=torch._C._nn, **how)
     for entry in lists.torch_fp32:  # float32: bfloat16 inputs, float32 out
         add("torch_fp32", entry, run_as=FP32, out_type=FP32)
     for entry in lists.nn_fp32:
