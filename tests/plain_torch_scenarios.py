@@ -199,7 +199,37 @@ def inplace_and_clipping(out: dict[str, Any]) -> None:
     out["optimizer.compiled_after"] = model(x)
 
 
-SCENARIOS = (op_lists, compiled_model, checkpointing, functorch, exported, inplace_and_clipping)
+def recurrent(out: dict[str, Any]) -> None:
+    """LSTM/GRU/RNN under torch.autocast: torch lowers the ops they decompose into."""
+    for cls in (nn.LSTM, nn.GRU, nn.RNN):
+        for dtype in (torch.float32, BF16):
+            torch.manual_seed(0)
+            net = cls(8, 8).to(dtype)
+            x = torch.randn(5, 3, 8, requires_grad=True)
+
+            def run(net: nn.Module = net, x: torch.Tensor = x) -> Any:
+                with torch.autocast("cpu", BF16):
+                    y = net(x)[0]
+                y.float().sum().backward()
+                return y, x.grad, next(net.parameters()).grad
+
+            out[f"recurrent.{cls.__name__}.{dtype}"] = _outcome(run)
+            compiled = torch.compile(net, backend="aot_eager")
+            with torch.autocast("cpu", BF16):
+                out[f"recurrent.{cls.__name__}.{dtype}.compiled"] = _outcome(
+                    lambda c=compiled, x=x: c(x)[0]
+                )
+
+
+SCENARIOS = (
+    op_lists,
+    compiled_model,
+    checkpointing,
+    functorch,
+    exported,
+    inplace_and_clipping,
+    recurrent,
+)
 
 
 def run_all() -> dict[str, Any]:

@@ -428,11 +428,21 @@ def _torch_kernel(op: Any, key: DispatchKey) -> Any:
     return get_kernel(op, key)
 
 
+_PY_DISPATCHER = torch._C.DispatchKey.PythonDispatcher
+
+
 def _rule_kernel(name: str, device: str, op: Any) -> Callable:
     key = _KEYS[device]
     without = DispatchKeySet(key)
     trule = _torch_rule(device, name)
     native = _torch_kernel(op, key)
+    # an op torch.autocast falls through whose kernel is a decomposition (aten::lstm on CPU):
+    # torch lowers the ops it decomposes into (mkldnn_rnn_layer), so they must see autocast;
+    # redispatching with autocast excluded ran them in float32 (and a bf16 LSTM failed). The
+    # decomposition's own ops come back through the dispatcher, not to this kernel.
+    composite = torch._C._dispatch_has_kernel_for_dispatch_key(
+        op.name(), "CompositeImplicitAutograd"
+    )
 
     def apply(rule: str | None, frame: Frame | None, args: tuple, kwargs: dict) -> Any:
         with torch._C._ExcludeDispatchKeyGuard(without):
@@ -449,6 +459,11 @@ def _rule_kernel(name: str, device: str, op: Any) -> Callable:
         if native is not None:
             return native.call_boxed(keyset, *args, **kwargs)
         if trule is None:
+            if composite and not torch._C._dispatch_tls_is_dispatch_key_included(_PY_DISPATCHER):
+                # fall through to the decomposition, whose ops torch.autocast sees (the Python
+                # dispatcher of fake tensors recomputes keys from the TLS: not there, it would
+                # come back here)
+                return op.redispatch(keyset.remove(key), *args, **kwargs)
             return past(keyset, args, kwargs)
         return apply(trule, None, args, kwargs)  # torch < 2.9: its rule, replayed
 
