@@ -136,8 +136,10 @@ def _batch(batch: int) -> tuple[Any, Any]:
     )
 
 
-def _saved_mb(model: Any, region: Any, x: Any) -> float:
-    """MB autograd keeps after one forward (what mixprec's storage hooks keep, if active)."""
+def _saved_mb(model: Any, region: Any, x: Any, storage: bool) -> float:
+    """MB autograd keeps after one forward: what mixprec's storage hooks keep where the mode has
+    them (``storage``), else what a saved-tensor hook around the forward sees (the storage
+    hooks step aside inside a caller's own hooks, so the two cannot be combined)."""
     from mixprec.core import activations
 
     kept: dict[int, int] = {}
@@ -162,8 +164,13 @@ def _saved_mb(model: Any, region: Any, x: Any) -> float:
 
     original = activations.SavedTensorStorage._pack
     activations.SavedTensorStorage._pack = lambda self, t: note(original(self, t))
+    outer = (
+        contextlib.nullcontext()
+        if storage
+        else torch.autograd.graph.saved_tensors_hooks(note, lambda p: p)
+    )
     try:
-        with torch.autograd.graph.saved_tensors_hooks(note, lambda p: p), region():
+        with outer, region():
             out = model(x)
     finally:
         activations.SavedTensorStorage._pack = original
@@ -194,7 +201,7 @@ def child(mode: str, dtype: torch.dtype, steps: int, batch: int) -> dict[str, An
         losses.append(step(model, opt, region, scaler, x, y))
         times.append(time.perf_counter() - t0)
     peak = _rss("VmHWM")
-    saved = _saved_mb(model, region, x)
+    saved = _saved_mb(model, region, x, storage=parse_mode(mode)[1] is not None)
     opt.zero_grad(set_to_none=True)
     tensor = _tensor_peak(lambda: step(model, opt, region, scaler, x, y))
     return dict(

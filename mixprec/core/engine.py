@@ -265,11 +265,19 @@ def _run(spec: Boundary, forward: Any, args: tuple, kwargs: dict) -> Any:
         args, kwargs = cast_tree(args, dtype), cast_tree(kwargs, dtype)
     frame = _frame_for(spec.policy, spec.kernels, spec.fp32_inside) if spec.engine else None
     saved = dispatch.push(frame) if frame is not None else None
-    try:
+    if torch.compiler.is_compiling():
+        # no try block: dynamo cannot resume a frame inside one, so a graph break in the
+        # forward ran the rest of this function in Python with the traced push unmatched,
+        # and engine frames piled up on the thread after the compiled call returned
         output = forward(*args, **kwargs)
-    finally:
         if frame is not None:
             dispatch.pop(frame, saved)
+    else:
+        try:
+            output = forward(*args, **kwargs)
+        finally:
+            if frame is not None:
+                dispatch.pop(frame, saved)
     if output is None or not spec.cast_outputs:
         return output
     return cast_tree(output, spec.policy.output_dtype)
