@@ -28,6 +28,8 @@ from mixprec.core.float8 import E5M2, FP8_DTYPES
 __all__ = ["ALIGN", "check_gemm", "layer_shape_ok", "scaled_mm"]
 
 ALIGN = 16  # CUDA's FP8 GEMMs need K and N in multiples of 16
+CPU_CHUNK = 1 << 19  # elements of a's (and the output's) rows per CPU _scaled_mm call
+_LOW = (torch.bfloat16, torch.float16)
 
 
 def layer_shape_ok(in_features: int, out_features: int) -> str | None:
@@ -83,21 +85,42 @@ def scaled_mm(
     bias: Tensor | None = None,
 ) -> Tensor:
     """``(a * scale_a) @ (b * scale_b)`` in ``out_dtype``; scales are dequantization factors
-    (the inverse of :func:`mixprec.core.float8.scale_for`'s). Checked by :func:`check_gemm`."""
+    (the inverse of :func:`mixprec.core.float8.scale_for`'s). Checked by :func:`check_gemm`.
+
+    On a CPU the rows of ``a`` go through ``_scaled_mm`` in slices (each output row is the same
+    computation either way; eager and compiled code slice alike): torch's CPU kernel holds
+    float32 copies of both operands and a float32 output, the largest temporaries of an
+    emulated FP8 layer."""
     check_gemm(a, b, scale_a, scale_b, out_dtype)
-    if bias is not None and (
-        out_dtype not in (torch.bfloat16, torch.float16) or bias.dtype != out_dtype
-    ):
+    if bias is not None and (out_dtype not in _LOW or bias.dtype != out_dtype):
         raise ValueError(
             f"FP8 GEMM bias: CUDA adds a bias only to a 16-bit output of its dtype; received a "
             f"{bias.dtype} bias for a {out_dtype} output."
         )
-    return torch._scaled_mm(
-        a,
-        b,
-        scale_a=scale_a,
-        scale_b=scale_b,
-        bias=bias,
-        out_dtype=out_dtype,
-        use_fast_accum=fast_accum,
-    )
+    m = a.shape[0]
+    rows = max(1, CPU_CHUNK // max(a.shape[1], b.shape[1], 1))
+    if a.device.type != "cpu" or m <= rows:
+        return torch._scaled_mm(
+            a,
+            b,
+            scale_a=scale_a,
+            scale_b=scale_b,
+            bias=bias,
+            out_dtype=out_dtype,
+            use_fast_accum=fast_accum,
+        )
+    # torch's CPU kernel emulates the GEMM in float32 with two float32 copies of each operand
+    # (8 bytes per element of a, at once): on a CPU, slices of a's rows keep that scratch small
+    out = torch.empty(m, b.shape[1], dtype=out_dtype, device=a.device)
+    rowwise = scale_a.numel() > 1
+    for i in range(0, m, rows):
+        out[i : i + rows] = torch._scaled_mm(
+            a[i : i + rows],
+            b,
+            scale_a=scale_a[i : i + rows] if rowwise else scale_a,
+            scale_b=scale_b,
+            bias=bias,
+            out_dtype=out_dtype,
+            use_fast_accum=fast_accum,
+        )
+    return out

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mixprec.core.float8 import E4M3, Float8Data, quantize
+from mixprec.core.float8 import E4M3, Float8Data, quantize, quantize_chunked
 from mixprec.core.fp8.config import Recipe
 from mixprec.core.fp8.gemm import ALIGN, scaled_mm
 
@@ -57,13 +57,50 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
+def _quantize(x: Tensor, dtype: torch.dtype, axis: int | None, power_of_2: bool) -> Float8Data:
+    """float8.quantize; in eager mode slice by slice (no float32 copy of the whole tensor),
+    compiled in one fused pass. The same scales and data either way."""
+    if torch.compiler.is_compiling():
+        return quantize(x, dtype, axis, power_of_2)
+    return quantize_chunked(x, dtype, axis, power_of_2)
+
+
 def _q(x: Tensor, dtype: torch.dtype, recipe: Recipe, axis: int | None) -> Float8Data:
-    return quantize(x, dtype, axis if recipe.rowwise else None, recipe.power_of_2)
+    return _quantize(x, dtype, axis if recipe.rowwise else None, recipe.power_of_2)
 
 
 def _inv(q: Float8Data) -> Tensor:
     """The dequantization factor ``_scaled_mm`` takes (float32)."""
     return q.scale.reciprocal()
+
+
+def _weight_grad(
+    qdy: Float8Data, x: Tensor, x_inv: Tensor, recipe: Recipe, dtype: torch.dtype
+) -> Tensor:
+    """``dw = dy^T x``, contracting over the tokens (padded to a multiple of 16 for CUDA).
+
+    On a CPU, where the emulated GEMM's scratch is proportional to its second operand, the
+    smaller of ``x`` and ``dy`` goes second (``dw^T = x^T dy`` when ``x`` is wider)."""
+    m = -(-qdy.data.shape[0] // ALIGN) * ALIGN
+    rowwise = recipe.rowwise
+    gemm_dtype = torch.bfloat16 if rowwise else dtype
+    dy_inv = _inv(qdy)
+    if x.device.type == "cpu" and x.shape[1] > qdy.data.shape[1]:
+        dw_t = scaled_mm(
+            _pad_rows(x, m).t().contiguous(),
+            _col_major(_pad_rows(qdy.data, m)),
+            x_inv.reshape(-1, 1) if rowwise else x_inv,
+            dy_inv,
+            gemm_dtype,
+        )
+        return dw_t.t().contiguous().to(dtype)
+    return scaled_mm(
+        _pad_rows(qdy.data, m).t().contiguous(),
+        _col_major(_pad_rows(x, m)),
+        dy_inv.reshape(-1, 1) if rowwise else dy_inv,
+        x_inv,
+        gemm_dtype,
+    ).to(dtype)
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -100,7 +137,7 @@ class _FP8Linear(torch.autograd.Function):
         saved_x = saved_scale = None
         if ctx.needs_input_grad[1]:
             # the weight-gradient GEMM's x: rowwise needs scales constant along M (per column)
-            sx = quantize(x2, E4M3, 0, recipe.power_of_2) if rowwise else qx
+            sx = _quantize(x2, E4M3, 0, recipe.power_of_2) if rowwise else qx
             saved_x, saved_scale = sx.data, _inv(sx).double()
         ctx.save_for_backward(saved_x, saved_scale, weight)
         ctx.recipe = recipe
@@ -115,7 +152,7 @@ class _FP8Linear(torch.autograd.Function):
         rowwise = recipe.rowwise
         n = weight.shape[0]
         dy2 = dy.reshape(-1, n)
-        dx = dw = db = None
+        dx = dw = db = qdy = None
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 qdy = _q(dy2, recipe.grad_dtype, recipe, -1)
@@ -129,17 +166,9 @@ class _FP8Linear(torch.autograd.Function):
                 ).to(ctx.x_dtype)
                 dx = dx.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
-                qdy_t = _q(dy2, recipe.grad_dtype, recipe, 0)  # rowwise: per column, over M
-                m = -(-dy2.shape[0] // ALIGN) * ALIGN  # CUDA: the contraction (M) % 16
-                a = _pad_rows(qdy_t.data, m).t().contiguous()
-                b = _col_major(_pad_rows(saved_x, m))
-                dw = scaled_mm(
-                    a,
-                    b,
-                    _inv(qdy_t).reshape(-1, 1) if rowwise else _inv(qdy_t),
-                    saved_scale.float(),
-                    torch.bfloat16 if rowwise else weight.dtype,
-                ).to(weight.dtype)
+                # rowwise: per column, over M; tensorwise: the copy the dx GEMM used
+                qdy_t = _q(dy2, recipe.grad_dtype, recipe, 0) if rowwise or qdy is None else qdy
+                dw = _weight_grad(qdy_t, saved_x, saved_scale.float(), recipe, weight.dtype)
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 db = dy2.sum(0).to(ctx.bias_dtype)
         return dx, dw, db, None, None
