@@ -26,6 +26,16 @@ BLOCK = ("attn.qkv", "attn.proj", "fc", "fc_proj")
 pytestmark = pytest.mark.filterwarnings("ignore:FP8 on CPU is emulated")
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One thread: the emulated FP8 GEMMs are many small calls, which oversubscribe a shared
+    CPU (8x slower here with two threads); the numbers compared are all made alike."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def gpt(n_embd: int = 32, n_layer: int = 2, seed: int = 0, vocab: int = 64) -> GPT:
     torch.manual_seed(seed)
     return GPT(GPTConfig(vocab_size=vocab, block_size=16, n_layer=n_layer, n_head=2, n_embd=n_embd))

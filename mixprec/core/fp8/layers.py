@@ -250,9 +250,12 @@ def unprepare(model: nn.Module) -> None:
 
 
 def layers_of(model: nn.Module) -> dict[str, FP8Layer]:
-    """``{name: FP8Layer}`` of a model prepared for FP8 (empty otherwise)."""
+    """``{name: FP8Layer}`` of a model prepared for FP8 (empty otherwise; not a copy)."""
     inner = getattr(model, "_orig_mod", model)  # a torch.compile'd model
-    return dict(inner.__dict__.get(REGISTRY_ATTR, {}))
+    return inner.__dict__.get(REGISTRY_ATTR, _EMPTY)
+
+
+_EMPTY: dict[str, FP8Layer] = {}
 
 
 # -- mixprec.autocast(fp8=...) ---------------------------------------------------------------
