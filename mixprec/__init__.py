@@ -10,6 +10,7 @@ import torch.distributed as _dist
 import mixprec.core.clipping  # makes torch.nn.utils.clip_grad_norm_ reach fp32 masters
 from mixprec import _moved
 from mixprec.compat.keras import LossScaleOptimizer
+from mixprec.core.activations import ActivationConfig
 from mixprec.core.cast_table import cast_rules, register_op
 from mixprec.core.engine import autocast, set_policy
 from mixprec.core.footprint import Footprint, footprint
@@ -40,6 +41,7 @@ if _dist.is_available():  # registers its plain-DDP hooks with the core
 _moved.install(_sys.modules[__name__])  # old flat module paths, with a DeprecationWarning
 
 __all__ = [
+    "ActivationConfig",
     "FP8Config",
     "FP8Plan",
     "Footprint",

@@ -672,6 +672,73 @@ def test_decomposed_attention_gradients(causal):
         assert (t.grad.float() - ref.grad).abs().max().item() < 5e-2
 
 
+def _plain_decomposition(q, k, v, is_causal=False, scale=None):
+    """The decomposition written with autograd's own ops (saves its probabilities)."""
+    L, E, S = q.shape[-2], q.shape[-1], k.shape[-2]
+    alpha = scale if scale is not None else E**-0.5
+    q3, k3, v3 = q.reshape(-1, L, E), k.reshape(-1, S, E), v.reshape(-1, S, v.shape[-1])
+    if is_causal:
+        bias = kernels._causal_bias(L, S, q.dtype, q.device).expand(q3.shape[0], L, S)
+        scores = torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=alpha)
+    else:
+        scores = torch.bmm(q3, k3.transpose(1, 2)).mul_(alpha)
+    return torch.bmm(scores.softmax(-1), v3).view(*q.shape[:-1], v.shape[-1])
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lean_attention_is_bitwise_the_plain_decomposition_across_chunks(
+    causal, scale, monkeypatch
+):
+    monkeypatch.setattr(kernels, "_CHUNK_ELEMENTS", 3 * 16 * 16)  # 3 heads a chunk, 7 chunks
+    heads = rn(2, 16, 3, 10, 8, seed=4).to(BF16)  # (batch, T, q/k/v, heads, head dim)
+    grad = rn(2, 10, 16, 8, seed=5).to(BF16)
+    results = []
+    for f in (_plain_decomposition, kernels.decomposed_attention):
+        x = heads.clone().requires_grad_()
+        q, k, v = (t.transpose(1, 2) for t in x.unbind(2))  # non-contiguous, as in a GPT
+        out = f(q, k, v, is_causal=causal, scale=scale)
+        out.backward(grad)
+        results.append((out.detach(), x.grad))
+    with torch.no_grad():
+        q, k, v = (t.transpose(1, 2) for t in heads.unbind(2))
+        no_grad = kernels.decomposed_attention(q, k, v, is_causal=causal, scale=scale)
+    (out0, g0), (out1, g1) = results
+    assert torch.equal(out0, out1) and torch.equal(g0, g1) and torch.equal(no_grad, out0)
+
+
+def test_lean_attention_saves_q_k_v_and_not_the_probabilities():
+    x = rn(2, 64, 3, 4, 16, seed=6).to(BF16).requires_grad_()  # T 64 > head dim 16
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    for f, expected in ((_plain_decomposition, None), (kernels.decomposed_attention, 3)):
+        saved.clear()
+        q, k, v = (t.transpose(1, 2) for t in x.unbind(2))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            f(q, k, v, is_causal=True)
+        probs = 2 * 4 * 64 * 64
+        if expected is None:
+            assert probs in saved  # the plain decomposition keeps them
+        else:
+            assert sorted(saved) == [2 * 4 * 64 * 16] * expected  # q, k and v: 3/8 of probs
+
+
+def test_lean_attention_has_a_second_derivative():
+    q, k, v = (t.requires_grad_() for t in qkv((1, 2, 5, 4), (1, 2, 5, 4), dtype=F32))
+    q.data, k.data, v.data = q.data.to(BF16), k.data.to(BF16), v.data.to(BF16)
+    derivatives = []
+    for f in (_plain_decomposition, kernels.decomposed_attention):
+        (gq,) = torch.autograd.grad(f(q, k, v, is_causal=True).square().sum(), q, create_graph=True)
+        derivatives.append(torch.autograd.grad(gq.float().sum(), (k, v)))
+    for a, b in zip(*derivatives):
+        assert torch.isfinite(b.float()).all()
+        assert (a.float() - b.float()).abs().max() <= 0.05 * a.float().abs().max()
+
+
 def test_can_decompose_attention_conditions():
     q, k, v = qkv((2, 3, 4, 8), (2, 3, 4, 8), dtype=BF16)
     ok = kernels.can_decompose_attention

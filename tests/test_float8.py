@@ -87,3 +87,52 @@ def test_sqnr():
     x = _x(100)
     assert float8.sqnr(x, x) == float("inf")
     assert float8.sqnr(x, x * 1.1) == pytest.approx(20.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("src", [E4M3, E5M2])
+@pytest.mark.parametrize("dst", [torch.bfloat16, torch.float16, torch.float32])
+def test_bit_widening_equals_torchs_cast_for_every_finite_code(src, dst):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(src)
+    want = codes.to(dst)
+    got = float8._widen_bits(codes, dst)
+    finite = torch.isfinite(want)
+    assert finite.sum() >= 248  # all but the NaN/inf codes, subnormals and -0.0 included
+    assert torch.equal(
+        got[finite].view(torch.int16 if dst != torch.float32 else torch.int32),
+        want[finite].view(torch.int16 if dst != torch.float32 else torch.int32),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_power_of_2_path_is_bitwise_the_float32_path(dtype, fp8, monkeypatch):
+    x = (_x(64, 48) * torch.logspace(-6, 2, 64).unsqueeze(1)).to(dtype)
+    fast = float8.quantize(x, fp8, axis=-1, power_of_2=True)
+    assert fast.power_of_2
+    slow = float8.quantize(x, fp8, axis=-1, scale=fast.scale)  # same scale, float32 arithmetic
+    assert torch.equal(fast.data.view(torch.uint8), slow.data.view(torch.uint8))
+    exact = (slow.data.float() / slow.scale).to(dtype)
+    bits = float8.dequantize(fast, dtype)  # on a CPU: the bit widening
+    monkeypatch.setattr(float8, "_WIDEN", {})  # elsewhere: torch's cast
+    cast = float8.dequantize(fast, dtype)
+    assert bits.dtype == cast.dtype == dtype
+    assert torch.equal(bits, exact) and torch.equal(cast, exact)
+
+
+def test_power_of_2_scale_never_overshoots_when_top_over_amax_rounds_up():
+    # found by search: for these, floor(log2(top / amax)) in float32 rounds up a power of two
+    amax = torch.tensor([0.0034179703798145056, 0.1093750149011612, 5.3405768994707614e-05])
+    top = torch.finfo(E4M3).max
+    naive = torch.exp2(torch.floor(torch.log2(top / amax)))
+    assert (amax * naive > top).all()
+    scale = float8.scale_for(amax, E4M3, power_of_2=True)
+    assert torch.equal(scale, naive / 2) and (amax * scale <= top).all()
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_power_of_2_path_keeps_a_poisoned_row_non_finite(bad):
+    x = _x(4, 32).to(torch.bfloat16)
+    x[1, 3] = bad
+    back = float8.dequantize(float8.quantize(x, axis=-1, power_of_2=True), torch.bfloat16)
+    assert not torch.isfinite(back[1]).any()
+    assert torch.isfinite(back[[0, 2, 3]]).all()

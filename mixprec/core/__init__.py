@@ -14,6 +14,9 @@ Data flows down this list (see ``docs/design.md``):
   ``scale_loss``; :mod:`~mixprec.core.clipping` and :mod:`~mixprec.core.lean` (pure 16-bit
   updates) plug into it; :mod:`~mixprec.core.optimizer_view` gives optimizer wrappers
   (``LARC(SGD(...))``) a ``torch.optim.Optimizer`` face;
+* :mod:`~mixprec.core.activations` -- saved-for-backward tensors stored in FP8 or 16-bit, or
+  recomputed (``activations=``); :mod:`~mixprec.core.float8` -- FP8 storage (amax, scales,
+  casts that never hide an overflow), shared with the FP8 matmuls;
 * :mod:`~mixprec.core.initialize` -- the O0-O3 levels that wire all of the above to a model;
 * :mod:`~mixprec.core.hardware`, :mod:`~mixprec.core.memory`, :mod:`~mixprec.core.footprint`,
   :mod:`~mixprec.core.norms` -- facts about the device, memory and layers that the rest consult.

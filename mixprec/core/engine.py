@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from torch import nn
 from torch.utils import _pytree
 
 from mixprec.core import dispatch
+from mixprec.core.activations import ActivationConfig, SavedTensorStorage
 from mixprec.core.dispatch import FP32_INSIDE_OPS, Frame, cast_leaf
 from mixprec.core.fp8 import layers as fp8_layers
 from mixprec.core.fp8.config import FP8Config, as_fp8_config
@@ -69,6 +71,9 @@ class Boundary:
         fp32_inside: let :data:`FP32_INSIDE_OPS` keep 16-bit inputs and outputs.
         kernels: see :class:`autocast`.
         cast_outputs: cast floating outputs to ``policy.output_dtype`` on exit.
+        activations: how the subtree's saved tensors are stored (:mod:`mixprec.core.activations`).
+        engine: run the subtree in an engine frame for ``policy``; False for a module whose casts
+            are already explicit (a :func:`mixprec.convert` graph), which only needs the rest.
     """
 
     policy: Policy
@@ -76,6 +81,8 @@ class Boundary:
     fp32_inside: bool = False
     kernels: str = "auto"
     cast_outputs: bool = True
+    activations: ActivationConfig | None = None
+    engine: bool = True
 
 
 def cast_tree(obj: Any, dtype: torch.dtype, *, only_low: bool = False) -> Any:
@@ -261,18 +268,70 @@ class _Forward:
             forward, args = type(module).forward, (module, *args)
         if spec is None:
             return forward(*args, **kwargs)
-        if spec.cast_inputs:
-            dtype = spec.policy.compute_dtype
-            args, kwargs = cast_tree(args, dtype), cast_tree(kwargs, dtype)
-        frame = _frame_for(spec.policy, spec.kernels, spec.fp32_inside)
-        saved = dispatch.push(frame)
-        try:
-            output = forward(*args, **kwargs)
-        finally:
+        if spec.activations is not None:
+            return _run_with_storage(spec, forward, args, kwargs)
+        return _run(spec, forward, args, kwargs)
+
+
+def _run(spec: Boundary, forward: Any, args: tuple, kwargs: dict) -> Any:
+    """``forward`` inside the boundary ``spec``: inputs cast, engine frame, outputs cast."""
+    if spec.cast_inputs:
+        dtype = spec.policy.compute_dtype
+        args, kwargs = cast_tree(args, dtype), cast_tree(kwargs, dtype)
+    frame = _frame_for(spec.policy, spec.kernels, spec.fp32_inside) if spec.engine else None
+    saved = dispatch.push(frame) if frame is not None else None
+    try:
+        output = forward(*args, **kwargs)
+    finally:
+        if frame is not None:
             dispatch.pop(frame, saved)
-        if output is None or not spec.cast_outputs:
-            return output
-        return cast_tree(output, spec.policy.output_dtype)
+    if output is None or not spec.cast_outputs:
+        return output
+    return cast_tree(output, spec.policy.output_dtype)
+
+
+def _open_storage(spec: Boundary) -> SavedTensorStorage:
+    hooks = SavedTensorStorage(spec.activations, spec.policy.compute_dtype)
+    hooks.__enter__()
+    return hooks
+
+
+def _close_storage(hooks: SavedTensorStorage) -> None:
+    hooks.__exit__(None, None, None)
+
+
+def _with_storage(
+    spec: Boundary, forward: Any, args: tuple, kwargs: dict, open_: Any, close: Any
+) -> Any:
+    """:func:`_run` under the boundary's saved-tensor storage hooks.
+
+    dynamo does not trace saved-tensor hooks (entering them inside a compiled forward split the
+    forward into several graphs), so under ``torch.compile`` this frame runs in Python (see
+    :func:`_run_with_storage`): it enters the hooks and calls :func:`_run`, which dynamo
+    compiles as a frame of its own -- the boundary and the whole forward in one graph, with the
+    hooks active around it.
+    """
+    hooks = open_(spec)
+    try:
+        return _run(spec, forward, args, kwargs)
+    finally:
+        close(hooks)
+
+
+_untraced: dict[str, Any] = {}  # the above, kept out of dynamo's tracing (once it is loaded)
+
+
+def _run_with_storage(spec: Boundary, forward: Any, args: tuple, kwargs: dict) -> Any:
+    if "torch._dynamo" not in sys.modules:  # nothing can be compiling: don't import dynamo
+        return _with_storage(spec, forward, args, kwargs, _open_storage, _close_storage)
+    if not _untraced:
+        disable = torch._dynamo.disable
+        _untraced.update(
+            run=disable(_with_storage, recursive=False),
+            open=disable(_open_storage),
+            close=disable(_close_storage),
+        )
+    return _untraced["run"](spec, forward, args, kwargs, _untraced["open"], _untraced["close"])
 
 
 def has_boundary(module: nn.Module) -> bool:

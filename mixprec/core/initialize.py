@@ -61,6 +61,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from mixprec.core import engine
+from mixprec.core.activations import as_activation_config
 from mixprec.core.fp8 import layers as fp8_layers
 from mixprec.core.fp8.config import as_fp8_config
 from mixprec.core.hardware import default_dtype, warn_if_slow
@@ -130,6 +131,7 @@ _OVERRIDES = (
     "fp32_inside",
     "kernels",
     "fp8",
+    "activations",
     *_LEAN_KEYS,
     *_SCALER_KEYS,
 )
@@ -271,6 +273,13 @@ def _resolve(
     for key in ("keep_norm_fp32", "master_weights", "fp32_inside", "kernels", "cast_model_outputs"):
         if key in overrides:
             props[key] = overrides.pop(key)
+    props["activations"] = as_activation_config(overrides.pop("activations", None))
+    storage = getattr(props["activations"], "storage", None)
+    if storage == "16-bit" and not props["engine"]:
+        raise ValueError(
+            "activations='16-bit' stores float32 saved tensors in the compute dtype; level "
+            f"{level} has none (it trains in float32). Use 'fp8', or a level O1-O3."
+        )
     props.setdefault("kernels", "auto")
     props.setdefault("cast_model_outputs", torch.float32)
     lean = {k: overrides.pop(k) for k in _LEAN_KEYS if k in overrides}
@@ -329,7 +338,9 @@ def initialize(
             ``growth_interval``, ``hysteresis``, ``min_scale``, ...) and, without masters,
             ``update`` (None | "nearest" | "kahan" | "stochastic"; default "kahan" in bf16,
             see the module docstring), ``state_dtype`` ("auto" | dtype | {key: dtype}) and
-            ``update_seed`` (int) -- see :mod:`mixprec.core.lean`.
+            ``update_seed`` (int) -- see :mod:`mixprec.core.lean`; ``activations`` (None |
+            ``"fp8"`` | ``"16-bit"`` | :class:`~mixprec.core.activations.ActivationConfig`):
+            how the tensors the model's forward saves for backward are stored.
 
     Returns:
         ``model`` or ``(model, optimizer)``, with lists where lists were given.
@@ -454,6 +465,15 @@ def initialize(
         elif level == "O0":
             _cast_storage(m, torch.float32, False)
         graph = m.__dict__.get("_mixprec_graph", False)  # mixprec.convert: casts are in its graph
+        if graph and props["activations"] is not None:  # the graph needs only the storage hooks
+            m.__dict__[engine.BOUNDARY_ATTR] = engine.Boundary(
+                Policy(compute_dtype=dtype),
+                cast_inputs=False,
+                cast_outputs=False,
+                activations=props["activations"],
+                engine=False,
+            )
+            engine.install_boundary(m)
         if (props["engine"] or props["cast_model_outputs"] is not None) and not graph:
             outputs = props["cast_model_outputs"]
             root = get_policy(m) or Policy(
@@ -467,6 +487,7 @@ def initialize(
                 fp32_inside=props["fp32_inside"],
                 kernels=props["kernels"],
                 cast_outputs=outputs is not None,
+                activations=props["activations"],
             )
             m.__dict__[engine.BOUNDARY_ATTR] = spec
             engine.install_boundary(m)
