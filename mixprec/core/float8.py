@@ -190,7 +190,7 @@ def sqnr(reference: Tensor, approx: Tensor) -> float:
     return float(20 * torch.log10(ref.norm() / err))
 
 
-_CHUNK = 1 << 20  # elements per slice of quantize_chunked: a few MiB of float32 scratch
+_CHUNK = 1 << 18  # elements per slice of quantize_chunked: 1 MiB of float32 scratch
 
 
 def quantize_chunked(

@@ -28,7 +28,7 @@ from mixprec.core.float8 import E5M2, FP8_DTYPES
 __all__ = ["ALIGN", "check_gemm", "layer_shape_ok", "scaled_mm"]
 
 ALIGN = 16  # CUDA's FP8 GEMMs need K and N in multiples of 16
-CPU_CHUNK = 1 << 19  # elements of a's (and the output's) rows per CPU _scaled_mm call
+CPU_CHUNK = 1 << 18  # elements of a's (and the output's) rows per CPU _scaled_mm call
 _LOW = (torch.bfloat16, torch.float16)
 
 
