@@ -415,7 +415,7 @@ class NonFiniteLocator:
     def _is_fp8(self, path: str) -> bool:
         """Is ``path`` a Linear running in FP8 (given fp8= by initialize or autocast)?"""
         layer = layers_of(self.model).get(path)
-        return layer is not None and layer.fp8
+        return layer is not None and layer.active
 
     # -- detection ---------------------------------------------------------------------------
     def _where(self) -> tuple[str, str, str | None]:

@@ -73,7 +73,13 @@ class FP8Layer:
 
     @property
     def fp8(self) -> bool:
+        """Chosen for FP8."""
         return self.choice is not None and self.choice.fp8
+
+    @property
+    def active(self) -> bool:
+        """Running in FP8 now (a layer chosen by ``autocast(fp8=...)`` only in such a region)."""
+        return self.fp8 and (self.source != "region" or _region_active())
 
     def current(self) -> FP8Choice:
         """The choice, or a pending one."""
@@ -106,7 +112,7 @@ class FP8Forward:
         module, layer = self.module, self.layer
         if layer.choice is None:
             _decide_now(layer, input, module.weight)
-        if not layer.fp8 or (layer.source == "region" and not _region_active()):
+        if not layer.active:
             return F.linear(input, module.weight, module.bias)
         if input.is_cuda and not torch.compiler.is_compiling():
             _warn_eager_cuda()
@@ -146,7 +152,7 @@ def _warn_eager_cuda() -> None:
     )
 
 
-def check_device(device: torch.device) -> None:
+def check_device(device: torch.device, stacklevel: int = 3) -> None:
     """Refuse a device without FP8 GEMMs; warn once that a CPU emulates them."""
     support = fp8_support(device)
     if not support.supported:
@@ -158,7 +164,7 @@ def check_device(device: torch.device) -> None:
             "for tests and development. Layers are chosen for an H100 unless "
             "FP8Config(target=...) says otherwise.",
             MixprecPerformanceWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
 
 
@@ -210,7 +216,12 @@ def prepare(
     for name, m in linears:
         layer = FP8Layer(name, config, target, source)
         bad_shape = layer_shape_ok(m.in_features, m.out_features)
-        if isinstance(selector, FP8Plan):
+        own = POLICY_ATTR in m.__dict__ or "forward" in m.__dict__
+        if own:  # whatever selects it: its policy (or its own forward wrapper) decides
+            layer.choice = FP8Choice(
+                name, False, left_out.get(name, "has its own forward wrapper: runs as it says")
+            )
+        elif isinstance(selector, FP8Plan):
             given = selector.get(name)
             layer.choice = (
                 FP8Choice(name, False, "not in the plan given as layers=")
@@ -287,7 +298,7 @@ def enter_region(config: FP8Config) -> None:
             return  # initialize(fp8=...) owns this model's layers
         if _region_roots.get(root) is not config or prepared is None:
             device = next((p.device for p in root.parameters()), torch.device("cpu"))
-            check_device(device)
+            check_device(device, stacklevel=5)  # the user's model(...) call in the region
             prepare(root, config, device, source="region")
             _region_roots[root] = config
 
