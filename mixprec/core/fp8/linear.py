@@ -58,9 +58,10 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
 
 
 def _quantize(x: Tensor, dtype: torch.dtype, axis: int | None, power_of_2: bool) -> Float8Data:
-    """float8.quantize; in eager mode slice by slice (no float32 copy of the whole tensor),
-    compiled in one fused pass. The same scales and data either way."""
-    if torch.compiler.is_compiling():
+    """float8.quantize; on a CPU in eager mode slice by slice (no float32 copy of the whole
+    tensor), elsewhere as one expression (compiled: one fused pass; eager on a GPU: a few
+    kernels rather than a loop of them). The same scales and data either way."""
+    if torch.compiler.is_compiling() or x.device.type != "cpu":
         return quantize(x, dtype, axis, power_of_2)
     return quantize_chunked(x, dtype, axis, power_of_2)
 
