@@ -416,6 +416,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     p.add_argument("--json", help="write the results here (after each part)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes: the code path only")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=0,
+        help="start no part after this many seconds (0: no limit); a skipped part is named",
+    )
     args = p.parse_args(argv)
     SMOKE[0] = args.smoke
     cuda = args.device == "cuda"
@@ -430,8 +436,13 @@ def main(argv: list[str] | None = None) -> None:
     }
     print(f"bench_fp8: {doc['machine']}")
     tables = []
+    start = time.perf_counter()
     for part in args.parts:
         t0 = time.perf_counter()
+        if args.budget_s and t0 - start > args.budget_s:
+            doc.setdefault("skipped", []).append(part)
+            print(f"skipped part {part!r} ({t0 - start:.0f} s used): run it with --parts {part}")
+            continue
         if part == "gemm":
             sizes = [1024, 2048, 4096, 8192, 16384] if cuda else [128, 256, 512]
             shapes = (
