@@ -331,3 +331,25 @@ def test_mixprec_check_reports_fp8():
     line = next(line for line in out.splitlines() if line.startswith("float8"))
     assert "emulated" in line and line.split()[1:3] == ["yes", "no"]
     assert layers_of(gpt()) == {}
+
+
+def test_auto_under_compile_measures_once_outside_the_graph_then_compiles_clean():
+    from torch._dynamo.utils import counters
+
+    model = mixprec.initialize(gpt(), None, "O2", fp8=True)
+    compiled = torch.compile(model, backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        compiled(tokens())
+        assert counters["graph_break"]  # the first call: each undecided layer measures eagerly
+        assert not any(c.pending for c in mixprec.fp8_plan(model).values())
+        counters.clear()
+        compiled(tokens())
+    assert dict(counters["graph_break"]) == {}
+
+
+def test_importing_mixprec_does_not_import_dynamo():
+    code = "import sys, mixprec; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -111,7 +111,10 @@ class FP8Forward:
     def __call__(self, input: Tensor) -> Tensor:
         module, layer = self.module, self.layer
         if layer.choice is None:
-            _decide_now(layer, input, module.weight)
+            if torch.compiler.is_compiling():  # measured eagerly, outside the graph
+                _decide_outside_graph(layer, input, module.weight)
+            else:
+                _decide_now(layer, input, module.weight)
         if not layer.active:
             return F.linear(input, module.weight, module.bias)
         if input.is_cuda and not torch.compiler.is_compiling():
@@ -119,10 +122,13 @@ class FP8Forward:
         return fp8_linear(input, module.weight, module.bias, layer.recipe, _out_dtype(input))
 
 
-@torch.compiler.disable
 def _decide_now(layer: FP8Layer, x: Tensor, weight: Tensor) -> None:
-    """The ``"auto"`` decision from a layer's first input (eager: it reads values)."""
+    """The ``"auto"`` decision from a layer's first input (it reads values)."""
     layer.choice = decide(layer.name, layer.recipe, x, weight, layer.target)
+
+
+# torch._disable_dynamo imports dynamo when first called, not at import (it costs ~1.7 s)
+_decide_outside_graph = torch._disable_dynamo(_decide_now)
 
 
 def _out_dtype(x: Tensor) -> torch.dtype:
