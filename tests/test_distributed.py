@@ -165,6 +165,13 @@ def test_fp8_under_ddp_and_fsdp2_runs_scaled_gemms_with_the_same_scales_on_every
         assert fsdp["losses"][-1] == pytest.approx(ddp["losses"][-1], rel=0.03)
 
 
+def test_fp8_auto_choices_agree_across_ranks(ranks):
+    r0, r1 = result(ranks, "fp8_auto_agrees")
+    assert r0["chosen"] == r1["chosen"] == []  # rank 1 said no: nobody runs those in FP8
+    assert r0["reason"].startswith("another rank's batch kept it 16-bit")
+    assert r1["reason"] == "rank 1's numbers"
+
+
 # -- order of initialize and DDP -------------------------------------------------------------------
 def test_wrong_order_is_refused_with_the_fix(ranks):
     for res in result(ranks, "order_errors"):

@@ -564,6 +564,27 @@ def scenario_fp8() -> dict:
     return {"ddp": _train_fp8(False, steps), "fsdp": _train_fp8(True, steps)}
 
 
+def scenario_fp8_auto_agrees() -> dict:
+    """Ranks that judge their batches differently still run the same layers in FP8."""
+    from mixprec.core.fp8 import layers as fp8_layers
+    from mixprec.core.fp8.choice import FP8Choice
+
+    def judged(name, recipe, x, weight, target):  # rank 0's batch says FP8, rank 1's says no
+        return FP8Choice(name, RANK == 0, f"rank {RANK}'s numbers")
+
+    original = fp8_layers.decide
+    fp8_layers.decide = judged
+    try:
+        model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 4))
+        model = mixprec.initialize(model, None, "O2", torch.bfloat16, fp8=True)
+        with torch.no_grad():
+            model(torch.randn(4, 16))
+        plan = mixprec.fp8_plan(model)
+        return {"chosen": plan.chosen, "reason": plan["0"].reason}
+    finally:
+        fp8_layers.decide = original
+
+
 SCENARIOS = {
     name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")
 }

@@ -25,6 +25,7 @@ Design:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 import warnings
@@ -123,8 +124,21 @@ class FP8Forward:
 
 
 def _decide_now(layer: FP8Layer, x: Tensor, weight: Tensor) -> None:
-    """The ``"auto"`` decision from a layer's first input (it reads values)."""
-    layer.choice = decide(layer.name, layer.recipe, x, weight, layer.target)
+    """The ``"auto"`` decision from a layer's first input (it reads values).
+
+    Under torch.distributed each rank judges its own batch: the verdicts are reduced (FP8 only
+    where every rank says so), so all ranks run the same layers in FP8. Every rank reaches a
+    layer's first forward in the same order, so the collectives match."""
+    choice = decide(layer.name, layer.recipe, x, weight, layer.target)
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([1.0 if choice.fp8 else 0.0], device=x.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if choice.fp8 and not flag.item():
+            choice = dataclasses.replace(
+                choice, fp8=False, reason=f"another rank's batch kept it 16-bit ({choice.reason})"
+            )
+    layer.choice = choice
 
 
 # torch._disable_dynamo imports dynamo when first called, not at import (it costs ~1.7 s)
