@@ -16,8 +16,9 @@ Design:
   real batch, which ``initialize`` does not have: a candidate decides at its first forward,
   from its own input, and keeps the choice. ``mixprec.fp8_plan(model, batch)`` makes the same
   choices ahead of time; ``FP8Config(layers=plan)`` then applies them as they are (the way to
-  resume with the same layers, and to compile with no graph break: under ``torch.compile`` a
-  layer still undecided is measured once, eagerly, outside the graph).
+  resume with the same layers). Under ``torch.compile`` a layer still undecided is judged by
+  its shape alone: a compiled graph has no values to measure, and a graph break inside a
+  mixprec region is avoided. Decide first (``fp8_plan``, or one eager step) to have both sides.
 * **Devices.** CUDA below compute capability 8.9 has no FP8 tensor cores: refused, naming the
   GPU. On a CPU the GEMMs run torch's reference ``_scaled_mm`` (emulated, slow): a one-time
   warning. On CUDA, FP8 outside ``torch.compile`` fuses none of its casts: a one-time warning.
@@ -40,7 +41,7 @@ from mixprec.core.fp8.choice import FP8Choice, decide
 from mixprec.core.fp8.config import FP8Config
 from mixprec.core.fp8.gemm import layer_shape_ok
 from mixprec.core.fp8.linear import fp8_linear
-from mixprec.core.fp8.roofline import gpu_for_name
+from mixprec.core.fp8.roofline import MIN_SPEEDUP, gpu_for_name, predicted_speedup
 from mixprec.core.hardware import MixprecPerformanceWarning, fp8_support
 from mixprec.core.policy import POLICY_ATTR
 
@@ -111,12 +112,16 @@ class FP8Forward:
 
     def __call__(self, input: Tensor) -> Tensor:
         module, layer = self.module, self.layer
-        if layer.choice is None:
-            if torch.compiler.is_compiling():  # measured eagerly, outside the graph
-                _decide_outside_graph(layer, input, module.weight)
-            else:
+        if layer.choice is None and torch.compiler.is_compiling():
+            # no values while tracing, and a graph break inside a mixprec region is to be
+            # avoided: an undecided layer is judged by its shape alone (and stays undecided)
+            fp8 = _fast_enough(layer, input, module.weight)
+            run = fp8 and (layer.source != "region" or _region_active())
+        else:
+            if layer.choice is None:
                 _decide_now(layer, input, module.weight)
-        if not layer.active:
+            run = layer.active
+        if not run:
             return F.linear(input, module.weight, module.bias)
         if input.is_cuda and not torch.compiler.is_compiling():
             _warn_eager_cuda()
@@ -141,8 +146,10 @@ def _decide_now(layer: FP8Layer, x: Tensor, weight: Tensor) -> None:
     layer.choice = choice
 
 
-# torch._disable_dynamo imports dynamo when first called, not at import (it costs ~1.7 s)
-_decide_outside_graph = torch._disable_dynamo(_decide_now)
+def _fast_enough(layer: FP8Layer, x: Tensor, weight: Tensor) -> bool:
+    """The speed side of the choice alone (shapes only: traceable)."""
+    n, k = weight.shape
+    return predicted_speedup(x.numel() // k, k, n, layer.target, layer.recipe.name) >= MIN_SPEEDUP
 
 
 def _out_dtype(x: Tensor) -> torch.dtype:
