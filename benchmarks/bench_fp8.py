@@ -52,7 +52,6 @@ from mixprec.core.fp8.config import RECIPES
 from mixprec.core.fp8.linear import fp8_linear
 from mixprec.core.fp8.roofline import predicted_speedup
 
-warnings.filterwarnings("ignore", message="FP8 on CPU is emulated")
 BF16 = torch.bfloat16
 RECIPE_NAMES = ("tensorwise", "rowwise")
 
@@ -406,6 +405,16 @@ def curves_table(part: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    threads = torch.get_num_threads()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="FP8 on CPU is emulated")
+            _main(argv)
+    finally:
+        torch.set_num_threads(threads)  # a caller (a test) gets its threads back
+
+
+def _main(argv: list[str] | None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--parts", nargs="+", default=["gemm", "step", "curves"])

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -18,7 +19,9 @@ import bench_overhead
 
 def test_bench_fp8_smoke_on_cpu(tmp_path, capsys):
     out = tmp_path / "fp8.json"
+    threads = torch.get_num_threads()
     bench_fp8.main(["--device", "cpu", "--smoke", "--rounds", "1", "--json", str(out)])
+    assert torch.get_num_threads() == threads
     text = capsys.readouterr().out
     assert "FP8 emulated" in text and "torch " in text
     doc = json.loads(out.read_text())
