@@ -246,8 +246,8 @@ def _peak(fp8: dict | None, activations: str | None = None) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_fp8_saved_inputs_alone_cut_the_peak_of_a_step_below_nine_tenths_of_bf16():
-    # an 8-layer GPT (d 256, 1024 tokens): bf16 O2 ~69 MB, FP8 ~59 MB (0.86x), FP8 with
-    # activations="fp8" ~42 MB (benchmarks/NOTES.md)
+    # an 8-layer GPT (d 256, 1024 tokens): bf16 O2 69.0 MB, FP8 58.7 MB (0.85x), FP8 with
+    # activations="fp8" 41.7 MB (benchmarks/NOTES.md)
     bf16 = _peak(None)
     fp8 = _peak({"layers": "all"})
     assert fp8 <= 0.90 * bf16, (fp8 / bf16, fp8, bf16)
