@@ -152,3 +152,15 @@ def test_tune_chooses_fp8_16_bit_or_fp32_per_linear():
     )
     assert by_metric.fp8_modules == ["0", "2"] and by_metric.passed
     assert mixprec.tune(fresh, (x, y), loss, torch.bfloat16).fp8 is None  # not asked
+
+
+def test_mixprec_report_cli_takes_fp8_and_its_layers(tmp_path, capsys):
+    from mixprec.cli.commands import main
+
+    code = main(["report", "--fp8", "rowwise", "--fp8-layers", "all", "--no-plots", "--steps",
+                 "1", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "FP8 plan (rowwise" in out and "FP8 layers (rowwise)" in out
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert len(doc["fp8"]) == 8 and all(v["recipe"] == "rowwise" for v in doc["fp8"].values())
