@@ -3,12 +3,17 @@
     python benchmarks/bench_gpu.py --device cuda --json results_gpu.json
     python benchmarks/bench_gpu.py --device cpu --smoke     # the code path, tiny shapes (tests)
 
-Synthetic data (random tokens / images: nothing is downloaded). Modes: fp32 with TF32 off and
-on, torch.autocast fp16 + GradScaler, torch.autocast bf16, mixprec.autocast bf16, mixprec O1/O2/O3
-in fp16 and bf16, and the graph pass under torch.compile (bf16, O2 storage). Every round times
-every mode once, in turn; ratios are medians of per-round ratios against torch.autocast of the
-same 16-bit dtype (fp32 rows against bf16), measured in the same run. Peak memory is measured
-afterwards, one mode at a time. The header names GPU, driver, CUDA and torch.
+Synthetic data (random tokens / images: nothing is downloaded). The race is run fairly: eager
+modes against torch.autocast eager, compiled modes (``+ compile``: ``torch.compile(model)``, and
+the graph pass as a ``torch.compile`` backend) against torch.autocast + ``torch.compile``, each
+of the same 16-bit dtype (fp32 rows against bf16 eager). Modes: fp32 with TF32 off and on;
+torch.autocast fp16 (+ GradScaler) and bf16, eager and compiled; mixprec.autocast bf16; mixprec
+O1/O2/O3 in fp16 and bf16, eager and compiled; O2/O3 bf16 with ``activations="fp8"``; and the
+graph pass under torch.compile. Every round times every mode for ``--steps`` steps, in turn;
+a ratio is the median of the per-round ratios, shown with their range. Peak memory is the whole
+footprint of one mode at a time (weights, gradients, optimizer state, activations:
+``torch.cuda.max_memory_allocated`` over two steps of a freshly built mode, compiled ones
+included). The header names GPU, driver, CUDA and torch.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from mixprec.bench.runner import Trainer
 from mixprec.bench.steps import emit, step_workload
 
 BF16, FP16 = torch.bfloat16, torch.float16
+_NAME = {BF16: "bf16", FP16: "fp16"}
 
 
 @dataclass(frozen=True)
@@ -38,28 +44,48 @@ class Mode:
     trainer_mode: str
     dtype: torch.dtype
     tf32: bool = False
+    activations: str | None = None
+
+    @property
+    def compiled(self) -> bool:
+        return "compile" in self.trainer_mode
 
     @property
     def reference(self) -> str:
-        return (
-            "torch.autocast fp16"
-            if self.dtype == FP16 and self.trainer_mode != "fp32"
-            else "torch.autocast bf16"
-        )
+        """The torch.autocast mode this one races: same dtype, compiled or not."""
+        if self.trainer_mode.startswith("fp32"):
+            return "torch.autocast bf16"
+        return f"torch.autocast {_NAME[self.dtype]}" + (" + compile" if self.compiled else "")
+
+    def options(self) -> dict[str, Any]:
+        return {} if self.activations is None else {"activations": self.activations}
 
 
 MODES = [
     Mode("fp32", "fp32", BF16),
     Mode("fp32 + TF32", "fp32", BF16, tf32=True),
-    Mode("torch.autocast fp16", "torch-autocast", FP16),
-    Mode("torch.autocast bf16", "torch-autocast", BF16),
+    *(
+        Mode(f"torch.autocast {n}", "torch-autocast", d)
+        for n, d in (("fp16", FP16), ("bf16", BF16))
+    ),
     Mode("mixprec.autocast bf16", "mixprec-autocast", BF16),
     *(
         Mode(f"mixprec {lv} {n}", lv, d)
         for n, d in (("fp16", FP16), ("bf16", BF16))
         for lv in ("O1", "O2", "O3")
     ),
-    Mode("graph+compile bf16", "graph+compile", BF16),
+    *(
+        Mode(f"mixprec {lv} bf16, activations=fp8", lv, BF16, activations="fp8")
+        for lv in ("O2", "O3")
+    ),
+    *(
+        Mode(f"torch.autocast {n} + compile", "torch-autocast+compile", d)
+        for n, d in (("fp16", FP16), ("bf16", BF16))
+    ),
+    Mode("mixprec O2 fp16 + compile", "O2+compile", FP16),
+    Mode("mixprec O3 fp16 + compile", "O3+compile", FP16),
+    *(Mode(f"mixprec {lv} bf16 + compile", f"{lv}+compile", BF16) for lv in ("O1", "O2", "O3")),
+    Mode("mixprec graph pass bf16 + compile", "graph+compile", BF16),
 ]
 
 
@@ -71,7 +97,9 @@ class Row:
     unit: str
     times: list[float] = field(default_factory=list)
     vs_torch: float | None = None
+    vs_torch_range: tuple[float, float] | None = None  # per-round ratios, lowest and highest
     peak_mb: float | None = None
+    peak_vs_torch: float | None = None
     final_loss: float | None = None
     skipped: int = 0
     error: str | None = None
@@ -156,7 +184,7 @@ def run(
         for m in modes:
             _tf32(m.tf32)
             try:
-                trainers[m.label] = Trainer(wl, None, m.trainer_mode, m.dtype, 0, 0)
+                trainers[m.label] = Trainer(wl, None, m.trainer_mode, m.dtype, 0, 0, m.options())
             except Exception as e:  # noqa: BLE001 - a mode that cannot run is reported, not fatal
                 res[m.label].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
         for r in range(rounds + 1):  # round 0: warm-up (and compilation)
@@ -182,23 +210,55 @@ def run(
             row.skipped = t.skipped_steps
             ref = res.get(m.reference)
             if ref is not None and ref.times:
-                row.vs_torch = statistics.median(b / a for a, b in zip(row.times, ref.times))
+                ratios = [b / a for a, b in zip(row.times, ref.times)]
+                row.vs_torch = statistics.median(ratios)
+                row.vs_torch_range = (min(ratios), max(ratios))
         del trainers
         if device == "cuda":
-            for m in modes:
-                if res[m.label].error or "compile" in m.trainer_mode:
-                    continue  # compiling again for one number is not worth its minutes
+            for m in modes:  # the whole footprint of each mode, built alone
+                if res[m.label].error:
+                    continue
                 _tf32(m.tf32)
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-                t = Trainer(wl, None, m.trainer_mode, m.dtype, 0, 0)
+                base = torch.cuda.memory_allocated()
+                t = Trainer(wl, None, m.trainer_mode, m.dtype, 0, 0, m.options())
                 t.step()
                 t.step()
-                res[m.label].peak_mb = torch.cuda.max_memory_allocated() / 2**20
+                res[m.label].peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
                 del t
+            for row in res.values():
+                ref = res.get(row.reference_label)
+                if row.peak_mb is not None and ref is not None and ref.peak_mb:
+                    row.peak_vs_torch = row.peak_mb / ref.peak_mb
         rows.extend(res.values())
     _tf32(False)
     return rows
+
+
+def profile_modes(device: str, smoke: bool, modes: list[Mode], steps: int = 3) -> str:
+    """Top kernels of ``steps`` steps of each mode (torch.profiler), as Markdown: where a mode
+    spends its step, for comparing a slow mode with its torch.autocast reference."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    out = []
+    for name, (wl, _, _) in workloads(device, smoke).items():
+        for m in modes:
+            _tf32(m.tf32)
+            t = Trainer(wl, None, m.trainer_mode, m.dtype, 0, 0, m.options())
+            t.step()  # warm-up (and compilation)
+            with profile(activities=activities) as prof:
+                for _ in range(steps):
+                    t.step()
+            table = prof.key_averages().table(sort_by=sort, row_limit=12)
+            out.append(f"### {name}: {m.label} ({steps} steps)\n\n```\n{table}\n```")
+            del t
+    _tf32(False)
+    return "\n\n".join(out)
 
 
 def machine(device: str) -> str:
@@ -226,20 +286,26 @@ def machine(device: str) -> str:
 def format_table(rows: list[Row]) -> str:
     lines = [
         (
-            "| workload | mode | step (ms) | throughput | speed vs torch.autocast | "
-            "peak memory (MB) | final loss | skipped |"
+            "| workload | mode | step (ms) | throughput | speed vs its torch.autocast "
+            "(per-round range) | peak memory (MB) | vs its torch.autocast | final loss | "
+            "skipped |"
         ),
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r.error:
-            lines.append(f"| {r.workload} | {r.mode} | failed: {r.error} | | | | | |")
+            lines.append(f"| {r.workload} | {r.mode} | failed: {r.error} | | | | | | |")
             continue
-        ratio = "reference" if r.mode == r.reference_label else speed_words(r.vs_torch)
+        if r.mode == r.reference_label:
+            ratio = "reference"
+        else:
+            lo, hi = r.vs_torch_range or (float("nan"), float("nan"))
+            ratio = f"{speed_words(r.vs_torch)} ({lo:.2f}–{hi:.2f}) vs {r.reference_label}"
         mem = "-" if r.peak_mb is None else f"{r.peak_mb:.0f}"
+        mem_ratio = "-" if r.peak_vs_torch is None else f"{r.peak_vs_torch:.2f}x"
         lines.append(
             f"| {r.workload} | {r.mode} | {r.median * 1e3:.1f} | "
-            f"{r.items_per_step / r.median:,.0f} {r.unit}/s | {ratio} | {mem} | "
+            f"{r.items_per_step / r.median:,.0f} {r.unit}/s | {ratio} | {mem} | {mem_ratio} | "
             f"{r.final_loss:.3f} | {r.skipped} |"
         )
     return "\n".join(lines)
@@ -250,9 +316,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--smoke", action="store_true", help="tiny shapes: exercise the code path")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=3, help="steps per mode per round")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per mode per round")
     p.add_argument("--modes", nargs="+", help="labels to run (default: all)")
     p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of timing: print each selected mode's top kernels (torch.profiler)",
+    )
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(
@@ -264,8 +335,12 @@ def main(argv: list[str] | None = None) -> None:
             "The GPU shapes would take hours on a CPU: pass --smoke with --device cpu."
         )
     modes = [m for m in MODES if not args.modes or m.label in args.modes]
-    if any(m.trainer_mode == "graph+compile" for m in modes) and args.device == "cpu":
-        modes = [m for m in modes if m.trainer_mode != "graph+compile"]  # minutes of compiling
+    if args.device == "cpu":  # a smoke run: compiling every mode would take many minutes
+        modes = [m for m in modes if not m.compiled]
+    if args.profile:
+        print(f"{machine(args.device)} · torch {torch.__version__}\n")
+        print(profile_modes(args.device, args.smoke, modes))
+        return
     t0 = time.time()
     rows = run(args.device, args.smoke, args.rounds, args.steps, modes)
     header = (

@@ -8,7 +8,7 @@ import sys as _sys
 import torch.distributed as _dist
 
 import mixprec.core.clipping  # makes torch.nn.utils.clip_grad_norm_ reach fp32 masters
-from mixprec import _moved
+from mixprec import _moved, amp
 from mixprec.compat.keras import LossScaleOptimizer
 from mixprec.core.activations import ActivationConfig
 from mixprec.core.cast_table import cast_rules, register_op
@@ -54,6 +54,7 @@ __all__ = [
     "Policy",
     "RangeAudit",
     "TunePlan",
+    "amp",
     "autocast",
     "cast_rules",
     "check",

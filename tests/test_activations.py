@@ -121,8 +121,8 @@ def test_fp8_stores_activations_and_leaves_weights_and_inputs(level):
     assert packed, "nothing was stored in FP8"
     assert not any(_is_weight_like(t, model) for t, _ in packed)
     for t, out in packed:
-        assert out.data.data.dtype == float8.E4M3 and out.dtype == t.dtype
-        assert out.data.power_of_2
+        assert all(c.data.dtype == float8.E4M3 and c.power_of_2 for c in out.data)
+        assert out.dtype == t.dtype and out.shape == t.shape
         assert t.numel() >= 1024 and t.dtype.is_floating_point
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     for t, _ in packed:  # no weight, no cast of a weight (O1's bf16 copies), no input batch
@@ -357,3 +357,66 @@ def test_plain_torch_is_untouched_outside_the_model():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
         other(x).sum()
     assert all(isinstance(t, torch.Tensor) for t in seen)
+
+
+@pytest.mark.parametrize("shape", [(3, 1000, 96), (70000,), (5, 40, 8, 8), (2, 3)])
+def test_fp8_chunks_round_trip_any_shape(shape, monkeypatch):
+    monkeypatch.setattr(activations, "_CHUNK", 4096)  # several chunks, a partial last one
+    ranges = torch.rand(shape[0], *([1] * (len(shape) - 1))) * 100
+    t = (torch.randn(*shape) * ranges).to(BF16)
+    packed = activations._Packed(activations._to_fp8(t), t)
+    back = packed.unpack()
+    assert back.shape == t.shape and back.dtype == BF16
+    assert float8.sqnr(t, back) > 25
+    width = 1
+    for d in activations._row_dims(t.shape):
+        width *= t.shape[d]
+    assert width >= min(activations._ROW, t.numel())
+    whole = float8.quantize(t.reshape(-1, width), axis=-1, power_of_2=True)
+    assert torch.equal(back.reshape(-1, width), float8.dequantize(whole, BF16))  # chunking: exact
+
+
+def test_caller_hooks_around_the_model_win_with_a_warning():
+    from torch.utils.checkpoint import checkpoint
+
+    x, y = _data()
+    plain, plain_opt = _pair("O2", None)
+    plain_opt.backward(F.cross_entropy(plain(x), y))
+    model, opt = _pair("O2", ActivationConfig(min_numel=1024))
+    with pytest.warns(UserWarning, match="activations= is not applied to this forward"):
+        out = checkpoint(model, x, use_reentrant=False)  # checkpointing still works
+    opt.backward(F.cross_entropy(out, y))
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert torch.equal(plain_opt.grad_of(a), opt.grad_of(b))  # exact: no FP8 underneath
+    seen = []
+    with pytest.warns(UserWarning, match="save_on_cpu"):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+            model(x)
+    assert any(t.shape == (200, 256) for t in seen)  # the caller's hooks saw GELU's output
+
+
+class Checkpointed(nn.Module):
+    """A model that checkpoints its own MLP: checkpointing inside, storage outside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mlp, self.head = nn.Linear(64, 256), Block(256), nn.Linear(10, 10)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.mlp, F.gelu(self.inp(x)), use_reentrant=False))
+
+
+def test_checkpointing_inside_the_model_composes_with_the_storage():
+    x, y = _data()
+    grads = []
+    for act in (None, ActivationConfig(min_numel=1024)):
+        torch.manual_seed(0)
+        model = Checkpointed()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = mixprec.initialize(model, opt, "O2", BF16, activations=act)
+        opt.backward(F.cross_entropy(model(x), y))
+        grads.append([opt.grad_of(p) for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.isfinite(b).all() and float8.sqnr(a, b) > 20

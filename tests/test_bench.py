@@ -70,6 +70,12 @@ def test_round_robin_run_measures_every_mode():
         assert r.throughput == pytest.approx(8 / r.median_step)
         assert r.skipped_steps == 0
     assert res["fp32"].speedup_vs_fp32 == 1.0 and res["torch-autocast"].speedup_vs_torch == 1.0
+    # the fair race: compiled modes against torch.autocast + torch.compile, eager against eager
+    compiled_ref = res["torch-autocast+compile"]
+    assert compiled_ref.speedup_vs_torch == 1.0 and res["fp32+compile"].speedup_vs_fp32 == 1.0
+    for mode in ("O2+compile", "graph+compile", "graph+compile-O3"):
+        assert res[mode].speedup_vs_torch == compiled_ref.median_step / res[mode].median_step
+    assert res["O2"].speedup_vs_torch == res["torch-autocast"].median_step / res["O2"].median_step
 
 
 def test_time_budget_stops_each_mode():

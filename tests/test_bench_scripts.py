@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import bench_fp8
 import bench_gpu
+import bench_memory
 import bench_overhead
+import torch
 
 
 def test_bench_fp8_smoke_on_cpu(tmp_path, capsys):
@@ -65,6 +66,43 @@ def test_bench_gpu_smoke_on_cpu(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert {r["mode"] for r in rows} >= {"fp32", "torch.autocast bf16", "mixprec O2 bf16"}
     assert all(r["median"] > 0 and r["error"] is None for r in rows)
+
+
+def test_bench_gpu_races_compiled_against_compiled_and_runs_activation_modes(tmp_path, capsys):
+    refs = {m.label: m.reference for m in bench_gpu.MODES}
+    assert refs["mixprec O2 bf16 + compile"] == "torch.autocast bf16 + compile"
+    assert refs["mixprec graph pass bf16 + compile"] == "torch.autocast bf16 + compile"
+    assert refs["mixprec O3 fp16 + compile"] == "torch.autocast fp16 + compile"
+    assert refs["mixprec O2 bf16"] == "torch.autocast bf16"
+    assert refs["fp32 + TF32"] == "torch.autocast bf16"
+    assert set(refs.values()) <= set(refs)  # every reference is itself a row
+    bench_gpu.main(
+        [
+            "--device", "cpu", "--smoke", "--rounds", "2", "--steps", "1", "--modes",
+            "torch.autocast bf16", "mixprec O3 bf16, activations=fp8",
+        ]
+    )  # fmt: skip
+    text = capsys.readouterr().out
+    assert "| mixprec O3 bf16, activations=fp8 |" in text and "vs torch.autocast bf16" in text
+
+
+def test_bench_memory_measures_one_mode_in_its_process():
+    row = bench_memory.child("O3+fp8", torch.bfloat16, steps=1, batch=1)
+    assert row["peak_mb"] > row["runtime_mb"] > 0 and row["added_mb"] > 0
+    assert 0 < row["saved_mb"] < row["tensor_mb"]
+    plain = bench_memory.child("O3", torch.bfloat16, steps=1, batch=1)
+    assert row["saved_mb"] < 0.6 * plain["saved_mb"]  # FP8: half the bytes, GELU recomputed
+    table = bench_memory.memory_table([{**plain, "mode": "O3", "runs": [1.0]}])
+    assert "| O3 |" in table
+    with pytest.raises(ValueError, match="apply to the levels"):
+        bench_memory.parse_mode("torch-autocast+fp8")
+    assert bench_memory.parse_mode("O2+recompute@compile") == ("O2", "recompute", True)
+
+
+def test_bench_gpu_profiles_modes(capsys):
+    bench_gpu.main(["--device", "cpu", "--smoke", "--profile", "--modes", "mixprec O2 bf16"])
+    text = capsys.readouterr().out
+    assert "### gpt2-small: mixprec O2 bf16 (3 steps)" in text and "Self CPU" in text
 
 
 def test_bench_gpu_refuses_full_shapes_on_cpu():

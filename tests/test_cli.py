@@ -20,7 +20,8 @@ def test_demo_runs_and_reports_every_mode(capsys):
     assert torch.get_num_threads() == threads  # main() gives the process its threads back
     out = capsys.readouterr().out
     assert "fp32" in out and "O2" in out
-    assert "faster than fp32 here" in out or "16-bit is not faster here" in out
+    verdicts = ("faster than fp32 here", "16-bit is not faster here", "no mixed mode was faster")
+    assert any(v in out for v in verdicts)  # a 32-wide MLP may be too small to gain on any CPU
 
 
 def _cpu(name, flags):

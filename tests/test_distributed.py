@@ -122,6 +122,32 @@ def test_fsdp_inf_in_one_shard_skips_on_both_ranks(ranks):
     assert r0["skipped_steps"] == r1["skipped_steps"] == 1
 
 
+# -- mixprec.amp: torch.amp code under plain DDP and FSDP2 ---------------------------------------
+@pytest.mark.parametrize("scenario", ["amp_plain_ddp", "amp_fsdp2"])
+@pytest.mark.parametrize("poison", ["late", "input"])
+def test_amp_scaler_skips_on_every_rank_when_one_rank_overflows(ranks, scenario, poison):
+    """mixprec.amp.GradScaler, unchanged torch.amp code: an inf on rank 1 alone (in its input,
+    or written into its gradient after communication) skips step 2 on both ranks."""
+    r0, r1 = (res[f"mixprec.{poison}"] for res in result(ranks, scenario))
+    for r in (r0, r1):
+        assert r["skipped"] == [False, False, True, False]
+        assert r["scales"] == [1024.0, 1024.0, 512.0, 512.0]
+        assert r["params_equal_across_ranks"] and r["skipped_steps"] == 1
+
+
+def test_torch_amp_scaler_lets_the_ranks_diverge_on_a_late_inf_under_ddp(ranks):
+    """The control: torch.amp.GradScaler in the same run. DDP's all-reduce carries an inf from
+    the forward to every rank, but a gradient that goes bad after it is seen by one rank alone:
+    that rank skips, the other steps, and the weights differ from then on."""
+    r0, r1 = (res["torch.late"] for res in result(ranks, "amp_plain_ddp"))
+    assert r0["skipped"] == [False] * 4 and r1["skipped"] == [False, False, True, False]
+    assert not r0["params_equal_across_ranks"]
+    for res in result(ranks, "amp_plain_ddp"):  # an inf in the forward: DDP carries it
+        assert res["torch.input"]["skipped"] == [False, False, True, False]
+    for res in result(ranks, "amp_fsdp2"):  # FSDP2: torch's DTensor kernel reduces the flag
+        assert res["torch.late"]["skipped"] == [False, False, True, False]
+
+
 # -- DDP == single process -------------------------------------------------------------------------
 def test_ddp_fp32_matches_single_process_on_the_global_batch(ranks):
     for res in result(ranks, "ddp_equals_single"):

@@ -17,10 +17,11 @@ from mixprec import _moved
 
 PKG = pathlib.Path(mixprec.__file__).resolve().parent
 
-# The public API as it was before the package was split into subpackages: it must not shrink.
+# The public API as it was before the package was split into subpackages, plus what was added
+# since (``amp``, the torch.amp drop-in): it must not shrink.
 PUBLIC = set(
     """Footprint LossScaleOptimizer LossScaler MixedPrecisionOptimizer NonFiniteError
-    NonFiniteLocator OpStats Policy RangeAudit TunePlan autocast cast_rules check convert
+    NonFiniteLocator OpStats Policy RangeAudit TunePlan amp autocast cast_rules check convert
     FP8Config FP8Plan fp8_plan
     default_dtype export footprint for_inference fp32_state_dict get_policy global_policy
     initialize lint locate_nonfinite op_stats policy_scope range_audit register_norm register_op

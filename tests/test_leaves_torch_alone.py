@@ -46,6 +46,16 @@ def _use_mixprec() -> None:
         opt.step()
         with mixprec.autocast(dtype):
             torch.softmax(torch.randn(2, 3), -1).sum()
+    # mixprec.amp: a scaler step and regions with mixprec's table, nested in another dtype
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mixprec.amp.GradScaler("cpu", hysteresis=2)
+    with mixprec.amp.autocast("cpu", torch.float16, cast_rules="mixprec"):
+        with mixprec.amp.autocast("cpu", BF16, cast_rules={torch.softmax: "fp32"}):
+            loss = model(torch.randn(2, 8)).float().sum()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
     # FP8 layers, by initialize and in an autocast region (a global module hook while it runs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MixprecPerformanceWarning)

@@ -879,3 +879,34 @@ def test_grad_of_gives_every_parameter_its_unscaled_gradient_at_every_level(leve
         assert torch.allclose(g.float(), r.grad, rtol=tol, atol=tol * r.grad.abs().max()), name
     if level == "O2":
         assert model[0].weight.grad is None  # where the usual idiom looked
+
+
+def test_fresh_flat_master_grads_where_the_allocator_caches_are_bitwise_the_kept_buffers(
+    monkeypatch,
+):
+    """On CUDA no fp32 master-grad buffer is held through the forward; the values match."""
+    from mixprec.core.optimizer import MixedPrecisionOptimizer
+
+    runs = []
+    for keep in (True, False):
+        monkeypatch.setattr(
+            MixedPrecisionOptimizer, "keep_grad_buffers", staticmethod(lambda d, k=keep: k)
+        )
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = initialize(model, opt, "O2", torch.bfloat16)
+        x, y = batch()
+        for accumulate in (1, 2, 1):
+            for _ in range(accumulate):
+                opt.backward(mse(model, x, y))
+            masters = [m for _, m in opt._pairs]
+            if not keep:  # the step's master grads are views of one flat buffer
+                bases = {m.grad.untyped_storage().data_ptr() for m in masters}
+                assert len(bases) == 1 and not opt._grad_buffers
+            opt.step()
+            opt.zero_grad()
+            assert all(m.grad is None for m in masters)
+            assert bool(opt._grad_buffers) == keep  # kept through the next forward, or not
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

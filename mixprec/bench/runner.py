@@ -34,8 +34,10 @@ __all__ = [
     "MODES",
     "ModeResult",
     "Trainer",
+    "is_compiled",
     "max_batch",
     "quartiles",
+    "reference",
     "round_ratios",
     "run_workload",
     "time_to_target",
@@ -49,6 +51,12 @@ MODES = (
     "O2",
     "O3",
     "graph",
+    # compiled: torch.compile(model) on the eager mode's model, or the graph pass as a backend
+    "fp32+compile",
+    "torch-autocast+compile",
+    "O1+compile",
+    "O2+compile",
+    "O3+compile",
     "graph+compile",
     "graph-O3",
     "graph+compile-O3",
@@ -56,6 +64,17 @@ MODES = (
 # the graph pass (mixprec.convert / mixprec.graph.compile) with O2's storage, or with O3's
 _GRAPH = {"graph": "O2", "graph+compile": "O2", "graph-O3": "O3", "graph+compile-O3": "O3"}
 _WRAPPED = ("O1", "O2", "O3", *_GRAPH)  # modes whose optimizer is mixprec's wrapper
+
+
+def is_compiled(mode: str) -> bool:
+    """Modes whose forward runs through torch.compile."""
+    return mode.endswith("+compile") or mode.startswith("graph+compile")
+
+
+def reference(mode: str, base: str = "torch-autocast") -> str:
+    """The mode ``mode`` is compared with: ``base`` run the same way (compiled or eager), so
+    compiled modes race ``torch.autocast`` + ``torch.compile``, never eager torch.autocast."""
+    return base + "+compile" if is_compiled(mode) else base
 
 
 @dataclass
@@ -100,16 +119,23 @@ class Trainer:
         dtype: torch.dtype,
         batch_size: int,
         seed: int,
+        options: dict[str, Any] | None = None,
     ):
+        """``options``: more :func:`mixprec.initialize` keywords for the mixprec levels (for
+        example ``activations="fp8"``)."""
         if mode not in MODES:
             raise ValueError(f"Unknown mode {mode!r}; expected one of {MODES}.")
-        self.wl, self.data, self.mode, self.dtype = wl, data, mode, dtype
+        self.wl, self.data, self.dtype = wl, data, dtype
+        compiled = mode.endswith("+compile") and mode not in _GRAPH
+        if compiled:  # how it trains, compiled or not
+            mode = mode.removesuffix("+compile")
+        self.mode = mode
         torch.manual_seed(seed)
         model = wl.make_model(data)
         opt = wl.make_optimizer(model.parameters())
         self.scaler = None
         if mode in ("O1", "O2", "O3"):
-            model, opt = mixprec.initialize(model, opt, level=mode, dtype=dtype)
+            model, opt = mixprec.initialize(model, opt, level=mode, dtype=dtype, **(options or {}))
         elif mode in _GRAPH:
             from mixprec import graph
 
@@ -126,6 +152,8 @@ class Trainer:
             model, opt = mixprec.initialize(model, opt, level=_GRAPH[mode], dtype=dtype)
         elif mode == "torch-autocast" and dtype == torch.float16:
             self.scaler = torch.amp.GradScaler("cpu" if _device(model) == "cpu" else "cuda")
+        if compiled:  # as a user would: the same model and loop, the model compiled
+            model = torch.compile(model)
         self.model: nn.Module = model
         self.opt: Any = opt
         self.batches: Iterator[tuple[Tensor, Tensor]] = wl.batches(data, batch_size, seed)
@@ -328,8 +356,9 @@ def _summarize(wl: BenchWorkload, results: dict[str, ModeResult], batch: int) ->
         r.throughput = wl.samples_per_batch(batch) / r.median_step
         r.final_metric = r.evals[-1][2]
         r.time_to_target = time_to_target(r.evals, wl.target, wl.higher_is_better)
-    fp32, torch_amp = results.get("fp32"), results.get("torch-autocast")
     for r in results.values():
+        fp32 = results.get(reference(r.mode, "fp32"))
+        torch_amp = results.get(reference(r.mode))
         if fp32 is not None:
             r.speedup_vs_fp32 = fp32.median_step / r.median_step
         if torch_amp is not None:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from mixprec.bench.models import GPT, GPTConfig, SeedMLP
 from mixprec.bench.report import milliseconds
-from mixprec.bench.runner import MODES, Trainer
+from mixprec.bench.runner import MODES, Trainer, reference
 from mixprec.bench.workloads import BenchWorkload
 from mixprec.core.memory import PeakMemory
 
@@ -150,11 +150,12 @@ def run(
                     res[m].times.append(dt)
                 res[m].final_loss = loss
             log(f"{wname}: round {r + 1}/{warmup + rounds} done")
-        for m in modes:
-            if "fp32" in res:
-                res[m].vs_fp32 = _ratio(res[m].times, res["fp32"].times)
-            if "torch-autocast" in res:
-                res[m].vs_torch = _ratio(res[m].times, res["torch-autocast"].times)
+        for m in modes:  # compiled modes against compiled references, eager against eager
+            fp32, torch_amp = res.get(reference(m, "fp32")), res.get(reference(m))
+            if fp32 is not None:
+                res[m].vs_fp32 = _ratio(res[m].times, fp32.times)
+            if torch_amp is not None:
+                res[m].vs_torch = _ratio(res[m].times, torch_amp.times)
         del steps
         if casts:
             for m in modes:
@@ -204,7 +205,8 @@ def emit(header: str, table: str, path: str | None, doc: dict[str, Any]) -> None
 
 
 def format_table(results: list[Result]) -> str:
-    """Markdown table of results: the speed-ups are ratios of the median steps shown."""
+    """Markdown table of results: the speed-ups are ratios of the median steps shown, compiled
+    modes against fp32 / torch.autocast under torch.compile (when those rows ran)."""
 
     def fmt(v: float | None, spec: str, suffix: str = "") -> str:
         return "-" if v is None else format(v, spec) + suffix

@@ -40,6 +40,7 @@ Measured costs and savings are in ``docs/benchmarks.md``.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -166,17 +167,42 @@ def _row_dims(shape: torch.Size) -> tuple[int, ...]:
 
 
 class _Packed:
-    """A saved tensor in its narrow form, with what unpacking needs to restore it."""
+    """A saved tensor in its narrow form, with what unpacking needs to restore it: a 16-bit
+    copy, or FP8 rows in chunks (:func:`_to_fp8`)."""
 
-    __slots__ = ("data", "dtype", "version")
+    __slots__ = ("data", "dtype", "shape", "version")
 
-    def __init__(self, data: Any, dtype: torch.dtype, version: int) -> None:
-        self.data, self.dtype, self.version = data, dtype, version
+    def __init__(self, data: Any, t: Tensor) -> None:
+        self.data, self.dtype, self.shape, self.version = data, t.dtype, t.shape, t._version
 
     def unpack(self) -> Tensor:
-        if isinstance(self.data, float8.Float8Data):
-            return float8.dequantize(self.data, self.dtype)
-        return self.data.to(self.dtype)
+        if isinstance(self.data, Tensor):
+            return self.data.to(self.dtype)
+        chunks: list[float8.Float8Data] = self.data
+        rows = torch.empty(
+            sum(c.data.shape[0] for c in chunks),
+            chunks[0].data.shape[1],
+            dtype=self.dtype,
+            device=chunks[0].data.device,
+        )
+        for part, chunk in zip(rows.split([c.data.shape[0] for c in chunks]), chunks):
+            part.copy_(float8.dequantize(chunk, self.dtype))
+        return rows.view(self.shape)
+
+
+#: elements per chunk of FP8 packing: whole 12 MB activations packed and unpacked at half the
+#: speed of 2**18-element chunks, whose temporaries stay in cache (EPYC, 1 thread)
+_CHUNK = 2**18
+
+
+def _to_fp8(t: Tensor) -> list[float8.Float8Data]:
+    """``t`` as rows of its trailing dims (:func:`_row_dims`), in FP8 chunks of rows."""
+    width = math.prod(t.shape[d] for d in _row_dims(t.shape))
+    rows = t.detach().reshape(-1, width)
+    return [
+        float8.quantize(part, float8.E4M3, axis=-1, power_of_2=True)
+        for part in rows.split(max(1, _CHUNK // width))
+    ]
 
 
 class _Recomputed:
@@ -234,12 +260,9 @@ class SavedTensorStorage(torch.autograd.graph.saved_tensors_hooks):
         if packed is not None:
             pass
         elif storage == "fp8":
-            data = float8.quantize(
-                t.detach(), float8.E4M3, axis=_row_dims(t.shape), power_of_2=True
-            )
-            packed = _Packed(data, t.dtype, t._version)
+            packed = _Packed(_to_fp8(t), t)
         elif storage == "16-bit" and self.low is not None and t.dtype == torch.float32:
-            packed = _Packed(t.detach().to(self.low), t.dtype, t._version)
+            packed = _Packed(t.detach().to(self.low), t)
         else:
             return t
         self._seen[t] = packed

@@ -193,10 +193,13 @@ def _enter(frame: Frame) -> None:
         _last[frame.dtype] = frame
 
 
-def push(frame: Frame, cache_enabled: bool | None = None) -> _Saved:
+def push(
+    frame: Frame, cache_enabled: bool | None = None, devices: tuple[str, ...] | None = None
+) -> _Saved:
     """Enter ``frame``: switch torch.autocast on (or off) for it; return what :func:`pop`
-    restores."""
-    devices = _devices()
+    restores. ``devices``: the device types whose autocast state the region sets (default:
+    every type mixprec handles here; ``mixprec.amp.autocast`` sets only its own, as torch does)."""
+    devices = _devices() if devices is None else devices
     if _synced[0] != cast_table._version[0] and not torch.compiler.is_dynamo_compiling():
         sync(first=True)
     saved = _Saved(

@@ -27,6 +27,7 @@ import copy
 import dataclasses
 import inspect
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -311,6 +312,17 @@ def _with_storage(
     compiles as a frame of its own -- the boundary and the whole forward in one graph, with the
     hooks active around it.
     """
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        # the caller's own hooks (torch.utils.checkpoint around the model, save_on_cpu, ...)
+        # decide how this forward's tensors are saved; ours, innermost, would override them
+        warnings.warn(
+            "activations= is not applied to this forward: it runs inside other saved-tensor "
+            "hooks (torch.utils.checkpoint around the model, save_on_cpu, ...), which decide "
+            "how its tensors are saved.",
+            UserWarning,
+            stacklevel=5,
+        )
+        return _run(spec, forward, args, kwargs)
     hooks = open_(spec)
     try:
         return _run(spec, forward, args, kwargs)

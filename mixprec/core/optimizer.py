@@ -372,17 +372,25 @@ class MixedPrecisionOptimizer(Optimizer):
     def _widen(self) -> list[tuple[Tensor, Tensor]]:
         """Move 16-bit model grads into fp32 tensors; return ``(fp32 grad, master)`` pairs.
 
-        A master whose grad is empty gets its persistent buffer: allocating fresh fp32 grads
-        every step costs page faults that took ~3x longer than the copy itself on CPU
-        (benchmarks/NOTES.md). The price is 4 bytes per 16-bit parameter kept between steps.
+        On a CPU a master whose grad is empty gets its persistent buffer: allocating fresh fp32
+        grads every step costs page faults that took ~3x longer than the copy itself
+        (benchmarks/NOTES.md), at 4 bytes per 16-bit parameter kept between steps -- also
+        through the forward, where activations peak. Where the allocator caches freed memory
+        (CUDA), a fresh flat buffer per device costs one allocation and no page faults, and is
+        freed by ``zero_grad(set_to_none=True)``: those 4 bytes per parameter are not held while
+        the activations are.
         """
         out: list[tuple[Tensor, Tensor]] = []
         srcs: list[Tensor] = []
         bufs: list[Tensor] = []
+        fresh: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
         for p, master in self._pairs:
             if p.grad is None:
                 continue
             if master.grad is None and p.grad.layout == torch.strided:
+                if not self.keep_grad_buffers(p.grad.device):
+                    fresh.setdefault(p.grad.device, []).append((p, master))
+                    continue
                 buf = self._grad_buffers.get(id(master))
                 if buf is None or buf.shape != p.grad.shape or buf.device != p.grad.device:
                     buf = torch.empty(p.grad.shape, dtype=self.master_dtype, device=p.grad.device)
@@ -393,9 +401,24 @@ class MixedPrecisionOptimizer(Optimizer):
             else:
                 out.append((p.grad.to(self.master_dtype), master))
             p.grad = None
+        for device, pairs in fresh.items():
+            flat = torch.empty(
+                sum(p.grad.numel() for p, _ in pairs), dtype=self.master_dtype, device=device
+            )
+            views = flat.split([p.grad.numel() for p, _ in pairs])
+            for (p, master), view in zip(pairs, views):
+                srcs.append(p.grad)
+                bufs.append(view.view(p.grad.shape))
+                out.append((bufs[-1], master))
+                p.grad = None
         if bufs:
             torch._foreach_copy_(bufs, srcs)
         return out
+
+    @staticmethod
+    def keep_grad_buffers(device: torch.device) -> bool:
+        """Keep fp32 master-grad buffers between steps on ``device`` (see :meth:`_widen`)."""
+        return device.type == "cpu"
 
     def record_backward(self, loss_id: int) -> Tensor | None:
         """Called after ``backward`` of a loss scaled by ``loss_id``'s scaler.

@@ -296,8 +296,9 @@ class NonFiniteLocator:
 
     Args:
         model: the module whose forward is watched (its submodules name the culprit).
-        optimizer: optional; a :class:`mixprec.MixedPrecisionOptimizer` makes gradient overflows
-            under loss scaling ``expected`` and records whether the step was skipped.
+        optimizer: optional; a :class:`mixprec.MixedPrecisionOptimizer` or a
+            ``mixprec.amp.GradScaler`` makes gradient overflows under loss scaling ``expected``
+            and records whether the step was skipped.
         raise_on: ``None`` (record only), ``"error"`` or ``"any"``: raise
             :class:`NonFiniteError` right at the op.
         max_events: stop recording after this many steps with a non-finite value.
@@ -499,9 +500,11 @@ class NonFiniteLocator:
 
     def _loss_scale(self) -> float | None:
         opt = self.optimizer
-        if opt is None or not hasattr(opt, "slots"):
-            return None
-        return float(opt.loss_scale)
+        if opt is not None and hasattr(opt, "slots"):  # MixedPrecisionOptimizer
+            return float(opt.loss_scale)
+        if callable(getattr(opt, "get_scale", None)) and opt.is_enabled():  # a GradScaler
+            return float(opt.get_scale())
+        return None
 
 
 def _tag_graph(output: Any, path: str, start: int) -> None:

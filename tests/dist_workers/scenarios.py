@@ -499,6 +499,103 @@ def _train_gpt(fsdp: bool, steps: int) -> dict:
     }
 
 
+# -- mixprec.amp: torch.amp code under plain DDP and FSDP2 ---------------------------------------
+def _amp_poison(model: nn.Module, inject: bool) -> None:
+    """After backward (after DDP's all-reduce / FSDP's reduce-scatter): where ``inject``, an inf
+    in this rank's gradients only. Every rank replaces its gradient tensor the same way."""
+    p = next(p for p in model.parameters() if p.grad is not None)
+    g = p.grad
+    if hasattr(g, "to_local"):  # DTensor shard (FSDP2)
+        from torch.distributed.tensor import DTensor
+
+        loc = g.to_local().clone()
+        if inject:
+            loc.view(-1)[0] = INF
+        p.grad = DTensor.from_local(
+            loc, g.device_mesh, g.placements, run_check=False, shape=g.shape, stride=g.stride()
+        )
+    elif inject:
+        g = g.clone()
+        g.view(-1)[0] = INF
+        p.grad = g
+
+
+def _amp_train(amp, wrap, poison: str) -> dict:
+    """Four steps of the torch.amp recipe on a wrapped model; at step 2 rank 1 alone gets an
+    inf: after communication (``poison="late"``) or in its input (``"input"``)."""
+    model = wrap(mlp(0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = amp.GradScaler("cpu", init_scale=1024.0)
+    skipped, scales = [], []
+    for step in range(4):
+        x, y = batch(step)
+        x, y = local(x), local(y)
+        if step == 2 and poison == "input" and RANK == 1:
+            x = x.clone()
+            x[0, 0] = INF
+        with amp.autocast("cpu", torch.float16):
+            loss = mse(model, x, y)
+        scaler.scale(loss).backward()
+        if step == 2 and poison == "late":
+            _amp_poison(model, inject=RANK == 1)
+        before = flat(p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        after = flat(p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
+        skipped.append(bool(torch.equal(before, after)))
+        scales.append(scaler.get_scale())
+    params = flat(p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters())
+    out = {
+        "skipped": skipped,
+        "scales": scales,
+        "params_equal_across_ranks": all(bitwise_equal(params, o) for o in gathered(params)),
+    }
+    if hasattr(scaler, "skipped_steps"):
+        out["skipped_steps"] = scaler.skipped_steps
+    return out
+
+
+def _ddp(model: nn.Module) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model)
+
+
+def _fsdp2(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for m in model:
+        if any(True for _ in m.parameters()):
+            fully_shard(m, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def scenario_amp_plain_ddp() -> dict:
+    """``import mixprec.amp as amp`` in torch.amp code under a plain DDP(model); torch.amp's own
+    scaler is the control."""
+    import mixprec.amp as mp_amp
+
+    out = {}
+    for name, amp in (("mixprec", mp_amp), ("torch", torch.amp)):
+        for poison in ("late", "input"):
+            out[f"{name}.{poison}"] = _amp_train(amp, _ddp, poison)
+    return out
+
+
+def scenario_amp_fsdp2() -> dict:
+    """The same under FSDP2 (``fully_shard``): the gradients are DTensor shards."""
+    import mixprec.amp as mp_amp
+
+    out = {}
+    for name, amp in (("mixprec", mp_amp), ("torch", torch.amp)):
+        for poison in ("late", "input"):
+            out[f"{name}.{poison}"] = _amp_train(amp, _fsdp2, poison)
+    return out
+
+
 def scenario_fsdp_gpt() -> dict:
     steps = 14
     return {"ddp": _train_gpt(False, steps), "fsdp": _train_gpt(True, steps)}
