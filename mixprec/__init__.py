@@ -14,6 +14,9 @@ from mixprec.core.activations import ActivationConfig
 from mixprec.core.cast_table import cast_rules, register_op
 from mixprec.core.engine import autocast, set_policy
 from mixprec.core.footprint import Footprint, footprint
+from mixprec.core.fp8.choice import FP8Plan
+from mixprec.core.fp8.config import FP8Config
+from mixprec.core.fp8.plan import fp8_plan
 from mixprec.core.hardware import check, default_dtype
 from mixprec.core.initialize import fp32_state_dict, initialize, scale_loss
 from mixprec.core.lean import stochastic_round
@@ -39,6 +42,8 @@ _moved.install(_sys.modules[__name__])  # old flat module paths, with a Deprecat
 
 __all__ = [
     "ActivationConfig",
+    "FP8Config",
+    "FP8Plan",
     "Footprint",
     "LossScaleOptimizer",
     "LossScaler",
@@ -58,6 +63,7 @@ __all__ = [
     "export",
     "footprint",
     "for_inference",
+    "fp8_plan",
     "fp32_state_dict",
     "get_policy",
     "global_policy",

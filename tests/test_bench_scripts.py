@@ -11,10 +11,35 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
+import bench_fp8
 import bench_gpu
 import bench_memory
 import bench_overhead
 import torch
+
+
+def test_bench_fp8_smoke_on_cpu(tmp_path, capsys):
+    out = tmp_path / "fp8.json"
+    threads = torch.get_num_threads()
+    bench_fp8.main(["--device", "cpu", "--smoke", "--rounds", "1", "--json", str(out)])
+    assert torch.get_num_threads() == threads
+    text = capsys.readouterr().out
+    assert "FP8 emulated" in text and "torch " in text
+    doc = json.loads(out.read_text())
+    assert len(doc["gemm"]) == 8 and all(r["tensorwise_speedup"] > 0 for r in doc["gemm"])
+    assert doc["layer"][0]["rowwise_ms"] > 0
+    step = {r["mode"]: r for r in doc["step"]}
+    assert step["O2 + FP8 tensorwise"]["fp8_layers"] == 8 and step["bf16 O2"]["fp8_layers"] == 0
+    assert step["O2 + FP8 auto"]["fp8_layers"] == 0  # too small to gain on an H100
+    assert step["O2 + FP8 rowwise"]["speed_vs_bf16"] > 0
+    assert (
+        "error" in step["torchao float8 tensorwise"]
+        or "step_ms" in step["torchao float8 tensorwise"]
+    )
+    runs = doc["curves"]["runs"]
+    assert {r["mode"] for r in runs} == {"bf16 O2", "FP8 tensorwise", "FP8 rowwise"}
+    assert all(len(r["losses"]) == 5 for r in runs)
+    assert "(c) loss after 5 steps" in text and "| O2 + FP8 rowwise | 8 |" in text
 
 
 def test_bench_gpu_smoke_on_cpu(tmp_path, capsys):

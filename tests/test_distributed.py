@@ -177,6 +177,27 @@ def test_fsdp2_trains_gpt_to_the_same_loss_as_ddp(ranks):
         assert fsdp["losses"][-1] == pytest.approx(ddp["losses"][-1], rel=0.02)
 
 
+def test_fp8_under_ddp_and_fsdp2_runs_scaled_gemms_with_the_same_scales_on_every_rank(ranks):
+    for res in result(ranks, "fp8"):
+        ddp, fsdp = res["ddp"], res["fsdp"]
+        blocks = [f"blocks.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.proj", "fc")]
+        for run in (ddp, fsdp):
+            assert set(blocks) < set(run["fp8_layers"]) and "head" not in run["fp8_layers"]
+            assert run["scaled_mm_per_step"] == 3 * len(run["fp8_layers"])
+            # FSDP all-gathers the 16-bit weight, then the FP8 layer scales the whole of it
+            assert run["scales_equal_across_ranks"] and run["scales_change"]
+            assert run["losses"][-1] < run["losses"][0] - 0.5  # it learns
+        assert fsdp["losses"][0] == pytest.approx(ddp["losses"][0], rel=1e-3)
+        assert fsdp["losses"][-1] == pytest.approx(ddp["losses"][-1], rel=0.03)
+
+
+def test_fp8_auto_choices_agree_across_ranks(ranks):
+    r0, r1 = result(ranks, "fp8_auto_agrees")
+    assert r0["chosen"] == r1["chosen"] == []  # rank 1 said no: nobody runs those in FP8
+    assert r0["reason"].startswith("another rank's batch kept it 16-bit")
+    assert r1["reason"] == "rank 1's numbers"
+
+
 # -- order of initialize and DDP -------------------------------------------------------------------
 def test_wrong_order_is_refused_with_the_fix(ranks):
     for res in result(ranks, "order_errors"):

@@ -22,6 +22,7 @@ PKG = pathlib.Path(mixprec.__file__).resolve().parent
 PUBLIC = set(
     """Footprint LossScaleOptimizer LossScaler MixedPrecisionOptimizer NonFiniteError
     NonFiniteLocator OpStats Policy RangeAudit TunePlan amp autocast cast_rules check convert
+    FP8Config FP8Plan fp8_plan
     default_dtype export footprint for_inference fp32_state_dict get_policy global_policy
     initialize lint locate_nonfinite op_stats policy_scope range_audit register_norm register_op
     scale_loss set_global_policy set_policy stochastic_round tune""".split()  # noqa: SIM905

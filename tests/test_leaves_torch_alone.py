@@ -56,6 +56,19 @@ def _use_mixprec() -> None:
     scaler.scale(loss).backward()
     scaler.step(opt)
     scaler.update()
+    # FP8 layers, by initialize and in an autocast region (a global module hook while it runs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MixprecPerformanceWarning)
+        fp8 = mixprec.FP8Config(layers="all")
+        mlp = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 4))
+        opt = torch.optim.SGD(mlp.parameters(), lr=0.1)
+        mlp, opt = mixprec.initialize(mlp, opt, level="O2", dtype=BF16, fp8=fp8)
+        opt.backward(mlp(torch.randn(4, 16)).float().sum())
+        opt.step()
+        plain = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 4))
+        with mixprec.autocast(BF16, fp8=fp8):
+            plain(torch.randn(4, 16)).float().sum().backward()
+    assert not torch.nn.modules.module._global_forward_pre_hooks
     assert mixprec.core.dispatch.registered()
 
 

@@ -23,13 +23,13 @@ def test_forward_counts_match_a_hand_count():
     # already bf16), t + addmm. sum is an fp32-rule op: its input is cast to fp32 (1 _to_copy
     # counted under fp32, the dtype it casts to) and sum runs in fp32.
     assert stats.as_dict() == {
-        "_to_copy": {"fp32": 1, "bf16": 5, "fp16": 0, "other": 0},
-        "addmm": {"fp32": 0, "bf16": 2, "fp16": 0, "other": 0},
-        "relu": {"fp32": 0, "bf16": 1, "fp16": 0, "other": 0},
-        "sum": {"fp32": 1, "bf16": 0, "fp16": 0, "other": 0},
-        "t": {"fp32": 0, "bf16": 2, "fp16": 0, "other": 0},
+        "_to_copy": {"fp32": 1, "bf16": 5, "fp16": 0, "fp8": 0, "other": 0},
+        "addmm": {"fp32": 0, "bf16": 2, "fp16": 0, "fp8": 0, "other": 0},
+        "relu": {"fp32": 0, "bf16": 1, "fp16": 0, "fp8": 0, "other": 0},
+        "sum": {"fp32": 1, "bf16": 0, "fp16": 0, "fp8": 0, "other": 0},
+        "t": {"fp32": 0, "bf16": 2, "fp16": 0, "fp8": 0, "other": 0},
     }
-    assert stats.totals() == {"fp32": 2, "bf16": 10, "fp16": 0, "other": 0}
+    assert stats.totals() == {"fp32": 2, "bf16": 10, "fp16": 0, "fp8": 0, "other": 0}
     assert stats.as_dict("backward") == {}
 
 
@@ -41,7 +41,7 @@ def test_backward_is_counted_separately():
         loss.backward()
     back = stats.as_dict("backward")
     # weight grads of both layers and the input grad of layer 2 (x needs no grad): 3 bf16 mm
-    assert back["mm"] == {"fp32": 0, "bf16": 3, "fp16": 0, "other": 0}
+    assert back["mm"] == {"fp32": 0, "bf16": 3, "fp16": 0, "fp8": 0, "other": 0}
     assert back["threshold_backward"]["bf16"] == 1  # relu's backward
     # gradients come back to the fp32 parameters through fp32 casts: 4 (2 weights, 2 biases)
     assert back["_to_copy"]["fp32"] == 4
@@ -67,8 +67,16 @@ def test_table_has_every_op_and_a_total():
         model(x)
     table = stats.table()
     lines = table.splitlines()
-    assert lines[0].split() == ["op", "fp32", "bf16", "fp16", "other", "total"]
-    assert lines[-1].split() == ["TOTAL", "0", "10", "0", "0", "10"]  # 5 casts, 2 t, 2 addmm, relu
+    assert lines[0].split() == ["op", "fp32", "bf16", "fp16", "fp8", "other", "total"]
+    assert lines[-1].split() == [
+        "TOTAL",
+        "0",
+        "10",
+        "0",
+        "0",
+        "0",
+        "10",
+    ]  # 5 casts, 2 t, 2 addmm, relu
     assert any(line.split()[:3] == ["addmm", "0", "2"] for line in lines)
     with pytest.raises(ValueError, match="phase"):
         stats.as_dict("sideways")

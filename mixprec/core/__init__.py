@@ -17,6 +17,8 @@ Data flows down this list (see ``docs/design.md``):
 * :mod:`~mixprec.core.activations` -- saved-for-backward tensors stored in FP8 or 16-bit, or
   recomputed (``activations=``); :mod:`~mixprec.core.float8` -- FP8 storage (amax, scales,
   casts that never hide an overflow), shared with the FP8 matmuls;
+* :mod:`~mixprec.core.fp8` -- FP8 matmuls for chosen Linears (``fp8=``): the recipes, each
+  GEMM held to CUDA's rules, the autograd function, the roofline and the per-layer choice;
 * :mod:`~mixprec.core.initialize` -- the O0-O3 levels that wire all of the above to a model;
 * :mod:`~mixprec.core.hardware`, :mod:`~mixprec.core.memory`, :mod:`~mixprec.core.footprint`,
   :mod:`~mixprec.core.norms` -- facts about the device, memory and layers that the rest consult.

@@ -37,6 +37,8 @@ from torch.utils import _pytree
 from mixprec.core import dispatch
 from mixprec.core.activations import ActivationConfig, SavedTensorStorage
 from mixprec.core.dispatch import FP32_INSIDE_OPS, Frame, cast_leaf
+from mixprec.core.fp8 import layers as fp8_layers
+from mixprec.core.fp8.config import FP8Config, as_fp8_config
 from mixprec.core.policy import (
     POLICY_ATTR,
     Policy,
@@ -144,6 +146,9 @@ class autocast:
         kernels: ``"auto"`` (default) swaps in mixprec's kernels where they were measured
             faster -- today the decomposed attention for CPU bfloat16 training, see
             :mod:`mixprec.core.kernels`; ``"torch"`` always runs torch's own kernels.
+        fp8: as for :func:`mixprec.initialize`: the Linears of the first module called in the
+            region (the model) that the config chooses run their GEMMs in FP8 inside the
+            region (:mod:`mixprec.core.fp8`).
 
     Forward only: call ``backward`` outside the region (autograd replays the recorded casts).
 
@@ -162,6 +167,7 @@ class autocast:
         enabled: bool = True,
         cache_enabled: bool = True,
         kernels: str = "auto",
+        fp8: bool | str | FP8Config | None = None,
     ):
         if kernels not in _KERNELS:
             raise ValueError(f"kernels={kernels!r} is not one of {_KERNELS}.")
@@ -172,6 +178,12 @@ class autocast:
         self.enabled = enabled
         self.cache_enabled = cache_enabled
         self.kernels = kernels
+        self.fp8 = as_fp8_config(fp8)
+        if self.fp8 is not None and not policy.is_lower:
+            raise ValueError(
+                f"autocast(fp8=...) runs FP8 Linears inside a 16-bit region; this region's "
+                f"policy is {policy}. Use torch.bfloat16 (or torch.float16)."
+            )
         self._stack: list[tuple[Frame, Any]] = []
 
     def __enter__(self) -> autocast:
@@ -184,10 +196,14 @@ class autocast:
             frame = _frame_for(self.policy, self.kernels)
             saved = dispatch.push(frame, cache_enabled=self.cache_enabled)
             self._stack.append((frame, saved))
+            if self.fp8 is not None:
+                fp8_layers.enter_region(self.fp8)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.enabled:
+            if self.fp8 is not None:
+                fp8_layers.exit_region()
             frame, saved = self._stack.pop()
             dispatch.pop(frame, saved)
 

@@ -40,6 +40,7 @@ __all__ = [
     "amax",
     "dequantize",
     "quantize",
+    "quantize_chunked",
     "scale_for",
     "sqnr",
 ]
@@ -187,3 +188,53 @@ def sqnr(reference: Tensor, approx: Tensor) -> float:
     if err == 0:
         return float("inf")
     return float(20 * torch.log10(ref.norm() / err))
+
+
+_CHUNK = 1 << 18  # elements per slice of quantize_chunked: 1 MiB of float32 scratch
+
+
+def quantize_chunked(
+    x: Tensor,
+    dtype: torch.dtype = E4M3,
+    axis: int | None = -1,
+    power_of_2: bool = False,
+    scale: Tensor | None = None,
+) -> Float8Data:
+    """:func:`quantize` of a 2-D ``x`` (``axis`` None, -1 or 0) in slices of rows: the same
+    scales and data (a NaN's sign bit aside).
+
+    :func:`quantize` holds two float32 copies of ``x`` (``x.float()`` and its scaled copy) and
+    an ``abs`` copy at once: 10 bytes per element of a bf16 ``x`` on top of the result, which
+    in eager mode is the largest temporary of an FP8 layer. Here the amax is taken slice by
+    slice (max is exact in any order, NaN included) and each slice is scaled, clamped and cast
+    into the result, so the scratch is one slice. Under ``torch.compile`` use :func:`quantize`:
+    the compiler fuses it into one pass with no scratch at all.
+    """
+    _check_fp8(dtype)
+    if x.dim() != 2 or axis not in (None, -1, 0, 1):
+        raise ValueError(
+            f"quantize_chunked takes a 2-D tensor and axis None, -1 or 0; received a "
+            f"{x.dim()}-D tensor, axis={axis}."
+        )
+    if not x.is_floating_point():
+        raise TypeError(f"quantize takes a floating tensor, received {x.dtype}.")
+    rows = max(1, _CHUNK // max(x.shape[1], 1))
+    slices = [x[i : i + rows] for i in range(0, x.shape[0], rows)] or [x]
+    given = scale
+    if scale is None:
+        if axis in (-1, 1):
+            scale = torch.cat([scale_for(amax(s, -1), dtype, power_of_2) for s in slices])
+        else:
+            parts = [amax(s, 0 if axis == 0 else None) for s in slices]
+            top_abs = parts[0]
+            for p in parts[1:]:
+                top_abs = torch.maximum(top_abs, p)
+            scale = scale_for(top_abs.reshape(1, -1) if axis == 0 else top_abs, dtype, power_of_2)
+    top = torch.finfo(dtype).max
+    data = torch.empty(x.shape, dtype=dtype, device=x.device)
+    per_row = scale.dim() == 2 and scale.shape[0] == x.shape[0] and x.shape[0] > 1
+    for i in range(0, x.shape[0], rows):
+        s = scale[i : i + rows] if per_row else scale
+        part = x[i : i + rows].to(torch.float32, copy=True)  # never x itself
+        data[i : i + rows] = part.mul_(s).clamp_(-top, top).to(dtype)
+    return Float8Data(data, scale, power_of_2=power_of_2 and given is None)

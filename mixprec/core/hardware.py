@@ -17,6 +17,9 @@ Design choices:
 * CUDA: fp16 tensor cores from capability 7.0, bf16 from 8.0; bf16 "supported" is
   ``torch.cuda.is_bf16_supported()`` (which counts emulation). Other devices (mps, xpu, ...):
   supported, not characterised, so not fast.
+* FP8 (:func:`fp8_support`): CUDA from compute capability 8.9 (Ada, Hopper, Blackwell: FP8
+  tensor cores for ``torch._scaled_mm``); a CPU runs torch's reference ``_scaled_mm``, which is
+  emulation (supported, not fast: for tests and development); other devices are refused.
 * Nothing touches CUDA at import. Reports are cached per resolved device string (``"cuda"``
   becomes ``"cuda:<current>"``) since mixprec checks often. :func:`warn_if_slow` warns once
   per (dtype, device) with its own registry, independent of the ``warnings`` filters.
@@ -39,6 +42,7 @@ __all__ = [
     "MixprecPerformanceWarning",
     "check",
     "default_dtype",
+    "fp8_support",
     "warn_if_slow",
 ]
 
@@ -81,6 +85,7 @@ _DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.
 _NAMES: dict[torch.dtype, str] = {dt: key for key, dt in _DTYPES.items()}
 _CUDA_FP16_TENSOR_CORES: tuple[int, int] = (7, 0)
 _CUDA_BF16_TENSOR_CORES: tuple[int, int] = (8, 0)
+_CUDA_FP8_TENSOR_CORES: tuple[int, int] = (8, 9)
 _DEVICE_HELP = "None, a torch.device, or a device string like 'cpu', 'cuda', 'cuda:1', 'mps'"
 
 
@@ -114,12 +119,14 @@ class HardwareReport:
         name: CPU model name or GPU name.
         features: Relevant CPU ISA flags, or ``("sm_XY",)`` on CUDA.
         dtypes: ``"bfloat16"`` and ``"float16"`` mapped to their :class:`DtypeSupport`.
+        fp8: FP8 matmuls (``torch._scaled_mm``), as a :class:`DtypeSupport` of e4m3.
     """
 
     device: str
     name: str
     features: tuple[str, ...]
     dtypes: dict[str, DtypeSupport] = field(hash=False)
+    fp8: DtypeSupport | None = field(default=None, hash=False)
 
     def is_fast(self, dtype: torch.dtype) -> bool:
         """True when ``dtype`` is supported and fast on this device."""
@@ -144,6 +151,9 @@ class HardwareReport:
         yes = {True: "yes", False: "no"}
         for key, s in self.dtypes.items():
             lines.append(f"{key:<10}{yes[s.supported]:<11}{yes[s.fast]:<6}{s.reason}")
+        if self.fp8 is not None:
+            f = self.fp8
+            lines.append(f"{'float8':<10}{yes[f.supported]:<11}{yes[f.fast]:<6}{f.reason}")
         lines.append(f"best dtype: {self.best_dtype}")
         return "\n".join(lines)
 
@@ -181,6 +191,40 @@ def _cuda_support(capability: tuple[int, int], bf16_supported: bool) -> dict[str
             reason("fp16", _CUDA_FP16_TENSOR_CORES),
         ),
     }
+
+
+def _fp8_support_for(
+    device_type: str, capability: tuple[int, int] | None, name: str, best: torch.dtype
+) -> DtypeSupport:
+    """FP8 GEMM support from the device type and CUDA compute capability (pure)."""
+    e4m3 = torch.float8_e4m3fn
+    if device_type == "cpu":
+        return DtypeSupport(
+            e4m3,
+            True,
+            False,
+            "emulated: torch's reference _scaled_mm on CPU, slower than bf16 (for tests "
+            "and development; layers are chosen for an H100)",
+        )
+    if device_type == "cuda" and capability is not None:
+        cap = tuple(capability)
+        cc = f"compute capability {cap[0]}.{cap[1]}"
+        if cap >= _CUDA_FP8_TENSOR_CORES:
+            return DtypeSupport(e4m3, True, True, f"{cc} >= 8.9: FP8 tensor cores")
+        return DtypeSupport(
+            e4m3,
+            False,
+            False,
+            f"{name} ({cc}) has no FP8 tensor cores (they need compute capability >= 8.9: "
+            f"Ada, Hopper, Blackwell); train in {best} instead (drop fp8=)",
+        )
+    return DtypeSupport(
+        e4m3,
+        False,
+        False,
+        f"{device_type}: torch has no FP8 GEMM for this device; use a CUDA GPU with "
+        "compute capability >= 8.9, or a CPU (emulated)",
+    )
 
 
 def _other_support(device_type: str) -> dict[str, DtypeSupport]:
@@ -256,17 +300,30 @@ def _report(device: str) -> HardwareReport:
     if device == "cpu":
         name, flags = _read_cpu()
         features = tuple(f for f in _CPU_FEATURES if f in flags)
-        return HardwareReport(device, name, features, _cpu_support(flags))
+        dtypes = _cpu_support(flags)
+        best = HardwareReport(device, name, features, dtypes).best_dtype
+        return HardwareReport(
+            device, name, features, dtypes, _fp8_support_for("cpu", None, name, best)
+        )
     if device.startswith("cuda:"):
         index = int(device.split(":")[1])
         capability = torch.cuda.get_device_capability(index)
         with torch.cuda.device(index):
             bf16 = torch.cuda.is_bf16_supported()
         features = (f"sm_{capability[0]}{capability[1]}",)
-        return HardwareReport(
-            device, torch.cuda.get_device_name(index), features, _cuda_support(capability, bf16)
-        )
-    return HardwareReport(device, device, (), _other_support(device.split(":")[0]))
+        name = torch.cuda.get_device_name(index)
+        dtypes = _cuda_support(capability, bf16)
+        best = HardwareReport(device, name, features, dtypes).best_dtype
+        fp8 = _fp8_support_for("cuda", capability, name, best)
+        return HardwareReport(device, name, features, dtypes, fp8)
+    kind = device.split(":")[0]
+    return HardwareReport(
+        device,
+        device,
+        (),
+        _other_support(kind),
+        _fp8_support_for(kind, None, device, torch.float32),
+    )
 
 
 def check(device: str | torch.device | None = None, *, verbose: bool = True) -> HardwareReport:
@@ -299,6 +356,17 @@ def default_dtype(device: str | torch.device | None = None) -> torch.dtype:
     if report.device.startswith("cuda:") and not report.dtypes["bfloat16"].fast:
         return torch.float16
     return torch.bfloat16
+
+
+def fp8_support(device: str | torch.device | None = None) -> DtypeSupport:
+    """Whether ``device`` runs FP8 matmuls (``torch._scaled_mm``), and fast (as for :func:`check`).
+
+    CUDA: from compute capability 8.9. CPU: supported but emulated (not fast).
+    """
+    report = _report(_resolve_device(device))
+    if report.fp8 is None:  # pragma: no cover - every report sets it
+        raise AssertionError(f"no FP8 entry in the hardware report of {report.device}")
+    return report.fp8
 
 
 _warned: set[tuple[torch.dtype, str]] = set()

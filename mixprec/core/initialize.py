@@ -62,6 +62,8 @@ from torch.optim import Optimizer
 
 from mixprec.core import engine
 from mixprec.core.activations import as_activation_config
+from mixprec.core.fp8 import layers as fp8_layers
+from mixprec.core.fp8.config import as_fp8_config
 from mixprec.core.hardware import default_dtype, warn_if_slow
 from mixprec.core.loss_scale import DYNAMIC_OPTIONS, LossScaler
 from mixprec.core.norms import is_norm
@@ -128,6 +130,7 @@ _OVERRIDES = (
     "num_losses",
     "fp32_inside",
     "kernels",
+    "fp8",
     "activations",
     *_LEAN_KEYS,
     *_SCALER_KEYS,
@@ -261,6 +264,12 @@ def _resolve(
             f"level {level} keeps every parameter in float32."
         )
     props["keep_frozen_fp32"] = bool(overrides.pop("keep_frozen_fp32", False))
+    props["fp8"] = as_fp8_config(overrides.pop("fp8", None))
+    if props["fp8"] is not None and not props["engine"]:
+        raise ValueError(
+            f"fp8= runs chosen Linears in FP8 inside a 16-bit level; level {level} trains in "
+            "float32. Use level='O1', 'O2' or 'O3'."
+        )
     for key in ("keep_norm_fp32", "master_weights", "fp32_inside", "kernels", "cast_model_outputs"):
         if key in overrides:
             props[key] = overrides.pop(key)
@@ -323,7 +332,9 @@ def initialize(
             policy}`` (e.g. :func:`mixprec.tune`'s plan) applied with ``set_policy`` first.
         **overrides: ``keep_norm_fp32``, ``master_weights``, ``loss_scale`` ("dynamic" | float |
             None), ``cast_model_outputs`` (dtype or None), ``num_losses``, ``fp32_inside``,
-            ``kernels``, the :class:`LossScaler` settings (``init_scale``,
+            ``kernels``, ``fp8`` (True, ``"tensorwise"``, ``"rowwise"`` or a
+            :class:`mixprec.FP8Config`: chosen Linears run their GEMMs in FP8, see
+            :mod:`mixprec.core.fp8`), the :class:`LossScaler` settings (``init_scale``,
             ``growth_interval``, ``hysteresis``, ``min_scale``, ...) and, without masters,
             ``update`` (None | "nearest" | "kahan" | "stochastic"; default "kahan" in bf16,
             see the module docstring), ``state_dtype`` ("auto" | dtype | {key: dtype}) and
@@ -480,6 +491,9 @@ def initialize(
             )
             m.__dict__[engine.BOUNDARY_ATTR] = spec
             engine.install_boundary(m)
+        if props["fp8"] is not None:  # chosen Linears run their GEMMs in FP8 (mixprec.core.fp8)
+            fp8_layers.check_device(device)
+            fp8_layers.prepare(m, props["fp8"], device)
         m.__dict__[_MARK] = level
 
     slots = [LossSlot(s) for s in props["scalers"]]

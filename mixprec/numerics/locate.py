@@ -46,6 +46,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mixprec.core.fp8.layers import layers_of
+
 __all__ = [
     "NonFiniteError",
     "NonFiniteEvent",
@@ -85,6 +87,8 @@ def has_nonfinite(t: Tensor) -> bool:
     s = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
     if math.isfinite(s.item()):
         return False
+    if t.element_size() == 1:  # FP8 has no isfinite kernel; its values are exact in float32
+        t = t.float()
     return not bool(torch.isfinite(t).all())  # the sum may overflow on huge finite values
 
 
@@ -147,12 +151,16 @@ class NonFiniteEvent:
     loss_scale: float | None = None
     step_skipped: bool | None = None  # filled in at the next step when an optimizer is watched
     stack: list[str] = field(default_factory=list)
+    fp8: str | None = None  # the recipe, when the op ran inside a Linear running in FP8
+    fp8_reached: list[str] = field(default_factory=list)  # FP8 layers it reached (forward)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def __str__(self) -> str:
         where = f"module '{self.module or '<model>'}'"
+        if self.fp8:
+            where += f" (FP8 {self.fp8})"
         node = f" in {self.node}" if self.node else ""
         lines = [
             f"[{self.severity}] step {self.step}, {self.phase}: first {self.kind} in {where},"
@@ -160,6 +168,11 @@ class NonFiniteEvent:
             f"  output: {self.output}",
         ]
         lines += [f"  input {i}: {s}" for i, s in enumerate(self.inputs)]
+        if self.fp8_reached:
+            lines.append(
+                f"  reached FP8 layer(s) {', '.join(self.fp8_reached)}: their casts made the "
+                "slice NaN instead of saturating it to a finite 448"
+            )
         if self.loss_scale is not None:
             lines.append(f"  loss scale: {self.loss_scale:g}")
         if self.step_skipped is not None:
@@ -379,8 +392,19 @@ class NonFiniteLocator:
             bad = next((t for t in iter_tensors(args) if _checkable(t) and has_nonfinite(t)), None)
             if bad is not None:
                 self._input_event(bad)
+        path = self._paths.get(id(module), "?")
+        last = self.events[-1] if self.events else None
+        # a non-finite value on its way into an FP8 layer: its cast turns the slice NaN (a
+        # saturating cast would hide it as 448): say which FP8 layers it reached
+        if (
+            last is not None
+            and last.step == self.step
+            and self._is_fp8(path)
+            and any(_checkable(t) and has_nonfinite(t) for t in iter_tensors(args))
+        ):
+            last.fp8_reached.append(path)
         seq = torch._C._autograd._get_sequence_nr()
-        self._stack.append((self._paths.get(id(module), "?"), seq))
+        self._stack.append((path, seq))
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self._stack:
@@ -388,6 +412,11 @@ class NonFiniteLocator:
         path, start = self._stack.pop()
         if torch.is_grad_enabled():
             _tag_graph(output, path, start)
+
+    def _is_fp8(self, path: str) -> bool:
+        """Is ``path`` a Linear running in FP8 (given fp8= by initialize or autocast)?"""
+        layer = layers_of(self.model).get(path)
+        return layer is not None and layer.active
 
     # -- detection ---------------------------------------------------------------------------
     def _where(self) -> tuple[str, str, str | None]:
@@ -413,6 +442,13 @@ class NonFiniteLocator:
         kind = "+".join(k for k, n in (("inf", ostats.num_inf), ("nan", ostats.num_nan)) if n)
         scale = self._loss_scale()
         severity, reason = _classify(phase, module, out.dtype, kind, inputs, scale)
+        fp8 = layers_of(self.model)[module].recipe.name if self._is_fp8(module) else None
+        if fp8 is not None:
+            reason += (
+                f" '{module}' runs its GEMMs in FP8 ({fp8}): its casts turn a non-finite "
+                "slice into NaN rather than saturating it to 448, so the step is skipped "
+                "instead of training on a clipped value."
+            )
         stack: list[str] = []
         if phase == "forward" and (
             self.raise_on == "any" or (self.raise_on == "error" and severity == "error")
@@ -434,6 +470,7 @@ class NonFiniteLocator:
             reason,
             scale,
             stack=stack,
+            fp8=fp8,
         )
         self.events.append(event)
         if self.raise_on == "any" or (self.raise_on == "error" and severity == "error"):

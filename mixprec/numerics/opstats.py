@@ -13,6 +13,8 @@ Design (Paddle's ``collect_operator_stats``; ``docs/design.md``, "Numerics tools
   neither, and float64, count as ``other``. Casts (``_to_copy``) therefore count under the dtype
   they cast *to*, so the ``_to_copy`` row shows the cast traffic a policy costs (as Paddle's
   ``transfer_dtype`` row does).
+* ``fp8``: an op with an FP8 operand or result -- the scaled matmuls of FP8 layers
+  (``_scaled_mm``, whose output is 16-bit, counts here), the casts into FP8 and back.
 * Forward and backward are counted separately (``phase``) and merged by default.
 
 Counting never changes numerics; it costs one Python call per aten op (measured in
@@ -31,13 +33,19 @@ from mixprec.numerics.locate import iter_tensors
 
 __all__ = ["CATEGORIES", "OpStats", "op_stats"]
 
-CATEGORIES = ("fp32", "bf16", "fp16", "other")
+CATEGORIES = ("fp32", "bf16", "fp16", "fp8", "other")
 _CAT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_FP8 = frozenset(
+    {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+)
 _PHASES = ("forward", "backward")
 
 
 def op_dtype_category(out: Any, args: Any) -> str:
     """The category an op is counted under (see the module docstring)."""
+    for source in (out, args):
+        if any(t.dtype in _FP8 for t in iter_tensors(source)):
+            return "fp8"
     for source in (out, args):
         for t in iter_tensors(source):
             if t.is_floating_point():
@@ -73,7 +81,7 @@ class OpStats(TorchDispatchMode):
         self.counts.clear()
 
     def as_dict(self, phase: str | None = None) -> dict[str, dict[str, int]]:
-        """``{op: {"fp32": n, "bf16": n, "fp16": n, "other": n}}``, sorted by op name.
+        """``{op: {"fp32": n, "bf16": n, "fp16": n, "fp8": n, "other": n}}``, sorted by op name.
 
         Args:
             phase: ``"forward"``, ``"backward"`` or None (both).
@@ -96,7 +104,7 @@ class OpStats(TorchDispatchMode):
         return tot
 
     def table(self, phase: str | None = None) -> str:
-        """A fixed-width table: ``op | fp32 | bf16 | fp16 | other | total``, then totals."""
+        """A fixed-width table: ``op | fp32 | bf16 | fp16 | fp8 | other | total``, then totals."""
         rows = [
             [op, *(str(r[c]) for c in CATEGORIES), str(sum(r.values()))]
             for op, r in self.as_dict(phase).items()

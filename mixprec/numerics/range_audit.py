@@ -19,6 +19,12 @@ statistics; ``docs/design.md``, "Numerics tools"):
   ``loss * loss_scale`` would hold. Run the audit on an fp32 (or bf16) step, where nothing has
   underflowed yet, to see what fp16 would do. If the watched backward is itself scaled (an
   ``optimizer`` with a loss scaler is given), observed gradients are divided by that scale first.
+* **FP8 layers** (Linears running in FP8 under ``fp8=``) are also judged at the scales their
+  recipe uses: amax, the fraction of values outside the FP8 range at that scale (non-zero
+  values flushed to zero; inf/NaN or values beyond the largest) and the SQNR of the cast, for
+  the input, the weight and the output gradient, plus the SQNR of the layer's FP8 output
+  against the same layer computed in 16 bits (one extra 16-bit GEMM per call, in the hook).
+  Each figure keeps its worst value over the audited calls.
 * The recommended fp16 loss scale is the largest power of two that keeps the largest gradient
   seen at least one binade (2x) below fp16's max, clamped to [1, 2**24]: the paper's recipe
   ("as large as possible without overflow") with headroom for the next batches.
@@ -32,11 +38,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mixprec.core.float8 import E4M3, sqnr
+from mixprec.core.fp8.choice import CastStats, cast_stats
+from mixprec.core.fp8.layers import layers_of
 from mixprec.numerics.locate import iter_tensors
 
-__all__ = ["RangeAudit", "RangeStats", "range_audit"]
+__all__ = ["FP8Stats", "RangeAudit", "RangeStats", "range_audit"]
 
 EXP_MIN, EXP_MAX = -160, 140  # floor(log2|x|) bins; fp32 subnormals reach -149, max is 127
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -112,6 +122,59 @@ class RangeStats:
         }
 
 
+def _worse(a: CastStats | None, b: CastStats) -> CastStats:
+    """Each figure at its worst of the two."""
+    if a is None:
+        return b
+    return CastStats(
+        a.dtype,
+        max(a.amax, b.amax),
+        max(a.underflow, b.underflow),
+        max(a.overflow, b.overflow),
+        min(a.sqnr, b.sqnr),
+    )
+
+
+@dataclass
+class FP8Stats:
+    """What one FP8 layer's casts did over the audited calls (each figure at its worst)."""
+
+    recipe: str
+    calls: int = 0
+    input: CastStats | None = None
+    weight: CastStats | None = None
+    grad: CastStats | None = None
+    output_sqnr: float = math.inf  # the FP8 output against the layer computed in 16 bits
+
+    @torch.no_grad()
+    def add_forward(self, module: nn.Linear, recipe: Any, x: Tensor, y: Tensor) -> None:
+        self.calls += 1
+        k = module.in_features
+        self.input = _worse(self.input, cast_stats(x.reshape(-1, k), E4M3, recipe))
+        self.weight = _worse(self.weight, cast_stats(module.weight, E4M3, recipe))
+        dt = y.dtype
+        bias = None if module.bias is None else module.bias.to(dt)
+        with torch.autocast(y.device.type, enabled=False):
+            ref = F.linear(x.to(dt), module.weight.to(dt), bias)
+        self.output_sqnr = min(self.output_sqnr, sqnr(ref, y))
+
+    def add_grad(self, recipe: Any, g: Tensor) -> None:
+        self.grad = _worse(
+            self.grad, cast_stats(g.reshape(-1, g.shape[-1]), recipe.grad_dtype, recipe)
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        plain = lambda c: None if c is None else vars(c)  # noqa: E731
+        return {
+            "recipe": self.recipe,
+            "calls": self.calls,
+            "input": plain(self.input),
+            "weight": plain(self.weight),
+            "grad": plain(self.grad),
+            "output_sqnr_vs_16bit": self.output_sqnr,
+        }
+
+
 def _log2_hist(a: Tensor) -> tuple[Tensor, Tensor]:
     """Histogram of ``floor(log2 a)`` over the finite nonzero entries of ``a >= 0``; the mask."""
     valid = torch.isfinite(a) & (a > 0)
@@ -179,6 +242,7 @@ class RangeAudit:
                     )
         self.modules: list[tuple[str, nn.Module]] = chosen
         self.stats: dict[tuple[str, str], RangeStats] = {}
+        self.fp8: dict[str, FP8Stats] = {}  # the watched Linears that ran in FP8
         self._handles: list[Any] = []
 
     @property
@@ -209,6 +273,13 @@ class RangeAudit:
 
     def _hook_for(self, path: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            layer = layers_of(self.model).get(path)
+            fp8 = layer is not None and layer.active and isinstance(output, Tensor) and args
+            if fp8:
+                stats = self.fp8.setdefault(path, FP8Stats(layer.recipe.name))
+                stats.add_forward(module, layer.recipe, args[0], output)
+                if output.requires_grad:
+                    output.register_hook(lambda g: stats.add_grad(layer.recipe, g))
             for t in iter_tensors(output):
                 if not t.is_floating_point():
                     continue
@@ -301,10 +372,36 @@ class RangeAudit:
             "  ".join(h.ljust(w) for h, w in zip(head, widths)),
         ]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+        if self.fp8:
+            lines += ["", self.fp8_table()]
+        return "\n".join(lines)
+
+    def fp8_table(self) -> str:
+        """One row per FP8 layer: its recipe; amax, fraction outside the FP8 range at the scale
+        used (underflow + overflow) and cast SQNR of the input, weight and gradient; and the
+        SQNR of its output against the 16-bit layer."""
+
+        def cells(c: CastStats | None) -> list[str]:
+            if c is None:
+                return ["-", "-", "-"]
+            return [f"{c.amax:.3g}", f"{c.underflow + c.overflow:.2%}", f"{c.sqnr:.1f}"]
+
+        head = ["FP8 layer", "recipe"]
+        for what in ("input", "weight", "grad"):
+            head += [f"{what} amax", "outside", "SQNR dB"]
+        head.append("output SQNR vs 16-bit")
+        rows = [
+            [p, s.recipe, *cells(s.input), *cells(s.weight), *cells(s.grad), f"{s.output_sqnr:.1f}"]
+            for p, s in sorted(self.fp8.items())
+        ]
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "fp8": {p: s.as_dict() for p, s in sorted(self.fp8.items())},
             "loss_scale": self.loss_scale,
             "recommended_loss_scale_fp16": self.recommended_loss_scale(torch.float16),
             "modules": {

@@ -7,14 +7,18 @@ runs (the other tools need data). Integer targets get cross-entropy, float targe
 
 The model given is never trained: op stats and the range audit run one forward/backward on it
 (gradients are cleared after), the locator trains a deep copy for ``--steps`` steps through
-``mixprec.initialize`` at O2, and ``--tune`` searches on another copy. Results go to the
-terminal, to ``OUT/report.json`` and to PNG histograms in ``OUT``.
+``mixprec.initialize`` at O2, and ``--tune`` searches on another copy. With ``--fp8`` the plan
+of :func:`mixprec.fp8_plan` is printed first (each Linear's choice and why), op stats run under
+``autocast(fp8=...)`` on a copy (the scaled matmuls in the ``fp8`` column), a second range
+audit judges the FP8 layers at their recipe's scales, and the locator trains with ``fp8=``.
+Results go to the terminal, to ``OUT/report.json`` and to PNG histograms in ``OUT``.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib
 import json
 import os
@@ -26,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from mixprec.core.fp8.config import FP8Config
 
 __all__ = ["add_parser", "builtin_model", "load_factory", "run_report"]
 
@@ -103,10 +109,17 @@ def run_report(
     tolerance: float = 0.05,
     out: pathlib.Path | None = None,
     plots: bool = True,
+    fp8: Any = None,
 ) -> dict[str, Any]:
-    """Run every tool; print sections; return the JSON-ready report (and write files)."""
-    from mixprec import initialize, lint, locate_nonfinite, op_stats, range_audit, tune
+    """Run every tool; print sections; return the JSON-ready report (and write files).
+
+    ``fp8``: None, or what ``fp8=`` takes (True, a recipe name, an ``FP8Config``).
+    """
+    from mixprec import fp8_plan, initialize, lint, locate_nonfinite, op_stats, range_audit, tune
     from mixprec.core.engine import autocast
+    from mixprec.core.fp8.config import as_fp8_config
+
+    fp8 = as_fp8_config(fp8)
 
     name = str(dtype).replace("torch.", "")
     doc: dict[str, Any] = {
@@ -127,12 +140,22 @@ def run_report(
     x, y = batch
     loss_fn = loss_fn or _default_loss
 
+    if fp8 is not None:
+        plan = fp8_plan(model, x if isinstance(x, tuple) else (x,), config=fp8)
+        print()
+        print(plan)
+        doc["fp8_plan"] = {n: _choice_dict(c) for n, c in plan.items()}
+        if fp8.layers == "auto":  # the rest of the report runs the layers the plan chose
+            fp8 = dataclasses.replace(fp8, layers=plan)
+
     saved = [(p, p.grad) for p in model.parameters()]
+    observed = copy.deepcopy(model) if fp8 is not None else model  # FP8 leaves no trace
     with op_stats() as stats:
-        with autocast(dtype):
-            loss = loss_fn(_forward(model, x), y)
+        with autocast(dtype, fp8=fp8):
+            loss = loss_fn(_forward(observed, x), y)
         loss.backward()
-    print(f"\nop statistics: one forward and backward under mixprec.autocast({name})")
+    what = f"{name}, fp8={fp8.recipe}" if fp8 is not None else name
+    print(f"\nop statistics: one forward and backward under mixprec.autocast({what})")
     print(stats.table())
     doc["op_stats"] = {
         "forward": stats.as_dict("forward"),
@@ -161,10 +184,19 @@ def run_report(
     )
     doc["range_audit"] = audit.as_dict()
     doc["range_audit"]["at_recommended_scale"] = {"fp16": grads_s.fractions("fp16")}
+    if fp8 is not None:
+        with range_audit(observed) as fp8_audit, autocast(dtype, fp8=fp8):
+            loss = loss_fn(_forward(observed, x), y)
+        loss.backward()
+        print(f"\nFP8 layers ({fp8.recipe}): their casts, and their output against 16 bits")
+        print(fp8_audit.fp8_table() if fp8_audit.fp8 else "no Linear runs in FP8.")
+        doc["fp8"] = fp8_audit.as_dict()["fp8"]
+    if observed is not model:
+        del observed
 
     train = copy.deepcopy(model)
     opt = torch.optim.AdamW(train.parameters(), lr=1e-3)
-    train, opt = initialize(train, opt, level="O2", dtype=dtype)
+    train, opt = initialize(train, opt, level="O2", dtype=dtype, fp8=fp8)
     losses = []
     with locate_nonfinite(train, opt) as loc:
         for _ in range(steps):
@@ -207,6 +239,14 @@ def run_report(
     return doc
 
 
+def _choice_dict(c: Any) -> dict[str, Any]:
+    out = {k: v for k, v in vars(c).items() if k not in ("input", "weight", "grad")}
+    for k in ("input", "weight", "grad"):
+        stats = getattr(c, k)
+        out[k] = None if stats is None else vars(stats)
+    return out
+
+
 def _run(args: argparse.Namespace) -> int:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     if args.model in (None, "tiny-gpt"):
@@ -231,6 +271,7 @@ def _run(args: argparse.Namespace) -> int:
         tolerance=args.tolerance,
         out=pathlib.Path(args.out),
         plots=not args.no_plots,
+        fp8=None if args.fp8 is None else FP8Config(args.fp8, layers=args.fp8_layers),
     )
     return 0
 
@@ -264,5 +305,19 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--out", default="report_out", help="folder for report.json and PNGs")
     r.add_argument("--no-plots", action="store_true")
+    r.add_argument(
+        "--fp8",
+        nargs="?",
+        const="tensorwise",
+        default=None,
+        choices=["tensorwise", "rowwise"],
+        help="also plan, run and audit FP8 Linears (recipe; default tensorwise)",
+    )
+    r.add_argument(
+        "--fp8-layers",
+        choices=["auto", "all"],
+        default="auto",
+        help="which Linears --fp8 runs: the plan's choice (auto) or every eligible one",
+    )
     r.set_defaults(run=_run)
     return r

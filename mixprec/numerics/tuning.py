@@ -24,10 +24,17 @@ Design (Intel Neural Compressor's accuracy-driven fallback and TE's per-layer st
    accuracy): a run passes when its metric, averaged over the batches and computed under
    ``torch.no_grad``, is at most ``tolerance`` below the fp32 run's (an absolute drop, in the
    metric's units). Forward passes only: a metric has no gradient to compare.
-4. **Result.** A :class:`TunePlan` maps module paths to policies: ``"float32"`` for kept
+4. **FP8** (``fp8=``). After the float32 search, the Linears the FP8 config selects (outside
+   the kept modules) run their GEMMs in FP8 as well (``mixprec.autocast(fp8=...)``). If the run
+   leaves the tolerance, the layers whose casts measured worst (lowest SQNR of input, weight or
+   output gradient, from :func:`mixprec.fp8_plan` on the first batch) go back to 16 bits one by
+   one until it passes, and each is then tried in FP8 again. Every Linear ends in FP8, 16 bits
+   or float32, chosen against the same loss/gradient tolerance or the user's metric.
+5. **Result.** A :class:`TunePlan` maps module paths to policies: ``"float32"`` for kept
    modules, and ``mixed_<dtype>`` for their direct children so that only the kept module's own
    ops leave 16-bit. :func:`mixprec.set_policy` accepts each entry; ``plan.apply(model)``
-   applies them all. ``plan.explain()`` says why each module was kept.
+   applies them all; ``plan.fp8`` is the ``FP8Config`` for ``initialize(..., fp8=plan.fp8)``.
+   ``plan.explain()`` says why each module was kept.
 
 The model is restored exactly: parameters are never written, gradients and policies are put
 back as they were.
@@ -35,6 +42,7 @@ back as they were.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -45,6 +53,11 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec.core.engine import set_policy
+from mixprec.core.fp8.choice import FP8Choice, FP8Plan
+from mixprec.core.fp8.config import FP8Config, as_fp8_config
+from mixprec.core.fp8.gemm import layer_shape_ok
+from mixprec.core.fp8.layers import candidates, unprepare
+from mixprec.core.fp8.plan import fp8_plan
 from mixprec.core.policy import Policy, get_policy
 from mixprec.numerics.locate import iter_tensors
 
@@ -111,6 +124,19 @@ class TunePlan(Mapping):
     after: RunError
     reasons: dict[str, str] = field(default_factory=dict)
     evaluations: int = 0
+    fp8_modules: list[str] = field(default_factory=list)
+    fp8_reasons: dict[str, str] = field(default_factory=dict)  # why a candidate stayed 16-bit
+    fp8_recipe: str | None = None
+
+    @property
+    def fp8(self) -> FP8Config | None:
+        """``fp8=`` for :func:`mixprec.initialize` running exactly :attr:`fp8_modules` in FP8
+        (None when tune was not asked about FP8)."""
+        if self.fp8_recipe is None:
+            return None
+        choices = {n: FP8Choice(n, True, "tune: within tolerance in FP8") for n in self.fp8_modules}
+        choices.update({n: FP8Choice(n, False, r) for n, r in self.fp8_reasons.items()})
+        return FP8Config(self.fp8_recipe, layers=FP8Plan(choices, self.fp8_recipe, None))
 
     def __getitem__(self, key: str) -> Policy:
         return self.policies[key]
@@ -145,6 +171,9 @@ class TunePlan(Mapping):
             "after": _plain(vars(self.after)),
             "passed": self.passed,
             "evaluations": self.evaluations,
+            "fp8_recipe": self.fp8_recipe,
+            "fp8_modules": self.fp8_modules,
+            "fp8_reasons": self.fp8_reasons,
         }
 
     def explain(self, top: int = 5) -> str:
@@ -158,6 +187,10 @@ class TunePlan(Mapping):
             lines.append(f"  nothing needs float32: every module runs in {name}.")
         for m in self.fp32_modules:
             lines.append(f"  keep '{m or '<model>'}' in float32: {self.reasons[m]}")
+        if self.fp8_recipe is not None:
+            lines.append(f"  FP8 ({self.fp8_recipe}): {', '.join(self.fp8_modules) or 'no Linear'}")
+            for m, why in self.fp8_reasons.items():
+                lines.append(f"  keep '{m}' in {name} rather than FP8: {why}")
         ranked = sorted(self.sensitivity.items(), key=lambda kv: -kv[1])
         lines.append(
             "  most sensitive modules (isolated output error in "
@@ -383,7 +416,7 @@ class _Tuner:
             self._clear(assignment)
         return worst
 
-    def evaluate(self, fp32: list[str]) -> RunError:
+    def evaluate(self, fp32: list[str], fp8: FP8Config | None = None) -> RunError:
         from mixprec.core.engine import autocast
 
         self.evaluations += 1
@@ -391,7 +424,7 @@ class _Tuner:
         self._set(assignment)
         if self.metric is not None:
             try:
-                with autocast(self.dtype):
+                with autocast(self.dtype, fp8=fp8):
                     value = self._metric()
             finally:
                 self._clear(assignment)
@@ -401,7 +434,7 @@ class _Tuner:
         try:
             for i, batch in enumerate(self.batches):
                 self._zero()
-                with autocast(self.dtype):
+                with autocast(self.dtype, fp8=fp8):
                     loss = self._forward(batch)
                 if not math.isfinite(loss.item()):
                     return RunError(math.inf, math.inf, 1.0)
@@ -468,6 +501,7 @@ def tune(
     candidates: list[str] | None = None,
     max_evaluations: int = 64,
     seed: int = 0,
+    fp8: bool | str | FP8Config | None = None,
 ) -> TunePlan:
     """Find the fewest modules to keep in float32 so loss and gradients (or a metric) match fp32.
 
@@ -494,6 +528,10 @@ def tune(
         candidates: module paths to choose from (default: every module running its own ops).
         max_evaluations: cap on full forward/backward evaluations in the search.
         seed: RNG seed set before every forward, so dropout matches across runs.
+        fp8: also choose which Linears run their GEMMs in FP8 (True, a recipe name or an
+            :class:`mixprec.FP8Config`; its ``layers`` gives the candidates -- ``"auto"``: the
+            ones :func:`mixprec.fp8_plan` chooses on the first batch, ``"all"``: every eligible
+            Linear -- and the search keeps those the tolerance allows). See ``plan.fp8``.
 
     Returns:
         A :class:`TunePlan` (a ``path -> Policy`` mapping with ``apply`` and ``explain``).
@@ -530,6 +568,7 @@ def tune(
                 f"{name} must be callable(outputs, target); received {type(fn).__name__}."
             )
     batches = _as_batches(batch)
+    fp8_cfg = as_fp8_config(fp8)
     saved_policies = {n: get_policy(m) for n, m in model.named_modules()}
     saved_grads = [(p, p.grad) for p in model.parameters()]
     tuner = _Tuner(model, batches, loss_fn, dtype, seed, metric)
@@ -575,6 +614,12 @@ def tune(
                 f"isolated output error {sens[path]:.3g}; the search "
                 "stopped before checking whether it can be dropped",
             )
+        fp8_modules: list[str] = []
+        fp8_reasons: dict[str, str] = {}
+        if fp8_cfg is not None:
+            fp8_modules, fp8_reasons, current = _tune_fp8(
+                tuner, fp8_cfg, chosen, current, tolerance, max_evaluations
+            )
         return TunePlan(
             dtype,
             float(tolerance),
@@ -585,12 +630,82 @@ def tune(
             current,
             reasons,
             tuner.evaluations,
+            fp8_modules,
+            fp8_reasons,
+            None if fp8_cfg is None else fp8_cfg.recipe,
         )
     finally:
+        unprepare(model)  # autocast(fp8=...) gave its Linears FP8 forwards
         for n, m in model.named_modules():
             set_policy(m, saved_policies[n])
         for p, g in saved_grads:
             p.grad = g
+
+
+def _tune_fp8(
+    tuner: _Tuner,
+    cfg: FP8Config,
+    fp32: list[str],
+    current: RunError,
+    tolerance: float,
+    max_evaluations: int,
+) -> tuple[list[str], dict[str, str], RunError]:
+    """The FP8 stage of :func:`tune` (module docstring, step 4): (FP8 layers, why the other
+    candidates stay 16-bit, the final run's error)."""
+    x, y = tuner.batches[0]
+    loss_fn = None if tuner.loss_fn is None else (lambda out: tuner.loss_fn(out, y))
+    plan = fp8_plan(tuner.model, x if isinstance(x, tuple) else (x,), config=cfg, loss_fn=loss_fn)
+    linears, left_out = candidates(tuner.model)
+    reasons: dict[str, str] = {}
+    pool: list[str] = []
+    for name, m in linears:
+        if any(not k or name == k or name.startswith(f"{k}.") for k in fp32):
+            continue  # float32 (or a kept module's own 16-bit child): not an FP8 candidate
+        bad = layer_shape_ok(m.in_features, m.out_features)
+        if isinstance(cfg.layers, str):
+            wanted = plan[name].fp8 if cfg.layers == "auto" else name not in left_out and not bad
+            why = plan[name].reason if cfg.layers == "auto" else left_out.get(name, bad)
+        else:
+            wanted = bool(cfg.layers(name, m)) and not bad
+            why = bad or "not selected by the layers= predicate"
+        if wanted:
+            pool.append(name)
+        elif why:
+            reasons[name] = why
+
+    def config(layers: list[str]) -> FP8Config:
+        chosen = frozenset(layers)
+        return dataclasses.replace(cfg, layers=lambda name, module: name in chosen)
+
+    def worst_sqnr(name: str) -> float:
+        c = plan[name]
+        return min(s.sqnr for s in (c.input, c.weight, c.grad) if s is not None)
+
+    if not pool:
+        return [], reasons, current
+    run = tuner.evaluate(fp32, config(pool))
+    fp8 = list(pool)
+    dropped: list[str] = []
+    for name in sorted(pool, key=worst_sqnr):  # worst casts leave FP8 first
+        if run.within(tolerance) or tuner.evaluations >= max_evaluations:
+            break
+        fp8.remove(name)
+        dropped.append(name)
+        run = tuner.evaluate(fp32, config(fp8))
+    if run.within(tolerance):
+        for name in sorted(dropped, key=worst_sqnr, reverse=True):  # best casts back first
+            if tuner.evaluations >= max_evaluations:
+                break
+            again = tuner.evaluate(fp32, config([*fp8, name]))
+            if again.within(tolerance):
+                fp8.append(name)
+                run = again
+            else:
+                reasons[name] = f"in FP8: {again} (tolerance {tolerance:g})"
+    for name in dropped:
+        reasons.setdefault(name, "left FP8 while searching; the search stopped there")
+    order = {name: i for i, (name, _) in enumerate(linears)}
+    return sorted(fp8, key=order.__getitem__), reasons, run
 
 
 def _plain(values: dict[str, Any]) -> dict[str, Any]:

@@ -601,6 +601,87 @@ def scenario_fsdp_gpt() -> dict:
     return {"ddp": _train_gpt(False, steps), "fsdp": _train_gpt(True, steps)}
 
 
+def _train_fp8(fsdp: bool, steps: int) -> dict:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mixprec.bench.models import Block
+    from mixprec.core.float8 import E4M3, amax, scale_for
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func.overloadpacket.__name__ == "_scaled_mm"
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = GPT(GPT_SMALL)
+    make = lambda ps: torch.optim.AdamW(ps, lr=3e-3)  # noqa: E731
+    cfg = mixprec.FP8Config(layers="all")
+    if fsdp:
+        model, opt = mpd.initialize_fsdp(
+            model, make, level="O2", dtype=torch.bfloat16, units=Block, fp8=cfg
+        )
+        inner = model
+    else:
+        model, opt = mixprec.initialize(
+            model, make(model.parameters()), level="O2", dtype=torch.bfloat16, fp8=cfg
+        )
+        inner = model
+        model = mpd.wrap_ddp(model, opt)
+    scales: list[float] = []
+    fc = inner.blocks[0].fc  # the weight as the FP8 layer sees it (FSDP: all-gathered)
+    hook = fc.register_forward_pre_hook(
+        lambda m, a: scales.append(float(scale_for(amax(m.weight), E4M3)))
+    )
+    losses = []
+    for step in range(steps):
+        idx, tgt = tokens(step)
+        with Count():
+            loss = gpt_loss(model, local(idx), local(tgt))
+            opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        lv = loss.detach().clone()
+        dist.all_reduce(lv)
+        losses.append(lv.item() / WORLD)
+    hook.remove()
+    mine = torch.tensor(scales, dtype=torch.float64)
+    return {
+        "losses": losses,
+        "scaled_mm_per_step": Count.n / steps,
+        "fp8_layers": mixprec.fp8_plan(inner).chosen,
+        "scales_equal_across_ranks": all(bitwise_equal(mine, o) for o in gathered(mine)),
+        "scales_change": len(set(scales)) > 1,
+    }
+
+
+def scenario_fp8() -> dict:
+    steps = 8
+    return {"ddp": _train_fp8(False, steps), "fsdp": _train_fp8(True, steps)}
+
+
+def scenario_fp8_auto_agrees() -> dict:
+    """Ranks that judge their batches differently still run the same layers in FP8."""
+    from mixprec.core.fp8 import layers as fp8_layers
+    from mixprec.core.fp8.choice import FP8Choice
+
+    def judged(name, recipe, x, weight, target):  # rank 0's batch says FP8, rank 1's says no
+        return FP8Choice(name, RANK == 0, f"rank {RANK}'s numbers")
+
+    original = fp8_layers.decide
+    fp8_layers.decide = judged
+    try:
+        model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 4))
+        model = mixprec.initialize(model, None, "O2", torch.bfloat16, fp8=True)
+        with torch.no_grad():
+            model(torch.randn(4, 16))
+        plan = mixprec.fp8_plan(model)
+        return {"chosen": plan.chosen, "reason": plan["0"].reason}
+    finally:
+        fp8_layers.decide = original
+
+
 SCENARIOS = {
     name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")
 }
