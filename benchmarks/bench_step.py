@@ -42,7 +42,10 @@ def main() -> None:
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
     p.add_argument("--no-casts", action="store_true", help="skip the cast-counting pass")
     p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     report = check(verbose=False)
     header = (
