@@ -15,7 +15,8 @@ training steps), so nothing another mode allocated is counted. Three figures per
 * **tensor peak**: the largest total of live tensor bytes during one profiled step
   (``torch.profiler`` with ``profile_memory``), the figure CUDA's ``max_memory_allocated``
   gives on a GPU. On a CPU the allocator (glibc malloc) keeps freed blocks, so the process
-  peak carries a mode-dependent slack on top of this.
+  peak carries a mode-dependent slack on top of this; ``--mmap-threshold 65536`` runs the
+  processes with glibc returning freed blocks of 64 KiB and more, which removes most of it.
 
 "saved" is what autograd keeps for backward after one forward, weights and their 16-bit copies
 excluded, in MB (for ``activations=``, what the storage hooks keep: FP8 data and scales, 16-bit
@@ -38,6 +39,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -216,7 +218,17 @@ def child(mode: str, dtype: torch.dtype, steps: int, batch: int) -> dict[str, An
     )
 
 
-def measure(modes: list[str], runs: int, dtype_name: str, steps: int, batch: int) -> list[dict]:
+def measure(
+    modes: list[str],
+    runs: int,
+    dtype_name: str,
+    steps: int,
+    batch: int,
+    mmap_threshold: int | None = None,
+) -> list[dict]:
+    env = dict(os.environ)
+    if mmap_threshold is not None:  # glibc: blocks this large are mapped, and unmapped on free
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     rows = []
     for mode in modes:
         samples = []
@@ -237,6 +249,7 @@ def measure(modes: list[str], runs: int, dtype_name: str, steps: int, batch: int
                 capture_output=True,
                 text=True,
                 check=False,
+                env=env,
             )
             if out.returncode:
                 raise RuntimeError(f"{mode} run {r} failed:\n{out.stderr[-3000:]}")
@@ -331,6 +344,13 @@ def main() -> None:
     p.add_argument("--train", type=int, default=0, help="also train TRAIN modes this many steps")
     p.add_argument("--train-modes", nargs="+", default=list(TRAIN))
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=None,
+        help="run the processes with glibc's MALLOC_MMAP_THRESHOLD_ fixed at this many bytes, "
+        "so freed large blocks go back to the system (the process peak then follows live memory)",
+    )
     p.add_argument("--json")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -349,8 +369,10 @@ def main() -> None:
         f"threads · torch {torch.__version__} · python {platform.python_version()} · "
         f"{args.dtype} · GPT 4x384, T 256, batch {args.batch}, AdamW"
     )
+    if args.mmap_threshold is not None:
+        header += f" · MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}"
     print(header)
-    rows = measure(args.modes, args.runs, args.dtype, args.steps, args.batch)
+    rows = measure(args.modes, args.runs, args.dtype, args.steps, args.batch, args.mmap_threshold)
     table = memory_table(rows)
     print(table)
     doc: dict[str, Any] = dict(header=header, memory=rows, memory_table=table)
