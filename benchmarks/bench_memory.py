@@ -3,6 +3,7 @@
     python benchmarks/bench_memory.py                      # all modes, the GPT, 2 runs each
     python benchmarks/bench_memory.py --modes torch-autocast O2 O3+fp8 --runs 3
     python benchmarks/bench_memory.py --train 300          # + loss and step time per option
+    python benchmarks/bench_memory.py --modes --train 300 --train-modes O3 O3+fp8
     python benchmarks/bench_memory.py --json out.json
 
 Memory. Each mode runs in a fresh Python process (imports, model, optimizer, ``--steps``
@@ -336,7 +337,7 @@ def train_table(rows: list[dict]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--modes", nargs="+", default=list(MODES))
+    p.add_argument("--modes", nargs="*", default=list(MODES), help="none: training only")
     p.add_argument("--runs", type=int, default=2, help="fresh processes per mode")
     p.add_argument("--steps", type=int, default=3, help="training steps per process")
     p.add_argument("--batch", type=int, default=16)
@@ -372,10 +373,13 @@ def main() -> None:
     if args.mmap_threshold is not None:
         header += f" · MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}"
     print(header)
-    rows = measure(args.modes, args.runs, args.dtype, args.steps, args.batch, args.mmap_threshold)
-    table = memory_table(rows)
-    print(table)
-    doc: dict[str, Any] = dict(header=header, memory=rows, memory_table=table)
+    doc: dict[str, Any] = dict(header=header)
+    if args.modes:
+        rows = measure(
+            args.modes, args.runs, args.dtype, args.steps, args.batch, args.mmap_threshold
+        )
+        doc.update(memory=rows, memory_table=memory_table(rows))
+        print(doc["memory_table"])
     if args.train:
         trained = train(args.train_modes, args.train, dtype)
         doc["train"], doc["train_table"] = trained, train_table(trained)
