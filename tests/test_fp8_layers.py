@@ -23,17 +23,10 @@ from mixprec.core.fp8 import layers as fp8_layers
 from mixprec.core.fp8.layers import FP8Forward, layers_of
 
 BLOCK = ("attn.qkv", "attn.proj", "fc", "fc_proj")
-pytestmark = pytest.mark.filterwarnings("ignore:FP8 on CPU is emulated")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One thread: the emulated FP8 GEMMs are many small calls, which oversubscribe a shared
-    CPU (8x slower here with two threads); the numbers compared are all made alike."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:FP8 on CPU is emulated"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 def gpt(n_embd: int = 32, n_layer: int = 2, seed: int = 0, vocab: int = 64) -> GPT:

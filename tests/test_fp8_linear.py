@@ -17,15 +17,7 @@ from mixprec.core.fp8.linear import fp8_linear
 
 RECIPE_NAMES = sorted(RECIPES)
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One thread: the emulated FP8 GEMMs are many small calls, which oversubscribe a shared
-    CPU (8x slower here with two threads); the numbers compared are all made alike."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class CountGemms(TorchDispatchMode):

@@ -20,17 +20,10 @@ from mixprec import FP8Config
 from mixprec.bench.models import GPT, GPTConfig
 from tests.training_helpers import assert_bitwise
 
-pytestmark = pytest.mark.filterwarnings("ignore:FP8 on CPU is emulated")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One thread: the emulated FP8 GEMMs are many small calls, which oversubscribe a shared
-    CPU (8x slower here with two threads); the numbers compared are all made alike."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:FP8 on CPU is emulated"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 
 V = 64
