@@ -320,7 +320,7 @@ def _with_storage(
     compiles as a frame of its own -- the boundary and the whole forward in one graph, with the
     hooks active around it.
     """
-    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+    if _caller_hooks() is not None:
         # the caller's own hooks (torch.utils.checkpoint around the model, save_on_cpu, ...)
         # decide how this forward's tensors are saved; ours, innermost, would override them
         warnings.warn(
@@ -336,6 +336,12 @@ def _with_storage(
         return _run(spec, forward, args, kwargs)
     finally:
         close(hooks)
+
+
+def _caller_hooks() -> Any:
+    """The saved-tensor hooks active around this call (None: none, or a torch that cannot say)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
 
 
 _untraced: dict[str, Any] = {}  # the above, kept out of dynamo's tracing (once it is loaded)
