@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from mixprec.core import dispatch
+from mixprec.core import dispatch, traced
 from mixprec.core.cast_table import DEFAULT_TABLE, cast_rules
 from mixprec.core.torch_lists import TORCH_AUTOCAST
 
@@ -175,7 +175,7 @@ def test_compile_has_no_graph_breaks_and_matches_eager(level):
     torch._dynamo.reset()
     model, _ = _init(level)
     explained = torch._dynamo.explain(model)(X)
-    if dispatch._dynamo_traces_autocast_setters():  # torch >= 2.13
+    if traced.dynamo_traces_autocast_setters():  # torch >= 2.13
         assert explained.graph_break_count == 0 and explained.graph_count == 1
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")
@@ -203,7 +203,7 @@ def test_compile_does_not_recompile_when_the_loss_scale_changes():
         scaler.update(found_inf=True)  # an overflow: the scale halves
     assert scales == [scales[0], scales[0] / 2, scales[0] / 4]
     assert compiled == [compiled[0]] * 3  # compiled once, never again
-    if dispatch._dynamo_traces_autocast_setters():
+    if traced.dynamo_traces_autocast_setters():
         assert compiled[0] == 1
 
 

@@ -8,6 +8,7 @@ Data flows down this list (see ``docs/design.md``):
   own autocast lists, so the differences are known;
 * :mod:`~mixprec.core.dispatch` and :mod:`~mixprec.core.engine` -- the eager engine: an
   ``autocast`` region on torch's Autocast dispatch keys, module boundaries and ``set_policy``;
+  :mod:`~mixprec.core.traced` -- the engine's frames under ``torch.compile``;
   :mod:`~mixprec.core.kernels` -- faster 16-bit formulations of a few ops;
 * :mod:`~mixprec.core.loss_scale` -- static and dynamic loss scaling;
 * :mod:`~mixprec.core.optimizer` -- fp32 master weights, unscale and finite check, skipped steps,

@@ -140,6 +140,7 @@ class _State(threading.local):
     def __init__(self) -> None:
         self.frames: list[Frame] = []
         self.busy = False  # inside one of mixprec's kernels
+        self.compiling: Any = None  # a torch.compile compilation under way (mixprec.core.traced)
 
 
 _state = _State()
@@ -207,8 +208,8 @@ def push(
         torch.is_autocast_cache_enabled(),
     )
     tracing = torch.compiler.is_dynamo_compiling()
-    if tracing:  # a graph node: the compiler's tracing pushes it
-        _enter_traced(frame.dtype, frame.kernels, bool(frame.fp32_inside))
+    if tracing:  # a graph node: the compiler's tracing pushes it (mixprec.core.traced)
+        _traced[0](frame.dtype, frame.kernels, bool(frame.fp32_inside))
     elif torch.compiler.is_exporting():
         # torch.export records ops above the autocast keys, where these kernels never run:
         # apply the rules at the Python level instead, so the program stores the casts
@@ -245,7 +246,7 @@ def pop(frame: Frame, saved: _Saved) -> None:
         return
     tracing = torch.compiler.is_dynamo_compiling()
     if tracing:
-        _exit_traced()
+        _traced[1]()
     elif not _state.frames or _state.frames[-1] != frame:
         raise RuntimeError("mixprec.autocast regions were exited out of order.")
     else:
@@ -270,22 +271,14 @@ def pop(frame: Frame, saved: _Saved) -> None:
         torch.clear_autocast_cache()
 
 
-# Under torch.compile the frame push and pop become nodes of the captured graph, so that the
-# compiler's own tracing of the graph (which runs the kernels below on fake tensors) sees the
-# same frames as eager mode and bakes mixprec's casts into the compiled code.
-@torch.fx.node.has_side_effect
-def _enter_traced(dtype: torch.dtype | None, kernels: str, fp32_inside: bool) -> None:
-    if _synced[0] != cast_table._version[0]:
-        sync(first=True)
-    _enter(Frame(dtype, kernels, FP32_INSIDE_OPS if fp32_inside else frozenset()))
-
-
-@torch.fx.node.has_side_effect
-def _exit_traced() -> None:
-    _state.frames.pop()
+# Under torch.compile the frame push and pop are graph nodes, set by mixprec.core.traced when
+# dynamo is imported: (enter, exit).
+_traced: list[Callable] = []
 
 
 def _frame_for_kernel(device: str) -> Frame | None:
+    if _state.compiling is not None:
+        _state.compiling.sync()  # a tracing pass of torch.compile: its own stack
     frames = _state.frames
     if frames:
         return frames[-1]
@@ -632,30 +625,6 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         torch.clear_autocast_cache()  # weights changed in place inside a region
 
 
-def _dynamo_traces_autocast_setters() -> bool:
-    """torch >= 2.13's dynamo records torch.set_autocast_dtype and autocast_increment_nesting in
-    the graph; older ones graph-break on them, half-way through :func:`push`."""
-    rules = getattr(
-        sys.modules.get("torch._dynamo.trace_rules"), "torch_c_binding_in_graph_functions", {}
-    )
-    return "torch.set_autocast_dtype" in rules and "torch._C.autocast_increment_nesting" in rules
-
-
-def _register_with_dynamo() -> None:
-    """Make the frame push/pop graph nodes for dynamo. Run when ``torch._dynamo`` is imported
-    (by the first torch.compile or torch.export), not at ``import mixprec``: importing dynamo
-    took ~1.9 s of the ~2.1 s mixprec added to ``import torch`` (EPYC, torch 2.13)."""
-    global push, pop  # noqa: PLW0603 - replaced once, when dynamo arrives, before any trace
-    dynamo = sys.modules["torch._dynamo"]
-    dynamo.allow_in_graph(_enter_traced)
-    dynamo.allow_in_graph(_exit_traced)
-    if not _dynamo_traces_autocast_setters():
-        # Older dynamo: run push/pop eagerly (one clean graph break at each module boundary)
-        # rather than half-traced, which left a frame pushed by a graph node without its pop.
-        push = dynamo.disable(push)
-        pop = dynamo.disable(pop)
-
-
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs ``callback`` once, right after module ``name`` is first imported (a post-import
     hook: the module itself is loaded as usual, by its own finder and loader)."""
@@ -680,10 +649,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if "torch._dynamo" in sys.modules:
-    _register_with_dynamo()
-else:
-    sys.meta_path.insert(0, _AfterImport("torch._dynamo", _register_with_dynamo))
+def after_import(name: str, callback: Callable[[], None]) -> None:
+    """Run ``callback`` right after module ``name`` is first imported."""
+    sys.meta_path.insert(0, _AfterImport(name, callback))
+
 
 register_optimizer_step_post_hook(_after_step)
 cast_table._listeners.append(sync)

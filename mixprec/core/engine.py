@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree
 
-from mixprec.core import dispatch
+from mixprec.core import dispatch, traced  # noqa: F401 - traced: frames under torch.compile
 from mixprec.core.activations import ActivationConfig, SavedTensorStorage
 from mixprec.core.dispatch import FP32_INSIDE_OPS, Frame, cast_leaf
 from mixprec.core.fp8 import layers as fp8_layers
@@ -282,9 +282,9 @@ def _run(spec: Boundary, forward: Any, args: tuple, kwargs: dict) -> Any:
     frame = _frame_for(spec.policy, spec.kernels, spec.fp32_inside) if spec.engine else None
     saved = dispatch.push(frame) if frame is not None else None
     if torch.compiler.is_compiling():
-        # no try block: dynamo cannot resume a frame inside one, so a graph break in the
-        # forward ran the rest of this function in Python with the traced push unmatched,
-        # and engine frames piled up on the thread after the compiled call returned
+        # no try block: dynamo cannot resume a frame inside one (a graph break in the forward
+        # ran the rest of this function in Python, the traced push unmatched); the frames the
+        # compiler's traces push are undone by mixprec.core.traced
         output = forward(*args, **kwargs)
         if frame is not None:
             dispatch.pop(frame, saved)

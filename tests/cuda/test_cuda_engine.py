@@ -12,7 +12,7 @@ from test_engine_dispatch import _Block, _Net
 from torch import nn
 
 import mixprec
-from mixprec.core import dispatch
+from mixprec.core import traced
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -82,7 +82,7 @@ def test_compile_on_cuda(level):
     model, opt = mixprec.initialize(model, opt, level=level, dtype=BF16)
     x = torch.randn(4, 8, device="cuda")
     breaks = torch._dynamo.explain(model)(x).graph_break_count
-    assert breaks == 0 or not dispatch._dynamo_traces_autocast_setters()  # torch < 2.13 breaks
+    assert breaks == 0 or not traced.dynamo_traces_autocast_setters()  # torch < 2.13 breaks
     torch._dynamo.reset()
     assert torch.equal(torch.compile(model, backend="aot_eager")(x), model(x))
     torch._dynamo.reset()
@@ -106,7 +106,7 @@ def test_loss_scale_change_does_not_recompile_on_cuda():
         fn(x)
         compiled.append(counter.frame_count)
         scaler.update(found_inf=True)
-    if dispatch._dynamo_traces_autocast_setters():  # torch >= 2.13: one graph, compiled once
+    if traced.dynamo_traces_autocast_setters():  # torch >= 2.13: one graph, compiled once
         assert compiled == [compiled[0]] * 3
     else:  # older dynamo breaks at the boundary; seen on 2.11: one late frame, then stable
         assert compiled[2] == compiled[1]

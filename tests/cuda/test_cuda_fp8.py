@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mixprec
 from mixprec import FP8Config
 from mixprec.bench.models import GPT, GPTConfig
+from mixprec.core import traced
 from mixprec.core.float8 import E4M3, dequantize, quantize, sqnr
 from mixprec.core.fp8 import layers as fp8_layers
 from mixprec.core.fp8.config import RECIPES
@@ -88,7 +89,6 @@ def _step(model, opt, x):
 
 
 def test_cuda_gpt_trains_with_fp8_compiled_without_graph_breaks():
-    from mixprec.core import dispatch
 
     model = _gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -103,7 +103,7 @@ def test_cuda_gpt_trains_with_fp8_compiled_without_graph_breaks():
     torch._dynamo.reset()
     baseline = torch._dynamo.explain(bf16)(x).graph_break_count
     assert breaks == baseline  # FP8 adds none (torch < 2.13 breaks at the engine's boundary)
-    if dispatch._dynamo_traces_autocast_setters():
+    if traced.dynamo_traces_autocast_setters():
         assert breaks == 0
     torch._dynamo.reset()
     compiled = torch.compile(model)
