@@ -277,8 +277,11 @@ _traced: list[Callable] = []
 
 
 def _frame_for_kernel(device: str) -> Frame | None:
-    if _state.compiling is not None:
-        _state.compiling.sync()  # a tracing pass of torch.compile: its own stack
+    compiling = _state.compiling
+    if compiling is not None and not torch.compiler.is_dynamo_compiling():
+        # a tracing pass of torch.compile: its own stack (and when dynamo traces this very
+        # kernel, called by eager code that runs under its frame hook, nothing to do)
+        compiling.sync()
     frames = _state.frames
     if frames:
         return frames[-1]

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree
 
-from mixprec.core import dispatch, traced  # noqa: F401 - traced: frames under torch.compile
+from mixprec.core import dispatch, traced
 from mixprec.core.activations import ActivationConfig, SavedTensorStorage
 from mixprec.core.dispatch import FP32_INSIDE_OPS, Frame, cast_leaf
 from mixprec.core.fp8 import layers as fp8_layers
@@ -274,26 +274,53 @@ class _Forward:
         return _run(spec, forward, args, kwargs)
 
 
+def _traced_region(frame: Frame, forward: Any, args: tuple, kwargs: dict) -> Any:
+    """``forward`` inside ``frame`` while dynamo traces it. torch.autocast's state comes from
+    ``with torch.autocast(...)`` regions of the frame's setting, one per device type the frame
+    sets: dynamo leaves those at a graph break and enters them again around the code at the
+    break and the graph after it, where state set by hand would not outlive the first graph
+    (AOTAutograd runs compiled graphs with autocast disabled). The frame itself is the
+    graph node of :mod:`mixprec.core.traced`, which keeps it across a break."""
+    dtype, on = frame.dtype or torch.bfloat16, frame.dtype is not None
+    with torch.autocast("cpu", dtype=dtype, enabled=on):
+        if "cuda" not in dispatch._devices():
+            return _in_frame(frame, forward, args, kwargs)
+        with torch.autocast("cuda", dtype=dtype, enabled=on):
+            return _in_frame(frame, forward, args, kwargs)
+
+
+def _in_frame(frame: Frame, forward: Any, args: tuple, kwargs: dict) -> Any:
+    enter, exit_ = dispatch._traced
+    enter(frame.dtype, frame.kernels, bool(frame.fp32_inside), True)
+    output = forward(*args, **kwargs)  # no try block: dynamo cannot resume a frame inside one
+    exit_()
+    return output
+
+
 def _run(spec: Boundary, forward: Any, args: tuple, kwargs: dict) -> Any:
     """``forward`` inside the boundary ``spec``: inputs cast, engine frame, outputs cast."""
     if spec.cast_inputs:
         dtype = spec.policy.compute_dtype
         args, kwargs = cast_tree(args, dtype), cast_tree(kwargs, dtype)
     frame = _frame_for(spec.policy, spec.kernels, spec.fp32_inside) if spec.engine else None
-    saved = dispatch.push(frame) if frame is not None else None
-    if torch.compiler.is_compiling():
-        # no try block: dynamo cannot resume a frame inside one (a graph break in the forward
-        # ran the rest of this function in Python, the traced push unmatched); the frames the
-        # compiler's traces push are undone by mixprec.core.traced
+    if frame is None:
         output = forward(*args, **kwargs)
-        if frame is not None:
-            dispatch.pop(frame, saved)
+    elif (
+        torch.compiler.is_dynamo_compiling()
+        and not torch.compiler.is_exporting()  # export: push() records the casts
+        and traced.frames_in_graph()
+    ):
+        output = _traced_region(frame, forward, args, kwargs)
+    elif torch.compiler.is_compiling():  # push and pop run eagerly (dynamo before torch 2.13)
+        saved = dispatch.push(frame)
+        output = forward(*args, **kwargs)
+        dispatch.pop(frame, saved)
     else:
+        saved = dispatch.push(frame)
         try:
             output = forward(*args, **kwargs)
         finally:
-            if frame is not None:
-                dispatch.pop(frame, saved)
+            dispatch.pop(frame, saved)
     if output is None or not spec.cast_outputs:
         return output
     return cast_tree(output, spec.policy.output_dtype)

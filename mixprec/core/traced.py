@@ -9,19 +9,26 @@ a whole region compiles to code that never touches the stack, at no run-time cos
 
 A graph break inside a region (a ``print``, an ``.item()``, a data-dependent branch) splits it:
 one graph ends after the push, the next starts before the pop. Every tracing pass of the first
-graph ran the push and none the pop, and the frames they left on the thread leaked into whatever
-ran next, plain ``torch.autocast`` code included (its ops took mixprec's rules). So traces leave
-no trace: a compilation starts from the stack as it stands at run time (a snapshot at dynamo's
-compile-start callback), each tracing pass starts again from that snapshot (a pass is told apart
-by the fake, proxy and functional mode objects it runs under), and the compile-end callback
-restores it.
+graph runs the push and none the pop; left on the thread, those frames would leak into whatever
+ran next, plain ``torch.autocast`` code included. And AOTAutograd runs compiled graphs with
+autocast disabled, so a switch made while tracing is not in force at run time. Three rules keep
+a split region what it is in eager mode:
 
-What this does not give: the code at a graph break, and the graph after it, run without the
-region under AOTAutograd backends (inductor). AOTAutograd calls the compiled graph with autocast
-disabled and restores autocast's state on return, so the frame's autocast switch, made while
-tracing, is not in force at run time; the rest of the region runs in its inputs' dtypes, as
-plain code, until the region's end (a warning says so). Whole regions in one graph (no
-break) are unaffected.
+* **Traces leave no trace.** A compilation starts from the stack as it stands at run time (a
+  snapshot at dynamo's compile-start callback); each tracing pass starts again from it (a pass
+  is told apart by the fake, proxy and functional mode objects it runs under); the compile-end
+  callback restores it.
+* **An unbalanced graph keeps its pushes and pops as ops.** When dynamo's trace of a graph leaves
+  the stack other than it found it, AOTAutograd's passes record each push and pop as a
+  side-effect op (``mixprec::enter_frame`` / ``exit_frame``), so at run time the frame is on the
+  stack for the code at the break and for the trace of the graph after it, whose pop takes it
+  off. A graph holding whole regions records none.
+* **torch.autocast's state comes from ``with`` statements.** Under compile a module boundary
+  enters ``torch.autocast`` regions with the frame's setting
+  (:func:`mixprec.core.engine._traced_region`); dynamo leaves them at a break and enters them
+  again around the code at the break and the graph after it. A ``mixprec.autocast`` region
+  sets autocast's state itself, which does not outlive its graph: split, the rest of it runs
+  without mixed precision, and a ``MixprecPerformanceWarning`` says so once.
 
 A torch whose dynamo cannot record autocast's setters in a graph (before 2.13) runs the push
 and pop eagerly, with one graph break at each boundary. There the stack is only ever changed at
@@ -55,8 +62,9 @@ class _Compilation:
         self.snapshot = list(frames)
         self.passes: list[tuple[Any, ...]] = []  # the modes of each pass (held: ids stay unique)
         self.current: tuple[Any, ...] | None = None
-        self.split = False  # a graph ends inside a region, or starts inside one
-        self.aot = False  # AOTAutograd traced (its passes run under proxy or functional modes)
+        self.keep_ops: bool | None = None  # decided when AOTAutograd's first pass begins
+        self.open: list[bool] = []  # per frame this pass pushed: entered in torch.autocast's way
+        self.lost = False  # a region split without torch.autocast regions to carry its state
 
     def sync(self) -> None:
         """Start the stack afresh from the snapshot when a new tracing pass begins."""
@@ -67,17 +75,15 @@ class _Compilation:
         if any(all(a is b for a, b in zip(modes, seen)) for seen in self.passes):
             return  # a pass resumed (a re-propagation under dynamo's modes): its stack stands
         self.passes.append(modes)
-        self.aot = self.aot or modes[1] is not None or modes[2] is not None
-        self.split = self.split or _state.frames != self.snapshot
+        if self.keep_ops is None and (modes[1] is not None or modes[2] is not None):
+            # AOTAutograd's first pass: dynamo's trace of the graph is complete
+            self.keep_ops = _state.frames != self.snapshot
+            self.lost = not all(self.open)
         _state.frames[:] = self.snapshot
+        self.open = []
 
-    def pop(self) -> None:
-        """A region's pop: of a frame this trace pushed; else the region began before this
-        graph (a graph break inside it)."""
-        if len(_state.frames) > len(self.snapshot):
-            _state.frames.pop()
-        else:
-            self.split = True
+    def recording(self) -> bool:
+        return bool(self.keep_ops) and not torch.compiler.is_exporting()
 
 
 def _compilation() -> _Compilation | None:
@@ -99,8 +105,11 @@ def _frame(dtype: torch.dtype | None, kernels: str, fp32_inside: bool) -> Frame:
 
 
 @torch.fx.node.has_side_effect
-def enter(dtype: torch.dtype | None, kernels: str, fp32_inside: bool) -> None:
-    """The push of a region, as a graph node."""
+def enter(
+    dtype: torch.dtype | None, kernels: str, fp32_inside: bool, in_autocast: bool = False
+) -> None:
+    """The push of a region, as a graph node; ``in_autocast``: inside torch.autocast regions
+    of the frame's setting (a module boundary), which dynamo carries across a graph break."""
     if dispatch._synced[0] != cast_table._version[0]:
         dispatch.sync(first=True)
     compiling = _compilation()
@@ -109,6 +118,9 @@ def enter(dtype: torch.dtype | None, kernels: str, fp32_inside: bool) -> None:
         return
     compiling.sync()
     _state.frames.append(_frame(dtype, kernels, fp32_inside))
+    compiling.open.append(in_autocast)
+    if compiling.recording():
+        torch.ops.mixprec.enter_frame(dtype, kernels, fp32_inside)
 
 
 @torch.fx.node.has_side_effect
@@ -119,7 +131,40 @@ def exit() -> None:
         _state.frames.pop()
         return
     compiling.sync()
-    compiling.pop()
+    if compiling.recording():
+        torch.ops.mixprec.exit_frame()
+    if _state.frames:  # empty: a region that began before a graph the run did not keep
+        _state.frames.pop()
+    if compiling.open:
+        compiling.open.pop()
+
+
+# -- the run-time ops of an unbalanced graph -------------------------------------------------
+
+_lib = torch.library.Library("mixprec", "FRAGMENT")
+_lib.define("enter_frame(ScalarType? dtype, str kernels, bool fp32_inside) -> ()")
+_lib.define("exit_frame() -> ()")
+
+
+def _enter_frame(dtype: torch.dtype | None, kernels: str, fp32_inside: bool) -> None:
+    _state.frames.append(_frame(dtype, kernels, fp32_inside))
+
+
+def _exit_frame() -> None:
+    if _state.frames:
+        _state.frames.pop()
+
+
+def _traced_already(*args: Any) -> None:
+    """Under fake tensors (a trace): the graph node's own Python did the work."""
+
+
+_lib.impl("enter_frame", _enter_frame, "CompositeExplicitAutograd")
+_lib.impl("exit_frame", _exit_frame, "CompositeExplicitAutograd")
+torch.library.register_fake("mixprec::enter_frame", _traced_already, lib=_lib)
+torch.library.register_fake("mixprec::exit_frame", _traced_already, lib=_lib)
+torch.fx.node.has_side_effect(torch.ops.mixprec.enter_frame.default)
+torch.fx.node.has_side_effect(torch.ops.mixprec.exit_frame.default)
 
 
 # -- wiring, when dynamo arrives --------------------------------------------------------------
@@ -137,18 +182,18 @@ def _compile_end(*args: Any) -> None:
     compiling, _state.compiling = _state.compiling, None
     if compiling is None:
         return
-    if compiling.aot and (compiling.split or _state.frames != compiling.snapshot) and not _warned:
+    _state.frames[:] = compiling.snapshot
+    if compiling.keep_ops and compiling.lost and not _warned:
         _warned.append(True)  # once a process
         warnings.warn(
-            "torch.compile split a mixprec region at a graph break: under AOTAutograd "
-            "backends (inductor) the code from the break to the region's end runs without "
-            "mixed precision. Find the break with torch._dynamo.explain(model)(inputs) or "
-            "torch.compile(..., fullgraph=True), and remove it, or compile the modules "
-            "inside the region one by one.",
+            "torch.compile split a mixprec.autocast region at a graph break: under "
+            "AOTAutograd backends (inductor) the code from the break to the region's end runs "
+            "without mixed precision. Find the break with torch._dynamo.explain(fn)(inputs) "
+            "and remove it, or put the region inside a module that mixprec.initialize or "
+            "set_policy prepared (a module's region survives a graph break).",
             MixprecPerformanceWarning,
             stacklevel=2,
         )
-    _state.frames[:] = compiling.snapshot
 
 
 def _add_callbacks(dynamo: Any) -> None:

@@ -31,6 +31,7 @@ optimizer skips the step.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -154,7 +155,7 @@ class _FP8Linear(torch.autograd.Function):
         n = weight.shape[0]
         dy2 = dy.reshape(-1, n)
         dx = dw = db = qdy = None
-        with torch.autocast(dy.device.type, enabled=False):
+        with _autocast_off(dy.device.type):
             if ctx.needs_input_grad[0]:
                 qdy = _q(dy2, recipe.grad_dtype, recipe, -1)
                 qw = _q(weight, E4M3, recipe, 0)  # rowwise: per column, along this GEMM's N
@@ -173,6 +174,16 @@ class _FP8Linear(torch.autograd.Function):
             if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
                 db = dy2.sum(0).to(ctx.bias_dtype)
         return dx, dw, db, None, None
+
+
+def _autocast_off(device: str) -> Any:
+    """Backward's ops as written, whatever autocast state ``backward()`` was called in. Under
+    torch.compile AOTAutograd traces backward outside every autocast region (and runs it with
+    autocast disabled), and a region entered inside a traced backward, under an outer
+    ``torch.autocast`` region, failed dynamo's global-state check: none there."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return torch.autocast(device, enabled=False)
 
 
 def fp8_linear(
