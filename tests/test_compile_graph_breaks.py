@@ -166,3 +166,19 @@ def test_torch_compile_of_plain_code_after_a_split_region_is_plain():
 
     assert torch.equal(torch.compile(plain, backend="aot_eager")(X), plain(X))
     assert plain(X).dtype == BF16 and dispatch.depth() == 0
+
+
+def test_a_module_policy_nested_in_a_compiled_model_compiles_to_one_graph():
+    """The inner boundary reads the outer region's setting while dynamo traces: no guard on
+    the thread's stack (one on its trace-time frames failed to build)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 8))
+    model, _ = mixprec.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), "O1", BF16)
+    mixprec.set_policy(net[2], "float32")  # the head in float32
+    explained = torch._dynamo.explain(model)(X)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    torch._dynamo.reset()
+    got = torch.compile(model, backend="aot_eager")(X)
+    assert got.dtype == torch.float32 and torch.equal(got, model(X))
+    assert dispatch.depth() == 0

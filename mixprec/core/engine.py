@@ -226,12 +226,19 @@ def _boundary(module: nn.Module) -> Boundary | None:
     policy = get_policy(module)
     if policy is None:
         return None
+    kernels, fp32_inside = _outer_setting()
+    return Boundary(policy, kernels=kernels, fp32_inside=fp32_inside)
+
+
+def _outer_setting() -> tuple[str, bool]:
+    """The enclosing region's kernels and fp32-inside setting. A constant for dynamo: it runs
+    this at trace time and installs no guard on the thread's stack, which holds trace-time
+    frames then (a guard on them failed to build once the compilation had restored it)."""
     outer = dispatch.top()
-    return Boundary(
-        policy,
-        kernels=outer.kernels if outer else "auto",
-        fp32_inside=bool(outer and outer.fp32_inside),
-    )
+    return (outer.kernels, bool(outer.fp32_inside)) if outer else ("auto", False)
+
+
+_outer_setting._dynamo_marked_constant = True  # torch.compiler.assume_constant_result's mark
 
 
 class _Forward:
