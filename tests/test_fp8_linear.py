@@ -14,6 +14,7 @@ from mixprec.core.float8 import E4M3, E5M2, dequantize, quantize, quantize_chunk
 from mixprec.core.fp8.config import RECIPES
 from mixprec.core.fp8.gemm import check_gemm, scaled_mm
 from mixprec.core.fp8.linear import fp8_linear
+from tests.training_helpers import linear_run
 
 RECIPE_NAMES = sorted(RECIPES)
 
@@ -43,20 +44,13 @@ def _layer(m: int, k: int, n: int, seed: int = 0):
     return x, w, b, dy
 
 
-def _run(fn, x, w, b, dy):
-    x, w, b = (t.clone().requires_grad_() for t in (x, w, b))
-    y = fn(x, w, b)
-    y.backward(dy)
-    return y.detach(), x.grad, w.grad, b.grad
-
-
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 @pytest.mark.parametrize(("m", "k", "n"), [(16, 32, 48), (3 * 17, 64, 32), (256, 128, 256)])
 def test_fp8_linear_matches_the_bf16_layer_within_torchaos_sqnr(recipe, m, k, n):
     x, w, b, dy = _layer(m, k, n)
     r = RECIPES[recipe]
-    ref = _run(F.linear, x, w, b, dy)
-    out = _run(lambda x, w, b: fp8_linear(x, w, b, r, torch.bfloat16), x, w, b, dy)
+    ref = linear_run(F.linear, x, w, b, dy)
+    out = linear_run(lambda x, w, b: fp8_linear(x, w, b, r, torch.bfloat16), x, w, b, dy)
     y, dx, dw, db = out
     assert [t.dtype for t in out] == [torch.bfloat16] * 4
     assert sqnr(ref[0], y) >= 18 and sqnr(ref[2], dw) >= 17  # torchao's Float8Linear test
@@ -74,7 +68,7 @@ def test_all_three_gemms_run_through_scaled_mm_with_the_recipes_formats(recipe):
     x, w, b, dy = _layer(32, 64, 48)
     r = RECIPES[recipe]
     with CountGemms() as c:
-        _run(lambda x, w, b: fp8_linear(x, w, b, r, torch.bfloat16), x, w, b, dy)
+        linear_run(lambda x, w, b: fp8_linear(x, w, b, r, torch.bfloat16), x, w, b, dy)
     assert [name for name, *_ in c.calls] == ["_scaled_mm"] * 3
     fwd, dx, dw = c.calls
     assert fwd[1:] == (E4M3, E4M3)
@@ -186,8 +180,8 @@ def test_compiled_fp8_linear_equals_eager_bit_for_bit(recipe):
     def fn(x, w, b):
         return fp8_linear(x, w, b, r, torch.bfloat16)
 
-    eager = _run(fn, x, w, b, dy)
+    eager = linear_run(fn, x, w, b, dy)
     torch._dynamo.reset()
-    compiled = _run(torch.compile(fn, fullgraph=True), x, w, b, dy)
+    compiled = linear_run(torch.compile(fn, fullgraph=True), x, w, b, dy)
     for e, c in zip(eager, compiled):
         assert e.dtype == c.dtype and torch.equal(e, c)

@@ -10,6 +10,14 @@ from torch import Tensor, nn
 INF, NAN = float("inf"), float("nan")
 
 
+def linear_run(fn, x: Tensor, w: Tensor, b: Tensor, dy: Tensor) -> tuple[Tensor, ...]:
+    """``fn(x, w, b)`` forward and backward from ``dy`` on fresh leaves: output and gradients."""
+    x, w, b = (t.clone().requires_grad_() for t in (x, w, b))
+    y = fn(x, w, b)
+    y.backward(dy)
+    return y.detach(), x.grad, w.grad, b.grad
+
+
 def make_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 4))

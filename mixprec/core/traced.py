@@ -61,7 +61,6 @@ class _Compilation:
     def __init__(self, frames: list[Frame]) -> None:
         self.snapshot = list(frames)
         self.passes: list[tuple[Any, ...]] = []  # the modes of each pass (held: ids stay unique)
-        self.current: tuple[Any, ...] | None = None
         self.keep_ops: bool | None = None  # decided when AOTAutograd's first pass begins
         self.open: list[bool] = []  # per frame this pass pushed: entered in torch.autocast's way
         self.lost = False  # a region split without torch.autocast regions to carry its state
@@ -69,11 +68,8 @@ class _Compilation:
     def sync(self) -> None:
         """Start the stack afresh from the snapshot when a new tracing pass begins."""
         modes = tuple(torch._C._get_dispatch_mode(k) for k in _MODES)
-        if self.current is not None and all(a is b for a, b in zip(modes, self.current)):
-            return
-        self.current = modes
         if any(all(a is b for a, b in zip(modes, seen)) for seen in self.passes):
-            return  # a pass resumed (a re-propagation under dynamo's modes): its stack stands
+            return  # the same pass, or one resumed (a re-propagation): its stack stands
         self.passes.append(modes)
         if self.keep_ops is None and (modes[1] is not None or modes[2] is not None):
             # AOTAutograd's first pass: dynamo's trace of the graph is complete

@@ -18,6 +18,7 @@ from mixprec.core.float8 import E4M3, dequantize, quantize, sqnr
 from mixprec.core.fp8 import layers as fp8_layers
 from mixprec.core.fp8.config import RECIPES
 from mixprec.core.fp8.linear import fp8_linear
+from tests.training_helpers import linear_run
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
@@ -45,31 +46,24 @@ def _layer(m, k, n, seed=0):
     return x, w, b, dy
 
 
-def _run(fn, x, w, b, dy):
-    x, w, b = (t.clone().requires_grad_() for t in (x, w, b))
-    y = fn(x, w, b)
-    y.backward(dy)
-    return y.detach(), x.grad, w.grad, b.grad
-
-
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_cuda_fp8_linear_numbers_and_compile_equals_eager(recipe):
     r = RECIPES[recipe]
     x, w, b, dy = _layer(250, 512, 384)  # 250 tokens: the weight-gradient GEMM pads to 256
-    ref = _run(F.linear, x, w, b, dy)
+    ref = linear_run(F.linear, x, w, b, dy)
 
     def fn(x, w, b):
         return fp8_linear(x, w, b, r, torch.bfloat16)
 
     with CountScaled() as c:
-        out = _run(fn, x, w, b, dy)
+        out = linear_run(fn, x, w, b, dy)
     assert c.n == 3
     assert sqnr(ref[0], out[0]) >= 18 and sqnr(ref[2], out[2]) >= 17
     assert sqnr(ref[1], out[1]) >= 17
     for t in (x, w):
         assert sqnr(t, dequantize(quantize(t, E4M3, -1 if r.rowwise else None))) >= 25
     torch._dynamo.reset()
-    compiled = _run(torch.compile(fn, fullgraph=True), x, w, b, dy)
+    compiled = linear_run(torch.compile(fn, fullgraph=True), x, w, b, dy)
     for e, c in zip(out, compiled):
         assert e.dtype == c.dtype and torch.equal(e, c)
 
