@@ -154,7 +154,7 @@ def _saved_mb(model: Any, region: Any, x: Any, storage: bool) -> float:
         if isinstance(obj, activations._Packed):
             if isinstance(obj.data, torch.Tensor):  # a 16-bit copy
                 return obj.data.numel() * obj.data.element_size()
-            return sum(c.data.numel() + c.scale.numel() * 4 for c in obj.data)  # FP8 chunks
+            return obj.data.data.numel() + obj.data.scale.numel() * 4  # FP8 + scales
         return 0  # recomputed in backward
 
     def note(obj: Any) -> Any:

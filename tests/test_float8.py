@@ -136,3 +136,37 @@ def test_power_of_2_path_keeps_a_poisoned_row_non_finite(bad):
     back = float8.dequantize(float8.quantize(x, axis=-1, power_of_2=True), torch.bfloat16)
     assert not torch.isfinite(back[1]).any()
     assert torch.isfinite(back[[0, 2, 3]]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_amax_by_magnitude_bits_is_abs_amax_with_signs_zeros_inf_and_nan(dtype):
+    x = (_x(6, 40) * 300).to(dtype)
+    x[0, 0], x[1] = -0.0, 0.0  # an all-zero row, negative zero
+    x[2, 5], x[3, 7], x[4, 9] = float("-inf"), float("nan"), -float(torch.finfo(dtype).max)
+    for axis in (None, -1, 0):
+        for t in (x, x.t()):  # contiguous and not
+            got = float8.amax(t[[0, 1, 4, 5]] if axis is None else t, axis)
+            want = t[[0, 1, 4, 5]] if axis is None else t
+            want = (want.abs().amax() if axis is None else want.abs().amax(axis, True)).float()
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            assert torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert float8.amax(x, None).isnan()  # NaN anywhere wins over inf
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("power_of_2", [True, False])
+def test_dequantize_into_equals_dequantize_across_slices(out_dtype, power_of_2, monkeypatch):
+    monkeypatch.setattr(float8, "_CHUNK", 256)  # 8-row slices of a 37-row tensor
+    x = (_x(37, 32) * torch.logspace(-4, 4, 37).unsqueeze(1)).to(torch.bfloat16)
+    x[5, 2] = float("inf")  # a poisoned row stays non-finite
+    for axis in (-1, None):
+        q = float8.quantize_chunked(x, E4M3, axis, power_of_2)
+        want = float8.dequantize(q, out_dtype)
+        out = torch.full(x.shape, 7.0, dtype=out_dtype)
+        assert float8.dequantize_into(q, out) is out
+        assert torch.equal(out.isnan(), want.isnan())
+        assert torch.equal(out.nan_to_num(), want.nan_to_num())
+        assert not torch.isfinite(out[5]).any()
+    with pytest.raises(ValueError, match=r"out has shape \(37, 31\); the data has \(37, 32\)"):
+        float8.dequantize_into(q, torch.empty(37, 31))

