@@ -10,7 +10,8 @@ Memory. Each mode runs in a fresh Python process (imports, model, optimizer, ``-
 training steps), so nothing another mode allocated is counted. Three figures per mode:
 
 * **process peak**: the process's resident-set high-water mark (``VmHWM``), everything
-  included -- the Python and torch runtime (the "runtime" column, read after the imports),
+  included -- the Python and torch runtime (the "runtime" column, read after the imports,
+  ``torch._dynamo`` among them: building any torch optimizer imports it),
   weights, gradients, optimizer state, activations, and what the C allocator kept;
 * **added**: process peak minus the runtime;
 * **tensor peak**: the largest total of live tensor bytes during one profiled step
@@ -195,6 +196,8 @@ def _tensor_peak(fn: Any) -> int:
 
 
 def child(mode: str, dtype: torch.dtype, steps: int, batch: int) -> dict[str, Any]:
+    import torch._dynamo  # noqa: F401  every torch optimizer imports it when built (73 MB here)
+
     runtime = _rss("VmRSS")
     model, opt, region, scaler = build(mode, dtype)
     x, y = _batch(batch)
