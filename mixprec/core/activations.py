@@ -179,6 +179,8 @@ class _Packed:
         if isinstance(self.data, Tensor):
             return self.data.to(self.dtype)
         q: float8.Float8Data = self.data
+        if q.data.device.type != "cpu":  # one expression, as packed
+            return float8.dequantize(q, self.dtype).view(self.shape)
         rows = torch.empty(q.data.shape, dtype=self.dtype, device=q.data.device)
         return float8.dequantize_into(q, rows).view(self.shape)
 

@@ -145,3 +145,40 @@ def test_resume_is_bit_exact_on_cuda(level, dtype):
     for a, b in zip(model.parameters(), straight[0].parameters()):
         assert_bitwise(a.detach(), b.detach())
     assert_tree_bitwise(opt.state_dict(), straight[1].state_dict())
+
+
+def test_fp8_activations_pack_as_on_a_cpu_and_train_on_cuda(monkeypatch):
+    from mixprec.core import activations, float8
+
+    g = torch.Generator().manual_seed(3)
+    t = (torch.randn(6, 40, 96, generator=g) * torch.logspace(-3, 3, 6).view(6, 1, 1)).to(BF16)
+    on_cpu = activations._Packed(activations._to_fp8(t), t).unpack()
+    packed = activations._to_fp8(t.cuda())  # one expression on a GPU, slices on a CPU
+    assert packed.data.device.type == "cuda" and packed.data.dtype == float8.E4M3
+    on_gpu = activations._Packed(packed, t).unpack()
+    assert on_gpu.dtype == BF16 and on_gpu.shape == t.shape
+    assert torch.equal(on_gpu.cpu(), on_cpu)
+
+    stored = []
+    original = activations.SavedTensorStorage._pack
+
+    def pack(self, t):
+        stored.append(original(self, t))
+        return stored[-1]
+
+    monkeypatch.setattr(activations.SavedTensorStorage, "_pack", pack)
+    config = mixprec.ActivationConfig("fp8", min_numel=256)  # this model's tensors are small
+    losses = {}
+    for act in (None, config):
+        model, opt = _build("O2", BF16, activations=act)
+        losses[act] = []
+        for x, y in _data(30):
+            loss = mse(model, x, y)
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses[act].append(loss.item())
+    fp8 = [p for p in stored if isinstance(p, activations._Packed)]
+    assert fp8 and all(p.data.data.device.type == "cuda" for p in fp8)  # packed on the GPU
+    assert losses[config][-1] < 0.5 * losses[config][0]
+    assert abs(losses[config][-1] - losses[None][-1]) < 0.1 * losses[None][-1]
