@@ -27,6 +27,7 @@ rounding, the scale rule and the handling of inf/NaN are written once.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -217,6 +218,17 @@ def sqnr(reference: Tensor, approx: Tensor) -> float:
 _CHUNK = 1 << 18  # elements per slice of quantize_chunked: 1 MiB of float32 scratch
 
 
+def _row_slices(
+    shape: torch.Size, scale: Tensor | None = None
+) -> Iterator[tuple[slice, Tensor | None]]:
+    """Slices of about ``_CHUNK`` elements' worth of rows of a 2-D tensor of ``shape``, each
+    with its part of ``scale`` (all of it unless ``scale`` has one value a row)."""
+    n, step = shape[0], max(1, _CHUNK // max(shape[1], 1))
+    per_row = scale is not None and scale.dim() == 2 and scale.shape[0] == n and n > 1
+    for i in range(0, n, step):
+        yield slice(i, i + step), (scale[i : i + step] if per_row else scale)
+
+
 def quantize_chunked(
     x: Tensor,
     dtype: torch.dtype = E4M3,
@@ -242,8 +254,7 @@ def quantize_chunked(
         )
     if not x.is_floating_point():
         raise TypeError(f"quantize takes a floating tensor, received {x.dtype}.")
-    rows = max(1, _CHUNK // max(x.shape[1], 1))
-    slices = [x[i : i + rows] for i in range(0, x.shape[0], rows)] or [x]
+    slices = [x[rows] for rows, _ in _row_slices(x.shape)] or [x]
     given = scale
     if scale is None:
         if axis in (-1, 1):
@@ -256,15 +267,13 @@ def quantize_chunked(
             scale = scale_for(top_abs.reshape(1, -1) if axis == 0 else top_abs, dtype, power_of_2)
     top = torch.finfo(dtype).max
     data = torch.empty(x.shape, dtype=dtype, device=x.device)
-    per_row = scale.dim() == 2 and scale.shape[0] == x.shape[0] and x.shape[0] > 1
     exact = power_of_2 and given is None and x.dtype in (torch.bfloat16, torch.float32)
-    for i in range(0, x.shape[0], rows):
-        s = scale[i : i + rows] if per_row else scale
+    for rows, s in _row_slices(x.shape, scale):
         if exact:  # as quantize: scaled in x's dtype, within range by construction
-            data[i : i + rows].copy_(x[i : i + rows] * s.to(x.dtype))
+            data[rows].copy_(x[rows] * s.to(x.dtype))
         else:
-            part = x[i : i + rows].to(torch.float32, copy=True)  # never x itself
-            data[i : i + rows] = part.mul_(s).clamp_(-top, top).to(dtype)
+            part = x[rows].to(torch.float32, copy=True)  # never x itself
+            data[rows] = part.mul_(s).clamp_(-top, top).to(dtype)
     return Float8Data(data, scale, power_of_2=power_of_2 and given is None)
 
 
@@ -279,13 +288,10 @@ def dequantize_into(q: Float8Data, out: Tensor) -> Tensor:
         raise ValueError(f"out has shape {tuple(out.shape)}; the data has {tuple(q.data.shape)}.")
     if q.data.device.type != "cpu" or q.data.dim() != 2:
         return out.copy_(dequantize(q, out.dtype))
-    rows = max(1, _CHUNK // max(q.data.shape[1], 1))
-    per_row = q.scale.dim() == 2 and q.scale.shape[0] == q.data.shape[0] and q.data.shape[0] > 1
     # fp16 cannot hold every inverse scale (as in dequantize): bfloat16 and float32 only
     bits = q.power_of_2 and out.dtype in (torch.bfloat16, torch.float32) and out.is_contiguous()
-    for i in range(0, q.data.shape[0], rows):
-        s = q.scale[i : i + rows] if per_row else q.scale
-        data, target = q.data[i : i + rows], out[i : i + rows]
+    for rows, s in _row_slices(q.data.shape, q.scale):
+        data, target = q.data[rows], out[rows]
         if bits:  # widened in place, then scaled by the (power-of-2) inverse
             _widen_bits(data, out.dtype, out=target).mul_(s.reciprocal().to(out.dtype))
         else:

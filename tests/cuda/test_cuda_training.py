@@ -171,13 +171,7 @@ def test_fp8_activations_pack_as_on_a_cpu_and_train_on_cuda(monkeypatch):
     losses = {}
     for act in (None, config):
         model, opt = _build("O2", BF16, activations=act)
-        losses[act] = []
-        for x, y in _data(30):
-            loss = mse(model, x, y)
-            opt.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            losses[act].append(loss.item())
+        losses[act], _ = _train(model, opt, _data(30))
     fp8 = [p for p in stored if isinstance(p, activations._Packed)]
     assert fp8 and all(p.data.data.device.type == "cuda" for p in fp8)  # packed on the GPU
     assert losses[config][-1] < 0.5 * losses[config][0]
