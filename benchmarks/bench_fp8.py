@@ -31,7 +31,6 @@ import argparse
 import datetime
 import gc
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -205,6 +204,8 @@ STEP_MODES: dict[str, Any] = {
 }
 
 
+# --quick: FP8 against bf16 on the GPT step alone, both recipes (the short GPU lease's part)
+QUICK_STEP = ("bf16 O2", "O2 + FP8 tensorwise", "O2 + FP8 rowwise")
 SMOKE = [False]  # --smoke: tiny shapes everywhere, to exercise the code path (tests)
 
 
@@ -242,14 +243,28 @@ def _build_step(device: str, mode: Any, cfg: GPTConfig, batch: int, compile_it: 
     return model, step
 
 
-def step_part(device: str, rounds: int, steps: int, compile_it: bool) -> dict:
+def step_part(
+    device: str,
+    rounds: int,
+    steps: int,
+    compile_it: bool,
+    labels: tuple[str, ...] = (),
+    deadline: float = 0,
+) -> dict:
     """GPU: one mode after another (each needs the memory; peaks are per mode). CPU: the models
-    are small and the host is shared, so all are built first and timed in interleaved rounds."""
+    are small and the host is shared, so all are built first and timed in interleaved rounds.
+    ``labels``: the modes to run (default: all of ``STEP_MODES``); no mode starts after
+    ``deadline`` (a ``time.perf_counter()``; 0: none)."""
     cfg, batch = gpt_config(device)
     rows: list[dict[str, Any]] = []
     live: dict[str, Callable[[], Any]] = {}
     for label, mode in STEP_MODES.items():
+        if labels and label not in labels:
+            continue
         row: dict[str, Any] = {"mode": label, "times": []}
+        if deadline and time.perf_counter() > deadline:
+            rows.append({**row, "error": "not run: the time budget was spent"})
+            continue
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -321,6 +336,10 @@ def _cpu_peak(label: str) -> float | None:
     return int(out.stdout.split()[-1]) / 2**20
 
 
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def step_table(part: dict) -> str:
     c = part["config"]
     lines = [
@@ -337,9 +356,9 @@ def step_table(part: dict) -> str:
         mem = r.get("peak_mb")
         lines.append(
             f"| {r['mode']} | {r['fp8_layers']} | {r['step_ms']:.1f} | "
-            f"{r.get('speed_vs_bf16', math.nan):.2f}x | "
+            f"{_ratio(r.get('speed_vs_bf16'))} | "
             f"{'-' if mem is None else f'{mem:.0f}'} | "
-            f"{r.get('memory_vs_bf16', math.nan):.2f}x | {r['final_loss']:.3f} |"
+            f"{_ratio(r.get('memory_vs_bf16'))} | {r['final_loss']:.3f} |"
         )
     if lines and part["step"]:
         n = part["step"][0].get("parameters")
@@ -425,12 +444,18 @@ def _main(argv: list[str] | None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--parts", nargs="+", default=["gemm", "step", "curves"])
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=None, help="default 5; quick 3")
     p.add_argument("--steps", type=int, default=None, help="timed steps per round (step part)")
     p.add_argument("--curve-steps", type=int, default=None, help="default 500 GPU, 300 CPU")
     p.add_argument("--seeds", type=int, default=None, help="curve seeds (default 1 GPU, 3 CPU)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     p.add_argument("--json", help="write the results here (after each part)")
+    p.add_argument("--markdown", help="write the header and tables here (after each part)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="the step part alone, for " + ", ".join(QUICK_STEP) + " (3 rounds)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny shapes: the code path only")
     p.add_argument(
         "--budget-s",
@@ -440,6 +465,9 @@ def _main(argv: list[str] | None) -> None:
     )
     args = p.parse_args(argv)
     SMOKE[0] = args.smoke
+    if args.quick:
+        args.parts = ["step"]
+    rounds = args.rounds or (3 if args.quick else 5)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU is visible here; use --device cpu.")
@@ -468,10 +496,13 @@ def _main(argv: list[str] | None) -> None:
             )
             if args.smoke:
                 sizes, shapes = [32, 64], [(64, 64, 64)]
-            doc.update(gemm_part(args.device, sizes, args.rounds if cuda else 3, shapes))
+            doc.update(gemm_part(args.device, sizes, rounds if cuda else 3, shapes))
             tables.append(gemm_tables(doc))
         elif part == "step":
-            doc.update(step_part(args.device, args.rounds, args.steps or (5 if cuda else 1), cuda))
+            steps = args.steps or (5 if cuda else 1)
+            labels = QUICK_STEP if args.quick else ()
+            deadline = start + args.budget_s if args.budget_s else 0
+            doc.update(step_part(args.device, rounds, steps, cuda, labels, deadline))
             tables.append(step_table(doc))
         elif part == "curves":
             steps = args.curve_steps or (5 if args.smoke else 500 if cuda else 300)
@@ -485,6 +516,10 @@ def _main(argv: list[str] | None) -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(doc, f, indent=1)
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write(f"{doc['date']} · {doc['machine']} · torch {doc['torch']}\n\n")
+                f.write("\n\n".join(tables) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Training steps on a CUDA GPU: GPT-2-small-shaped and ResNet-50-shaped, every mode in one run.
 
     python benchmarks/bench_gpu.py --device cuda --json results_gpu.json
+    python benchmarks/bench_gpu.py --device cuda --quick     # the bf16 fair race alone
     python benchmarks/bench_gpu.py --device cpu --smoke     # the code path, tiny shapes (tests)
 
 Synthetic data (random tokens / images: nothing is downloaded). The race is run fairly: eager
@@ -11,9 +12,11 @@ torch.autocast fp16 (+ GradScaler) and bf16, eager and compiled; mixprec.autocas
 O1/O2/O3 in fp16 and bf16, eager and compiled; O2/O3 bf16 with ``activations="fp8"``; and the
 graph pass under torch.compile. Every round times every mode for ``--steps`` steps, in turn;
 a ratio is the median of the per-round ratios, shown with their range. Peak memory is the whole
-footprint of one mode at a time (weights, gradients, optimizer state, activations:
-``torch.cuda.max_memory_allocated`` over two steps of a freshly built mode, compiled ones
-included). The header names GPU, driver, CUDA and torch.
+footprint of each mode's tensors (weights, gradients, optimizer state, activations, workspace:
+``torch.cuda.max_memory_allocated`` over two steps right after the mode is built and warmed
+up, less what was allocated before it was built), so each mode is compiled once. The header
+names GPU, driver, CUDA and torch. ``--quick`` runs the bf16 race alone (GPT-2-small, 3
+rounds), the part of ``tools/gpu_check.sh quick`` that fits a short GPU lease.
 """
 
 from __future__ import annotations
@@ -86,6 +89,18 @@ MODES = [
     Mode("mixprec O3 fp16 + compile", "O3+compile", FP16),
     *(Mode(f"mixprec {lv} bf16 + compile", f"{lv}+compile", BF16) for lv in ("O1", "O2", "O3")),
     Mode("mixprec graph pass bf16 + compile", "graph+compile", BF16),
+]
+
+
+# the fair race in bf16, eager against eager and compiled against compiled (--quick)
+QUICK = [
+    "torch.autocast bf16",
+    "mixprec O2 bf16",
+    "mixprec O3 bf16",
+    "torch.autocast bf16 + compile",
+    "mixprec graph pass bf16 + compile",
+    "mixprec O2 bf16 + compile",
+    "mixprec O3 bf16 + compile",
 ]
 
 
@@ -174,63 +189,105 @@ def _tf32(on: bool) -> None:
         torch.backends.cudnn.allow_tf32 = on
 
 
-def run(
-    device: str, smoke: bool, rounds: int, steps: int, modes: list[Mode], log: Any = print
-) -> list[Row]:
-    rows: list[Row] = []
-    for name, (wl, items, unit) in workloads(device, smoke).items():
-        trainers = {}
-        res = {m.label: Row(name, m.label, items, unit, reference_label=m.reference) for m in modes}
+def _build(wl: Any, m: Mode, device: str, row: Row) -> Trainer | None:
+    """Build one mode and warm it up (compilation included). On a GPU, the mode's whole
+    footprint is measured here, over two steps after the warm-up: what it allocates above what
+    was live before it was built (the modes built earlier stay idle meanwhile), so each peak is
+    the mode's own and no mode is compiled twice."""
+    _tf32(m.tf32)
+    cuda = device == "cuda"
+    try:
+        base = torch.cuda.memory_allocated() if cuda else 0
+        t = Trainer(wl, None, m.trainer_mode, m.dtype, 0, 0, m.options())
+        t.step()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            t.step()
+            t.step()
+            row.peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
+        return t
+    except Exception as e:  # noqa: BLE001 - a mode that cannot run is reported, not fatal
+        row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        return None
+
+
+def _race(
+    trainers: dict[str, Trainer], res: dict[str, Row], modes, rounds, steps, log, deadline
+) -> None:
+    """Round 0 warms up (2 steps: building warmed each mode up already); every later round
+    times each mode for ``steps`` steps, in turn. No round starts past ``deadline`` (a
+    ``time.monotonic()``; 0: none) once one round has been timed."""
+    for r in range(rounds + 1):
+        if r > 1 and deadline and time.monotonic() > deadline:
+            log(f"stopped after {r - 1} timed rounds: the time budget is spent")
+            break
         for m in modes:
-            _tf32(m.tf32)
-            try:
-                trainers[m.label] = Trainer(wl, None, m.trainer_mode, m.dtype, 0, 0, m.options())
-            except Exception as e:  # noqa: BLE001 - a mode that cannot run is reported, not fatal
-                res[m.label].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-        for r in range(rounds + 1):  # round 0: warm-up (and compilation)
-            for m in modes:
-                t = trainers.get(m.label)
-                if t is None:
-                    continue
-                _tf32(m.tf32)
-                try:
-                    dt = sum(t.step()[0] for _ in range(steps)) / steps
-                except Exception as e:  # noqa: BLE001 - reported in its row
-                    res[m.label].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-                    del trainers[m.label]
-                    continue
-                if r:
-                    res[m.label].times.append(dt)
-            log(f"{name}: round {r}/{rounds}")
-        for m in modes:
-            row, t = res[m.label], trainers.get(m.label)
+            t = trainers.get(m.label)
             if t is None:
                 continue
-            row.final_loss = t.step()[1]
-            row.skipped = t.skipped_steps
-            ref = res.get(m.reference)
-            if ref is not None and ref.times:
-                ratios = [b / a for a, b in zip(row.times, ref.times)]
-                row.vs_torch = statistics.median(ratios)
-                row.vs_torch_range = (min(ratios), max(ratios))
+            _tf32(m.tf32)
+            try:
+                n = steps if r else min(steps, 2)
+                dt = sum(t.step()[0] for _ in range(n)) / n
+            except Exception as e:  # noqa: BLE001 - reported in its row
+                res[m.label].error = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                del trainers[m.label]
+                continue
+            if r:
+                res[m.label].times.append(dt)
+        log(f"round {r}/{rounds}")
+
+
+def _ratios(res: dict[str, Row]) -> None:
+    """Speed and memory against each row's reference: medians of the per-round ratios."""
+    for row in res.values():
+        ref = res.get(row.reference_label)
+        if ref is None:
+            continue
+        if ref.times and row.times:
+            ratios = [b / a for a, b in zip(row.times, ref.times)]
+            row.vs_torch = statistics.median(ratios)
+            row.vs_torch_range = (min(ratios), max(ratios))
+        if row.peak_mb is not None and ref.peak_mb:
+            row.peak_vs_torch = row.peak_mb / ref.peak_mb
+
+
+def run(
+    device: str,
+    smoke: bool,
+    rounds: int,
+    steps: int,
+    modes: list[Mode],
+    log: Any = print,
+    only: list[str] | None = None,
+    budget_s: float = 0,
+) -> list[Row]:
+    """Race ``modes`` on each workload (``only``: these workloads). ``budget_s`` (0: none): no
+    mode is built after 70% of it is spent, and no timed round starts after all of it."""
+    rows: list[Row] = []
+    start = time.monotonic()
+    deadline = start + budget_s if budget_s else 0
+    for name, (wl, items, unit) in workloads(device, smoke).items():
+        if only and name not in only:
+            continue
+        res = {m.label: Row(name, m.label, items, unit, reference_label=m.reference) for m in modes}
+        trainers = {}
+        for m in modes:
+            if budget_s and time.monotonic() - start > 0.7 * budget_s:
+                res[m.label].error = "not run: the time budget was spent building earlier modes"
+                continue
+            t = _build(wl, m, device, res[m.label])
+            if t is not None:
+                trainers[m.label] = t
+            log(f"{name}: built {m.label}" if t else f"{name}: {m.label}: {res[m.label].error}")
+        say = lambda s, name=name: log(f"{name}: {s}")  # noqa: E731
+        _race(trainers, res, modes, rounds, steps, say, deadline)
+        for label, t in trainers.items():
+            res[label].final_loss = t.step()[1]
+            res[label].skipped = t.skipped_steps
         del trainers
-        if device == "cuda":
-            for m in modes:  # the whole footprint of each mode, built alone
-                if res[m.label].error:
-                    continue
-                _tf32(m.tf32)
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                t = Trainer(wl, None, m.trainer_mode, m.dtype, 0, 0, m.options())
-                t.step()
-                t.step()
-                res[m.label].peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
-                del t
-            for row in res.values():
-                ref = res.get(row.reference_label)
-                if row.peak_mb is not None and ref is not None and ref.peak_mb:
-                    row.peak_vs_torch = row.peak_mb / ref.peak_mb
+        _ratios(res)
         rows.extend(res.values())
     _tf32(False)
     return rows
@@ -315,10 +372,21 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--smoke", action="store_true", help="tiny shapes: exercise the code path")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; quick 3)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per mode per round")
     p.add_argument("--modes", nargs="+", help="labels to run (default: all)")
     p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument(
+        "--budget-s", type=float, default=0, help="seconds to build and race in (0: no limit)"
+    )
+    p.add_argument("--markdown", help="also write the header and table to this file")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="the bf16 fair race alone on GPT-2-small, eager and compiled, 3 rounds (modes: "
+        + ", ".join(QUICK)
+        + "); with --device cpu --smoke, the same code path in tiny shapes",
+    )
     p.add_argument(
         "--profile",
         action="store_true",
@@ -334,18 +402,24 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             "The GPU shapes would take hours on a CPU: pass --smoke with --device cpu."
         )
-    modes = [m for m in MODES if not args.modes or m.label in args.modes]
-    if args.device == "cpu":  # a smoke run: compiling every mode would take many minutes
+    labels = args.modes or (QUICK if args.quick else None)
+    by_label = {m.label: m for m in MODES}
+    modes = [by_label[x] for x in labels if x in by_label] if labels else list(MODES)
+    if args.device == "cpu" and not args.quick:  # compiling every mode would take many minutes
         modes = [m for m in modes if not m.compiled]
+    rounds = args.rounds or (3 if args.quick else 5)
     if args.profile:
         print(f"{machine(args.device)} · torch {torch.__version__}\n")
         print(profile_modes(args.device, args.smoke, modes))
         return
     t0 = time.time()
-    rows = run(args.device, args.smoke, args.rounds, args.steps, modes)
+    only = ["gpt2-small"] if args.quick else None
+    rows = run(
+        args.device, args.smoke, rounds, args.steps, modes, only=only, budget_s=args.budget_s
+    )
     header = (
         f"{datetime.date.today()} · {machine(args.device)} · torch {torch.__version__} · "
-        f"{args.rounds} rounds x {args.steps} steps · {time.time() - t0:.0f} s"
+        f"{rounds} rounds x {args.steps} steps · {time.time() - t0:.0f} s"
     )
     emit(
         header,
@@ -362,6 +436,9 @@ def main(argv: list[str] | None = None) -> None:
             ]
         },
     )
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(f"{header}\n\n{format_table(rows)}\n")
 
 
 if __name__ == "__main__":
