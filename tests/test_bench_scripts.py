@@ -135,3 +135,35 @@ def test_bench_overhead_names_the_machine_and_ratios(tmp_path, capsys, monkeypat
     assert "threads" in text and "torch " in text and "| launch-bound | forward | O2 |" in text
     rows = json.loads(out.read_text())["rows"]
     assert rows[0]["vs_torch"] == 1.0 and rows[1]["calls"] > 100
+
+
+def test_gpu_check_quick_dry_run_writes_every_table(tmp_path):
+    """The one command a short GPU lease runs, run here on a CPU in tiny shapes: it must work
+    before a GPU ever runs it, and leave no more files than the device tool brings back."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", "tools/gpu_check.sh", "quick", "--dry-run"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    files = {p.name for p in tmp_path.iterdir()}
+    assert files == {"machine.txt", "cuda_tests.txt", "race.json", "race.md", "fp8.json",
+                     "fp8.md", "summary.md"}  # fmt: skip
+    summary = (tmp_path / "summary.md").read_text()
+    assert "CPU dry run" in summary and "skipped" in summary  # the CUDA tier, collected
+    for row in ("| gpt2-small | torch.autocast bf16 + compile |", "| O2 + FP8 rowwise | 8 |"):
+        assert row in summary
+    race = json.loads((tmp_path / "race.json").read_text())["rows"]
+    assert all(r["error"] is None and r["median"] > 0 for r in race)
+    assert "vs torch.autocast bf16 + compile" in summary  # compiled raced against compiled
+    fp8 = {r["mode"] for r in json.loads((tmp_path / "fp8.json").read_text())["step"]}
+    assert fp8 == set(bench_fp8.QUICK_STEP)

@@ -30,7 +30,9 @@ machine() {
 }
 
 # quick: each part has a time budget inside the script (it stops early and still writes its
-# tables) and a hard limit outside it (timeout), so the whole stays near 8 minutes.
+# tables) and a hard limit outside it (timeout), so the whole stays near 8 minutes. Measured on
+# an H200 with cold compile caches: the CUDA tier about 150 s, the race 146 s, FP8 about 135 s.
+# It leaves 7 files in $out (the device tool brings back at most 8).
 quick() {
   local dev=cuda race_args=() fp8_args=()
   if [ "$dry" = 1 ]; then
@@ -40,17 +42,16 @@ quick() {
     fp8_args=(--smoke --rounds 1)
   fi
   local t0=$SECONDS
-  timeout 100 "$py" -m pytest -q -m cuda -p no:cacheprovider tests/cuda 2>&1 |
+  timeout 170 "$py" -m pytest -q -m cuda -p no:cacheprovider tests/cuda 2>&1 |
     tee "$out/cuda_tests.txt"
   echo "(cuda tests: $((SECONDS - t0)) s)"
   t0=$SECONDS
-  timeout 320 "$py" benchmarks/bench_gpu.py --device "$dev" --quick --budget-s 270 \
-    --json "$out/race.json" --markdown "$out/race.md" "${race_args[@]}" 2>&1 |
-    tee "$out/race.txt"
+  timeout 240 "$py" benchmarks/bench_gpu.py --device "$dev" --quick --budget-s 200 \
+    --json "$out/race.json" --markdown "$out/race.md" "${race_args[@]}" 2>&1
   echo "(race: $((SECONDS - t0)) s)"
   t0=$SECONDS
-  timeout 180 "$py" benchmarks/bench_fp8.py --device "$dev" --quick --budget-s 70 \
-    --json "$out/fp8.json" --markdown "$out/fp8.md" "${fp8_args[@]}" 2>&1 | tee "$out/fp8.txt"
+  timeout 180 "$py" benchmarks/bench_fp8.py --device "$dev" --quick --budget-s 120 \
+    --json "$out/fp8.json" --markdown "$out/fp8.md" "${fp8_args[@]}" 2>&1
   echo "(fp8: $((SECONDS - t0)) s)"
   {
     echo "# tools/gpu_check.sh quick: $(head -n 1 "$out/machine.txt")"
