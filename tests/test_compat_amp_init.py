@@ -198,6 +198,7 @@ def test_wrap_optimizer_keeps_one_scaler_per_loss():
     plain = torch.optim.SGD(_model().parameters(), lr=0.7)
     plain.load_state_dict(sd)
     assert plain.param_groups[0]["lr"] == 0.1
-    assert [s["scale"] for s in sd["mixprec"]["scalers"]] == [2.0**16, 2.0**15]
+    scalers = sd["param_groups"][0]["mixprec"]["scalers"]
+    assert [s["scale"] for s in scalers] == [2.0**16, 2.0**15]
     assert opt.param_groups is opt._optimizer.param_groups  # other attributes: the optimizer's
     handle._deactivate()

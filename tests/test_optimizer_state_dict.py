@@ -1,6 +1,7 @@
 """MixedPrecisionOptimizer.state_dict is torch's layout: it loads into the torch optimizer it
-wraps (and into a plain one for the fp32 model), mixprec's own state rides under "mixprec", and
-resumes stay bit-exact -- also from the older mixprec layout and from plain torch dicts."""
+wraps (and into a plain one for the fp32 model), mixprec's own state rides in
+param_groups[0]["mixprec"] (which a plain load keeps), and resumes stay bit-exact -- also from
+the older mixprec layouts and from plain torch dicts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from training_helpers import assert_bitwise, assert_tree_bitwise, make_model, mse, poisoned
 
 from mixprec import fp32_state_dict, initialize
+from mixprec.core.resume import split_state_dict
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
@@ -50,23 +52,26 @@ def test_state_dict_is_torch_layout_and_loads_into_the_wrapped_optimizer(level, 
     model, opt = build(level, dtype)
     train(model, opt, range(4), poison={1})
     sd = saved(opt.state_dict())
-    assert set(sd) == {"state", "param_groups", "mixprec"}
+    assert set(sd) == {"state", "param_groups"}
     inner = opt.optimizer.state_dict()
-    assert_tree_bitwise({k: sd[k] for k in ("state", "param_groups")}, inner)
-    extra = sd["mixprec"]
+    assert_tree_bitwise(split_state_dict(sd)[0], inner)
+    extra = sd["param_groups"][0]["mixprec"]
+    assert all("mixprec" not in g for g in sd["param_groups"][1:])
     assert extra["skipped_steps"] == 1 and extra["step_skipped"] is False
     assert len(extra["scalers"]) == 1 and extra["scalers"][0]["scale"] == 2.0**4
     for (_, master), value in zip(opt._pairs, extra["masters"], strict=True):
         assert_bitwise(value, master.detach())
-    # the torch optimizer it wraps takes it as it is (torch ignores the extra key), and so
-    # does a plain torch optimizer over a plain fp32 copy of the model; torch casts each state
-    # tensor to its parameter's dtype (O3's fp32 second moments become fp16 in the former)
+    # the torch optimizer it wraps takes it as it is, and so does a plain torch optimizer over
+    # a plain fp32 copy of the model, keeping the entry in its group (as it keeps any group
+    # key); torch casts each state tensor to its parameter's dtype (O3's fp32 second moments
+    # become fp16 in the former)
     plain = make_model(seed=1)
     plain.load_state_dict(fp32_state_dict(model, opt))
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.5, eps=1e-4)
     for torch_opt in (opt.optimizer, plain_opt):
         torch_opt.load_state_dict(sd)
         assert torch_opt.param_groups[0]["lr"] == 1e-2
+        assert_tree_bitwise(torch_opt.param_groups[0]["mixprec"], extra)
         loaded = torch_opt.state_dict()["state"]
         assert set(loaded) == set(inner["state"])
         for i, st in loaded.items():
@@ -101,23 +106,21 @@ def test_older_mixprec_layout_still_loads_and_resumes_bit_exact(level, dtype):
     train(straight_model, straight_opt, range(8), poison={1, 6})
     model, opt = build(level, dtype)
     train(model, opt, range(4), poison={1})
-    sd = opt.state_dict()
-    # the layout earlier mixprec versions wrote: the inner dict under "optimizer", the rest flat
-    old = saved(
-        {
-            "model": model.state_dict(),
-            "opt": {"optimizer": {k: sd[k] for k in ("state", "param_groups")}, **sd["mixprec"]},
-        }
-    )
-    assert {"optimizer", "masters", "scalers", "skipped_steps"} <= set(old["opt"])
-    model, opt = build(level, dtype)
-    model.load_state_dict(old["model"])
-    opt.load_state_dict(old["opt"])
-    assert opt.skipped_steps == 1
-    train(model, opt, range(4, 8), poison={6})
-    for a, b in zip(model.parameters(), straight_model.parameters(), strict=True):
-        assert_bitwise(a.detach(), b.detach())
-    assert_tree_bitwise(opt.state_dict(), straight_opt.state_dict())
+    inner, own = split_state_dict(opt.state_dict())
+    # the layouts earlier mixprec versions wrote: the inner dict under "optimizer" and the rest
+    # flat; torch's layout with mixprec's state under a top-level "mixprec" key
+    layouts = [{"optimizer": inner, **own}, {**inner, "mixprec": own}]
+    ckpts = [saved({"model": model.state_dict(), "opt": layout}) for layout in layouts]
+    assert {"optimizer", "masters", "scalers", "skipped_steps"} <= set(ckpts[0]["opt"])
+    for ckpt in ckpts:
+        model, opt = build(level, dtype)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        assert opt.skipped_steps == 1
+        train(model, opt, range(4, 8), poison={6})
+        for a, b in zip(model.parameters(), straight_model.parameters(), strict=True):
+            assert_bitwise(a.detach(), b.detach())
+        assert_tree_bitwise(opt.state_dict(), straight_opt.state_dict())
 
 
 def test_masters_survive_the_round_trip_exactly_at_o2():
@@ -161,6 +164,6 @@ def test_load_state_dict_rejects_what_is_not_an_optimizer_state_dict():
     with pytest.raises(KeyError, match=r"received keys \['model', 'step'\]"):
         opt.load_state_dict({"model": {}, "step": 3})
     sd = opt.state_dict()
-    del sd["mixprec"]["scalers"]
+    del sd["param_groups"][0]["mixprec"]["scalers"]
     with pytest.raises(KeyError, match=r"'mixprec' entry misses \['scalers'\]"):
         opt.load_state_dict(sd)

@@ -34,7 +34,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from mixprec.core.loss_scale import LossScaler
-from mixprec.core.optimizer import MIXPREC_KEY, LossSlot, MixedPrecisionOptimizer, rounds_to
+from mixprec.core.optimizer import LossSlot, MixedPrecisionOptimizer, rounds_to
+from mixprec.core.resume import pack_state_dict
 
 __all__ = ["FP16Model", "FP16_Optimizer", "convert_network", "network_to_half", "to_python_float"]
 
@@ -187,7 +188,7 @@ class FP16_Optimizer:
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        masters = self.mixed.state_dict()[MIXPREC_KEY]["masters"]
+        masters = self.mixed.mixprec_state_dict()["masters"]
         return {
             "loss_scaler": self._slot.scaler.state_dict(),
             "dynamic_loss_scale": self.dynamic_loss_scale,
@@ -207,17 +208,13 @@ class FP16_Optimizer:
         masters = state_dict["fp32_from_fp16"]
         if masters and isinstance(masters[0], (list, tuple)):  # Apex: one list per group
             masters = [m for group in masters for m in group]
-        self.mixed.load_state_dict(
-            {
-                **state_dict["optimizer_state_dict"],
-                MIXPREC_KEY: {
-                    "masters": list(masters),
-                    "scalers": [scaler],
-                    "skipped_steps": int(state_dict.get("skipped_steps", 0)),
-                    "step_skipped": bool(state_dict.get("overflow", False)),
-                },
-            }
-        )
+        own = {
+            "masters": list(masters),
+            "scalers": [scaler],
+            "skipped_steps": int(state_dict.get("skipped_steps", 0)),
+            "step_skipped": bool(state_dict.get("overflow", False)),
+        }
+        self.mixed.load_state_dict(pack_state_dict(state_dict["optimizer_state_dict"], own))
         self.dynamic_loss_scale = bool(
             state_dict.get("dynamic_loss_scale", self.dynamic_loss_scale)
         )

@@ -14,7 +14,8 @@ Data flows down this list (see ``docs/design.md``):
 * :mod:`~mixprec.core.optimizer` -- fp32 master weights, unscale and finite check, skipped steps,
   ``scale_loss``; :mod:`~mixprec.core.clipping` and :mod:`~mixprec.core.lean` (pure 16-bit
   updates) plug into it; :mod:`~mixprec.core.optimizer_view` gives optimizer wrappers
-  (``LARC(SGD(...))``) a ``torch.optim.Optimizer`` face;
+  (``LARC(SGD(...))``) a ``torch.optim.Optimizer`` face; :mod:`~mixprec.core.resume` -- where its
+  checkpoint state lives, and resumes in either load order;
 * :mod:`~mixprec.core.activations` -- saved-for-backward tensors stored in FP8 or 16-bit, or
   recomputed (``activations=``); :mod:`~mixprec.core.float8` -- FP8 storage (amax, scales,
   casts that never hide an overflow), shared with the FP8 matmuls;

@@ -77,6 +77,7 @@ from mixprec.core.optimizer import (
 )
 from mixprec.core.optimizer_view import OptimizerView, as_torch_optimizer
 from mixprec.core.policy import Policy, PolicyLike, as_policy, get_policy
+from mixprec.core.resume import kahan_fp32, merge_compensation, resume_carried
 
 __all__ = ["LEVELS", "MODEL_HOOKS", "fp32_state_dict", "initialize", "scale_loss"]
 
@@ -497,10 +498,12 @@ def initialize(
         m.__dict__[_MARK] = level
 
     slots = [LossSlot(s) for s in props["scalers"]]
-    # Apex's restore order -- load the checkpoint into the plain model and optimizer, then
-    # initialize -- and a resumed torch.amp run: the optimizer's state is lifted out and loaded
-    # again, by index, onto what the wrapper steps (the fp32 masters at O2)
+    # Apex's and nanoGPT's restore order -- load the checkpoint into the plain model and
+    # optimizer, then initialize -- and a resumed torch.amp run: the optimizer's state (with
+    # mixprec's entry, which a plain load keeps) is lifted out and loaded again, by index, onto
+    # what the wrapper steps (the fp32 masters at O2), checked against the model's weights
     carried = [take_state(o) for o in opt_list]
+    scale_given = "init_scale" in overrides or isinstance(overrides.get("loss_scale"), LossScaler)
     try:
         wrapped = [
             MixedPrecisionOptimizer(
@@ -512,19 +515,19 @@ def initialize(
             )
             for o, kw in zip(opt_list, lean_kwargs)
         ]
+        for w in wrapped:
+            for p, comp in w.lean.compensation.items() if w.lean is not None else ():
+                given = fp32_values.get(id(p))
+                if given is not None and given.shape == p.shape:
+                    comp.copy_((given.float() - p.detach().float()).to(comp.dtype))
         for w, sd in zip(wrapped, carried):
             if sd is not None:  # state loaded (or stepped) before initialize: onto the masters
-                w.load_state_dict(sd)
+                resume_carried(w, sd, fp32_values, scale_given)
     except BaseException:
         for o, sd in zip(opt_list, carried):
             if sd is not None and not o.state:
                 o.load_state_dict(sd)  # give the caller's optimizer its state back
         raise
-    for w in wrapped:
-        for p, comp in w.lean.compensation.items() if w.lean is not None else ():
-            given = fp32_values.get(id(p))
-            if given is not None and given.shape == p.shape:
-                comp.copy_((given.float() - p.detach().float()).to(comp.dtype))
     fp32_values.clear()
     for o, w in zip(opt_list, wrapped):
         inner = o.wrapper if isinstance(o, OptimizerView) else o
@@ -603,9 +606,11 @@ class _LoadRefresh:
                 continue
             comp = target.compensation.get(p)  # a LeanUpdate's Kahan buffer
             if comp is not None and not same and src.dtype.itemsize > p.dtype.itemsize:
-                # a wider load (pretrained fp32): keep the residual of rounding it. A 16-bit
-                # load keeps the buffer: it is a resume, whose optimizer state restored it.
-                comp.copy_((src.to(torch.float32) - p.float()).to(comp.dtype))
+                # a wider load (pretrained fp32): the residual of rounding it, except where
+                # w + c already is the loaded value (fp32_state_dict of the state restored
+                # before). A 16-bit load keeps the buffer: it is a resume, whose optimizer
+                # state restored it.
+                comp.copy_(merge_compensation(src.to(p.device), p, comp))
 
 
 def _refuse_wrapped(m: nn.Module) -> None:
@@ -709,16 +714,17 @@ def fp32_state_dict(
 ) -> dict[str, Tensor]:
     """The model's state dict in float32 under its own keys, from the masters where they exist.
 
-    It loads into a plain fp32 copy of the model (``load_state_dict``), as the seed asks:
-    the model is saved in fp32 whatever it trained in. With ``update="kahan"`` a weight's fp32
-    value is ``w + c`` (the 16-bit weight plus its compensation buffer).
+    It loads into a plain fp32 copy of the model (``load_state_dict``): the model is saved in
+    fp32 whatever it trained in. With ``update="kahan"`` a weight's fp32 value is ``w + c`` (the
+    16-bit weight plus its compensation buffer), moved one fp32 ulp toward ``w`` where ``w + c``
+    lies exactly half-way between two 16-bit values (:func:`mixprec.core.resume.kahan_fp32`), so
+    that loading it gives back ``w``; with the optimizer's state dict (loaded before or after
+    ``initialize``) ``c`` comes back too, and a resume is bit for bit.
     """
     masters = {} if optimizer is None else {id(p): m for p, m in optimizer._pairs}
     lean = None if optimizer is None else getattr(optimizer, "lean", None)
     if lean is not None:
-        masters.update(
-            {id(p): p.detach().float() + c.float() for p, c in lean.compensation.items()}
-        )
+        masters.update({id(p): kahan_fp32(p, c) for p, c in lean.compensation.items()})
     for m in model.modules():
         for name, fp32 in m.__dict__.get(FROZEN_ATTR, {}).items():
             p = m._parameters.get(name)

@@ -476,16 +476,26 @@ class LeanUpdate:
 
     def restore_state_dtypes(self, saved: dict[str, Any]) -> None:
         """Undo ``Optimizer.load_state_dict``'s cast of every state tensor to the parameter's
-        dtype: put back the saved tensors (fp32 second moments stay fp32, bit for bit)."""
+        dtype: put back the saved tensors (fp32 second moments stay fp32, bit for bit). A saved
+        value its storage dtype (``state_dtype``) holds exactly is stored in it, as a step
+        stores it (a 16-bit first moment that a plain optimizer widened to fp32 before
+        ``initialize``); a more precise one stays as saved until the next step narrows it."""
         ids = [i for g in saved["param_groups"] for i in g["params"]]
         for p, i in zip(self.params(), ids):
             st, src = self.optimizer.state.get(p), saved["state"].get(i)
             if not st or not src:
                 continue
             for k, v in src.items():
-                if (
-                    isinstance(v, Tensor)
-                    and isinstance(st.get(k), Tensor)
-                    and st[k].dtype != v.dtype
-                ):
-                    st[k] = v.detach().to(device=st[k].device, copy=True)
+                have = st.get(k)
+                if isinstance(v, Tensor) and isinstance(have, Tensor):
+                    want = self._restored_dtype(p, k, v)
+                    if have.dtype != want:
+                        st[k] = v.detach().to(device=have.device, dtype=want, copy=True)
+
+    def _restored_dtype(self, p: Tensor, key: str, saved: Tensor) -> torch.dtype:
+        """The dtype to keep saved state ``key`` of ``p`` in (see restore_state_dtypes)."""
+        if p.dtype in _LOW and saved.is_floating_point() and key != "step" and saved.dim() > 0:
+            stored = self._dtype_for(key, p.dtype)
+            if torch.equal(saved.to(stored).to(saved.dtype), saved):
+                return stored
+        return saved.dtype

@@ -43,6 +43,14 @@ from torch.optim import Optimizer
 from mixprec.core.clipping import register_masters
 from mixprec.core.lean import LeanUpdate, StateDtype
 from mixprec.core.loss_scale import LossScaler, unscale_and_check_
+from mixprec.core.resume import (
+    MIXPREC_KEY,
+    drop_stale,
+    pack_state_dict,
+    split_state_dict,
+    state_steps,
+    take_state,
+)
 
 __all__ = [
     "MIXPREC_KEY",
@@ -50,6 +58,7 @@ __all__ = [
     "MixedPrecisionOptimizer",
     "scale_loss",
     "split_state_dict",
+    "take_state",
 ]
 
 #: ``hook(optimizer)``, run by every step before it reads its verdicts. The distributed layer
@@ -570,29 +579,31 @@ class MixedPrecisionOptimizer(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's layout, so the torch optimizer this wraps (or a plain one over the fp32
         model) loads it as it is: the inner optimizer's ``state`` and ``param_groups`` (indices
-        over the masters), plus mixprec's own state under ``"mixprec"`` -- the masters' exact
-        values, every loss scaler, the skip counters and, with an update mode, its state.
-        ``torch.optim.Optimizer.load_state_dict`` ignores the extra key."""
-        inner = self.optimizer.state_dict()
-        if MIXPREC_KEY in inner:
-            raise RuntimeError(
-                f"The wrapped {type(self.optimizer).__name__}'s state dict already has a "
-                f"{MIXPREC_KEY!r} entry; wrap a plain torch optimizer, not a mixprec one."
-            )
+        over the masters), with :meth:`mixprec_state_dict` under ``param_groups[0]["mixprec"]``,
+        which ``torch.optim.Optimizer.load_state_dict`` keeps (:mod:`mixprec.core.resume`)."""
+        return pack_state_dict(self.optimizer.state_dict(), self.mixprec_state_dict())
+
+    def mixprec_state_dict(self) -> dict[str, Any]:
+        """mixprec's own state: the masters' exact values, every loss scaler, the skip counters
+        and, with an update mode, its state (compensation, generators)."""
         own: dict[str, Any] = {
             "masters": [m.detach().clone() for _, m in self._pairs],
             "scalers": [s.scaler.state_dict() for s in self.slots],
             "skipped_steps": self.skipped_steps,
             "step_skipped": self.step_skipped,
+            "state_steps": state_steps(self.optimizer.state),  # to tell a stale entry
         }
         if self.lean is not None:
             own["lean"] = self.lean.state_dict()
-        return {**inner, MIXPREC_KEY: own}
+        return own
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load :meth:`state_dict`'s output, the older mixprec layout (``optimizer``,
-        ``masters``, ``scalers``, ... at the top), or a plain torch optimizer's state dict.
+        """Load :meth:`state_dict`'s output, an older mixprec layout (``"mixprec"`` or
+        ``optimizer``, ``masters``, ``scalers``, ... at the top), or a plain torch optimizer's
+        state dict. The saved masters and compensation are taken as they are: loaded after
+        ``initialize``, this is the checkpoint's state (the model's 16-bit weights follow the
+        masters).
 
         A plain torch dict sets the inner optimizer's state and hyper-parameters only: the
         masters keep following the model (load the model's state dict for its weights) and the
@@ -600,6 +611,7 @@ class MixedPrecisionOptimizer(Optimizer):
         scalers are checked before anything is written.
         """
         inner, own = split_state_dict(state_dict)
+        own = drop_stale(inner, own)
         if own is not None:
             self._check_own(own)
             if self.lean is not None:
@@ -676,38 +688,6 @@ class StepGuard:
                 "mixprec.initialize(model, opt, ...)`, then `opt.backward(loss)` and "
                 "`opt.step()`."
             )
-
-
-def take_state(optimizer: Optimizer) -> dict[str, Any] | None:
-    """Empty ``optimizer``'s state; return its state dict (None when it had no state), to be
-    loaded into the wrapper once it is built (the masters then take the state, by index)."""
-    if not optimizer.state:
-        return None
-    sd = optimizer.state_dict()
-    optimizer.state.clear()
-    return sd
-
-
-#: The key of mixprec's own state in :meth:`MixedPrecisionOptimizer.state_dict`.
-MIXPREC_KEY = "mixprec"
-_OLD_KEYS = ("optimizer", "masters", "scalers", "skipped_steps")
-
-
-def split_state_dict(state_dict: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """``(torch optimizer state dict, mixprec's own state or None)`` from any layout
-    :meth:`MixedPrecisionOptimizer.load_state_dict` takes."""
-    if isinstance(state_dict, dict) and "state" in state_dict and "param_groups" in state_dict:
-        inner = {k: v for k, v in state_dict.items() if k != MIXPREC_KEY}
-        return inner, state_dict.get(MIXPREC_KEY)
-    if isinstance(state_dict, dict) and all(k in state_dict for k in _OLD_KEYS):
-        return state_dict["optimizer"], {k: v for k, v in state_dict.items() if k != "optimizer"}
-    keys = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else None
-    raise KeyError(
-        "Not an optimizer state dict: expected torch's layout ('state', 'param_groups', and "
-        f"mixprec's {MIXPREC_KEY!r} entry from MixedPrecisionOptimizer.state_dict) or "
-        f"mixprec's older layout {list(_OLD_KEYS)}; received "
-        + (f"keys {keys}." if keys is not None else f"a {type(state_dict).__name__}.")
-    )
 
 
 @contextlib.contextmanager

@@ -31,7 +31,8 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mixprec.core.initialize import fp32_state_dict
-from mixprec.core.optimizer import MIXPREC_KEY, MixedPrecisionOptimizer
+from mixprec.core.optimizer import MixedPrecisionOptimizer
+from mixprec.core.resume import MIXPREC_KEY, pack_state_dict
 
 __all__ = ["fp32_full_state_dict", "load_checkpoint", "save_checkpoint"]
 
@@ -62,7 +63,7 @@ def _check_optimizer(optimizer: Any) -> None:
 
 def _mixprec_part(optimizer: MixedPrecisionOptimizer) -> dict[str, Any]:
     """The optimizer's own state without the inner optimizer (saved by DCP by name)."""
-    part = optimizer.state_dict()[MIXPREC_KEY]
+    part = optimizer.mixprec_state_dict()
     if part.get("masters"):
         raise NotImplementedError(
             "Separate fp32 masters on a sharded model are not supported: "
@@ -162,7 +163,7 @@ def load_checkpoint(
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer.optimizer, state["optimizer"])
         optimizer.load_state_dict(
-            {**optimizer.optimizer.state_dict(), MIXPREC_KEY: state[MIXPREC_KEY]}
+            pack_state_dict(optimizer.optimizer.state_dict(), state[MIXPREC_KEY])
         )
         return
     if path.is_dir():

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 import mixprec
-from mixprec.core.optimizer import MIXPREC_KEY, MixedPrecisionOptimizer
+from mixprec.core.optimizer import MixedPrecisionOptimizer
 
 try:  # the unified package first, then the standalone one
     from lightning.pytorch.plugins.precision import Precision as _Precision
@@ -114,7 +114,7 @@ class MixprecPrecision(_Precision):
         return {
             "optimizers": [
                 {
-                    "masters": o.state_dict()[MIXPREC_KEY]["masters"],
+                    "masters": o.mixprec_state_dict()["masters"],
                     "scalers": [s.scaler.state_dict() for s in o.slots],
                 }
                 for o in self.optimizers
