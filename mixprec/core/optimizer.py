@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from mixprec.core import dispatch
 from mixprec.core.clipping import register_masters
 from mixprec.core.lean import LeanUpdate, StateDtype
 from mixprec.core.loss_scale import LossScaler, unscale_and_check_
@@ -720,6 +721,8 @@ def scale_loss(
 
     On exit the gradients of every given optimizer are unscaled into fp32 master gradients and
     checked for inf/NaN (one fused pass, no host sync); the next ``step()`` acts on the verdict.
+    The block runs outside any mixprec region left open on this thread (e.g. by Apex's O1 shim):
+    each backward op runs in the dtypes of its own forward (:func:`dispatch.outside_regions`).
     """
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     if not opts or not all(isinstance(o, MixedPrecisionOptimizer) for o in opts):
@@ -738,7 +741,9 @@ def scale_loss(
     for o in opts:
         o.prepare_backward()
     try:
-        yield slot.scaler.scale_loss(loss)
+        scaled = slot.scaler.scale_loss(loss)
+        with dispatch.outside_regions():
+            yield scaled
     except BaseException:
         for o in opts:  # the backward failed: give back the grads stashed for accumulation
             o._restore_stash()

@@ -1,0 +1,213 @@
+"""The traps a new user walks into, each now loud or harmless: a model already cast to 16 bits,
+stepping the optimizer passed to initialize, ``fp8=True`` that chose no layer, and Apex's O1
+region leaking its float16 into another model's backward."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import mixprec
+from mixprec.compat.apex import amp
+from mixprec.core import engine, kernels
+
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def net(seed: int = 0) -> nn.Module:
+    """Linears, a BatchNorm (running statistics: buffers) and a LayerNorm."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.LayerNorm(16), nn.Linear(16, 4)
+    )
+
+
+def data(n: int = 8) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+
+
+def mse(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    return (model(x).float() - y).pow(2).mean()
+
+
+def float_state(model: nn.Module) -> dict[str, torch.dtype]:
+    return {k: v.dtype for k, v in model.state_dict().items() if v.is_floating_point()}
+
+
+def initialize_recording(*args, **kwargs):
+    """``mixprec.initialize`` and the UserWarnings it raised about the model's dtypes."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = mixprec.initialize(*args, **kwargs)
+    said = [w for w in caught if "initialize received a model" in str(w.message)]
+    assert all(w.category is UserWarning and w.filename == __file__ for w in said)
+    return out, [str(w.message) for w in said]
+
+
+# -- Apex's O1 region and another model's backward ------------------------------------------
+
+
+class Attention(nn.Module):
+    """A LayerNorm, one self-attention through F.scaled_dot_product_attention, a head."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        qkv = self.qkv(self.norm(x)).view(b, t, 3, self.heads, d // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
+        return self.head(y.mean(1))
+
+
+def run_apex_o1_fp16() -> None:
+    """Another user's Apex O1 script: its float16 region stays open on this thread."""
+    torch.manual_seed(5)
+    other = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    other, opt = amp.initialize(other, opt, opt_level="O1", verbosity=0)
+    with amp.scale_loss(other(torch.randn(3, 4)).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert engine.is_active()  # the leaked state this test is about
+
+
+def train_attention(level: str, steps: int = 3) -> tuple[list[float], list[Tensor]]:
+    torch.manual_seed(0)
+    model = Attention()
+    model, opt = mixprec.initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, BF16
+    )
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(4, 6, 16, generator=g), torch.tensor([0, 1, 2, 1])
+    losses = []
+    for _ in range(steps):
+        loss = F.cross_entropy(model(x), y)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.fixture
+def decompositions(monkeypatch):
+    """Counts the calls of mixprec's decomposed attention (the kernel whose backward failed)."""
+    calls = []
+    real = kernels.decomposed_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "decomposed_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_a_model_trained_after_apex_o1_trains_bit_for_bit_as_alone(level, decompositions):
+    """It failed in backward: `expected scalar type Half but found Float`."""
+    alone = train_attention(level)
+    assert decompositions, "the decomposed attention kernel did not run: nothing is tested"
+    try:
+        run_apex_o1_fp16()
+        after = train_attention(level)
+    finally:
+        amp.reset()
+    assert after[0] == alone[0]
+    assert all(torch.equal(a, b) for a, b in zip(after[1], alone[1]))
+
+
+def test_a_plain_backward_inside_a_float16_region_runs_mixprec_attention_backward(
+    decompositions,
+):
+    torch.manual_seed(0)
+    model = mixprec.initialize(Attention(), None, "O1", BF16)
+    x = torch.randn(2, 6, 16)
+    loss = model(x).float().pow(2).mean()
+    with mixprec.autocast(FP16):  # e.g. a region left open by another library
+        loss.backward()
+    assert decompositions
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.dtype == FP32 and torch.isfinite(g).all() for g in grads)
+
+
+def test_checkpointed_blocks_recompute_in_their_own_region_after_apex_o1():
+    """The backward runs outside Apex's region; a recomputed forward still finds the frame of
+    the region it first ran in."""
+
+    class Checkpointed(Attention):
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
+
+    def run() -> list[Tensor]:
+        torch.manual_seed(0)
+        model = Checkpointed()
+        model, opt = mixprec.initialize(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", BF16
+        )
+        x, y = torch.randn(4, 6, 16), torch.tensor([0, 1, 2, 1])
+        for _ in range(2):
+            opt.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    alone = run()
+    try:
+        run_apex_o1_fp16()
+        after = run()
+    finally:
+        amp.reset()
+    assert all(torch.equal(a, b) for a, b in zip(after, alone))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_hugging_face_vit_trains_after_apex_o1_as_alone(level):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        image_size=32,
+        patch_size=8,
+        num_labels=3,
+        attn_implementation="sdpa",
+    )
+
+    def run() -> list[float]:
+        torch.manual_seed(0)
+        vit = transformers.ViTForImageClassification(config)
+        vit, opt = mixprec.initialize(
+            vit, torch.optim.AdamW(vit.parameters(), lr=1e-3), level, BF16
+        )
+        pixels, labels = torch.randn(2, 3, 32, 32), torch.tensor([0, 2])
+        losses = []
+        for _ in range(2):
+            loss = vit(pixel_values=pixels, labels=labels).loss
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    alone = run()
+    try:
+        run_apex_o1_fp16()
+        after = run()
+    finally:
+        amp.reset()
+    assert after == alone
