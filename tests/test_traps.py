@@ -51,6 +51,64 @@ def initialize_recording(*args, **kwargs):
     return out, [str(w.message) for w in said]
 
 
+# -- stepping the optimizer passed to initialize ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("level", "dtype"), [("O1", BF16), ("O2", BF16), ("O2", FP16), ("O3", BF16)]
+)
+def test_stepping_the_original_optimizer_after_opt_backward_raises_and_changes_nothing(
+    level, dtype
+):
+    x, y = data()
+
+    def start():
+        model = net()
+        original = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = mixprec.initialize(model, original, level, dtype)
+        return model, original, opt
+
+    model, original, opt = start()
+    opt.backward(mse(model, x, y))
+    weights = [p.detach().clone() for p in model.parameters()]
+    masters = [m.detach().clone() for m in opt.master_params()]
+    with pytest.raises(RuntimeError, match=r"holds the gradients of the returned optimizer's"):
+        original.step()
+    assert all(torch.equal(a, p) for a, p in zip(weights, model.parameters()))
+    assert all(torch.equal(a, m) for a, m in zip(masters, opt.master_params()))
+    assert not original.state  # no step taken, no state made
+    opt.step()  # the returned optimizer steps as if the refused call had never happened
+    ref_model, _, ref_opt = start()
+    ref_opt.backward(mse(ref_model, x, y))
+    ref_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+    assert any(not torch.equal(a, p) for a, p in zip(weights, model.parameters()))
+
+
+def test_the_error_names_what_a_direct_step_would_lose():
+    model = net()
+    original = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = mixprec.initialize(model, original, "O2", BF16)
+    opt.backward(mse(model, *data()))
+    with pytest.raises(RuntimeError) as err:
+        original.step()
+    text = str(err.value)
+    assert "level O2" in text and "not the model's 16-bit weights" in text
+    assert "inf/NaN check" in text and "model, opt = mixprec.initialize(model, opt" in text
+
+
+def test_a_direct_step_with_fresh_zero_gradients_still_passes():
+    """torch.distributed.checkpoint creates optimizer state that way (zero grads, lr 0)."""
+    model = net()
+    original = torch.optim.AdamW(model.parameters(), lr=0.0)
+    model, _wrapped = mixprec.initialize(model, original, "O2", BF16)
+    for g in original.param_groups:
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    original.step()
+    assert len(original.state) == len(list(model.parameters()))
+
+
 # -- Apex's O1 region and another model's backward ------------------------------------------
 
 

@@ -528,7 +528,7 @@ def initialize(
     fp32_values.clear()
     for o, w in zip(opt_list, wrapped):
         inner = o.wrapper if isinstance(o, OptimizerView) else o
-        if w._pairs and hasattr(inner, "register_step_pre_hook"):
+        if hasattr(inner, "register_step_pre_hook"):
             inner.register_step_pre_hook(StepGuard(w, level))
     refresh = _LoadRefresh(wrapped, model_list)
     for model in model_list:
