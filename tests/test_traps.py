@@ -53,6 +53,97 @@ def initialize_recording(*args, **kwargs):
     return out, [str(w.message) for w in said]
 
 
+# -- a model already cast to 16 bits --------------------------------------------------------
+
+
+@pytest.mark.parametrize("cast", [BF16, FP16])
+def test_o1_upcasts_a_16_bit_model_to_fp32_and_says_the_weights_are_rounded(cast):
+    model = net()
+    rounded = {k: v.to(cast).float() for k, v in model.state_dict().items()}
+    model.to(cast)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    (model, opt), said = initialize_recording(model, opt, "O1", BF16)
+    assert set(float_state(model).values()) == {FP32}  # parameters and running statistics
+    assert all(torch.equal(v.float(), rounded[k]) for k, v in model.state_dict().items())
+    assert len(said) == 1
+    assert f"already cast to {cast}" in said[0] and "level O1 keeps every parameter" in said[0]
+    assert "rounded 16-bit values" in said[0] and "Build or load the model in float32" in said[0]
+    opt.backward(mse(model, *data()))
+    opt.step()
+    assert all(p.dtype == FP32 and p.grad.dtype == FP32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("cast", [BF16, FP16])
+def test_o2_keeps_norms_fp32_and_one_16_bit_dtype_whatever_the_model_arrived_in(cast):
+    """A .half() model at O2 with dtype=bfloat16 was a float16/bfloat16 mix with float16 norms."""
+    model = net()
+    model.to(cast)
+    given = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    (model, opt), said = initialize_recording(model, opt, "O2", BF16)
+    dtypes = float_state(model)
+    norms = ("1.", "3.")
+    assert {d for k, d in dtypes.items() if k.startswith(norms)} == {FP32}  # BN buffers too
+    assert {d for k, d in dtypes.items() if not k.startswith(norms)} == {BF16}
+    # the masters hold the values the model arrived with, as exactly as fp32 holds them
+    masters = dict(zip([n for n, _ in model.named_parameters()], opt.master_params()))
+    assert all(torch.equal(masters[n], given[n].float()) for n in given)
+    assert len(said) == 1 and f"already cast to {cast}" in said[0]
+    assert "level O2 keeps norm layers and master weights in float32" in said[0]
+    x, y = data()
+    losses = []
+    for _ in range(3):
+        loss = mse(model, x, y)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert float_state(model) == dtypes
+
+
+def test_o3_converts_a_model_in_the_other_16_bit_dtype_and_says_so():
+    model = net().half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    (model, opt), said = initialize_recording(model, opt, "O3", BF16)
+    assert set(float_state(model).values()) == {BF16}
+    assert len(said) == 1 and "in torch.float16" in said[0] and "converted" in said[0]
+    assert "Pass dtype=torch.float16" in said[0]
+
+
+def test_o3_takes_a_model_in_its_own_dtype_without_a_word():
+    model = net().to(BF16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    (model, _), said = initialize_recording(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), "O3", BF16
+    )
+    assert said == []
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_an_fp32_model_gets_no_warning(level):
+    model = net()
+    (model, _), said = initialize_recording(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), level, BF16
+    )
+    assert said == []
+
+
+def test_apex_allow_incoming_model_not_fp32_keeps_o1_weights_as_given():
+    model = nn.Linear(8, 8).half()
+    try:
+        amp._amp_state.allow_incoming_model_not_fp32 = True
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = amp.initialize(model, opt_level="O1", verbosity=0)
+    finally:
+        amp.reset()
+    assert model.weight.dtype == FP16
+    assert not [w for w in caught if "initialize received a model" in str(w.message)]
+    assert not model.__dict__.get("_mixprec_accept_16bit")  # used up by initialize
+
+
 # -- stepping the optimizer passed to initialize ----------------------------------------------
 
 
