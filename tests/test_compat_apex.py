@@ -158,7 +158,9 @@ def test_cache_never_serves_stale_weights(kind, wdtype):
     probe = Probe(lambda m, x: fn(x, m.weight))
     probe.weight = nn.Parameter(torch.rand(h, h, dtype=wdtype) * 0.5)
     opt = torch.optim.SGD(probe.parameters(), lr=0.0)
+    amp._amp_state.allow_incoming_model_not_fp32 = True  # as Apex's test: fp16 weights as given
     probe, opt = amp.initialize(probe, opt, opt_level="O1", loss_scale=4.0, verbosity=0)
+    amp._amp_state.allow_incoming_model_not_fp32 = False
     x = torch.rand(h, h) * 0.5
     for phase in ("train", "eval", "train"):
         if phase == "eval":

@@ -34,7 +34,9 @@ Where Apex has a known flaw and fixing it cannot break a caller, mixprec's behav
 * ``amp.init()``, Apex's older handle API, runs on a mixprec region
   (:mod:`mixprec.compat.amp_handle`). ``_amp_state`` exposes what Apex's tests and tools read:
   ``loss_scalers[i].loss_scale()`` (and ``_loss_scale`` to set it), ``opt_properties``,
-  ``handle``; ``allow_incoming_model_not_fp32`` is accepted (16-bit models are always taken).
+  ``handle``. A model already cast to 16 bits is taken (Apex refuses it): at O1 its
+  parameters are upcast to fp32 with a warning (:func:`mixprec.initialize`'s rule), unless
+  ``_amp_state.allow_incoming_model_not_fp32`` is set, which keeps them as given, as in Apex.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from mixprec.compat.amp_handle import AmpHandle, NoOpHandle, step_without_casts
 from mixprec.compat.fp16_optimizer import FP16_Optimizer
 from mixprec.core import engine
 from mixprec.core.hardware import default_dtype
+from mixprec.core.initialize import ACCEPT_16BIT_ATTR
 from mixprec.core.loss_scale import LossScaler
 from mixprec.core.optimizer import LossSlot, MixedPrecisionOptimizer, take_state
 from mixprec.core.optimizer_view import as_torch_optimizer
@@ -353,6 +356,9 @@ def initialize(
             if level in ("O2", "O3"):
                 kwargs["keep_norm_fp32"] = bool(keep_bn)
                 kwargs["master_weights"] = masters
+            if _state.allow_incoming_model_not_fp32:  # 16-bit weights taken as they are
+                for m in model_list:
+                    m.__dict__[ACCEPT_16BIT_ATTR] = True
             out = mixprec.initialize(
                 model_list,
                 torch_opts or None,
@@ -366,6 +372,8 @@ def initialize(
         for o, sd in zip(torch_opts, carried):
             if sd is not None and not o.state:
                 o.load_state_dict(sd)  # give the caller's optimizer its state back
+        for m in model_list:
+            m.__dict__.pop(ACCEPT_16BIT_ATTR, None)
         raise
     for w, original in zip(wrapped, opt_list):
         w.__class__ = AmpOptimizer

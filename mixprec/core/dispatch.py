@@ -20,7 +20,10 @@ key excluded: the Python dispatcher recomputes the key from the TLS, not from th
 handed. Inside backward (activation-checkpoint recomputation, which re-enters torch.autocast
 with the forward's settings but not mixprec's frame, possibly on another thread) the frame of
 the region whose autograd node is being run applies, so recomputed forwards match the original
-bit for bit, and a user's own checkpointed code gets torch's rules.
+bit for bit, and a user's own checkpointed code gets torch's rules. A backward run through
+mixprec (``scale_loss``, ``opt.backward``) sets the thread's open regions aside
+(:func:`outside_regions`): a region left open, as Apex's O1 shim keeps one, must not lower
+another model's backward to its dtype.
 
 Cache: torch's weight-cast cache is used (one cast per weight per region, not kept across
 regions). It does not see in-place updates, so mixprec clears it when a leaf that requires grad
@@ -30,13 +33,14 @@ is updated in place inside a region (kernels on the common in-place update ops) 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.util
 import sys
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +53,16 @@ from mixprec.core import cast_table, kernels
 from mixprec.core.cast_table import FP32, LOWER, PROMOTE
 from mixprec.core.torch_lists import TORCH_AUTOCAST, torch_rule
 
-__all__ = ["FP32_INSIDE_OPS", "NATIVE_PROMOTE", "Frame", "depth", "pop", "push", "top"]
+__all__ = [
+    "FP32_INSIDE_OPS",
+    "NATIVE_PROMOTE",
+    "Frame",
+    "depth",
+    "outside_regions",
+    "pop",
+    "push",
+    "top",
+]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -139,6 +152,7 @@ class Frame:
 class _State(threading.local):
     def __init__(self) -> None:
         self.frames: list[Frame] = []
+        self.base: list[tuple[str, bool, torch.dtype]] = []  # autocast under the outermost frame
         self.busy = False  # inside one of mixprec's kernels
         self.compiling: Any = None  # a torch.compile compilation under way (mixprec.core.traced)
 
@@ -207,6 +221,8 @@ def push(
         [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices],
         torch.is_autocast_cache_enabled(),
     )
+    if not _state.frames:
+        _state.base = saved.autocast
     tracing = torch.compiler.is_dynamo_compiling()
     if tracing:  # a graph node: the compiler's tracing pushes it (mixprec.core.traced)
         _traced[0](frame.dtype, frame.kernels, bool(frame.fp32_inside))
@@ -269,6 +285,36 @@ def pop(frame: Frame, saved: _Saved) -> None:
     torch.set_autocast_cache_enabled(saved.cache)
     if torch.autocast_decrement_nesting() == 0 and not tracing:
         torch.clear_autocast_cache()
+
+
+@contextlib.contextmanager
+def outside_regions() -> Iterator[None]:
+    """Run the block as if no mixprec region were open on this thread: no frames, and torch's
+    autocast state as it was under the outermost one.
+
+    A backward belongs to the forwards that built its graph, not to a region that happens to be
+    open when it is called (Apex's O1 keeps one open for the whole script, and Apex's own
+    patches never reached autograd's backward): inside the region torch.autocast would lower the
+    backward's matmuls of *another* model to the region's dtype, and mixprec's kernels would
+    apply its rules. Outside every region each backward op runs in the dtypes of its forward, and
+    a recomputed forward (activation checkpointing) finds its own region's frame by node number.
+    """
+    frames, base = _state.frames, _state.base
+    if not frames or torch.compiler.is_compiling():
+        yield
+        return
+    now = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d, _, _ in base]
+    _state.frames = []
+    for d, on, dt in base:
+        torch.set_autocast_dtype(d, dt)
+        torch.set_autocast_enabled(d, on)
+    try:
+        yield
+    finally:
+        _state.frames, _state.base = frames, base
+        for d, on, dt in now:
+            torch.set_autocast_dtype(d, dt)
+            torch.set_autocast_enabled(d, on)
 
 
 # Under torch.compile the frame push and pop are graph nodes, set by mixprec.core.traced when

@@ -44,6 +44,11 @@ values, so loading fp32 weights before or after ``initialize`` gives the same ``
 with zero compensation; a checkpoint with an update mode is refused by ``update=None``, whose
 16-bit step would drop the compensation.
 
+A model that arrives already cast to 16 bits gets back what its level keeps in fp32 (all of
+it at O0/O1, the norm layers at O2) with one warning: the fp32 values start from the rounded
+ones, which no cast can undo, and a silent 16-bit O1 (or fp16/bf16 mix at O2) broke the level's
+promise. The optimizer passed in refuses a direct step that would bypass the returned one.
+
 A non-finite gradient skips the step at every level, with or without loss scaling. The model is
 modified in place (hooks, parameter storage) and returned.
 """
@@ -137,6 +142,14 @@ _OVERRIDES = (
     *_SCALER_KEYS,
 )
 _MARK = "_mixprec_initialized"
+_LOW = (torch.float16, torch.bfloat16)
+_SECOND_ROUNDING = {
+    torch.bfloat16: "to bfloat16's 8 significant bits, float16 has 11",
+    torch.float16: "into float16's range: beyond 65504 overflows, below 6e-8 flushes to 0",
+}
+#: set on a model by a caller that takes it in whatever dtypes it has (Apex's
+#: ``allow_incoming_model_not_fp32``): kept as it is at O0/O1, cast without a warning at O2/O3
+ACCEPT_16BIT_ATTR = "_mixprec_accept_16bit"
 FROZEN_ATTR = "_mixprec_frozen_fp32"  # {param name in its module: fp32 copy}, keep_frozen_fp32
 
 
@@ -202,6 +215,73 @@ def _cast_storage(
                 module._buffers[name] = cast
     for child in module.children():
         _cast_storage(child, dtype, keep_norm, keep, kept)
+
+
+def _restore_fp32(
+    model: nn.Module, level: str, dtype: torch.dtype, props: dict[str, Any], warn: bool = True
+) -> None:
+    """A model that arrives already cast to 16 bits (``model.half()``, ``.to(torch.bfloat16)``)
+    gets back what the level keeps in float32 -- every parameter at O0/O1, the norm layers at O2
+    (their buffers too: BatchNorm's running statistics) -- and one warning: the fp32 weights or
+    masters start from the rounded 16-bit values, which no cast can undo. At O3 (16-bit
+    everywhere, no masters) a model in the *other* 16-bit dtype is converted by the cast that
+    follows, rounding it a second time: warned too. A model in the level's own dtype at O3 is
+    what O3 stores anyway."""
+    found: dict[torch.dtype, int] = {}
+    seen: set[int] = set()
+    total = widened = 0
+    for module in model.modules():
+        fp32 = not props["cast_params"] or (props["keep_norm_fp32"] and is_norm(module))
+        for p in module.parameters(recurse=False):
+            if id(p) in seen or not p.is_floating_point():
+                continue
+            seen.add(id(p))
+            total += 1
+            if p.dtype in _LOW:
+                found[p.dtype] = found.get(p.dtype, 0) + 1
+                if fp32:
+                    p.data = p.data.to(torch.float32)
+                    widened += 1
+    if not found:
+        return
+    for module in model.modules():  # the buffers beside the parameters the level keeps fp32
+        if not props["cast_params"] or (props["keep_norm_fp32"] and is_norm(module)):
+            for name, b in module.named_buffers(recurse=False):
+                if b is not None and b.dtype in _LOW:
+                    module._buffers[name] = b.to(torch.float32)
+    if not warn:
+        return
+    names = " and ".join(f"{d} ({n} of {total} parameters)" for d, n in found.items())
+    fix = (
+        f"Build or load the model in float32 and let initialize cast it: drop the "
+        f"model.half() / model.to({next(iter(found))}) before initialize."
+    )
+    if not props["cast_params"]:
+        keeps, starts = "every parameter", "the float32 weights"
+    elif props["master_weights"]:
+        keeps = "norm layers and master weights" if widened else "master weights"
+        starts = "the float32 master weights"
+    else:
+        other = [d for d in found if d != dtype]
+        if not other:
+            return
+        loss = _SECOND_ROUNDING[dtype]
+        warnings.warn(
+            f"initialize received a model in {names}: level {level} stores every weight in "
+            f"{dtype}, so its {other[0]} weights are converted, rounding them a second time "
+            f"({loss}). Pass dtype={other[0]} to keep them as they are, or build or load the "
+            "model in float32 and let initialize cast it.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
+    warnings.warn(
+        f"initialize received a model already cast to {names}: level {level} keeps {keeps} "
+        f"in float32, so initialize upcasts them, but {starts} start from the rounded 16-bit "
+        f"values, not from the float32 values they were cast from. {fix}",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _resolve(
@@ -439,6 +519,12 @@ def initialize(
             [o if kw["update"] is None else None for o, kw in zip(opt_list, lean_kwargs)], dtype
         )
 
+    for m in model_list:
+        accepted = m.__dict__.pop(ACCEPT_16BIT_ATTR, False)  # Apex's allow_incoming_model_not_fp32
+        if m.__dict__.get("_mixprec_fsdp") or (accepted and not props["cast_params"]):
+            continue  # sharded: FSDP's shards are the fp32 state; O1 as given, as in Apex
+        _restore_fp32(m, level, dtype, props, warn=not accepted)
+
     # The masters start from the exact values the model holds now, not from its 16-bit rounding
     # (load pretrained fp32 weights, then initialize): copies of the parameters the optimizers
     # step, handed to the optimizer wrapper as its masters. Kahan compensation starts from the
@@ -531,7 +617,7 @@ def initialize(
     fp32_values.clear()
     for o, w in zip(opt_list, wrapped):
         inner = o.wrapper if isinstance(o, OptimizerView) else o
-        if w._pairs and hasattr(inner, "register_step_pre_hook"):
+        if hasattr(inner, "register_step_pre_hook"):
             inner.register_step_pre_hook(StepGuard(w, level))
     refresh = _LoadRefresh(wrapped, model_list)
     for model in model_list:

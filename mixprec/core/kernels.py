@@ -30,6 +30,10 @@ _SDPA_PARAMS = (
     "enable_gqa",
 )
 
+_AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU).add(
+    torch._C.DispatchKey.AutocastCUDA
+)
+
 _bias_cache: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
@@ -172,6 +176,14 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        # The forward ran below torch.autocast (inside a mixprec kernel, or in a graph whose
+        # casts are explicit); a backward called inside an autocast region, a mixprec one or
+        # another, would lower these matmuls and not the softmax: recompute as the forward did.
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS):
+            return _Attention._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
         q3, k3, v3 = ctx.saved_tensors
         alpha, grads = ctx.alpha, []
         for q, k, v, g in _chunks(q3, k3, v3, grad):

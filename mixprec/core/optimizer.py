@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from mixprec.core import dispatch
 from mixprec.core.clipping import register_masters
 from mixprec.core.lean import LeanUpdate, StateDtype
 from mixprec.core.loss_scale import LossScaler, unscale_and_check_
@@ -463,6 +464,15 @@ class MixedPrecisionOptimizer(Optimizer):
         with scale_loss(loss, self, loss_id=loss_id) as scaled:
             scaled.backward(**kwargs)
 
+    def holds_its_gradients(self) -> bool:
+        """True while a gradient this optimizer unscaled and checked (in ``backward`` or
+        ``scale_loss``) waits for its ``step()``."""
+        for p in self.master_params():
+            seen = self._checked.get(id(p))
+            if p.grad is not None and seen is not None and seen[0]() is p.grad:
+                return True
+        return False
+
     def _unchecked(self, p: Tensor) -> bool:
         if p.grad is None:
             return False
@@ -657,12 +667,20 @@ class MixedPrecisionOptimizer(Optimizer):
 
 
 class StepGuard:
-    """A step pre-hook on the optimizer :func:`mixprec.initialize` wrapped with fp32 masters.
-    Stepping it directly (``initialize(model, opt)`` without ``model, opt =``, then
-    ``loss.backward(); opt.step()``) would step masters that have no gradients while the 16-bit
-    model holds them -- training nothing, silently -- so that raises with the fix. Other direct
-    steps pass (``torch.distributed.checkpoint`` steps it once with zero master gradients to
-    create the state)."""
+    """A step pre-hook on the optimizer :func:`mixprec.initialize` wrapped: a direct step of it
+    is refused where it would silently do the wrong thing.
+
+    * Stepped after a plain backward at O2 (``initialize(model, opt)`` without ``model, opt =``,
+      then ``loss.backward(); opt.step()``), it would step masters that have no gradients while
+      the 16-bit model holds them -- training nothing.
+    * Stepped after the returned optimizer's ``backward`` (``opt.backward(loss)`` then
+      ``original.step()``), it would use gradients only the returned optimizer may consume: at O2
+      the masters move and the 16-bit weights never do (nothing copies them back), and at every
+      level the inf/NaN skip, the loss scaler's update and an update mode's compensated step are
+      bypassed.
+
+    Other direct steps pass (``torch.distributed.checkpoint`` steps it once with fresh zero
+    gradients to create the state; a plain ``loss.backward()`` at O1 trains as without mixprec)."""
 
     def __init__(self, wrapper: MixedPrecisionOptimizer, level: str) -> None:
         self.wrapper = weakref.ref(wrapper)
@@ -679,12 +697,31 @@ class StepGuard:
         wrapper = self.wrapper() if self.wrapper is not None else None
         if wrapper is not None and wrapper.__dict__.get("_in_step", False):
             return
+        name = type(optimizer).__name__
         if any(p.grad is not None and m.grad is None for p, m in self.pairs):
             raise RuntimeError(
-                f"This {type(optimizer).__name__} was wrapped by mixprec.initialize (level "
+                f"This {name} was wrapped by mixprec.initialize (level "
                 f"{self.level}): its parameters are now fp32 master copies that only the "
                 "returned optimizer fills with gradients, so this step would train nothing. "
                 "Use the optimizer initialize returned -- `model, opt = "
+                "mixprec.initialize(model, opt, ...)`, then `opt.backward(loss)` and "
+                "`opt.step()`."
+            )
+        if wrapper is not None and wrapper.holds_its_gradients():
+            parts = ["the inf/NaN check that skips a step", "the loss scaler's update"]
+            if wrapper.lean is not None:
+                parts.append(f"update={wrapper.lean.update!r} (fp32 arithmetic, then rounding)")
+            skipped = ", ".join(parts[:-1]) + " and " + parts[-1]
+            what = (
+                "would move its fp32 masters and not the model's 16-bit weights (only the "
+                f"returned optimizer copies them back), and would skip {skipped}"
+                if self.pairs
+                else f"would skip {skipped}"
+            )
+            raise RuntimeError(
+                f"This {name} was wrapped by mixprec.initialize (level {self.level}) and holds "
+                f"the gradients of the returned optimizer's backward: stepping it directly "
+                f"{what}. Step the optimizer initialize returned: `model, opt = "
                 "mixprec.initialize(model, opt, ...)`, then `opt.backward(loss)` and "
                 "`opt.step()`."
             )
@@ -700,6 +737,8 @@ def scale_loss(
 
     On exit the gradients of every given optimizer are unscaled into fp32 master gradients and
     checked for inf/NaN (one fused pass, no host sync); the next ``step()`` acts on the verdict.
+    The block runs outside any mixprec region left open on this thread (e.g. by Apex's O1 shim):
+    each backward op runs in the dtypes of its own forward (:func:`dispatch.outside_regions`).
     """
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     if not opts or not all(isinstance(o, MixedPrecisionOptimizer) for o in opts):
@@ -718,7 +757,9 @@ def scale_loss(
     for o in opts:
         o.prepare_backward()
     try:
-        yield slot.scaler.scale_loss(loss)
+        scaled = slot.scaler.scale_loss(loss)
+        with dispatch.outside_regions():
+            yield scaled
     except BaseException:
         for o in opts:  # the backward failed: give back the grads stashed for accumulation
             o._restore_stash()

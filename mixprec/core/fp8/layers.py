@@ -19,6 +19,8 @@ Design:
   resume with the same layers). Under ``torch.compile`` a layer still undecided is judged by
   its shape alone: a compiled graph has no values to measure, and a graph break inside a
   mixprec region is avoided. Decide first (``fp8_plan``, or one eager step) to have both sides.
+  Once every layer has decided, a model where none runs in FP8 gets one warning: before the
+  first step the plan only said "pending", and no FP8 at all is not what ``fp8=`` asked for.
 * **Devices.** CUDA below compute capability 8.9 has no FP8 tensor cores: refused, naming the
   GPU. On a CPU the GEMMs run torch's reference ``_scaled_mm`` (emulated, slow): a one-time
   warning. On CUDA, FP8 outside ``torch.compile`` fuses none of its casts: a one-time warning.
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
+import sys
 import threading
 import warnings
 import weakref
@@ -72,6 +76,7 @@ class FP8Layer:
         self.target = target
         self.source = source  # "initialize" or "region" (mixprec.autocast(fp8=...))
         self.choice: FP8Choice | None = None
+        self.verdict: _Verdict | None = None  # shared by the layers of one prepare()
 
     @property
     def fp8(self) -> bool:
@@ -144,6 +149,8 @@ def _decide_now(layer: FP8Layer, x: Tensor, weight: Tensor) -> None:
                 choice, fp8=False, reason=f"another rank's batch kept it 16-bit ({choice.reason})"
             )
     layer.choice = choice
+    if layer.verdict is not None:
+        layer.verdict.check()
 
 
 def _fast_enough(layer: FP8Layer, x: Tensor, weight: Tensor) -> bool:
@@ -275,7 +282,66 @@ def prepare(
             m.__dict__[FP8_ATTR] = layer
             m.__dict__["forward"] = FP8Forward(m, layer)
     model.__dict__[REGISTRY_ATTR] = layers
+    if not isinstance(selector, FP8Plan):  # a plan given as it is chose its layers knowingly
+        verdict = _Verdict(layers, config)
+        for layer in layers.values():
+            layer.verdict = verdict
+        verdict.check()
     return layers
+
+
+class _Verdict:
+    """Says once, when the last of a model's layers has decided, that ``fp8=`` chose none.
+
+    ``"auto"`` decides at each layer's first batch, so before the first step the plan says
+    "pending", and a model whose Linears are all too small (or all left out) would run no FP8
+    without a word. The warning names the count, the reasons and how to force layers."""
+
+    def __init__(self, layers: dict[str, FP8Layer], config: FP8Config) -> None:
+        self.layers = layers
+        self.config = config
+        self.target = next((layer.target for layer in layers.values()), "the target GPU")
+        self.said = False
+
+    def check(self) -> None:
+        layers = self.layers.values()
+        if self.said or any(layer.choice is None for layer in layers):
+            return
+        self.said = True
+        if any(layer.fp8 for layer in layers):
+            return
+        reasons = [f"{layer.name or '(the model)'}: {layer.choice.reason}" for layer in layers]
+        shown = "; ".join(reasons[:3])
+        if len(reasons) > 3:
+            shown += f"; ... ({len(reasons) - 3} more in mixprec.fp8_plan(model))"
+        why = f" ({shown})" if reasons else ": the model has no nn.Linear"
+        warnings.warn(
+            f"fp8= (recipe {self.config.recipe!r}, layers={_selector_name(self.config)}) chose "
+            f"0 of {len(reasons)} Linears: every GEMM stays 16-bit{why}. To force FP8 on "
+            "Linears whose in and out features are multiples of 16, use "
+            "FP8Config(layers='all') or FP8Config(layers=lambda name, module: ...); 'auto' "
+            f"judges the speed for {self.target} at the batch's tokens, so a larger batch may "
+            "choose more.",
+            MixprecPerformanceWarning,
+            stacklevel=_user_stacklevel(),
+        )
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))  # mixprec/
+_INTERNAL = (os.path.dirname(torch.__file__) + os.sep, _PACKAGE + os.sep)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first caller outside mixprec and torch (the model's call)."""
+    frame, level = sys._getframe(2), 2  # the caller of the function that warns
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _selector_name(config: FP8Config) -> str:
+    layers = config.layers
+    return repr(layers) if isinstance(layers, str) else "a predicate"
 
 
 def unprepare(model: nn.Module) -> None:
