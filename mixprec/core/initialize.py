@@ -249,13 +249,20 @@ def _restore_fp32(
             for name, b in module.named_buffers(recurse=False):
                 if b is not None and b.dtype in _LOW:
                     module._buffers[name] = b.to(torch.float32)
-    if not warn:
-        return
+    if warn:
+        _warn_16bit(found, total, widened, level, dtype, props)
+
+
+def _warn_16bit(
+    found: dict[torch.dtype, int],
+    total: int,
+    widened: int,
+    level: str,
+    dtype: torch.dtype,
+    props: dict[str, Any],
+) -> None:
+    """The one warning of :func:`_restore_fp32`: what arrived, what the level keeps, the fix."""
     names = " and ".join(f"{d} ({n} of {total} parameters)" for d, n in found.items())
-    fix = (
-        f"Build or load the model in float32 and let initialize cast it: drop the "
-        f"model.half() / model.to({next(iter(found))}) before initialize."
-    )
     if not props["cast_params"]:
         keeps, starts = "every parameter", "the float32 weights"
     elif props["master_weights"]:
@@ -263,24 +270,24 @@ def _restore_fp32(
         starts = "the float32 master weights"
     else:
         other = [d for d in found if d != dtype]
-        if not other:
-            return
-        loss = _SECOND_ROUNDING[dtype]
-        warnings.warn(
-            f"initialize received a model in {names}: level {level} stores every weight in "
-            f"{dtype}, so its {other[0]} weights are converted, rounding them a second time "
-            f"({loss}). Pass dtype={other[0]} to keep them as they are, or build or load the "
-            "model in float32 and let initialize cast it.",
-            UserWarning,
-            stacklevel=3,
-        )
+        if other:
+            warnings.warn(
+                f"initialize received a model in {names}: level {level} stores every weight "
+                f"in {dtype}, so its {other[0]} weights are converted, rounding them a second "
+                f"time ({_SECOND_ROUNDING[dtype]}). Pass dtype={other[0]} to keep them as they "
+                "are, or build or load the model in float32 and let initialize cast it.",
+                UserWarning,
+                stacklevel=4,
+            )
         return
     warnings.warn(
         f"initialize received a model already cast to {names}: level {level} keeps {keeps} "
         f"in float32, so initialize upcasts them, but {starts} start from the rounded 16-bit "
-        f"values, not from the float32 values they were cast from. {fix}",
+        f"values, not from the float32 values they were cast from. Build or load the model in "
+        f"float32 and let initialize cast it: drop the model.half() / "
+        f"model.to({next(iter(found))}) before initialize.",
         UserWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
 
 
