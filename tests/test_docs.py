@@ -11,10 +11,12 @@ import ast
 import pathlib
 import re
 import runpy
+import sys
 import textwrap
 
 import pytest
 import torch
+from extras import EXTRA, install_hint
 
 import mixprec
 
@@ -48,9 +50,37 @@ def code_blocks(text: str) -> list[tuple[int, str, str | None]]:
     return blocks
 
 
-def run_blocks(name: str, text: str) -> dict:
-    """Run (or only parse) a file's blocks in order in one namespace; return the namespace."""
+def missing_extra(exc: BaseException) -> str | None:
+    """The optional package (one of an extra's, see tests/extras.py) whose absence raised
+    ``exc`` or its cause, else None."""
+    while exc is not None:
+        if isinstance(exc, ModuleNotFoundError) and exc.name:
+            top = exc.name.partition(".")[0]
+            return top if top in EXTRA else None
+        exc = exc.__cause__
+    return None
+
+
+def _names(tree: ast.AST, ctx: type) -> set[str]:
+    """Names a block stores (``ast.Store``: assignments, imports, defs) or loads."""
+    found = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}
+    if ctx is ast.Store:
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.Import, ast.ImportFrom)):
+                found |= {(a.asname or a.name).partition(".")[0] for a in n.names}
+            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.add(n.name)
+    return found
+
+
+def run_blocks(name: str, text: str, skipped: list[str] | None = None) -> dict:
+    """Run (or only parse) a file's blocks in order in one namespace; return the namespace.
+
+    With a ``skipped`` list, a block that needs a package of an extra that is not installed is
+    recorded there instead of failing, and so is every later block that uses a name it binds;
+    the others still run (the light ``.[test]`` install checks what it can)."""
     namespace: dict = {"__name__": "__docs__"}
+    unbound: set[str] = set()  # names the skipped blocks would have bound
     for line, source, reason in code_blocks(text):
         where = f"{name}, block at line {line}"
         try:
@@ -59,10 +89,18 @@ def run_blocks(name: str, text: str) -> dict:
             raise AssertionError(f"{where} does not parse: {e}") from e
         if reason is not None:
             continue
+        if skipped is not None and _names(tree, ast.Load) & unbound:
+            skipped.append(f"line {line} (uses {sorted(_names(tree, ast.Load) & unbound)})")
+            unbound |= _names(tree, ast.Store)
+            continue
         try:
             exec(compile(tree, where, "exec"), namespace)
         except Exception as e:
-            raise AssertionError(f"{where} failed: {type(e).__name__}: {e}") from e
+            module = missing_extra(e)
+            if skipped is None or module is None:
+                raise AssertionError(f"{where} failed: {type(e).__name__}: {e}") from e
+            skipped.append(f"line {line} ({install_hint(module)})")
+            unbound |= _names(tree, ast.Store)
     return namespace
 
 
@@ -74,10 +112,14 @@ def test_every_python_block_runs(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     policy = mixprec.global_policy()
+    skipped: list[str] = []
+    name = str(path.relative_to(ROOT))
     try:
-        run_blocks(str(path.relative_to(ROOT)), path.read_text())
+        run_blocks(name, path.read_text(), skipped)
     finally:
         mixprec.set_global_policy(policy)
+    if skipped:
+        pytest.skip(f"{name}: the other blocks ran; skipped the blocks at {'; '.join(skipped)}")
 
 
 def test_the_block_runner_shares_a_namespace_and_skips_marked_blocks():
@@ -110,6 +152,26 @@ def test_the_block_runner_shares_a_namespace_and_skips_marked_blocks():
         run_blocks("t.md", "```python\nundefined_name\n```\n")
     with pytest.raises(AssertionError, match=r"line 3 does not parse"):
         run_blocks("t.md", "<!-- not run: x -->\n```python\ndef (:\n```\n")
+
+
+def test_a_block_needing_a_missing_extra_skips_it_and_its_users_only(monkeypatch):
+    """A block that needs an extra's package which is not installed is skipped with the install
+    line, and so is a later block using what it binds; independent blocks still run (and fail)."""
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import raises ModuleNotFoundError
+    text = (
+        "```python\na = 1\n```\n```python\nimport onnxruntime\nsess = 2\n```\n"
+        "```python\nprint(sess)\n```\n```python\nb = a + 1\n```\n"
+    )
+    skipped: list[str] = []
+    assert run_blocks("t.md", text, skipped)["b"] == 2
+    assert skipped == [
+        'line 5 (needs onnxruntime: pip install -e ".[test,inference]")',
+        "line 9 (uses ['sess'])",
+    ]
+    with pytest.raises(AssertionError, match="ModuleNotFoundError"):  # without the list: fails
+        run_blocks("t.md", text)
+    with pytest.raises(AssertionError, match="NameError"):  # a missing name of its own: fails
+        run_blocks("t.md", "```python\nundefined_name\n```\n", [])
 
 
 def test_readme_examples_run_and_are_not_all_skipped():

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from extras import need
 from torch import nn
 
 import mixprec
 from mixprec.bench.models import GPT, GPTConfig
 from mixprec.inference.export import ExportError, onnx_rule, ort_can_run, ort_session
 
-onnx = pytest.importorskip("onnx", reason="ONNX export needs onnx (pip install onnx)")
-ort = pytest.importorskip("onnxruntime", reason="needs onnxruntime (pip install onnxruntime)")
-pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript")
+
+def need_onnx():
+    """onnx, or the test skipped naming the extra (which also brings onnxruntime, and
+    onnxscript, which torch.onnx.export(dynamo=True) needs); torch.export tests need neither."""
+    need("onnxscript")
+    need("onnxruntime")
+    return need("onnx")
+
 
 X = torch.randint(0, 96, (2, 16))
 
@@ -30,6 +36,7 @@ def gpt() -> nn.Module:
 
 
 def test_onnx_fp16_round_trip_and_weight_dtypes(gpt: nn.Module, tmp_path) -> None:
+    onnx = need_onnx()
     fast = mixprec.for_inference(gpt, torch.float16, X)
     res = mixprec.export(fast, X, tmp_path / "m.onnx")
     assert res.compute == "16bit" and res.cosine > 0.9999 and res.max_abs_error < 1e-2
@@ -76,6 +83,7 @@ def test_onnx_fp16_round_trip_and_weight_dtypes(gpt: nn.Module, tmp_path) -> Non
 
 
 def test_onnx_bf16_falls_back_to_storage_and_16bit_compute_errors(gpt, tmp_path) -> None:
+    onnx = need_onnx()
     fast = mixprec.for_inference(gpt, torch.bfloat16, X)
     if ort_can_run(torch.bfloat16):
         pytest.skip("this ONNX Runtime build runs bf16 MatMul: no fallback to test")
@@ -129,6 +137,7 @@ class Eigen(nn.Module):
 
 
 def test_unsupported_op_and_bad_arguments(tmp_path) -> None:
+    need_onnx()
     x = torch.randn(2, 4, 4)
     with pytest.raises(ExportError, match="cannot export Eigen.*format='torch'"):
         mixprec.export(Eigen(), x, tmp_path / "e.onnx", policy=torch.float16)

@@ -119,11 +119,58 @@ def test_power_of_2_path_is_bitwise_the_float32_path(dtype, fp8, monkeypatch):
     assert torch.equal(bits, exact) and torch.equal(cast, exact)
 
 
+def _amax_values() -> torch.Tensor:
+    """Positive finite float32 values from 2^16 random bit patterns (every binade from 1e-12
+    up), plus edges: the clamp, a subnormal, huge values, powers of two, the formats' maxima."""
+    bits = torch.randint(0, 0x7F800000, (1 << 16,), generator=torch.Generator().manual_seed(0))
+    spread = bits.to(torch.int32).view(torch.float32)
+    edges = torch.tensor([1e-12, 1e-40, 1.0, 2.0**-20, 3.0, 448.0, 57344.0, 3.4e38, 1e-6, 0.1])
+    return torch.cat([spread[spread >= 1e-12], edges.clamp(min=1e-12)])
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_scale_is_the_correctly_rounded_quotient_of_the_formats_max_and_amax(dtype):
+    """``fp8_max / amax`` rounded once to float32, as torchao computes it, checked against an
+    independent reference: Python's float64 division of each value, rounded to float32."""
+    amax = _amax_values()
+    top = torch.finfo(dtype).max
+    ref = torch.tensor([top / a for a in amax.double().tolist()], dtype=torch.float64).float()
+    assert ref.isfinite().all() and amax.numel() > 30000
+    assert torch.equal(float8.scale_for(amax, dtype), ref)
+    # the product of the reciprocal (what `top / tensor` computes in torch) is off by one ulp
+    # for many of them: the reference tells the two apart
+    assert (amax.reciprocal() * top != ref).float().mean() > 0.1
+    # zero, inf and NaN amax: the clamp's huge scale, 0 and NaN (the slice comes back NaN)
+    odd = float8.scale_for(torch.tensor([0.0, float("inf"), float("nan")]), dtype)
+    assert odd[0] == torch.tensor(top / 1e-12, dtype=torch.float64).float() and odd[1] == 0
+    assert odd[2].isnan()
+
+
+def _quotients(amax: torch.Tensor) -> torch.Tensor:
+    """448 / each value in Python's float64, rounded to float32, in ``amax``'s shape."""
+    flat = [448.0 / a for a in amax.double().flatten().tolist()]
+    return torch.tensor(flat, dtype=torch.float64).float().reshape(amax.shape)
+
+
+def test_quantize_tensorwise_rowwise_and_chunked_use_that_scale(monkeypatch):
+    x = _x(64, 96) * torch.logspace(-6, 6, 64).unsqueeze(1)
+    assert torch.equal(float8.quantize(x, E4M3, axis=None).scale, _quotients(x.abs().max()))
+    rows = _quotients(x.abs().amax(1, keepdim=True))
+    assert torch.equal(float8.quantize(x, E4M3, axis=-1).scale, rows)
+    monkeypatch.setattr(float8, "_CHUNK", 96 * 8)  # 8-row slices
+    b = x.bfloat16()
+    chunked = float8.quantize_chunked(b, E4M3, axis=-1)
+    assert torch.equal(chunked.scale, _quotients(b.float().abs().amax(1, keepdim=True)))
+    whole = float8.quantize_chunked(b, E4M3, axis=None)
+    assert torch.equal(whole.scale, _quotients(b.float().abs().max()))
+
+
 def test_power_of_2_scale_never_overshoots_when_top_over_amax_rounds_up():
-    # found by search: for these, floor(log2(top / amax)) in float32 rounds up a power of two
+    # found by search: for these, log2 of the float32 quotient top / amax (a few ulps below a
+    # power of two) rounds up onto the power, and floor() keeps it
     amax = torch.tensor([0.0034179703798145056, 0.1093750149011612, 5.3405768994707614e-05])
     top = torch.finfo(E4M3).max
-    naive = torch.exp2(torch.floor(torch.log2(top / amax)))
+    naive = torch.exp2(torch.floor(torch.log2(torch.full_like(amax, top) / amax)))
     assert (amax * naive > top).all()
     scale = float8.scale_for(amax, E4M3, power_of_2=True)
     assert torch.equal(scale, naive / 2) and (amax * scale <= top).all()

@@ -19,6 +19,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from extras import need
 from torch import fx, nn
 
 import mixprec
@@ -285,7 +286,7 @@ HF_MODELS = ["llama", "mistral", "qwen2", "gemma", "gpt2", "bert", "t5"]
 
 def hf_model(kind: str) -> tuple[nn.Module, torch.Tensor, dict]:
     """A tiny model built from its config (no download), a batch of ids and extra kwargs."""
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers")
     torch.manual_seed(0)
     decoder = dict(
         vocab_size=VOCAB,

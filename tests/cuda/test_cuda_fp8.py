@@ -14,7 +14,7 @@ import mixprec
 from mixprec import FP8Config
 from mixprec.bench.models import GPT, GPTConfig
 from mixprec.core import traced
-from mixprec.core.float8 import E4M3, dequantize, quantize, sqnr
+from mixprec.core.float8 import E4M3, dequantize, quantize, scale_for, sqnr
 from mixprec.core.fp8 import layers as fp8_layers
 from mixprec.core.fp8.config import RECIPES
 from mixprec.core.fp8.linear import fp8_linear
@@ -80,6 +80,17 @@ def _step(model, opt, x):
     opt.step()
     opt.zero_grad()
     return loss.item()
+
+
+def test_cuda_scales_eager_and_compiled_equal_the_cpus_bit_for_bit():
+    """The scale is the correctly rounded 448 / amax on every backend: computed in float64, so
+    compiled code is exact too (Triton's float32 division is approximate)."""
+    bits = torch.randint(0, 0x7F800000, (1 << 16,), generator=torch.Generator().manual_seed(0))
+    amax = bits.to(torch.int32).view(torch.float32).clamp(min=1e-12)
+    cpu = scale_for(amax, E4M3)
+    assert torch.equal(scale_for(amax.cuda(), E4M3).cpu(), cpu)
+    compiled = torch.compile(lambda a: scale_for(a, E4M3), fullgraph=True)
+    assert torch.equal(compiled(amax.cuda()).cpu(), cpu)
 
 
 def test_cuda_gpt_trains_with_fp8_compiled_without_graph_breaks():

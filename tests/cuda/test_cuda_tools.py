@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from extras import need
 from torch import nn
 
 import mixprec
@@ -81,7 +82,7 @@ def test_gpt_trains_on_cuda(level):
 
 
 def test_hf_llama_trains_on_cuda_at_o2():
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers")
     cfg = transformers.LlamaConfig(
         hidden_size=64,
         num_hidden_layers=2,
