@@ -5,6 +5,8 @@ region leaking its float16 into another model's backward."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -297,6 +299,15 @@ def run_apex_o1_fp16() -> None:
     assert engine.is_active()  # the leaked state this test is about
 
 
+def after_apex_o1(run: Callable[[], Any]) -> Any:
+    """``run()`` once another user's Apex O1 script has run in this process (reset after)."""
+    try:
+        run_apex_o1_fp16()
+        return run()
+    finally:
+        amp.reset()
+
+
 def train_attention(level: str, steps: int = 3) -> tuple[list[float], list[Tensor]]:
     torch.manual_seed(0)
     model = Attention()
@@ -334,11 +345,7 @@ def test_a_model_trained_after_apex_o1_trains_bit_for_bit_as_alone(level, decomp
     """It failed in backward: `expected scalar type Half but found Float`."""
     alone = train_attention(level)
     assert decompositions, "the decomposed attention kernel did not run: nothing is tested"
-    try:
-        run_apex_o1_fp16()
-        after = train_attention(level)
-    finally:
-        amp.reset()
+    after = after_apex_o1(lambda: train_attention(level))
     assert after[0] == alone[0]
     assert all(torch.equal(a, b) for a, b in zip(after[1], alone[1]))
 
@@ -379,11 +386,7 @@ def test_checkpointed_blocks_recompute_in_their_own_region_after_apex_o1():
         return [p.detach().clone() for p in model.parameters()]
 
     alone = run()
-    try:
-        run_apex_o1_fp16()
-        after = run()
-    finally:
-        amp.reset()
+    after = after_apex_o1(run)
     assert all(torch.equal(a, b) for a, b in zip(after, alone))
 
 
@@ -418,9 +421,5 @@ def test_a_hugging_face_vit_trains_after_apex_o1_as_alone(level):
         return losses
 
     alone = run()
-    try:
-        run_apex_o1_fp16()
-        after = run()
-    finally:
-        amp.reset()
+    after = after_apex_o1(run)
     assert after == alone
