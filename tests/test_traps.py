@@ -423,3 +423,36 @@ def test_a_hugging_face_vit_trains_after_apex_o1_as_alone(level):
     alone = run()
     after = after_apex_o1(run)
     assert after == alone
+
+
+_FSDP_16BIT = """
+import os, tempfile, warnings
+import torch, torch.distributed as dist
+import mixprec.distributed as mpd
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)).to(torch.bfloat16)
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    model, opt = mpd.initialize_fsdp(
+        model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), "O2", torch.bfloat16
+    )
+said = [str(w.message) for w in seen if "already cast to torch.bfloat16" in str(w.message)]
+print(len(said), sorted({str(p.dtype) for p in model.parameters()}))
+opt.backward(model(torch.randn(4, 8)).float().pow(2).mean())
+opt.step()
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp_with_a_model_already_in_16_bits_shards_fp32_and_says_so():
+    """FSDP's fp32 shards are the master weights: a bf16 model gets them back before it is
+    sharded, and one warning says they start from rounded values."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _FSDP_16BIT], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[0] == "1 ['torch.float32']"

@@ -228,7 +228,7 @@ def _cast_storage(
         _cast_storage(child, dtype, keep_norm, keep, kept)
 
 
-def _restore_fp32(
+def restore_fp32(
     model: nn.Module, level: str, dtype: torch.dtype, props: dict[str, Any], warn: bool = True
 ) -> None:
     """A model that arrives already cast to 16 bits (``model.half()``, ``.to(torch.bfloat16)``)
@@ -272,7 +272,7 @@ def _warn_16bit(
     dtype: torch.dtype,
     props: dict[str, Any],
 ) -> None:
-    """The one warning of :func:`_restore_fp32`: what arrived, what the level keeps, the fix."""
+    """The one warning of :func:`restore_fp32`: what arrived, what the level keeps, the fix."""
     names = " and ".join(f"{d} ({n} of {total} parameters)" for d, n in found.items())
     if not props["cast_params"]:
         keeps, starts = "every parameter", "the float32 weights"
@@ -539,7 +539,7 @@ def initialize(
         accepted = m.__dict__.pop(ACCEPT_16BIT_ATTR, False)  # Apex's allow_incoming_model_not_fp32
         if m.__dict__.get("_mixprec_fsdp") or (accepted and not props["cast_params"]):
             continue  # sharded: FSDP's shards are the fp32 state; O1 as given, as in Apex
-        _restore_fp32(m, level, dtype, props, warn=not accepted)
+        restore_fp32(m, level, dtype, props, warn=not accepted)
 
     # The masters start from the exact values the model holds now, not from its 16-bit rounding
     # (load pretrained fp32 weights, then initialize): copies of the parameters the optimizers

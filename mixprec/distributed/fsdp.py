@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from mixprec.core.hardware import default_dtype
-from mixprec.core.initialize import _MARK, initialize, level_name
+from mixprec.core.initialize import _MARK, initialize, level_name, restore_fp32
 from mixprec.core.norms import is_norm
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.core.policy import Policy, PolicyLike, as_policy
@@ -197,6 +197,9 @@ def initialize_fsdp(
     if reshard_after_forward is not None:
         common["reshard_after_forward"] = reshard_after_forward
 
+    # FSDP's fp32 shards are the master weights at every level: a model that arrives cast to
+    # 16 bits gets fp32 parameters back before it is sharded, with initialize's one warning
+    restore_fp32(model, level, dtype, {"cast_params": False, "keep_norm_fp32": False})
     if keep_norm_fp32:
         norm_policy = MixedPrecisionPolicy(reduce_dtype=_F32, cast_forward_inputs=False)
         for m in [m for m in model.modules() if is_norm(m) and m is not model]:
