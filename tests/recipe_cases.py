@@ -23,11 +23,13 @@ CONFIG = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=2, n_embd=16)
 Setup = Callable[[torch.nn.Module, torch.optim.Optimizer], tuple[Any, Any]]
 
 
-def _init(*args: Any, **kwargs: Any) -> Setup:
-    return lambda model, opt: mixprec.initialize(model, opt, *args, **kwargs)
+def _init(recipe: Any, dtype: Any = None) -> Setup:
+    return lambda model, opt: mixprec.initialize(model, opt, recipe, dtype)
 
 
+R = mixprec.Recipe
 _ALL = mixprec.FP8Config
+#: each case as a named recipe, or a named recipe with one property changed
 CASES: dict[str, Setup] = {
     "O0": _init("O0"),
     "O1-bf16": _init("O1", BF16),
@@ -36,22 +38,26 @@ CASES: dict[str, Setup] = {
     "O2-fp16": _init("O2", FP16),
     "O3-bf16": _init("O3", BF16),
     "O3-fp16": _init("O3", FP16),
-    "bf16-mixed": _init("O1", BF16),
-    "16-mixed": _init("O1", FP16),
-    "bf16-true": _init("O3", BF16, update=None),
-    "O3-bf16-stochastic": _init("O3", BF16, update="stochastic", update_seed=3),
-    "O3-bf16-nearest-bf16-states": _init("O3", BF16, update="nearest", state_dtype=BF16),
-    "O2-bf16-norms-16bit": _init("O2", BF16, keep_norm_fp32=False),
-    "O2-bf16-outputs-as-computed": _init("O2", BF16, cast_model_outputs=None),
-    "O2-fp16-static-scale": _init("O2", FP16, loss_scale=128.0),
-    "O2-fp16-scaler-settings": _init("O2", FP16, init_scale=2.0**20, growth_interval=2),
-    "O2-bf16-fp8-tensorwise": _init("O2", BF16, fp8=_ALL("tensorwise", layers="all")),
-    "O2-bf16-fp8-rowwise": _init("O2", BF16, fp8=_ALL("rowwise", layers="all")),
+    "bf16-mixed": _init("bf16-mixed"),
+    "16-mixed": _init("16-mixed"),
+    "bf16-true": _init("bf16-true"),
+    "O3-bf16-stochastic": _init(R("O3", BF16, update="stochastic", update_seed=3)),
+    "O3-bf16-nearest-bf16-states": _init(
+        R("O3", BF16).replace(update="nearest", optimizer_states=BF16)
+    ),
+    "O2-bf16-norms-16bit": _init(R("O2", BF16, keep_fp32="none")),
+    "O2-bf16-outputs-as-computed": _init(R("O2", BF16, outputs=None)),
+    "O2-fp16-static-scale": _init("O2 fp16 loss_scale=128.0"),
+    "O2-fp16-scaler-settings": _init(
+        R("O2", FP16, loss_scale=mixprec.LossScaling(init_scale=2.0**20, growth_interval=2))
+    ),
+    "O2-bf16-fp8-tensorwise": _init(R("O2", BF16, fp8=_ALL("tensorwise", layers="all"))),
+    "O2-bf16-fp8-rowwise": _init(R("fp8-rowwise", BF16, fp8=_ALL("rowwise", layers="all"))),
     "O2-bf16-activations-fp8": _init(
-        "O2", BF16, activations=mixprec.ActivationConfig("fp8", min_numel=1)
+        R("O2", BF16, activations=mixprec.ActivationConfig("fp8", min_numel=1))
     ),
     "O1-bf16-activations-16bit": _init(
-        "O1", BF16, activations=mixprec.ActivationConfig("16-bit", min_numel=1)
+        R("O1", BF16, activations=mixprec.ActivationConfig("16-bit", min_numel=1))
     ),
 }
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mixprec.core.initialize import fp32_state_dict
+from mixprec.core.fp32_values import fp32_state_dict
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.core.resume import MIXPREC_KEY, pack_state_dict
 

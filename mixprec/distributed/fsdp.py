@@ -43,10 +43,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from mixprec.core.hardware import default_dtype
-from mixprec.core.initialize import _MARK, initialize, level_name, restore_fp32
+from mixprec.core.initialize import _MARK, initialize, level_name
 from mixprec.core.norms import is_norm
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.core.policy import Policy, PolicyLike, as_policy
+from mixprec.core.storage import restore_fp32
 from mixprec.distributed.verdicts import require_process_group, sync_verdicts
 
 __all__ = ["fsdp_mp_policy", "initialize_fsdp"]

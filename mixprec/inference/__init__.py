@@ -7,5 +7,7 @@
 * :mod:`~mixprec.inference.bench` -- latency, throughput and accuracy of each way to serve.
 """
 
-from mixprec.inference.prepare import *  # noqa: F403 - the old mixprec.inference module's API
-from mixprec.inference.prepare import __all__  # noqa: F401
+from mixprec.inference.export import export
+from mixprec.inference.prepare import for_inference
+
+__all__ = ["export", "for_inference"]

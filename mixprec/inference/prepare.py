@@ -35,8 +35,9 @@ from torch.overrides import TorchFunctionMode
 
 from mixprec.core import engine
 from mixprec.core.cast_table import FP32, resolve_op, rule_for
+from mixprec.core.fp32_values import fp32_state_dict
 from mixprec.core.hardware import default_dtype
-from mixprec.core.initialize import _MARK, fp32_state_dict
+from mixprec.core.initialize import _MARK
 from mixprec.core.norms import is_norm
 from mixprec.core.policy import Policy, PolicyLike, as_policy, get_policy
 from mixprec.inference.inputs import call_model

@@ -9,5 +9,32 @@
   (``lint``);
 * :mod:`~mixprec.numerics.report` -- ``mixprec report``: all of the above on one model.
 
-Public names are re-exported from :mod:`mixprec`.
+``stochastic_round`` (the rounding of ``update="stochastic"``) and ``footprint`` (bytes per
+parameter, counted from the tensors) are here too.
 """
+
+from mixprec.core.cast_table import cast_rules
+from mixprec.core.footprint import Footprint, footprint
+from mixprec.core.lean import stochastic_round
+from mixprec.numerics.alignment import lint
+from mixprec.numerics.locate import NonFiniteError, NonFiniteLocator, locate_nonfinite
+from mixprec.numerics.opstats import OpStats, op_stats
+from mixprec.numerics.range_audit import RangeAudit, range_audit
+from mixprec.numerics.tuning import TunePlan, tune
+
+__all__ = [
+    "Footprint",
+    "NonFiniteError",
+    "NonFiniteLocator",
+    "OpStats",
+    "RangeAudit",
+    "TunePlan",
+    "cast_rules",
+    "footprint",
+    "lint",
+    "locate_nonfinite",
+    "op_stats",
+    "range_audit",
+    "stochastic_round",
+    "tune",
+]

@@ -1,0 +1,140 @@
+"""Every rule between a :class:`~mixprec.Recipe`'s fields, checked in one place at construction.
+
+Design: the entry points (``initialize``, the distributed wrappers) trust a recipe, so a
+combination that cannot train as stated is refused here, before any model is touched, with an
+error that names the field and the fix. Each rule is one small function over the recipe's
+values; :func:`check_fields` runs them all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["UPDATES", "check_fields"]
+
+UPDATES = ("auto", None, "nearest", "kahan", "stochastic")
+_LOW = (torch.float16, torch.bfloat16)
+_CHOICES = {
+    "compute": ("16-bit", "fp32"),
+    "weights": ("16-bit", "fp32"),
+    "keep_fp32": ("norms", "none"),
+    "kernels": ("auto", "torch"),
+}
+_FLAGS = ("masters", "frozen_masters", "cast_inputs", "fp32_inside")
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fail(field: str, value: Any, why: str) -> None:
+    raise ValueError(f"Recipe({field}={value!r}): {why}")
+
+
+def _check_values(r: Any) -> None:
+    for field, allowed in _CHOICES.items():
+        if getattr(r, field) not in allowed:
+            _fail(field, getattr(r, field), f"expected one of {allowed}.")
+    for field in _FLAGS:
+        if not isinstance(getattr(r, field), bool):
+            _fail(field, getattr(r, field), "expected True or False.")
+    if r.update not in UPDATES:
+        _fail("update", r.update, f"expected one of {UPDATES}.")
+    if not isinstance(r.num_losses, int) or isinstance(r.num_losses, bool) or r.num_losses < 1:
+        _fail("num_losses", r.num_losses, "expected an int >= 1 (losses backpropagated per step).")
+    if r.update_seed is not None and not isinstance(r.update_seed, int):
+        _fail("update_seed", r.update_seed, "expected an int or None.")
+    for field in ("outputs", "reduce_dtype"):
+        value = getattr(r, field)
+        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            _fail(field, value, "expected a floating torch dtype or None.")
+    _check_states(r.optimizer_states)
+
+
+def _check_states(states: Any) -> None:
+    if states == "auto" or states in _STATE_DTYPES:
+        return
+    if isinstance(states, tuple) and all(
+        isinstance(k, str) and v in _STATE_DTYPES for k, v in states
+    ):
+        return
+    _fail(
+        "optimizer_states",
+        states,
+        "expected 'auto', torch.float32 / bfloat16 / float16, or {state name: dtype} "
+        "(e.g. {'exp_avg': torch.bfloat16}).",
+    )
+
+
+def _check_dtype(r: Any) -> None:
+    sixteen = r.compute == "16-bit" or r.weights == "16-bit"
+    if r.dtype is None:
+        return
+    if not sixteen and r.dtype != torch.float32:
+        _fail(
+            "dtype",
+            r.dtype,
+            f"recipe {r.name!r} trains in float32, so the dtype would be ignored: drop it, or "
+            "choose O1, O2 or O3 to train in it.",
+        )
+    if sixteen and r.dtype not in _LOW:
+        _fail(
+            "dtype",
+            r.dtype,
+            f"recipe {r.name!r} needs a 16-bit dtype (torch.bfloat16 or torch.float16). Use "
+            "Recipe('O0') for float32 training.",
+        )
+
+
+def _check_storage(r: Any) -> None:
+    cast = r.weights == "16-bit"
+    if cast and r.compute == "fp32":
+        _fail("weights", r.weights, "16-bit weights need compute='16-bit'.")
+    if r.keep_fp32 == "none" and not cast:
+        _fail("keep_fp32", r.keep_fp32, "modules stay float32 anyway: weights='fp32'.")
+    if r.masters and not cast:
+        _fail("masters", True, "master weights back 16-bit weights; these weights are fp32.")
+    if r.frozen_masters and not cast:
+        _fail("frozen_masters", True, "applies to 16-bit weights; these weights are fp32.")
+    if r.compute == "fp32":
+        for field, value in (("fp8", r.fp8), ("fp32_inside", r.fp32_inside or None)):
+            if value is not None:
+                _fail(field, value, "applies inside 16-bit compute; this recipe computes in fp32.")
+        if getattr(r.activations, "storage", None) == "16-bit":
+            _fail(
+                "activations",
+                r.activations,
+                "'16-bit' stores float32 saved tensors in the 16-bit dtype; this recipe "
+                "computes in fp32. Use 'fp8', or a 16-bit recipe.",
+            )
+
+
+def _check_update(r: Any) -> None:
+    modes = r.weights == "16-bit" and not r.masters  # where an update mode can run
+    if r.update not in ("auto", None) and not modes:
+        has = "master weights" if r.masters else "fp32 weights"
+        _fail(
+            "update",
+            r.update,
+            f"update modes write 16-bit weights without fp32 masters; this recipe has {has}. "
+            "Use Recipe('O3', ...), or .replace(masters=False).",
+        )
+    moved = [
+        f
+        for f, default in (("optimizer_states", "auto"), ("update_seed", None))
+        if getattr(r, f) != default
+    ]
+    if moved and (r.update is None or (r.update == "auto" and not modes)):
+        _fail(
+            moved[0],
+            getattr(r, moved[0]),
+            "applies to an update mode; set update='nearest', 'kahan' or 'stochastic' "
+            "(16-bit weights without masters) as well.",
+        )
+
+
+def check_fields(r: Any) -> None:
+    """Raise ValueError naming the field and the fix for the first rule ``r`` breaks."""
+    _check_values(r)
+    _check_dtype(r)
+    _check_storage(r)
+    _check_update(r)

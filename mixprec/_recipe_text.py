@@ -1,0 +1,197 @@
+"""A :class:`~mixprec.Recipe` as text: the one-line grammar and the bytes-per-parameter table.
+
+Grammar (jmp's policy strings, extended to every field): the preset's name, the dtype, then
+``field=value`` for each field that differs from the preset, separated by spaces::
+
+    O3 bf16 update=none optimizer_states=bf16
+    O2 fp16 loss_scale=dynamic(init_scale=1048576.0,growth_interval=2) fp8=rowwise(layers=all)
+
+Values are ``none``, ``true`` / ``false``, dtype names, numbers, names, or ``name(k=v,...)``
+for the settings of a config (loss scaling, FP8, activations). :func:`word` writes a value,
+:func:`parse` reads a line back into field values; ``Recipe(str(r)) == r`` for every recipe
+whose FP8 layers are not a Python predicate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+
+from mixprec.core.activations import ActivationConfig
+from mixprec.core.fp8.config import FP8Config
+from mixprec.core.policy import _dtype
+
+__all__ = ["parse", "render_table", "word"]
+
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_CALL = re.compile(r"^([\w.+-]+)\((.*)\)$")
+_BOOLS = ("masters", "frozen_masters", "cast_inputs", "fp32_inside")
+_DTYPES = ("outputs", "reduce_dtype")
+
+
+def word(value: Any) -> str:
+    """One field value as a word of the grammar (no spaces)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, torch.dtype):
+        return _SHORT.get(value, str(value).removeprefix("torch."))
+    if isinstance(value, FP8Config):
+        if callable(value.layers):
+            return "<FP8Config with a layer predicate: not expressible as text>"
+        return _call(value.recipe, value, FP8Config(value.recipe), skip=("recipe",))
+    if isinstance(value, ActivationConfig):
+        head = "recompute" if value.storage is None else value.storage
+        return _call(head, value, ActivationConfig(value.storage), skip=("storage",))
+    if isinstance(value, tuple):  # optimizer_states as (name, dtype) pairs
+        return ",".join(f"{k}:{word(v)}" for k, v in value)
+    return str(value)
+
+
+def _call(head: str, value: Any, base: Any, skip: tuple[str, ...]) -> str:
+    moved = [
+        f"{f.name}={word(getattr(value, f.name))}"
+        for f in dataclasses.fields(value)
+        if f.name not in skip and getattr(value, f.name) != getattr(base, f.name)
+    ]
+    return head + (f"({','.join(moved)})" if moved else "")
+
+
+def _scalar(text: str) -> Any:
+    low = text.lower()
+    if low in ("none", "true", "false"):
+        return {"none": None, "true": True, "false": False}[low]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _settings(text: str) -> tuple[str, dict[str, Any]]:
+    match = _CALL.match(text)
+    if match is None:
+        return text, {}
+    head, body = match.groups()
+    pairs = [item.split("=", 1) for item in body.split(",") if item]
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"Cannot read {text!r}: expected name(key=value,...).")
+    return head, {k: _scalar(v) for k, v in pairs}
+
+
+def _value(field: str, text: str) -> Any:
+    """Read the word ``text`` as the value of ``field``."""
+    if text.lower() == "none":
+        return None
+    if field in _BOOLS:
+        return _scalar(text)
+    if field in _DTYPES:
+        return _dtype(text, field)
+    if field in ("num_losses", "update_seed"):
+        return int(text)
+    if field == "optimizer_states":
+        if ":" in text:
+            return {k: _dtype(v, k) for k, v in (p.split(":") for p in text.split(","))}
+        return text if text == "auto" else _dtype(text, field)
+    if field == "loss_scale":
+        head, kw = _settings(text)
+        if head not in ("auto", "dynamic"):
+            return float(head)
+        from mixprec.recipe import LossScaling
+
+        return LossScaling(**kw) if kw else head
+    if field == "fp8":
+        head, kw = _settings(text)
+        return FP8Config(recipe=head, **kw)
+    if field == "activations":
+        head, kw = _settings(text)
+        return ActivationConfig(storage=None if head == "recompute" else head, **kw)
+    return text
+
+
+def parse(line: str) -> dict[str, Any]:
+    """The field values a recipe line states (``name``, ``dtype`` and the changed fields)."""
+    from mixprec.recipe import Recipe
+
+    words = line.split()
+    fields = {f.name for f in dataclasses.fields(Recipe)}
+    out: dict[str, Any] = {"name": words[0]}
+    rest = words[1:]
+    if rest and "=" not in rest[0]:
+        out["dtype"] = None if rest[0] == "auto" else _dtype(rest[0], "dtype")
+        rest = rest[1:]
+    for item in rest:
+        key, sep, text = item.partition("=")
+        if not sep or key not in fields - {"name", "dtype"}:
+            raise ValueError(
+                f"Cannot read {item!r} in recipe {line!r}: expected field=value with a Recipe "
+                f"field ({', '.join(sorted(fields - {'name', 'dtype'}))})."
+            )
+        out[key] = _value(key, text)
+    return out
+
+
+# -- the table -----------------------------------------------------------------------------------
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def _rows(r: Any, states: int, low: torch.dtype) -> list[tuple[str, str, float]]:
+    """(tensor class, how it is held, bytes per parameter) for a recipe in ``low``."""
+    weight = low if r.weights == "16-bit" else torch.float32
+    update = r.update
+    if update == "auto" and r.weights == "16-bit" and not r.masters:
+        update = "kahan (auto)"  # bf16, and fp16 with an Adam-family optimizer
+    rows = [("weights", word(weight), _bytes(weight))]
+    rows.append(("master weights", "fp32" if r.masters else "none", 4 if r.masters else 0))
+    kahan = isinstance(update, str) and update.startswith("kahan")
+    rows.append(("update", word(update), _bytes(low) if kahan else 0))
+    grad = torch.float32 if r.masters else weight
+    rows.append(
+        ("gradients", word(grad) + (" (on the masters)" if r.masters else ""), _bytes(grad))
+    )
+    rows.append(("optimizer states", *_states(r, update, weight, states)))
+    rows.append(("reduced across ranks", word(r.reduce_dtype or torch.float32), 0))
+    rows.append(("saved for backward", _activations(r, low), 0))
+    rows.append(("FP8 GEMMs", "none" if r.fp8 is None else word(r.fp8), 0))
+    scaling = r.scaling(low)
+    rows.append(("loss scaling", "off" if scaling is None else str(scaling), 0))
+    return rows
+
+
+def _states(r: Any, update: Any, weight: torch.dtype, states: int) -> tuple[str, float]:
+    if update is None or update == "auto":  # the optimizer's own step: states as the weights
+        held = torch.float32 if r.masters else weight
+        return f"{states} x {word(held)}", states * _bytes(held)
+    if r.optimizer_states == "auto":  # first moment 16-bit, the others fp32
+        first = weight if states else torch.float32
+        rest = max(states - 1, 0)
+        return f"1 x {word(first)} + {rest} x fp32", _bytes(first) + 4 * rest if states else 0
+    if isinstance(r.optimizer_states, torch.dtype):
+        return f"{states} x {word(r.optimizer_states)}", states * _bytes(r.optimizer_states)
+    return word(r.optimizer_states), float(sum(_bytes(d) for _, d in r.optimizer_states))
+
+
+def _activations(r: Any, low: torch.dtype) -> str:
+    a = r.activations
+    if a is None:
+        return f"as computed ({word(low) if r.compute == '16-bit' else 'fp32'})"
+    return word(a)
+
+
+def render_table(r: Any, states: int, low: torch.dtype) -> str:
+    """The table of :meth:`mixprec.Recipe.table`."""
+    rows = _rows(r, states, low)
+    width = max(len(name) for name, _, _ in rows)
+    lines = [f"{r}  ({states} optimizer state(s) per parameter)"]
+    lines += [f"  {name:<{width}}  {held:<28} {b:>5.1f} B/param" for name, held, b in rows if b]
+    lines += [f"  {name:<{width}}  {held}" for name, held, b in rows if not b]
+    lines.append(f"  {'total':<{width}}  {'':<28} {sum(b for _, _, b in rows):>5.1f} B/param")
+    return "\n".join(lines)

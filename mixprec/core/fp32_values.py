@@ -1,0 +1,135 @@
+"""The model's float32 values across loads and saves: masters follow ``load_state_dict``, and
+:func:`fp32_state_dict` saves the model in fp32 whatever it trained in.
+
+Design: the fp32 truth of a 16-bit weight lives beside it -- an fp32 master, a Kahan
+compensation (``w + c``) or a frozen fp32 copy. A load into the 16-bit model refreshes that
+truth (or keeps it, where the load is its own 16-bit rounding: a resume), and a save reads it,
+so a checkpoint round-trips bit for bit in either direction.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mixprec.core.optimizer import MixedPrecisionOptimizer, rounds_to
+from mixprec.core.resume import kahan_fp32, merge_compensation
+from mixprec.core.storage import FROZEN_ATTR
+
+__all__ = ["LoadRefresh", "fp32_state_dict", "install_load_refresh"]
+
+
+class LoadRefresh:
+    """Keeps fp32 masters (and Kahan compensation) in step with ``model.load_state_dict``.
+
+    Loading weights after initialize (build, initialize, load pretrained) writes the model's
+    16-bit parameters; without this the next step would copy the stale masters back over them.
+    The masters take the *loaded* values (an fp32 checkpoint, e.g. from :func:`fp32_state_dict`,
+    round-trips exactly), and a loaded parameter's compensation is reset. Parameters are matched
+    by identity, so a deep copy of the model (new parameters) never touches these optimizers.
+    """
+
+    def __init__(self, optimizers: list[MixedPrecisionOptimizer], models: list[nn.Module]) -> None:
+        self.masters: dict[int, tuple[weakref.ref, Tensor]] = {}
+        for model in models:  # frozen_masters copies are masters without an optimizer
+            for m in model.modules():
+                for name, fp32 in m.__dict__.get(FROZEN_ATTR, {}).items():
+                    p = m._parameters[name]
+                    self.masters[id(p)] = (weakref.ref(p), fp32)
+        self.lean: dict[int, tuple[weakref.ref, Any]] = {}
+        for o in optimizers:
+            for p, master in o._pairs:
+                self.masters[id(p)] = (weakref.ref(p), master)
+            if o.lean is not None:
+                for g in o.param_groups:
+                    for p in g["params"]:
+                        self.lean[id(p)] = (weakref.ref(p), o.lean)
+        self.pending: list[tuple[Tensor, Any, Tensor]] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        # weakrefs do not pickle, and a pickled model is a copy with other parameters: its
+        # hooks refresh nothing (torch.save(model) must keep working after initialize)
+        return {"masters": {}, "lean": {}, "pending": []}
+
+    def before(
+        self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any
+    ) -> None:
+        for name, p in module._parameters.items():
+            src = state_dict.get(prefix + name)
+            if p is None or not isinstance(src, Tensor):
+                continue
+            for table in (self.masters, self.lean):
+                hit = table.get(id(p))
+                if hit is not None and hit[0]() is p:
+                    same = src.dtype == p.dtype and torch.equal(src, p.detach())
+                    self.pending.append((p, hit[1], src, same))
+
+    @torch.no_grad()
+    def after(self, module: nn.Module, incompatible: Any) -> None:
+        pending, self.pending = self.pending, []
+        for p, target, src, same in pending:
+            if isinstance(target, Tensor):
+                if src.shape != target.shape or rounds_to(target, src):
+                    continue  # a 16-bit copy of this very master (a resume): keep its precision
+                target.copy_(src)
+                continue
+            comp = target.compensation.get(p)  # a LeanUpdate's Kahan buffer
+            if comp is not None and not same and src.dtype.itemsize > p.dtype.itemsize:
+                # a wider load (pretrained fp32): the residual of rounding it, except where
+                # w + c already is the loaded value (fp32_state_dict of the state restored
+                # before). A 16-bit load keeps the buffer: it is a resume, whose optimizer
+                # state restored it.
+                comp.copy_(merge_compensation(src.to(p.device), p, comp))
+
+
+def install_load_refresh(
+    optimizers: list[MixedPrecisionOptimizer], models: list[nn.Module]
+) -> None:
+    """Hook every module that holds parameters (a submodule may be loaded on its own)."""
+    refresh = LoadRefresh(optimizers, models)
+    for model in models:
+        for m in model.modules():
+            if m._parameters:
+                m.register_load_state_dict_pre_hook(refresh.before)
+                m.register_load_state_dict_post_hook(refresh.after)
+
+
+@torch.no_grad()
+def fp32_state_dict(
+    model: nn.Module, optimizer: MixedPrecisionOptimizer | None = None
+) -> dict[str, Tensor]:
+    """The model's state dict in float32 under its own keys, from the masters where they exist.
+
+    It loads into a plain fp32 copy of the model (``load_state_dict``): the model is saved in
+    fp32 whatever it trained in. With ``update="kahan"`` a weight's fp32 value is ``w + c`` (the
+    16-bit weight plus its compensation buffer), moved one fp32 ulp toward ``w`` where ``w + c``
+    lies exactly half-way between two 16-bit values (:func:`mixprec.core.resume.kahan_fp32`), so
+    that loading it gives back ``w``; with the optimizer's state dict (loaded before or after
+    ``initialize``) ``c`` comes back too, and a resume is bit for bit.
+    """
+    masters = {} if optimizer is None else {id(p): m for p, m in optimizer._pairs}
+    lean = None if optimizer is None else getattr(optimizer, "lean", None)
+    if lean is not None:
+        masters.update({id(p): kahan_fp32(p, c) for p, c in lean.compensation.items()})
+    for m in model.modules():
+        for name, fp32 in m.__dict__.get(FROZEN_ATTR, {}).items():
+            p = m._parameters.get(name)
+            if p is not None:
+                masters.setdefault(id(p), fp32)
+    by_id = {id(p): p for p in model.parameters()}
+    out: dict[str, Tensor] = {}
+    named = dict(model.named_parameters(remove_duplicate=False))
+    for key, value in model.state_dict(keep_vars=True).items():
+        source = named.get(key, value)
+        source = masters.get(id(by_id.get(id(source), source)), source)
+        t = source.detach()
+        out[key] = (
+            t.to(torch.float32).clone()
+            if t.is_floating_point() and t.dtype != torch.float64
+            else t.clone()
+        )
+    return out

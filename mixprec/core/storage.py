@@ -1,0 +1,165 @@
+"""Where a model's tensors are stored: the cast to 16 bits and the return of what stays fp32.
+
+Design: ``initialize`` casts parameters and floating buffers in place (Parameter objects keep
+their identity, so optimizers and hooks still hold them), one module at a time, keeping the
+pre-cast value of each parameter a master or a Kahan buffer starts from. A model that arrives
+already in 16 bits gets back, with one warning, what its recipe keeps in float32: its fp32
+values then start from the rounded ones, which no cast can undo.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mixprec.core.norms import is_norm
+from mixprec.core.policy import get_policy
+
+__all__ = ["ACCEPT_16BIT_ATTR", "FROZEN_ATTR", "cast_storage", "keep_frozen", "restore_fp32"]
+
+_LOW = (torch.float16, torch.bfloat16)
+_SECOND_ROUNDING = {
+    torch.bfloat16: "to bfloat16's 8 significant bits, float16 has 11",
+    torch.float16: "into float16's range: beyond 65504 overflows, below 6e-8 flushes to 0",
+}
+#: set on a model by a caller that takes it in whatever dtypes it has (Apex's
+#: ``allow_incoming_model_not_fp32``): kept as it is at O0/O1, cast without a warning at O2/O3
+ACCEPT_16BIT_ATTR = "_mixprec_accept_16bit"
+FROZEN_ATTR = "_mixprec_frozen_fp32"  # {param name in its module: fp32 copy}, frozen_masters
+
+
+def _overflows(before: Tensor, after: Tensor) -> bool:
+    """True when the cast made a finite value infinite, or a nonzero value zero."""
+    return bool(
+        (torch.isfinite(before) & ~torch.isfinite(after)).any()
+        or ((before != 0) & (after == 0)).any()
+    )
+
+
+def cast_storage(
+    module: nn.Module,
+    dtype: torch.dtype,
+    keep_norm: bool,
+    keep: set[int] | None = None,
+    kept: dict[int, Tensor] | None = None,
+) -> None:
+    """Store parameters and floating buffers in ``dtype``; Parameter objects keep identity.
+
+    The parameters whose id is in ``keep`` leave their pre-cast value in ``kept`` (a copy, made
+    one parameter at a time, so the peak stays one parameter above the cast model plus masters).
+    """
+    own = get_policy(module)
+    if own is not None:
+        dtype = own.param_dtype
+    if not (keep_norm and is_norm(module)):
+        for p in module.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != torch.float64 and p.dtype != dtype:
+                if keep is not None and kept is not None and id(p) in keep and id(p) not in kept:
+                    kept[id(p)] = p.detach().clone()
+                p.data = p.data.to(dtype)
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None and b.is_floating_point() and b.dtype != torch.float64:
+                cast = b.to(dtype)
+                if _overflows(b, cast):  # e.g. 1e5 in fp16: inf, then NaN outputs, all skipped
+                    warnings.warn(
+                        f"Buffer {type(module).__name__}.{name} holds values outside {dtype}'s "
+                        f"range (|x| up to {b.abs().max().item():.3g}, nonzero values that "
+                        f"would flush to 0 or overflow); it stays "
+                        f"{b.dtype}.",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
+                    continue
+                module._buffers[name] = cast
+    for child in module.children():
+        cast_storage(child, dtype, keep_norm, keep, kept)
+
+
+def restore_fp32(
+    model: nn.Module, level: str, dtype: torch.dtype, props: dict[str, Any], warn: bool = True
+) -> None:
+    """A model that arrives already cast to 16 bits (``model.half()``, ``.to(torch.bfloat16)``)
+    gets back what the level keeps in float32 -- every parameter at O0/O1, the norm layers at O2
+    (their buffers too: BatchNorm's running statistics) -- and one warning: the fp32 weights or
+    masters start from the rounded 16-bit values, which no cast can undo. At O3 (16-bit
+    everywhere, no masters) a model in the *other* 16-bit dtype is converted by the cast that
+    follows, rounding it a second time: warned too. A model in the level's own dtype at O3 is
+    what O3 stores anyway."""
+    found: dict[torch.dtype, int] = {}
+    seen: set[int] = set()
+    total = widened = 0
+    for module in model.modules():
+        fp32 = not props["cast_params"] or (props["keep_norm_fp32"] and is_norm(module))
+        for p in module.parameters(recurse=False):
+            if id(p) in seen or not p.is_floating_point():
+                continue
+            seen.add(id(p))
+            total += 1
+            if p.dtype in _LOW:
+                found[p.dtype] = found.get(p.dtype, 0) + 1
+                if fp32:
+                    p.data = p.data.to(torch.float32)
+                    widened += 1
+    if not found:
+        return
+    for module in model.modules():  # the buffers beside the parameters the level keeps fp32
+        if not props["cast_params"] or (props["keep_norm_fp32"] and is_norm(module)):
+            for name, b in module.named_buffers(recurse=False):
+                if b is not None and b.dtype in _LOW:
+                    module._buffers[name] = b.to(torch.float32)
+    if warn:
+        _warn_16bit(found, total, widened, level, dtype, props)
+
+
+def _warn_16bit(
+    found: dict[torch.dtype, int],
+    total: int,
+    widened: int,
+    level: str,
+    dtype: torch.dtype,
+    props: dict[str, Any],
+) -> None:
+    """The one warning of :func:`restore_fp32`: what arrived, what the level keeps, the fix."""
+    names = " and ".join(f"{d} ({n} of {total} parameters)" for d, n in found.items())
+    if not props["cast_params"]:
+        keeps, starts = "every parameter", "the float32 weights"
+    elif props["master_weights"]:
+        keeps = "norm layers and master weights" if widened else "master weights"
+        starts = "the float32 master weights"
+    else:
+        other = [d for d in found if d != dtype]
+        if other:
+            warnings.warn(
+                f"initialize received a model in {names}: level {level} stores every weight "
+                f"in {dtype}, so its {other[0]} weights are converted, rounding them a second "
+                f"time ({_SECOND_ROUNDING[dtype]}). Pass dtype={other[0]} to keep them as they "
+                "are, or build or load the model in float32 and let initialize cast it.",
+                UserWarning,
+                stacklevel=4,
+            )
+        return
+    warnings.warn(
+        f"initialize received a model already cast to {names}: level {level} keeps {keeps} "
+        f"in float32, so initialize upcasts them, but {starts} start from the rounded 16-bit "
+        f"values, not from the float32 values they were cast from. Build or load the model in "
+        f"float32 and let initialize cast it: drop the model.half() / "
+        f"model.to({next(iter(found))}) before initialize.",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def keep_frozen(module: nn.Module) -> None:
+    """Exact fp32 copies of the frozen floating parameters, by name (the model still pickles),
+    for :func:`mixprec.fp32_state_dict` (+4 bytes each)."""
+    for sub in module.modules():
+        frozen = {
+            n: p.detach().float().clone()
+            for n, p in sub._parameters.items()
+            if p is not None and not p.requires_grad and p.is_floating_point()
+        }
+        if frozen:
+            sub.__dict__[FROZEN_ATTR] = frozen

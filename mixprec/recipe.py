@@ -1,0 +1,385 @@
+"""``Recipe``: how every tensor of a training step is held and computed, in one frozen value.
+
+Design (torchao's ``Float8LinearConfig``, FSDP2's ``MixedPrecisionPolicy``, Apex's opt levels):
+one frozen dataclass names the precision of each class of tensor -- compute, weights as stored,
+master weights, the update that writes them, optimizer states, gradients as reduced across
+ranks, tensors saved for backward, FP8 GEMMs, loss scaling and the modules kept in float32.
+Named recipes are presets of it: Apex's levels ``"O0"``-``"O3"``, Lightning's
+``"bf16-mixed"``, ``"16-mixed"`` and ``"bf16-true"``, and the FP8 recipes. A preset is changed
+one property at a time, as Apex lets a property override an opt level::
+
+    Recipe("O3", torch.bfloat16).replace(update=None)
+
+Every field is symbolic with respect to ``dtype`` ("16-bit" weights are stored in ``dtype``),
+so ``replace(dtype=torch.float16)`` stays consistent. Every rule between fields is checked in
+:meth:`Recipe.__post_init__`, at construction, with errors that name the field and the fix;
+entry points then trust the recipe. ``str(recipe)`` is a one-liner that ``Recipe(...)`` parses
+back: the preset's name, the dtype, then each field that differs from the preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mixprec._recipe_rules import check_fields
+from mixprec._recipe_text import parse, render_table, word
+from mixprec.core.activations import as_activation_config
+from mixprec.core.fp8.config import as_fp8_config
+from mixprec.core.loss_scale import LossScaler
+from mixprec.core.policy import Policy, _dtype, as_policy
+
+__all__ = ["DEFAULTS", "NAMES", "LossScaling", "Recipe", "as_recipe"]
+
+_LOW = (torch.float16, torch.bfloat16)
+_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaling:
+    """Loss scaling: a static scale (``dynamic=False``, the scale is ``init_scale``) or a
+    dynamic one that backs off on inf/NaN gradients and grows after ``growth_interval`` clean
+    steps. ``Recipe.loss_scale`` also takes ``"dynamic"`` (these defaults), a number (static)
+    or None (off)."""
+
+    dynamic: bool = True
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+
+    def __post_init__(self) -> None:
+        if not self.dynamic:
+            moved = [
+                f.name
+                for f in dataclasses.fields(self)
+                if f.name not in ("dynamic", "init_scale") and getattr(self, f.name) != f.default
+            ]
+            if moved:
+                raise ValueError(
+                    f"LossScaling(dynamic=False) is a static scale; {moved} only apply to "
+                    "dynamic scaling. Drop them, or set dynamic=True."
+                )
+        self.scaler()  # the scaler's own checks (positive scale, factors, intervals)
+
+    def scaler(self) -> LossScaler:
+        """A fresh :class:`~mixprec.LossScaler` with these settings."""
+        if not self.dynamic:
+            return LossScaler(float(self.init_scale), dynamic=False)
+        settings = dataclasses.asdict(self)
+        del settings["dynamic"]
+        return LossScaler(**settings)
+
+    def __str__(self) -> str:
+        if not self.dynamic:
+            return repr(float(self.init_scale))
+        moved = _changed(self, LossScaling())
+        return "dynamic" + (f"({','.join(f'{k}={v!r}' for k, v in moved)})" if moved else "")
+
+
+#: The presets: for each name, the fields it sets (the others keep the dataclass defaults).
+_LEVELS: dict[str, dict[str, Any]] = {
+    "O0": dict(compute="fp32", weights="fp32", masters=False, cast_inputs=False),
+    "O1": dict(compute="16-bit", weights="fp32", masters=False, cast_inputs=False),
+    "O2": dict(compute="16-bit", weights="16-bit", masters=True, fp32_inside=True),
+    "O3": dict(
+        compute="16-bit", weights="16-bit", masters=False, keep_fp32="none", fp32_inside=True
+    ),
+}
+#: name -> (preset it starts from, the dtype it implies or None, fields it changes)
+NAMES: dict[str, tuple[str, torch.dtype | None, dict[str, Any]]] = {
+    **{level: (level, None, {}) for level in _LEVELS},
+    "bf16-mixed": ("O1", torch.bfloat16, {}),
+    "16-mixed": ("O1", torch.float16, {}),
+    "bf16-true": ("O3", torch.bfloat16, {"update": None}),
+    "fp8-tensorwise": ("O2", None, {"fp8": "tensorwise"}),
+    "fp8-rowwise": ("O2", None, {"fp8": "rowwise"}),
+}
+_PRESET = object()  # a field left to the preset named by ``name``
+#: the value of each field that a preset leaves alone
+DEFAULTS: dict[str, Any] = dict(
+    dtype=None,
+    keep_fp32="norms",
+    frozen_masters=False,
+    update="auto",
+    optimizer_states="auto",
+    update_seed=None,
+    reduce_dtype=None,
+    activations=None,
+    fp8=None,
+    loss_scale="auto",
+    outputs=torch.float32,
+    cast_inputs=True,
+    fp32_inside=False,
+    kernels="auto",
+    num_losses=1,
+)
+
+
+def _preset(name: str) -> tuple[str, dict[str, Any]]:
+    """The level a name starts from and the fields it sets (names fold case: "o2" is "O2")."""
+    key = name.upper() if name.upper() in _LEVELS else name
+    if key not in NAMES:
+        raise ValueError(
+            f"Unknown recipe name {name!r}; expected one of {list(NAMES)} (levels: the letter "
+            "O, not zero), or a recipe string such as 'O2 bf16 update=kahan'."
+        )
+    level, _, extra = NAMES[key]
+    return key, {**_LEVELS[level], **extra}
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How every tensor of a training step is held and computed.
+
+    ``Recipe(name, dtype)`` is a named recipe (:data:`NAMES`); any field given as well
+    overrides the preset. ``Recipe("O2 bf16 update=kahan")`` parses :meth:`__str__`'s form.
+
+    Args:
+        name: the preset the other fields start from: ``"O0"``-``"O3"`` (any case),
+            ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ``"fp8-tensorwise"``,
+            ``"fp8-rowwise"``.
+        dtype: the 16-bit dtype (``torch.bfloat16`` or ``torch.float16``); None: chosen for
+            the device when the recipe is applied (:func:`mixprec.default_dtype`).
+        compute: ``"16-bit"`` (matmuls and convolutions in ``dtype``, by the cast table) or
+            ``"fp32"``.
+        weights: the model's parameters as stored: ``"fp32"`` or ``"16-bit"``.
+        keep_fp32: modules whose parameters stay float32 when weights are 16-bit:
+            ``"norms"`` (normalization layers) or ``"none"``.
+        masters: keep float32 master weights that the optimizer steps (16-bit weights only).
+        frozen_masters: keep float32 copies of frozen (``requires_grad=False``) 16-bit weights,
+            so :func:`mixprec.fp32_state_dict` saves them exactly (+4 bytes each).
+        update: without masters, how the optimizer's fp32 result is written into 16-bit
+            weights: ``"kahan"`` (with a compensation buffer), ``"stochastic"``,
+            ``"nearest"``, None (the optimizer's own 16-bit step) or ``"auto"`` (``"kahan"`` in
+            bf16 and for Adam-family optimizers in fp16, None for sparse gradients).
+        optimizer_states: optimizer states' dtype under an update mode: ``"auto"`` (first
+            moments 16-bit, second moments fp32), a dtype, or ``{state name: dtype}``.
+        update_seed: the seed of ``update="stochastic"``'s rounding (None: 0).
+        reduce_dtype: the dtype gradients are reduced in across ranks (DDP, FSDP); None:
+            float32.
+        activations: how tensors saved for backward are stored: None, ``"fp8"``, ``"16-bit"``,
+            ``"recompute"`` or a :class:`~mixprec.ActivationConfig`.
+        fp8: FP8 GEMMs for chosen Linears: None, True, ``"tensorwise"``, ``"rowwise"`` or a
+            :class:`~mixprec.fp8.FP8Config`.
+        loss_scale: ``"auto"`` (dynamic in float16, off otherwise), ``"dynamic"``, a number
+            (static), None (off) or a :class:`LossScaling`.
+        outputs: the dtype the model's outputs are cast to; None leaves them as computed.
+        cast_inputs: cast floating inputs to ``dtype`` where the model is entered.
+        fp32_inside: memory-bound ops with fp32-accumulating kernels (layer_norm, softmax) keep
+            16-bit inputs and outputs.
+        kernels: ``"auto"`` (mixprec's kernels where measured faster) or ``"torch"``.
+        num_losses: losses backpropagated per step, each with its own loss scaler.
+    """
+
+    name: str = "O2"
+    dtype: torch.dtype | None = _PRESET  # type: ignore[assignment]
+    compute: str = _PRESET  # type: ignore[assignment]
+    weights: str = _PRESET  # type: ignore[assignment]
+    keep_fp32: str = _PRESET  # type: ignore[assignment]
+    masters: bool = _PRESET  # type: ignore[assignment]
+    frozen_masters: bool = _PRESET  # type: ignore[assignment]
+    update: str | None = _PRESET  # type: ignore[assignment]
+    optimizer_states: Any = _PRESET
+    update_seed: int | None = _PRESET  # type: ignore[assignment]
+    reduce_dtype: torch.dtype | None = _PRESET  # type: ignore[assignment]
+    activations: Any = _PRESET
+    fp8: Any = _PRESET
+    loss_scale: Any = _PRESET
+    outputs: torch.dtype | None = _PRESET  # type: ignore[assignment]
+    cast_inputs: bool = _PRESET  # type: ignore[assignment]
+    fp32_inside: bool = _PRESET  # type: ignore[assignment]
+    kernels: str = _PRESET  # type: ignore[assignment]
+    num_losses: int = _PRESET  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        given = _given(self)
+        if isinstance(self.name, str) and (" " in self.name.strip() or "=" in self.name):
+            given = {**parse(self.name), **{k: v for k, v in given.items() if k != "name"}}
+        for key, value in _filled(given).items():
+            object.__setattr__(self, key, value)
+        check_fields(self)
+
+    # -- constructors ------------------------------------------------------------------------
+
+    @classmethod
+    def from_name(cls, name: str, dtype: Any = None) -> Recipe:
+        """The named recipe ``name`` (:data:`NAMES`) in ``dtype``."""
+        return cls(name, dtype)
+
+    @classmethod
+    def from_policy(cls, policy: Any) -> Recipe:
+        """The level that trains a model under ``policy`` (any policy spelling): O0 for a
+        float32 policy, O1 for float32 parameters, O3 for 16-bit ones; outputs as it says."""
+        pol = as_policy(policy)
+        if not pol.is_lower:
+            return cls("O0", outputs=pol.output_dtype)
+        level = "O1" if pol.param_dtype == torch.float32 else "O3"
+        return cls(level, pol.compute_dtype, outputs=pol.output_dtype)
+
+    def replace(self, **changes: Any) -> Recipe:
+        """This recipe with ``changes`` (field names) applied and checked again."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(
+                f"Recipe has no field(s) {unknown}; fields: "
+                f"{[f.name for f in dataclasses.fields(self)]}."
+            )
+        if "name" in changes:  # a new preset: the fields not given come from it
+            return Recipe(**{**_given_only(self, changes), **changes})
+        return dataclasses.replace(self, **changes)
+
+    # -- what the recipe means ---------------------------------------------------------------
+
+    @property
+    def level(self) -> str:
+        """The Apex level this recipe is a variant of."""
+        return NAMES[_preset(self.name)[0]][0]
+
+    def resolved_dtype(self, device: Any = None) -> torch.dtype:
+        """The 16-bit dtype applied on ``device`` (float32 where nothing is 16-bit)."""
+        if self.compute == "fp32" and self.weights == "fp32":
+            return torch.float32
+        if self.dtype is not None:
+            return self.dtype
+        from mixprec.core.hardware import default_dtype
+
+        return default_dtype(device)
+
+    def scaling(self, dtype: torch.dtype) -> LossScaling | None:
+        """The loss scaling applied when the recipe runs in ``dtype``."""
+        if self.loss_scale == "auto":
+            return LossScaling() if dtype == torch.float16 and self.compute != "fp32" else None
+        return self.loss_scale
+
+    def policy(self, dtype: torch.dtype | None = None) -> Policy:
+        """The root module's :class:`~mixprec.Policy`: parameter, compute and output dtype."""
+        low = dtype or self.resolved_dtype()
+        return Policy(
+            param_dtype=low if self.weights == "16-bit" else torch.float32,
+            compute_dtype=low if self.compute == "16-bit" else torch.float32,
+            output_dtype=self.outputs or torch.float32,
+        )
+
+    def __str__(self) -> str:
+        base = Recipe(self.name, self.dtype)
+        words = [self.name] + ([] if self.dtype is None else [_SHORT[self.dtype]])
+        words += [f"{k}={word(v)}" for k, v in _changed(self, base)]
+        return " ".join(words)
+
+    def table(self, states: int = 2, dtype: torch.dtype | None = None) -> str:
+        """Each tensor class with its dtype and bytes per parameter, for an optimizer with
+        ``states`` states per parameter (AdamW: 2, SGD with momentum: 1)."""
+        return render_table(self, states, dtype or self.resolved_dtype())
+
+
+def as_recipe(spec: Any, dtype: Any = None) -> Recipe:
+    """A :class:`Recipe` from a Recipe, a name or recipe string, or any policy spelling, in
+    ``dtype`` when given (a Recipe that already names another dtype is an error)."""
+    low = None if dtype is None else _dtype_arg(dtype)
+    if isinstance(spec, Recipe):
+        if low is None or spec.dtype == low:
+            return spec
+        if spec.dtype is not None:
+            raise ValueError(
+                f"The recipe says dtype={spec.dtype} and dtype={low} was given as well; give "
+                f"it once: recipe.replace(dtype={low})."
+            )
+        return spec.replace(dtype=low)
+    if isinstance(spec, str):
+        try:
+            _preset(spec.split()[0] if spec.strip() else spec)
+        except ValueError:
+            pass
+        else:
+            recipe = Recipe(spec)
+            return recipe if low is None else as_recipe(recipe, low)
+    if isinstance(spec, (str, Policy, torch.dtype)):
+        try:
+            recipe = Recipe.from_policy(spec)
+        except ValueError:
+            raise ValueError(
+                f"Cannot read {spec!r} as a recipe or a policy; recipe names: {list(NAMES)}, "
+                "or a Recipe, a Policy, a policy spelling ('mixed_bfloat16', "
+                "'p=f32,c=bf16,o=f32')."
+            ) from None
+        if low is not None:
+            raise ValueError(
+                f"The policy {spec!r} carries its dtype; give the policy or a dtype, not both."
+            )
+        return recipe
+    raise TypeError(
+        f"Expected a mixprec.Recipe, a recipe name ({', '.join(NAMES)}) or a Policy; received "
+        f"{type(spec).__name__}."
+    )
+
+
+# -- construction helpers ----------------------------------------------------------------------
+
+
+def _dtype_arg(value: Any) -> torch.dtype:
+    if isinstance(value, torch.dtype) and not value.is_floating_point:
+        raise TypeError(
+            f"dtype must be a floating dtype (torch.bfloat16 or torch.float16), received {value}."
+        )
+    return _dtype(value, "dtype")
+
+
+def _given(r: Recipe) -> dict[str, Any]:
+    return {
+        f.name: getattr(r, f.name)
+        for f in dataclasses.fields(r)
+        if getattr(r, f.name) is not _PRESET
+    }
+
+
+def _given_only(r: Recipe, changes: dict[str, Any]) -> dict[str, Any]:
+    """The fields of ``r`` that differ from its own preset (kept across a change of name)."""
+    base = Recipe(r.name, r.dtype)
+    kept = {k: v for k, v in _changed(r, base) if k not in changes}
+    return {"dtype": r.dtype, **kept}
+
+
+def _filled(given: dict[str, Any]) -> dict[str, Any]:
+    """Every field: the given ones, normalised; the rest from the preset, then the defaults."""
+    name, preset = _preset(given.get("name", "O2"))
+    implied = NAMES[name][1]
+    out = {**DEFAULTS, **preset, **{k: v for k, v in given.items() if v is not _PRESET}}
+    out["name"] = name
+    if out.get("dtype") is None and implied is not None:
+        out["dtype"] = implied
+    if out.get("dtype") is not None:
+        out["dtype"] = _dtype_arg(out["dtype"])
+    out["fp8"] = as_fp8_config(out.get("fp8"))
+    out["activations"] = as_activation_config(out.get("activations"))
+    out["loss_scale"] = _loss_scaling(out.get("loss_scale", "auto"))
+    if isinstance(out.get("optimizer_states"), Mapping):
+        out["optimizer_states"] = tuple(sorted(out["optimizer_states"].items()))
+    return out
+
+
+def _loss_scaling(spec: Any) -> Any:
+    if spec is None or spec == "auto" or isinstance(spec, LossScaling):
+        return spec
+    if spec == "dynamic":
+        return LossScaling()
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        return LossScaling(dynamic=False, init_scale=float(spec))
+    raise ValueError(
+        f"Recipe(loss_scale={spec!r}): expected 'auto', 'dynamic', a number > 0 (a static "
+        "scale), None (off) or mixprec.LossScaling(...)."
+    )
+
+
+def _changed(a: Any, b: Any) -> list[tuple[str, Any]]:
+    return [
+        (f.name, getattr(a, f.name))
+        for f in dataclasses.fields(a)
+        if f.name not in ("name", "dtype") and getattr(a, f.name) != getattr(b, f.name)
+    ]
