@@ -42,7 +42,6 @@ Where Apex has a known flaw and fixing it cannot break a caller, mixprec's behav
 from __future__ import annotations
 
 import contextlib
-import copy
 import sys
 import types
 import weakref
@@ -58,20 +57,14 @@ from mixprec.compat import amp_casts, larc
 from mixprec.compat import fp16_optimizer as fp16_utils
 from mixprec.compat.amp_checkpoint import install_fp32_state_dict
 from mixprec.compat.amp_handle import AmpHandle, NoOpHandle, step_without_casts
+from mixprec.compat.apex_options import ApexOptions, check_level, hint_dtype, resolve_options
 from mixprec.compat.fp16_optimizer import FP16_Optimizer
 from mixprec.core import engine
-from mixprec.core.hardware import default_dtype
-from mixprec.core.loss_scale import LossScaler
 from mixprec.core.optimizer import LossSlot, MixedPrecisionOptimizer, take_state
 from mixprec.core.optimizer_view import as_torch_optimizer
 from mixprec.core.storage import ACCEPT_16BIT_ATTR
 
 __all__ = ["AmpOptimizer", "FP16_Optimizer", "amp", "install", "uninstall"]
-
-_LEVELS = ("O0", "O1", "O2", "O3")
-_APEX_LOSS_SCALE = {"O0": 1.0, "O1": "dynamic", "O2": "dynamic", "O3": 1.0}
-_APEX_MASTERS = {"O0": False, "O1": None, "O2": True, "O3": False}
-_APEX_KEEP_BN = {"O0": None, "O1": None, "O2": True, "O3": False}
 
 
 class _ScalerView:
@@ -169,70 +162,6 @@ def _as_list(obj: Any) -> tuple[list[Any], bool]:
     return (list(obj) if many else [obj]), many
 
 
-def _check_level(opt_level: Any) -> str:
-    """Apex's check and message (a RuntimeError), with names folding case: "o1" is "O1"."""
-    level = opt_level.upper() if isinstance(opt_level, str) else opt_level
-    if level not in _LEVELS:
-        raise RuntimeError(
-            f"Unexpected optimization level {opt_level!r}. Options are 'O0', 'O1', "
-            "'O2', 'O3' (any case). Note that in `O0`, `O1`, etc., the prefix O is the letter "
-            "O, not the number zero."
-        )
-    return level
-
-
-def _bool_or_none(name: str, value: Any) -> bool | None:
-    if value in (None, True, False):
-        return value
-    if value in ("True", "False"):
-        return value == "True"
-    raise ValueError(
-        f"{name} must be True, False, None or the strings 'True'/'False'; received {value!r}."
-    )
-
-
-def _loss_scale_spec(loss_scale: Any, level: str) -> str | float:
-    if loss_scale is None:
-        return _APEX_LOSS_SCALE[level]
-    if loss_scale == "dynamic":
-        return "dynamic"
-    try:
-        return float(loss_scale)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"loss_scale must be 'dynamic' or a number (as Apex: '128.0' works); "
-            f"received {loss_scale!r}."
-        ) from None
-
-
-def _scaler_options(spec: str | float, min_loss_scale: Any, max_loss_scale: Any) -> dict[str, Any]:
-    if spec != "dynamic":
-        return {}
-    max_scale = float(max_loss_scale)
-    min_scale = 1.0 if min_loss_scale is None else float(min_loss_scale)
-    # Apex: scale window 2000, factor 2, start at min(max_loss_scale, 2**16)
-    return dict(
-        init_scale=max(min(max_scale, 2.0**16), min_scale),
-        growth_interval=2000,
-        min_scale=min(min_scale, max_scale),
-        max_scale=max_scale,
-    )
-
-
-def _hint_dtype(dtype: torch.dtype, device: torch.device, explicit: bool) -> None:
-    if explicit or dtype != torch.float16:
-        return
-    better = default_dtype(device)
-    if better == torch.bfloat16:
-        _print(
-            1,
-            f"mixprec amp: using float16 as Apex does. On this {device.type} device "
-            "bfloat16 is the better choice (as fast or faster, no loss scaling needed): "
-            "pass dtype=torch.bfloat16 to amp.initialize (cast_model_type=torch.bfloat16 "
-            "at O2/O3).",
-        )
-
-
 def initialize(
     models: Any,
     optimizers: Any = None,
@@ -261,9 +190,36 @@ def initialize(
     if not enabled:
         _state.initialized, _state.enabled, _state.slots = True, False, []
         return models if optimizers is None else (models, optimizers)
-    level = _check_level(opt_level)
+    level = check_level(opt_level)
     model_list, many_models = _as_list(models)
     opt_list, many_opts = ([], False) if optimizers is None else _as_list(optimizers)
+    _refuse_wrapped(model_list, opt_list)
+    opts = resolve_options(
+        level,
+        cast_model_type,
+        patch_torch_functions,
+        keep_batchnorm_fp32,
+        master_weights,
+        loss_scale,
+        cast_model_outputs,
+        int(num_losses),
+        (min_loss_scale, max_loss_scale),
+        dtype,
+    )
+    first = next((p for m in model_list for p in m.parameters()), None)
+    hint = hint_dtype(opts, first.device if first is not None else torch.device("cpu"))
+    if hint is not None and level != "O0":
+        _print(1, hint)
+    torch_opts = [as_torch_optimizer(o) for o in opt_list]
+    wrapped, slots = _wrap(model_list, torch_opts, opts)
+    _finish(model_list, opt_list, wrapped, slots, opts)
+    out_models = model_list if many_models else model_list[0]
+    if optimizers is None:
+        return out_models
+    return out_models, (wrapped if many_opts else wrapped[0])
+
+
+def _refuse_wrapped(model_list: list[nn.Module], opt_list: list[Any]) -> None:
     for m in model_list:
         if isinstance(m, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             raise RuntimeError(  # noqa: TRY004 - Apex's exception type, kept for ported code
@@ -281,95 +237,34 @@ def initialize(
             raise RuntimeError(  # noqa: TRY004 - Apex's exception type, kept for ported code
                 "A given optimizer should only be passed through amp.initialize once."
             )
-    # -- Apex's consistency rules (frontend.py), same exceptions ------------------------------
-    keep_bn = _bool_or_none("keep_batchnorm_fp32", keep_batchnorm_fp32)
-    if level == "O1":
-        if cast_model_type not in (None, False, torch.float32):
-            raise RuntimeError(
-                "O1 inserts casts around Torch functions rather than model weights, "
-                "so with O1, the model weights themselves should remain FP32. If "
-                "you wish to cast the model to a different type, use opt_level="
-                "'O2' or 'O3'. cast_model_type was " + str(cast_model_type)
-            )
-        if keep_bn is not None:
-            raise RuntimeError(
-                "With opt_level O1, batchnorm functions are automatically patched "
-                "to run in FP32, so keep_batchnorm_fp32 should be None. "
-                f"keep_batchnorm_fp32 was {keep_batchnorm_fp32}"
-            )
-        if master_weights is not None:
-            raise RuntimeError(
-                "With opt_level O1, model weights remain FP32, so master_weights "
-                f"should be None. master_weights was {master_weights}"
-            )
-    if patch_torch_functions and level != "O1":
-        raise RuntimeError(
-            "Currently, patch_torch_functions=True should only be set by selecting opt_level='O1'."
-        )
-    explicit = dtype is not None
-    if cast_model_type in (torch.float16, torch.bfloat16):
-        if level == "O0":
-            raise RuntimeError(
-                f"O0 trains in float32; use O2/O3 to cast the model to {cast_model_type}."
-            )
-        if dtype is not None and dtype != cast_model_type:
-            raise ValueError(f"dtype={dtype} and cast_model_type={cast_model_type} disagree.")
-        dtype, explicit = cast_model_type, True
-    elif cast_model_type not in (None, False, torch.float32):
-        raise ValueError(
-            f"cast_model_type must be torch.float16, torch.bfloat16, torch.float32, "
-            f"False or None; received {cast_model_type!r}."
-        )
-    dtype = torch.float16 if dtype is None else dtype
-    spec = _loss_scale_spec(loss_scale, level)
-    scaler_opts = _scaler_options(spec, min_loss_scale, max_loss_scale)
-    masters = _APEX_MASTERS[level] if master_weights is None else bool(master_weights)
-    keep_bn = _APEX_KEEP_BN[level] if keep_bn is None else keep_bn
-    first = next((p for m in model_list for p in m.parameters()), None)
-    device = first.device if first is not None else torch.device("cpu")
-    if level != "O0":
-        _hint_dtype(dtype, device, explicit)
-    scalers = [LossScaler.from_spec(spec if spec != 1.0 else None, **scaler_opts)]
-    scalers += [copy.deepcopy(scalers[0]) for _ in range(int(num_losses) - 1)]
-    torch_opts = [as_torch_optimizer(o) for o in opt_list]
-    leave_model = cast_model_type is False or (level == "O1" and patch_torch_functions is False)
+
+
+def _wrap(
+    model_list: list[nn.Module], torch_opts: list[Any], opts: ApexOptions
+) -> tuple[list[MixedPrecisionOptimizer], list[LossSlot]]:
+    """mixprec.initialize with the recipe Apex's options name; or, where Apex leaves the model
+    alone (``cast_model_type=False``, O1 without patching), only masters and scaling."""
     # Apex's restore order (load_state_dict, then initialize) is initialize's own: the masters
     # start from the fp32 values the model holds, and the loaded state moves onto them.
-    carried = [take_state(o) for o in torch_opts] if leave_model else []
+    carried = [take_state(o) for o in torch_opts] if opts.leave_model else []
     try:
-        if leave_model:
-            # Apex leaves the model alone (no casts, no forward patch): masters and scaling.
-            slots = [LossSlot(s) for s in scalers]
+        if opts.leave_model:
+            slots = [LossSlot(opts.scaler()) for _ in range(opts.num_losses)]
             wrapped = [
-                MixedPrecisionOptimizer(o, slots, master_weights=masters) for o in torch_opts
+                MixedPrecisionOptimizer(o, slots, master_weights=opts.masters) for o in torch_opts
             ]
             for w, sd in zip(wrapped, carried):
                 if sd is not None:
                     w.load_state_dict(sd)  # torch's layout, by index: onto the masters
-        else:
-            kwargs: dict[str, Any] = dict(
-                num_losses=int(num_losses),
-                loss_scale=scalers[0],
-                # Apex: O1 outputs keep the op's dtype, O2/O3 outputs are fp32
-                cast_model_outputs=cast_model_outputs
-                if level == "O1"
-                else cast_model_outputs or torch.float32,
-            )
-            if level in ("O2", "O3"):
-                kwargs["keep_norm_fp32"] = bool(keep_bn)
-                kwargs["master_weights"] = masters
-            if _state.allow_incoming_model_not_fp32:  # 16-bit weights taken as they are
-                for m in model_list:
-                    m.__dict__[ACCEPT_16BIT_ATTR] = True
-            out = mixprec.initialize(
-                model_list,
-                torch_opts or None,
-                level=level,
-                dtype=None if level == "O0" else dtype,
-                **kwargs,
-            )
-            wrapped = out[1] if torch_opts else []
-            slots = wrapped[0].slots if wrapped else [LossSlot(s) for s in scalers]
+            return wrapped, slots
+        if _state.allow_incoming_model_not_fp32:  # 16-bit weights taken as they are
+            for m in model_list:
+                m.__dict__[ACCEPT_16BIT_ATTR] = True
+        out = mixprec.initialize(model_list, torch_opts or None, opts.recipe())
+        wrapped = out[1] if torch_opts else []
+        return wrapped, wrapped[0].slots if wrapped else [
+            LossSlot(opts.scaler()) for _ in range(opts.num_losses)
+        ]
     except BaseException:
         for o, sd in zip(torch_opts, carried):
             if sd is not None and not o.state:
@@ -377,6 +272,16 @@ def initialize(
         for m in model_list:
             m.__dict__.pop(ACCEPT_16BIT_ATTR, None)
         raise
+
+
+def _finish(
+    model_list: list[nn.Module],
+    opt_list: list[Any],
+    wrapped: list[MixedPrecisionOptimizer],
+    slots: list[LossSlot],
+    opts: ApexOptions,
+) -> None:
+    """Apex's faces on the result: AmpOptimizer classes, the amp state, the O1 region."""
     for w, original in zip(wrapped, opt_list):
         w.__class__ = AmpOptimizer
         w._amp_verbosity = _state.verbosity
@@ -384,33 +289,18 @@ def initialize(
         _state.wrappers[id(original)] = w
     _state.slots = slots
     _state.initialized, _state.enabled = True, True
-    _state.opt_properties = types.SimpleNamespace(
-        enabled=True,
-        opt_level=level,
-        cast_model_type=False
-        if cast_model_type is False
-        else {"O0": torch.float32, "O1": None}.get(level, dtype),
-        patch_torch_functions=level == "O1" and patch_torch_functions is not False,
-        keep_batchnorm_fp32=keep_bn if level in ("O2", "O3") else None,
-        master_weights=masters if level != "O1" else None,
-        loss_scale=spec,
-        cast_model_outputs=cast_model_outputs,
-        num_losses=int(num_losses),
-    )
-    if _state.opt_properties.patch_torch_functions and not leave_model:
-        _o1_region(dtype, model_list)
-    if level in ("O2", "O3") or cast_model_type is False:
+    _state.opt_properties = opts.properties()
+    if _state.opt_properties.patch_torch_functions and not opts.leave_model:
+        _o1_region(opts.dtype, model_list)
+    if opts.level in ("O2", "O3") or opts.cast_model_type is False:
         for m in model_list:
             install_fp32_state_dict(m, wrapped)
     _print(
         1,
-        f"mixprec amp: opt_level {level}, dtype {dtype if level != 'O0' else torch.float32}"
-        f", master_weights {masters}, loss_scale {spec}, num_losses {num_losses}.",
+        f"mixprec amp: opt_level {opts.level}, dtype "
+        f"{opts.dtype if opts.level != 'O0' else torch.float32}, master_weights "
+        f"{opts.masters}, loss_scale {opts.spec}, num_losses {opts.num_losses}.",
     )
-    out_models = model_list if many_models else model_list[0]
-    if optimizers is None:
-        return out_models
-    return out_models, (wrapped if many_opts else wrapped[0])
 
 
 def _o1_region(dtype: torch.dtype, models: list[nn.Module]) -> None:

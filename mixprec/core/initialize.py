@@ -78,7 +78,7 @@ _MARK = "_mixprec_initialized"
 #: keywords initialize took before the Recipe -> the Recipe field that replaces each
 MOVED: dict[str, str] = {
     "level": "name",
-    "policy": "a Policy passed as the recipe",
+    "policy": "name",
     "keep_norm_fp32": "keep_fp32",
     "keep_frozen_fp32": "frozen_masters",
     "master_weights": "masters",
@@ -128,15 +128,18 @@ def refuse_moved_keywords(entry: str, moved: Mapping[str, str]) -> Callable[[Any
 
 def _moved_message(entry: str, key: str, value: Any, moved: Mapping[str, str], args: Any) -> str:
     field = moved[key]
+    if key in ("level", "policy"):  # the recipe argument itself
+        return (
+            f"{entry}() no longer takes {key}=; pass it as the recipe, the third argument: "
+            f"{entry}(model, optimizer, {value!r}) (a level name, a Policy or a Recipe)."
+        )
     level = next((a for a in args[2:3] if isinstance(a, str)), "O2")
     dtype = next((a for a in args[3:4] if isinstance(a, torch.dtype)), torch.bfloat16)
     base = f"mixprec.Recipe.from_name({level!r}, {dtype})"
-    if field.isidentifier():
-        example = f"{base}.replace({field}={value!r})"
-    elif field.startswith("loss_scale"):
+    if field.startswith("loss_scale"):
         example = f"{base}.replace(loss_scale=mixprec.LossScaling({key}={value!r}))"
     else:
-        example = base
+        example = f"{base}.replace({field}={value!r})"
     return (
         f"{entry}() no longer takes {key}=; it is the Recipe field {field!r}. Pass a recipe: "
         f"{entry}(model, optimizer, {example})."
