@@ -51,18 +51,17 @@ def _run(args: argparse.Namespace) -> None:
     def ddp(level, dtype, wire):
         torch.manual_seed(0)
         m = GPT(cfg)
-        m, o = mixprec.initialize(
-            m, torch.optim.AdamW(m.parameters(), lr=1e-3), level=level, dtype=dtype
-        )
-        return mpd.wrap_ddp(m, o, comm_dtype=wire), o
+        recipe = mixprec.Recipe(level, dtype, reduce_dtype=wire)
+        m, o = mixprec.initialize(m, torch.optim.AdamW(m.parameters(), lr=1e-3), recipe)
+        return mpd.wrap_ddp(m, o), o
 
     def fsdp():
         torch.manual_seed(0)
         return mpd.initialize_fsdp(
             GPT(cfg),
             lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-            level="O2",
-            dtype=torch.bfloat16,
+            "O2",
+            torch.bfloat16,
             units=Block,
         )
 

@@ -42,7 +42,7 @@ def main() -> None:
     model = GPT(GPTConfig(vocab_size=32, block_size=32, n_layer=2, n_head=2, n_embd=64)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     # 1. mixprec first (casts parameters, builds fp32 masters) ...
-    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
+    model, opt = mixprec.initialize(model, opt, "O2", torch.bfloat16)
     # 2. ... then DDP: bf16 all-reduce, every rank skips the same steps.
     model = mpd.wrap_ddp(model, opt, device_ids=[device.index] if cuda else None)
 

@@ -46,8 +46,8 @@ def main() -> None:
     model, opt = mpd.initialize_fsdp(
         model,
         lambda ps: torch.optim.AdamW(ps, lr=3e-3),
-        level="O2",
-        dtype=torch.bfloat16,
+        "O2",
+        torch.bfloat16,
         units=Block,
     )
     for step in range(args.steps):

@@ -43,10 +43,12 @@ def _check_values(r: Any) -> None:
         _fail("num_losses", r.num_losses, "expected an int >= 1 (losses backpropagated per step).")
     if r.update_seed is not None and not isinstance(r.update_seed, int):
         _fail("update_seed", r.update_seed, "expected an int or None.")
-    for field in ("outputs", "reduce_dtype"):
-        value = getattr(r, field)
-        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-            _fail(field, value, "expected a floating torch dtype or None.")
+    if r.outputs is not None and not (
+        isinstance(r.outputs, torch.dtype) and r.outputs.is_floating_point
+    ):
+        _fail("outputs", r.outputs, "expected a floating torch dtype or None.")
+    if r.reduce_dtype not in ("auto", None, torch.float32, *_LOW):
+        _fail("reduce_dtype", r.reduce_dtype, "expected 'auto', None or fp32 / bf16 / fp16.")
     _check_states(r.optimizer_states)
 
 

@@ -91,7 +91,7 @@ def _value(field: str, text: str) -> Any:
     if field in _BOOLS:
         return _scalar(text)
     if field in _DTYPES:
-        return _dtype(text, field)
+        return text if text == "auto" else _dtype(text, field)
     if field in ("num_losses", "update_seed"):
         return int(text)
     if field == "optimizer_states":
@@ -149,6 +149,10 @@ def _rows(r: Any, states: int, low: torch.dtype) -> list[tuple[str, str, float]]
     update = r.update
     if update == "auto" and r.weights == "16-bit" and not r.masters:
         update = "kahan (auto)"  # bf16, and fp16 with an Adam-family optimizer
+    elif r.masters:
+        update = "fp32 masters, rounded to nearest"
+    elif r.weights == "fp32":
+        update = "the optimizer's own, fp32"
     rows = [("weights", word(weight), _bytes(weight))]
     rows.append(("master weights", "fp32" if r.masters else "none", 4 if r.masters else 0))
     kahan = isinstance(update, str) and update.startswith("kahan")
@@ -157,8 +161,14 @@ def _rows(r: Any, states: int, low: torch.dtype) -> list[tuple[str, str, float]]
     rows.append(
         ("gradients", word(grad) + (" (on the masters)" if r.masters else ""), _bytes(grad))
     )
-    rows.append(("optimizer states", *_states(r, update, weight, states)))
-    rows.append(("reduced across ranks", word(r.reduce_dtype or torch.float32), 0))
+    own = r.update is None or r.masters or r.weights == "fp32"  # the optimizer's own step
+    rows.append(("optimizer states", *_states(r, own, weight, states)))
+    reduce = r.reduce_dtype
+    if reduce == "auto":
+        reduce = low if r.compute == "16-bit" else torch.float32
+    rows.append(
+        ("reduced across ranks", "as the wrapper's default" if reduce is None else word(reduce), 0)
+    )
     rows.append(("saved for backward", _activations(r, low), 0))
     rows.append(("FP8 GEMMs", "none" if r.fp8 is None else word(r.fp8), 0))
     scaling = r.scaling(low)
@@ -166,8 +176,8 @@ def _rows(r: Any, states: int, low: torch.dtype) -> list[tuple[str, str, float]]
     return rows
 
 
-def _states(r: Any, update: Any, weight: torch.dtype, states: int) -> tuple[str, float]:
-    if update is None or update == "auto":  # the optimizer's own step: states as the weights
+def _states(r: Any, own: bool, weight: torch.dtype, states: int) -> tuple[str, float]:
+    if own:  # the optimizer's own step: states as the weights it steps
         held = torch.float32 if r.masters else weight
         return f"{states} x {word(held)}", states * _bytes(held)
     if r.optimizer_states == "auto":  # first moment 16-bit, the others fp32

@@ -110,7 +110,7 @@ DEFAULTS: dict[str, Any] = dict(
     update="auto",
     optimizer_states="auto",
     update_seed=None,
-    reduce_dtype=None,
+    reduce_dtype="auto",
     activations=None,
     fp8=None,
     loss_scale="auto",
@@ -162,8 +162,9 @@ class Recipe:
         optimizer_states: optimizer states' dtype under an update mode: ``"auto"`` (first
             moments 16-bit, second moments fp32), a dtype, or ``{state name: dtype}``.
         update_seed: the seed of ``update="stochastic"``'s rounding (None: 0).
-        reduce_dtype: the dtype gradients are reduced in across ranks (DDP, FSDP); None:
-            float32.
+        reduce_dtype: the dtype gradients are reduced in across ranks (DDP, FSDP):
+            ``"auto"`` (the 16-bit compute dtype; float32 at O0), a dtype, or None (the
+            wrapper's own default: DDP's fp32 all-reduce hook).
         activations: how tensors saved for backward are stored: None, ``"fp8"``, ``"16-bit"``,
             ``"recompute"`` or a :class:`~mixprec.ActivationConfig`.
         fp8: FP8 GEMMs for chosen Linears: None, True, ``"tensorwise"``, ``"rowwise"`` or a
@@ -269,7 +270,8 @@ class Recipe:
 
     def __str__(self) -> str:
         base = Recipe(self.name, self.dtype)
-        words = [self.name] + ([] if self.dtype is None else [_SHORT[self.dtype]])
+        implied = self.dtype is None or self.dtype == NAMES[self.name][1]
+        words = [self.name] + ([] if implied else [_SHORT[self.dtype]])
         words += [f"{k}={word(v)}" for k, v in _changed(self, base)]
         return " ".join(words)
 

@@ -64,7 +64,7 @@ from mixprec.core.storage import ACCEPT_16BIT_ATTR, cast_storage, keep_frozen, r
 from mixprec.core.update_choice import update_options
 from mixprec.recipe import Recipe, as_recipe
 
-__all__ = ["MODEL_HOOKS", "initialize", "level_name", "recipe_props"]
+__all__ = ["MODEL_HOOKS", "RECIPE_ATTR", "initialize", "level_name", "recipe_props"]
 
 #: ``hook(model, optimizers)``, run for each model :func:`initialize` returns, with the wrapped
 #: optimizers that step its parameters. The distributed layer adds one that notices a later
@@ -74,6 +74,7 @@ MODEL_HOOKS: list[Callable[[nn.Module, list[MixedPrecisionOptimizer]], None]] = 
 _LEVELS = ("O0", "O1", "O2", "O3")
 LEVEL_SPELLINGS = "'O0', 'O1', 'O2' or 'O3' (the letter O, not zero; any case: 'o2' is 'O2')"
 _MARK = "_mixprec_initialized"
+RECIPE_ATTR = "_mixprec_recipe"  # (recipe, the 16-bit dtype it runs in) on each model prepared
 
 #: keywords initialize took before the Recipe -> the Recipe field that replaces each
 MOVED: dict[str, str] = {
@@ -233,6 +234,8 @@ def initialize(
             continue  # sharded: FSDP's shards are the fp32 state; O1 as given, as in Apex
         restore_fp32(m, level, low, props, warn=not accepted)
     fp32_values = _prepare_models(model_list, opt_list, lean_kwargs, props, level, low, device)
+    for m in model_list:
+        m.__dict__[RECIPE_ATTR] = (recipe, low)
     wrapped = _wrap_optimizers(opt_list, lean_kwargs, props, fp32_values)
     _install_guards(model_list, opt_list, wrapped, level)
     out_models = model_list if many_models else model_list[0]

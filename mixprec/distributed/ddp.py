@@ -52,7 +52,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mixprec.core import engine, initialize, optimizer
-from mixprec.core.initialize import _MARK  # set by initialize on every model it prepared
+from mixprec.core.initialize import (  # set by initialize on every model it prepared
+    _MARK,
+    RECIPE_ATTR,
+    refuse_moved_keywords,
+)
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.distributed.verdicts import (
     _optimizers,
@@ -214,6 +218,13 @@ def _check_order(model: nn.Module) -> None:
         )
 
 
+def _reduce_dtype(model: nn.Module) -> torch.dtype | None:
+    """The recipe's ``reduce_dtype``, with ``"auto"`` resolved for this model."""
+    recipe, _ = model.__dict__.get(RECIPE_ATTR, (None, None))
+    wanted = "auto" if recipe is None else recipe.reduce_dtype
+    return _auto_dtype(model) if wanted == "auto" else wanted
+
+
 def _auto_dtype(model: nn.Module) -> torch.dtype:
     spec = model.__dict__.get(engine.BOUNDARY_ATTR)
     dtype = spec.policy.compute_dtype if spec is not None else torch.float32
@@ -230,27 +241,27 @@ def _broadcast_masters(
             dist.broadcast(t, src=src, group=group)
 
 
+@refuse_moved_keywords("wrap_ddp", {"comm_dtype": "reduce_dtype"})
 def wrap_ddp(
     model: nn.Module,
     optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer] | None = None,
     *,
-    comm_dtype: torch.dtype | str | None = "auto",
     process_group: dist.ProcessGroup | None = None,
     predivide_factor: float | None = None,
     **ddp_kwargs: Any,
 ) -> DistributedDataParallel:
     """Wrap a model prepared by :func:`mixprec.initialize` in DDP, mixed-precision aware.
 
-    Call order: ``model, opt = mixprec.initialize(model, opt, ...)`` then
+    Call order: ``model, opt = mixprec.initialize(model, opt, recipe)`` then
     ``model = wrap_ddp(model, opt)``. A DDP built before ``initialize`` is refused with the fix.
+    Gradients are all-reduced in the recipe's ``reduce_dtype``: ``"auto"``, the 16-bit compute
+    dtype (fp32 at O0); None, DDP's default hook.
 
     Args:
         model: the initialized module (or a DDP built around it *after* ``initialize``).
         optimizers: the optimizer(s) ``initialize`` returned; their overflow verdicts are
             reduced across ranks (:func:`sync_verdicts`) and their fp32 masters broadcast from
             rank 0.
-        comm_dtype: dtype of the gradient all-reduce. ``"auto"``: the 16-bit compute dtype of
-            the model's mixprec level (fp32 at O0); ``None``: DDP's default hook.
         process_group: the data-parallel group (default: the world).
         predivide_factor: see :class:`AllReduceHook`.
         **ddp_kwargs: passed to ``DistributedDataParallel`` (e.g. ``device_ids``,
@@ -263,17 +274,12 @@ def wrap_ddp(
     _check_order(model)
     opts = [] if optimizers is None else _optimizers(optimizers)
     inner = model.module if isinstance(model, DistributedDataParallel) else model
-    if comm_dtype == "auto":
-        comm_dtype = _auto_dtype(inner)
-    elif comm_dtype is not None and comm_dtype not in _WIRE:
-        raise ValueError(
-            f"comm_dtype must be 'auto', None or one of {list(_WIRE)}, received {comm_dtype!r}."
-        )
+    comm_dtype = _reduce_dtype(inner)
     if comm_dtype == torch.float16 and any(not o.slot(0).scaler.enabled for o in opts):
         warnings.warn(
             "fp16 gradient all-reduce without loss scaling: gradients below 6e-8 "
             "(and their share after the division by the world size) flush to zero. "
-            "Use comm_dtype=torch.bfloat16, or loss_scale='dynamic' in initialize.",
+            "Use a recipe with reduce_dtype=torch.bfloat16, or loss_scale='dynamic'.",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -42,13 +42,13 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from mixprec.core.hardware import default_dtype
-from mixprec.core.initialize import _MARK, initialize, level_name
+from mixprec.core.initialize import _MARK, MOVED, initialize, refuse_moved_keywords
 from mixprec.core.norms import is_norm
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.core.policy import Policy, PolicyLike, as_policy
 from mixprec.core.storage import restore_fp32
 from mixprec.distributed.verdicts import require_process_group, sync_verdicts
+from mixprec.recipe import Recipe, as_recipe
 
 __all__ = ["fsdp_mp_policy", "initialize_fsdp"]
 
@@ -121,35 +121,33 @@ def _check_model(model: nn.Module) -> None:
         )
 
 
+@refuse_moved_keywords(
+    "initialize_fsdp", {**MOVED, "reduce_dtype": "reduce_dtype", "keep_norm_fp32": "keep_fp32"}
+)
 def initialize_fsdp(
     model: nn.Module,
     optimizer_fn: Callable[[Iterable[nn.Parameter]], Optimizer],
-    level: str = "O2",
+    recipe: Recipe | str = "O2",
     dtype: torch.dtype | None = None,
     *,
     mesh: DeviceMesh | None = None,
     units: type | nn.Module | Sequence[type | nn.Module] = (),
-    reduce_dtype: torch.dtype | None = None,
-    keep_norm_fp32: bool | None = None,
     reshard_after_forward: bool | None = None,
-    **overrides: Any,
 ) -> tuple[nn.Module, MixedPrecisionOptimizer]:
-    """Shard ``model`` with FSDP2 at a mixprec level and return ``(model, optimizer)``.
+    """Shard ``model`` with FSDP2 under a recipe and return ``(model, optimizer)``.
 
     Args:
         model: an unsharded, uninitialized module (on its device).
         optimizer_fn: builds the optimizer from the sharded parameters, e.g.
             ``lambda params: torch.optim.AdamW(params, lr=3e-4)``.
-        level: "O0"-"O3" (see the module docstring's table).
-        dtype: the 16-bit dtype; None picks :func:`mixprec.default_dtype` for the device.
+        recipe: a :class:`mixprec.Recipe` or name (see the module docstring's table); its
+            ``reduce_dtype`` is the gradient reduce-scatter's dtype and ``keep_fp32="norms"``
+            makes norm layers fp32 units.
+        dtype: the 16-bit dtype; None: the recipe's, else :func:`mixprec.default_dtype`.
         mesh: a 1-D device mesh (default: all ranks, on the parameters' device type).
         units: module classes or instances that become their own FSDP units (e.g. the
             transformer block class); the root is always one.
-        reduce_dtype: dtype of the gradient reduce-scatter (default: see the table).
-        keep_norm_fp32: norm layers as fp32 units (default: True at O2, else False).
         reshard_after_forward: passed to ``fully_shard``.
-        **overrides: passed to :func:`mixprec.initialize` (``loss_scale``, ``init_scale``,
-            ``growth_interval``, ``num_losses``, ``kernels``, ...).
 
     Returns:
         The sharded model (modified in place) and a ``MixedPrecisionOptimizer`` whose
@@ -157,12 +155,6 @@ def initialize_fsdp(
     """
     require_process_group("initialize_fsdp")
     _check_model(model)
-    level = level_name(level)
-    if "master_weights" in overrides:
-        raise ValueError(
-            "master_weights does not apply under FSDP: FSDP's fp32 parameter shards "
-            "are the master weights."
-        )
     if not callable(optimizer_fn) or isinstance(optimizer_fn, Optimizer):
         raise TypeError(
             "optimizer_fn must build the optimizer from the sharded parameters, e.g. "
@@ -170,38 +162,49 @@ def initialize_fsdp(
             f"{type(optimizer_fn).__name__}. (fully_shard replaces the parameters, "
             "so an optimizer built before it would hold stale ones.)"
         )
+    recipe = _fsdp_recipe(as_recipe(recipe, dtype))
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
-    if level == "O0":
-        dtype = _F32
-    elif dtype is None:
-        dtype = default_dtype(device)
-    elif dtype not in _LOW:
-        raise ValueError(
-            f"Level {level} needs torch.bfloat16 or torch.float16, received "
-            f"{dtype!r}; use level='O0' for float32."
-        )
-    if keep_norm_fp32 is None:
-        keep_norm_fp32 = level == "O2"
-    elif keep_norm_fp32 and level not in ("O2", "O3"):
-        raise ValueError(
-            f"keep_norm_fp32 only applies where the compute dtype of parameters is "
-            f"16-bit (O2, O3); level {level} computes them in float32."
-        )
-    low_params = level in ("O2", "O3")
-    policy = fsdp_mp_policy(
-        Policy(compute_dtype=dtype if low_params else _F32), reduce_dtype=reduce_dtype
-    )
+    low = recipe.resolved_dtype(device)
     if mesh is None:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     common: dict[str, Any] = dict(mesh=mesh)
     if reshard_after_forward is not None:
         common["reshard_after_forward"] = reshard_after_forward
+    _shard(model, recipe, low, units, common)
+    optimizer = optimizer_fn(model.parameters())
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"optimizer_fn returned {type(optimizer).__name__}, expected a torch.optim.Optimizer."
+        )
+    model.__dict__["_mixprec_fsdp"] = True  # sharded here, to match: initialize accepts it
+    model, opt = initialize(model, optimizer, _inner_recipe(recipe), low)
+    sync_verdicts(opt, mesh.get_group())
+    return model, opt
 
+
+def _fsdp_recipe(recipe: Recipe) -> Recipe:
+    """The recipe, refused where FSDP cannot do what it says."""
+    if recipe.update not in ("auto", None) or recipe.optimizer_states != "auto":
+        raise ValueError(
+            f"Recipe {str(recipe)!r}: update modes and optimizer_states write 16-bit weights "
+            "without masters; under FSDP the fp32 shards are the master weights. Drop them."
+        )
+    return recipe
+
+
+def _shard(
+    model: nn.Module, recipe: Recipe, low: torch.dtype, units: Any, common: dict[str, Any]
+) -> None:
+    """fully_shard the norm units (fp32, where the recipe keeps norms fp32), the chosen units
+    innermost first, then the root, with the recipe's parameter and reduce dtypes."""
+    low_params = recipe.weights == "16-bit"
+    reduce = None if recipe.reduce_dtype in ("auto", None) else recipe.reduce_dtype
+    policy = fsdp_mp_policy(Policy(compute_dtype=low if low_params else _F32), reduce_dtype=reduce)
     # FSDP's fp32 shards are the master weights at every level: a model that arrives cast to
     # 16 bits gets fp32 parameters back before it is sharded, with initialize's one warning
-    restore_fp32(model, level, dtype, {"cast_params": False, "keep_norm_fp32": False})
-    if keep_norm_fp32:
+    restore_fp32(model, recipe.level, low, {"cast_params": False, "keep_norm_fp32": False})
+    if low_params and recipe.keep_fp32 == "norms":
         norm_policy = MixedPrecisionPolicy(reduce_dtype=_F32, cast_forward_inputs=False)
         for m in [m for m in model.modules() if is_norm(m) and m is not model]:
             if any(True for _ in m.parameters()):
@@ -210,20 +213,19 @@ def initialize_fsdp(
         fully_shard(m, mp_policy=policy, **common)
     fully_shard(model, mp_policy=policy, **common)
 
-    optimizer = optimizer_fn(model.parameters())
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(
-            f"optimizer_fn returned {type(optimizer).__name__}, expected a torch.optim.Optimizer."
-        )
-    if level in ("O2", "O3"):
-        overrides.setdefault("fp32_inside", True)
-    model.__dict__["_mixprec_fsdp"] = True  # sharded here, to match: initialize accepts it
-    model, opt = initialize(
-        model,
-        optimizer,
-        level="O0" if level == "O0" else "O1",
-        dtype=None if level == "O0" else dtype,
-        **overrides,
+
+def _inner_recipe(recipe: Recipe) -> Recipe:
+    """What mixprec.initialize applies to the sharded model: O1 (FSDP casts the parameters),
+    with ``fp32_inside`` at O2/O3 and the recipe's scaling, FP8, activations and outputs."""
+    if recipe.compute == "fp32":
+        return Recipe("O0", outputs=recipe.outputs, num_losses=recipe.num_losses)
+    return Recipe(
+        "O1",
+        fp32_inside=recipe.weights == "16-bit" or recipe.fp32_inside,
+        loss_scale=recipe.loss_scale,
+        num_losses=recipe.num_losses,
+        kernels=recipe.kernels,
+        fp8=recipe.fp8,
+        activations=recipe.activations,
+        outputs=recipe.outputs,
     )
-    sync_verdicts(opt, mesh.get_group())
-    return model, opt

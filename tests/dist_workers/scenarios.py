@@ -25,7 +25,10 @@ from torch import nn
 
 import mixprec
 import mixprec.distributed as mpd
+from mixprec import Recipe
 from mixprec.bench.models import GPT, GPTConfig
+from mixprec.core.fp8.plan import fp8_plan
+from mixprec.core.optimizer import MixedPrecisionOptimizer
 
 INF = float("inf")
 BF16 = torch.bfloat16
@@ -84,7 +87,7 @@ def spy(name: str, log: list):
         setattr(dist, name, real)
 
 
-def poison_local_grad(opt: mixprec.MixedPrecisionOptimizer, inject: bool) -> None:
+def poison_local_grad(opt: MixedPrecisionOptimizer, inject: bool) -> None:
     """Call on every rank: where ``inject``, add an inf to this rank's gradients *after*
     communication, so only this rank's own check at ``step()`` can see it.
 
@@ -123,12 +126,14 @@ def scenario_wire_dtype() -> dict:
     for name, level, dtype, extra in (
         ("O1-bf16", "O1", torch.bfloat16, {}),
         ("O2-bf16", "O2", torch.bfloat16, {}),
-        ("O2-fp16", "O2", torch.float16, {"init_scale": 256.0}),
+        ("O2-fp16", "O2", torch.float16, {"loss_scale": mixprec.LossScaling(init_scale=256.0)}),
         ("O0-fp32", "O0", None, {}),
     ):
         model = mlp(0)
         model, opt = mixprec.initialize(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), level=level, dtype=dtype, **extra
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            mixprec.Recipe(level, dtype, **extra),
         )
         ddp = mpd.wrap_ddp(model, opt)
         x, y = batch(0)
@@ -173,9 +178,7 @@ def scenario_skip_one_rank() -> dict:
         model, opt = mixprec.initialize(
             model,
             torch.optim.SGD(model.parameters(), lr=0.1),
-            level="O2",
-            dtype=torch.float16,
-            init_scale=1024.0,
+            Recipe("O2", torch.float16, loss_scale=mixprec.LossScaling(init_scale=1024.0)),
         )
         ddp = mpd.wrap_ddp(model, opt)
         if not synced:
@@ -207,13 +210,15 @@ def scenario_plain_ddp() -> dict:
 
     out = {}
     for name, level, dtype, extra in (
-        ("O2-fp16", "O2", torch.float16, {"init_scale": 1024.0}),
+        ("O2-fp16", "O2", torch.float16, {"loss_scale": mixprec.LossScaling(init_scale=1024.0)}),
         ("O1-bf16", "O1", torch.bfloat16, {}),
         ("O0-fp32", "O0", None, {}),
     ):
         model = mlp(RANK)  # a different init per rank: DDP broadcasts rank 0's parameters
         model, opt = mixprec.initialize(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), level=level, dtype=dtype, **extra
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            mixprec.Recipe(level, dtype, **extra),
         )
         ddp = DDP(model)
         skipped, scales = _train_poisoned(ddp, opt)
@@ -228,7 +233,7 @@ def scenario_plain_ddp() -> dict:
     model = mlp(0)
     ddp = DDP(model)  # built before initialize: stale buckets, refused at the first step
     model, opt = mixprec.initialize(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), level="O2", dtype=torch.bfloat16
+        model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", torch.bfloat16
     )
     x, y = batch(0)
     opt.backward(mse(ddp, local(x), local(y)))
@@ -248,8 +253,8 @@ def scenario_ddp_equals_single() -> dict:
         model, opt = mixprec.initialize(
             model,
             torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-            level=level,
-            dtype=dtype,
+            level,
+            dtype,
         )
         if RANK == 0:
             with torch.no_grad():  # rank 0 holds the reference init; the others get it by DDP
@@ -266,7 +271,7 @@ def scenario_ddp_equals_single() -> dict:
         dist_w = flat(opt.master_params())
         ref = mlp(0)
         ref, ref_opt = mixprec.initialize(
-            ref, torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9), level=level, dtype=dtype
+            ref, torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9), level, dtype
         )
         start = flat(ref_opt.master_params())
         for step in range(4):
@@ -294,14 +299,14 @@ def scenario_order_errors() -> dict:
         model = mlp(0)
         ddp = DDP(model)
         _, opt = mixprec.initialize(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), level="O2", dtype=torch.bfloat16
+            model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", torch.bfloat16
         )
         mpd.wrap_ddp(ddp, opt)
 
     def initialize_wrapper():
         ddp = DDP(mlp(0))
         ddp, opt = mixprec.initialize(
-            ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), level="O2", dtype=torch.bfloat16
+            ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), "O2", torch.bfloat16
         )
         mpd.wrap_ddp(ddp, opt)
 
@@ -311,7 +316,7 @@ def scenario_order_errors() -> dict:
     def right_order_prebuilt():  # DDP built by the user after initialize: accepted
         model = mlp(0)
         model, opt = mixprec.initialize(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), level="O2", dtype=torch.bfloat16
+            model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", torch.bfloat16
         )
         mpd.wrap_ddp(DDP(model), opt)
 
@@ -333,27 +338,21 @@ def scenario_order_errors() -> dict:
 def _ckpt_run(steps: int, save_at: int | None, path: str, fsdp: bool) -> dict:
     """Train ``steps`` steps; with ``save_at``, save there, rebuild everything, load, go on."""
 
+    SCALING = mixprec.LossScaling(init_scale=2.0**14, growth_interval=2, hysteresis=2)
+
     def build(seed: int):
         if fsdp:
             model = mlp(seed)
             return mpd.initialize_fsdp(
                 model,
                 lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-                level="O2",
-                dtype=torch.float16,
-                init_scale=2.0**14,
-                growth_interval=2,
-                hysteresis=2,
+                mixprec.Recipe("O2", torch.float16, loss_scale=SCALING),
             )
         model = mlp(seed)
         model, opt = mixprec.initialize(
             model,
             torch.optim.AdamW(model.parameters(), lr=1e-2),
-            level="O2",
-            dtype=torch.float16,
-            init_scale=2.0**14,
-            growth_interval=2,
-            hysteresis=2,
+            mixprec.Recipe("O2", torch.float16, loss_scale=SCALING),
         )
         return mpd.wrap_ddp(model, opt), opt
 
@@ -420,7 +419,7 @@ def scenario_exact_masters() -> dict:
                 model.load_state_dict(pretrained)
             if fsdp:
                 model, opt = mpd.initialize_fsdp(
-                    model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), level="O2", dtype=BF16
+                    model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), "O2", BF16
                 )
             else:
                 model, opt = mixprec.initialize(
@@ -468,11 +467,9 @@ def _train_gpt(fsdp: bool, steps: int) -> dict:
     if fsdp:
         from mixprec.bench.models import Block
 
-        model, opt = mpd.initialize_fsdp(model, make, level="O2", dtype=torch.bfloat16, units=Block)
+        model, opt = mpd.initialize_fsdp(model, make, "O2", torch.bfloat16, units=Block)
     else:
-        model, opt = mixprec.initialize(
-            model, make(model.parameters()), level="O2", dtype=torch.bfloat16
-        )
+        model, opt = mixprec.initialize(model, make(model.parameters()), "O2", torch.bfloat16)
         model = mpd.wrap_ddp(model, opt)
     losses, log = [], []
     for step in range(steps):
@@ -620,12 +617,12 @@ def _train_fp8(fsdp: bool, steps: int) -> dict:
     cfg = mixprec.FP8Config(layers="all")
     if fsdp:
         model, opt = mpd.initialize_fsdp(
-            model, make, level="O2", dtype=torch.bfloat16, units=Block, fp8=cfg
+            model, make, mixprec.Recipe("O2", torch.bfloat16, fp8=cfg), units=Block
         )
         inner = model
     else:
         model, opt = mixprec.initialize(
-            model, make(model.parameters()), level="O2", dtype=torch.bfloat16, fp8=cfg
+            model, make(model.parameters()), mixprec.Recipe("O2", torch.bfloat16, fp8=cfg)
         )
         inner = model
         model = mpd.wrap_ddp(model, opt)
@@ -650,7 +647,7 @@ def _train_fp8(fsdp: bool, steps: int) -> dict:
     return {
         "losses": losses,
         "scaled_mm_per_step": Count.n / steps,
-        "fp8_layers": mixprec.fp8_plan(inner).chosen,
+        "fp8_layers": fp8_plan(inner).chosen,
         "scales_equal_across_ranks": all(bitwise_equal(mine, o) for o in gathered(mine)),
         "scales_change": len(set(scales)) > 1,
     }
@@ -673,10 +670,10 @@ def scenario_fp8_auto_agrees() -> dict:
     fp8_layers.decide = judged
     try:
         model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 4))
-        model = mixprec.initialize(model, None, "O2", torch.bfloat16, fp8=True)
+        model = mixprec.initialize(model, None, Recipe("O2", torch.bfloat16, fp8=True))
         with torch.no_grad():
             model(torch.randn(4, 16))
-        plan = mixprec.fp8_plan(model)
+        plan = fp8_plan(model)
         return {"chosen": plan.chosen, "reason": plan["0"].reason}
     finally:
         fp8_layers.decide = original
