@@ -70,7 +70,7 @@ def train(
         disable_tqdm=True,
     )
     trainer = MixprecTrainer(
-        model=model, args=args, train_dataset=ToyTask(), mixprec_level=level, mixprec_dtype=dtype
+        model=model, args=args, train_dataset=ToyTask(), mixprec_recipe=level, mixprec_dtype=dtype
     )
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -44,11 +44,11 @@ def data(n: int = 512, seed: int = 0) -> torch.utils.data.TensorDataset:
 
 
 def train(
-    level: str = "O2", dtype: torch.dtype = torch.bfloat16, steps: int = 20, **overrides
+    recipe: str = "O2", dtype: torch.dtype = torch.bfloat16, steps: int = 20
 ) -> tuple[Classifier, MixprecPrecision]:
     torch.manual_seed(0)
     model = Classifier()
-    plugin = MixprecPrecision(level, dtype, **overrides)
+    plugin = MixprecPrecision(recipe, dtype)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,

@@ -21,41 +21,45 @@ import torch
 from transformers import Trainer
 
 import mixprec
-from mixprec.core.initialize import level_name
 from mixprec.core.optimizer import MixedPrecisionOptimizer
+from mixprec.recipe import Recipe, as_recipe
 
 __all__ = ["MixprecTrainer"]
 
 
 class MixprecTrainer(Trainer):
-    """``transformers.Trainer`` with mixprec: ``MixprecTrainer(..., mixprec_level="O2")``.
+    """``transformers.Trainer`` with mixprec: ``MixprecTrainer(..., mixprec_recipe="O2")``.
 
     Args:
-        mixprec_level: "O0"-"O3", any case (see :func:`mixprec.initialize`).
-        mixprec_dtype: the 16-bit dtype; None picks the best one for the device.
-        mixprec_options: extra :func:`mixprec.initialize` overrides.
+        mixprec_recipe: a :class:`mixprec.Recipe` or name (see :func:`mixprec.initialize`).
+        mixprec_dtype: the 16-bit dtype; None: the recipe's, else the best one for the device.
         *args, **kwargs: as for ``transformers.Trainer``.
     """
 
     def __init__(
         self,
         *args: Any,
-        mixprec_level: str = "O1",
+        mixprec_recipe: Recipe | str = "O1",
         mixprec_dtype: torch.dtype | None = None,
-        mixprec_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        mixprec_level = level_name(mixprec_level)  # a bad name fails here, not at the first step
+        for old in ("mixprec_level", "mixprec_options"):
+            if old in kwargs:
+                raise TypeError(
+                    f"MixprecTrainer takes mixprec_recipe (a mixprec.Recipe or a name such as "
+                    f"'O2'), not {old}=: e.g. mixprec_recipe=mixprec.Recipe('O2', "
+                    "torch.bfloat16, loss_scale=128.0)."
+                )
+        # a bad name fails here, not at the first step
+        recipe = as_recipe(mixprec_recipe, mixprec_dtype)
         super().__init__(*args, **kwargs)
         if self.args.fp16 or self.args.bf16:
             raise ValueError(
                 f"MixprecTrainer does the mixed precision itself; received "
                 f"TrainingArguments(fp16={self.args.fp16}, bf16={self.args.bf16}). "
-                "Set both to False and choose mixprec_level/mixprec_dtype instead."
+                "Set both to False and choose mixprec_recipe/mixprec_dtype instead."
             )
-        self.mixprec_level = mixprec_level
-        self.mixprec_dtype = mixprec_dtype
-        self.mixprec_options = dict(mixprec_options or {})
+        self.mixprec_recipe = recipe
         self.mixprec_optimizer: MixedPrecisionOptimizer | None = None
         backward = self.accelerator.backward
 
@@ -73,13 +77,7 @@ class MixprecTrainer(Trainer):
         )
         if self.mixprec_optimizer is None:
             target = self.model if model is None else model
-            _, wrapped = mixprec.initialize(
-                target,
-                optimizer,
-                level=self.mixprec_level,
-                dtype=self.mixprec_dtype,
-                **self.mixprec_options,
-            )
+            _, wrapped = mixprec.initialize(target, optimizer, self.mixprec_recipe)
             self.optimizer = self.mixprec_optimizer = wrapped
         return self.optimizer
 

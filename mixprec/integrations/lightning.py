@@ -25,8 +25,9 @@ import torch
 from torch import Tensor
 
 import mixprec
-from mixprec.core.initialize import level_name
+from mixprec.core.initialize import MOVED, refuse_moved_keywords
 from mixprec.core.optimizer import MixedPrecisionOptimizer
+from mixprec.recipe import Recipe, as_recipe
 
 try:  # the unified package first, then the standalone one
     from lightning.pytorch.plugins.precision import Precision as _Precision
@@ -42,33 +43,27 @@ class MixprecPrecision(_Precision):
     """Lightning precision plugin: ``Trainer(plugins=[MixprecPrecision("O2", torch.bfloat16)])``.
 
     Args:
-        level: "O0"-"O3", any case (see :func:`mixprec.initialize`).
-        dtype: the 16-bit dtype; None picks the best one for the device.
-        **overrides: any :func:`mixprec.initialize` override (``loss_scale``, ``init_scale``...).
+        recipe: a :class:`mixprec.Recipe` or name (see :func:`mixprec.initialize`); default O1,
+            Lightning's ``"bf16-mixed"`` / ``"16-mixed"``.
+        dtype: the 16-bit dtype; None: the recipe's, else the best one for the device.
     """
 
-    def __init__(
-        self, level: str = "O1", dtype: torch.dtype | None = None, **overrides: Any
-    ) -> None:
+    @refuse_moved_keywords("MixprecPrecision", MOVED)
+    def __init__(self, recipe: Recipe | str = "O1", dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.level = level = level_name(level)
-        self.dtype = dtype
-        self.overrides = overrides
+        self.recipe = as_recipe(recipe, dtype)
+        self.level = level = self.recipe.level
+        self.dtype = self.recipe.dtype
         self.optimizers: list[MixedPrecisionOptimizer] = []
         self._pending_state: dict[str, Any] | None = None
-        self.precision = "32-true" if level == "O0" else _NAMES.get(dtype, "bf16-mixed")
+        self.precision = "32-true" if level == "O0" else _NAMES.get(self.dtype, "bf16-mixed")
 
     # -- setup -------------------------------------------------------------------------------
     def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> Any:
         if optimizers:
-            model, wrapped = mixprec.initialize(
-                model, list(optimizers), level=self.level, dtype=self.dtype, **self.overrides
-            )
+            model, wrapped = mixprec.initialize(model, list(optimizers), self.recipe)
         else:
-            model, wrapped = (
-                mixprec.initialize(model, level=self.level, dtype=self.dtype, **self.overrides),
-                [],
-            )
+            model, wrapped = mixprec.initialize(model, None, self.recipe), []
         self.optimizers = list(wrapped)
         params = [p for p in model.parameters() if p.is_floating_point()]
         self.dtype = (
