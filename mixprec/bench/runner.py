@@ -121,8 +121,8 @@ class Trainer:
         seed: int,
         options: dict[str, Any] | None = None,
     ):
-        """``options``: more :func:`mixprec.initialize` keywords for the mixprec levels (for
-        example ``activations="fp8"``)."""
+        """``options``: :class:`mixprec.Recipe` fields for the mixprec levels (for example
+        ``activations="fp8"``)."""
         if mode not in MODES:
             raise ValueError(f"Unknown mode {mode!r}; expected one of {MODES}.")
         self.wl, self.data, self.dtype = wl, data, dtype
@@ -135,7 +135,8 @@ class Trainer:
         opt = wl.make_optimizer(model.parameters())
         self.scaler = None
         if mode in ("O1", "O2", "O3"):
-            model, opt = mixprec.initialize(model, opt, level=mode, dtype=dtype, **(options or {}))
+            recipe = mixprec.Recipe(mode, dtype, **(options or {}))
+            model, opt = mixprec.initialize(model, opt, recipe)
         elif mode in _GRAPH:
             from mixprec import graph
 
@@ -149,7 +150,7 @@ class Trainer:
             else:
                 x, _ = wl.example_batch(data, batch_size)
                 model = graph.convert(model, (x,), policy, fp32_inside=True)
-            model, opt = mixprec.initialize(model, opt, level=_GRAPH[mode], dtype=dtype)
+            model, opt = mixprec.initialize(model, opt, _GRAPH[mode], dtype)
         elif mode == "torch-autocast" and dtype == torch.float16:
             self.scaler = torch.amp.GradScaler("cpu" if _device(model) == "cpu" else "cuda")
         if compiled:  # as a user would: the same model and loop, the model compiled
