@@ -189,7 +189,7 @@ def test_docs_name_no_internal_paths_or_issue_numbers(path):
     text = path.read_text()
     assert "shared/" not in text, f"{path.name} names a path outside the repository (shared/...)"
     refs = [m.group(0) for m in ISSUE_REF.finditer(text)]
-    assert not refs, f"{path.name} refers to issues {refs}: move that to benchmarks/NOTES.md"
+    assert not refs, f"{path.name} refers to issues {refs}: move that to benchmarks/notes/"
     assert not re.search(r"\bissue\s+#?\d", text, re.IGNORECASE), f"{path.name} cites an issue"
 
 
