@@ -189,7 +189,7 @@ def test_docs_name_no_internal_paths_or_issue_numbers(path):
     text = path.read_text()
     assert "shared/" not in text, f"{path.name} names a path outside the repository (shared/...)"
     refs = [m.group(0) for m in ISSUE_REF.finditer(text)]
-    assert not refs, f"{path.name} refers to issues {refs}: move that to benchmarks/NOTES.md"
+    assert not refs, f"{path.name} refers to issues {refs}: move that to benchmarks/notes/"
     assert not re.search(r"\bissue\s+#?\d", text, re.IGNORECASE), f"{path.name} cites an issue"
 
 
@@ -217,3 +217,59 @@ def test_design_sections_cited_by_docstrings_exist():
     assert cited, "no module docstring cites docs/design.md: has the citation style changed?"
     missing = sorted((section, where) for section, where in cited if section not in headings)
     assert not missing, f"docstrings cite sections docs/design.md does not have: {missing}"
+
+
+NOTES = ROOT / "benchmarks" / "notes"
+LINK = re.compile(r"\]\((?P<url>[^)\s]+)\)")
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    heads = re.findall(r"^#+ (.+)$", text, re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def broken_links(path: pathlib.Path) -> list[str]:
+    """The relative links of a markdown file whose file, or heading anchor, does not exist."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
+    broken = []
+    for m in LINK.finditer(text):
+        url = m.group("url")
+        if re.match(r"[a-z]+:", url):  # http:, https:, mailto:
+            continue
+        target, _, anchor = url.partition("#")
+        file = (path.parent / target).resolve() if target else path
+        if not file.exists():
+            broken.append(f"{url} (no such file)")
+        elif anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text()):
+            broken.append(f"{url} (no such heading)")
+    return broken
+
+
+LINKED_FILES = [p for p in DOC_FILES if p.exists()] + sorted(NOTES.glob("*.md"))
+
+
+@pytest.mark.parametrize("path", LINKED_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_reach_a_file_and_heading(path):
+    assert not broken_links(path), f"{path.relative_to(ROOT)}: broken links {broken_links(path)}"
+
+
+def test_a_broken_link_or_anchor_is_found(tmp_path):
+    (tmp_path / "a.md").write_text("# Title: one\n\n[ok](b.md#part-two) [self](#title-one)\n")
+    (tmp_path / "b.md").write_text(
+        "## Part two\n\n[gone](c.md) [bad](a.md#nope) [web](https://x)\n"
+    )
+    assert broken_links(tmp_path / "a.md") == []
+    assert broken_links(tmp_path / "b.md") == ["c.md (no such file)", "a.md#nope (no such heading)"]
+
+
+def test_the_notes_index_lists_each_dated_study_once():
+    index = (NOTES / "README.md").read_text()
+    studies = sorted(p.name for p in NOTES.glob("*.md") if p.name != "README.md")
+    assert studies, "benchmarks/notes/ holds no study"
+    for name in studies:
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d-[a-z0-9-]+\.md", name), f"{name}: YYYY-MM-DD-topic.md"
+        assert index.count(f"]({name})") == 1, f"{name} must be linked once from the notes index"
+        heading = (NOTES / name).read_text().splitlines()[0]
+        assert heading.startswith("# ") and name[:10] in heading, f"{name}: heading {heading!r}"

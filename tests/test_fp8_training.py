@@ -69,7 +69,7 @@ def train(model, opt, batches, steps):
 def test_300_steps_of_o2_fp8_end_within_a_quarter_percent_of_bf16_o2():
     # Tolerance: over seeds 0-2 and both recipes the final loss (mean of the last 20 steps)
     # differed from bf16 O2's by at most 0.04 %, while bf16's own seed-to-seed spread was 1.2 %
-    # (benchmarks/bench_fp8.py --curves --cpu; benchmarks/NOTES.md).
+    # (benchmarks/bench_fp8.py --curves --cpu; benchmarks/notes/2026-11-25-fp8-training.md).
     base = train(*build(None), markov_batches(100), 300)
     fp8 = train(*build(ALL), markov_batches(100), 300)
     last = sum(fp8[-20:]) / 20
@@ -225,7 +225,8 @@ _MEMORY = textwrap.dedent(
 
 def _peak(fp8: dict | None, activations: str | None = None) -> int:
     # glibc's mmap threshold fixed: freed temporaries go back to the OS, so the resident peak
-    # is live memory rather than the allocator's history (benchmarks/NOTES.md)
+    # is live memory rather than the allocator's history
+    # (benchmarks/notes/2026-11-25-fp8-training.md)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run(
         [sys.executable, "-c", _MEMORY, json.dumps([fp8, activations])],
@@ -240,7 +241,7 @@ def _peak(fp8: dict | None, activations: str | None = None) -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_fp8_saved_inputs_alone_cut_the_peak_of_a_step_below_nine_tenths_of_bf16():
     # an 8-layer GPT (d 256, 1024 tokens): bf16 O2 69.0 MB, FP8 58.7 MB (0.85x), FP8 with
-    # activations="fp8" 41.7 MB (benchmarks/NOTES.md)
+    # activations="fp8" 41.7 MB (benchmarks/notes/2026-11-25-fp8-training.md)
     bf16 = _peak(None)
     fp8 = _peak({"layers": "all"})
     assert fp8 <= 0.90 * bf16, (fp8 / bf16, fp8, bf16)
