@@ -157,10 +157,10 @@ def _rows(r: Any, states: int, low: torch.dtype) -> list[tuple[str, str, float]]
     rows.append(("master weights", "fp32" if r.masters else "none", 4 if r.masters else 0))
     kahan = isinstance(update, str) and update.startswith("kahan")
     rows.append(("update", word(update), _bytes(low) if kahan else 0))
-    grad = torch.float32 if r.masters else weight
-    rows.append(
-        ("gradients", word(grad) + (" (on the masters)" if r.masters else ""), _bytes(grad))
-    )
+    if r.masters:  # computed in 16 bits in backward, then held in fp32 on the masters
+        rows.append(("gradients", f"{word(weight)}, then fp32 on the masters", _bytes(weight) + 4))
+    else:
+        rows.append(("gradients", word(weight), _bytes(weight)))
     own = r.update is None or r.masters or r.weights == "fp32"  # the optimizer's own step
     rows.append(("optimizer states", *_states(r, own, weight, states)))
     reduce = r.reduce_dtype
@@ -200,8 +200,12 @@ def render_table(r: Any, states: int, low: torch.dtype) -> str:
     """The table of :meth:`mixprec.Recipe.table`."""
     rows = _rows(r, states, low)
     width = max(len(name) for name, _, _ in rows)
+    held_width = max(len(held) for _, held, b in rows if b)
     lines = [f"{r}  ({states} optimizer state(s) per parameter)"]
-    lines += [f"  {name:<{width}}  {held:<28} {b:>5.1f} B/param" for name, held, b in rows if b]
+    lines += [
+        f"  {name:<{width}}  {held:<{held_width}} {b:>5.1f} B/param" for name, held, b in rows if b
+    ]
     lines += [f"  {name:<{width}}  {held}" for name, held, b in rows if not b]
-    lines.append(f"  {'total':<{width}}  {'':<28} {sum(b for _, _, b in rows):>5.1f} B/param")
+    total = sum(b for _, _, b in rows)
+    lines.append(f"  {'total':<{width}}  {'':<{held_width}} {total:>5.1f} B/param")
     return "\n".join(lines)

@@ -134,7 +134,7 @@ def _preset(name: str) -> tuple[str, dict[str, Any]]:
     return key, {**_LEVELS[level], **extra}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Recipe:
     """How every tensor of a training step is held and computed.
 
@@ -206,6 +206,17 @@ class Recipe:
         for key, value in _filled(given).items():
             object.__setattr__(self, key, value)
         check_fields(self)
+
+    def _key(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name")
+
+    def __eq__(self, other: object) -> bool:
+        """Recipes are equal when they train the same way, whatever preset they were named
+        from: ``Recipe("O3", torch.bfloat16, update=None) == Recipe("bf16-true")``."""
+        return isinstance(other, Recipe) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     # -- constructors ------------------------------------------------------------------------
 
