@@ -17,15 +17,15 @@ Data flows down this list (see ``docs/design.md``):
   (``LARC(SGD(...))``) a ``torch.optim.Optimizer`` face; :mod:`~mixprec.core.resume` -- where its
   checkpoint state lives, and resumes in either load order;
 * :mod:`~mixprec.core.activations` -- saved-for-backward tensors stored in FP8 or 16-bit, or
-  recomputed (``activations=``); :mod:`~mixprec.core.float8` -- FP8 storage (amax, scales,
-  casts that never hide an overflow), shared with the FP8 matmuls;
-* :mod:`~mixprec.core.fp8` -- FP8 matmuls for chosen Linears (``fp8=``): the recipes, each
-  GEMM held to CUDA's rules, the autograd function, the roofline and the per-layer choice;
+  recomputed (``activations=``), with the FP8 quantization of :mod:`mixprec.fp8`;
 * :mod:`~mixprec.core.initialize` -- the O0-O3 levels that wire all of the above to a model;
 * :mod:`~mixprec.core.hardware`, :mod:`~mixprec.core.memory`, :mod:`~mixprec.core.footprint`,
   :mod:`~mixprec.core.norms` -- facts about the device, memory and layers that the rest consult.
 
-Nothing here imports the tools (graph pass, numerics, inference, distributed, compat, CLI);
+FP8 lives in its own package, :mod:`mixprec.fp8` (quantization, GEMM, Linear, layer choice),
+which the engine and ``initialize`` call and which imports only the leaf modules here (policy,
+hardware). Nothing here imports the tools (graph pass, numerics, inference, distributed, compat,
+CLI);
 they build on the core and register with it where they must. Public names are re-exported from
 :mod:`mixprec`.
 """
