@@ -60,11 +60,13 @@ from mixprec.compat.amp_checkpoint import install_fp32_state_dict
 from mixprec.compat.amp_handle import AmpHandle, NoOpHandle, step_without_casts
 from mixprec.compat.fp16_optimizer import FP16_Optimizer
 from mixprec.core import engine
+from mixprec.core._gradients import LossSlot
 from mixprec.core.hardware import default_dtype
 from mixprec.core.initialize import ACCEPT_16BIT_ATTR
 from mixprec.core.loss_scale import LossScaler
-from mixprec.core.optimizer import LossSlot, MixedPrecisionOptimizer, take_state
+from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.core.optimizer_view import as_torch_optimizer
+from mixprec.core.resume import take_state
 
 __all__ = ["AmpOptimizer", "FP16_Optimizer", "amp", "install", "uninstall"]
 

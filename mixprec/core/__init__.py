@@ -12,10 +12,12 @@ Data flows down this list (see ``docs/design.md``):
   :mod:`~mixprec.core.kernels` -- faster 16-bit formulations of a few ops;
 * :mod:`~mixprec.core.loss_scale` -- static and dynamic loss scaling;
 * :mod:`~mixprec.core.optimizer` -- fp32 master weights, unscale and finite check, skipped steps,
-  ``scale_loss``; :mod:`~mixprec.core.clipping` and :mod:`~mixprec.core.lean` (pure 16-bit
-  updates) plug into it; :mod:`~mixprec.core.optimizer_view` gives optimizer wrappers
-  (``LARC(SGD(...))``) a ``torch.optim.Optimizer`` face; :mod:`~mixprec.core.resume` -- where its
-  checkpoint state lives, and resumes in either load order;
+  ``scale_loss`` (its gradient machinery in ``_gradients``, its checkpoint in
+  ``_optimizer_state``); :mod:`~mixprec.core.clipping` and :mod:`~mixprec.core.lean` (pure
+  16-bit updates, rounding in ``_rounding``) plug into it;
+  :mod:`~mixprec.core.optimizer_view` gives optimizer wrappers (``LARC(SGD(...))``) a
+  ``torch.optim.Optimizer`` face; :mod:`~mixprec.core.resume` -- where its checkpoint state
+  lives, and resumes in either load order;
 * :mod:`~mixprec.core.activations` -- saved-for-backward tensors stored in FP8 or 16-bit, or
   recomputed (``activations=``), with the FP8 quantization of :mod:`mixprec.fp8`;
 * :mod:`~mixprec.core.initialize` -- the O0-O3 levels that wire all of the above to a model;
