@@ -8,7 +8,7 @@ Parts (``--parts``, default all three):
 * ``gemm``: (a) the output GEMM of a Linear, M, K, N each in 1024 ... 16384 on a GPU (a CPU
   runs 128 ... 512: its FP8 is torch's emulation), FP8 tensorwise and rowwise
   (``torch._scaled_mm`` on pre-cast operands) against a bf16 ``mm``, next to the roofline's
-  prediction for a whole Linear (``mixprec.core.fp8.roofline``); then, for a few shapes, one
+  prediction for a whole Linear (``mixprec.fp8.choice``); then, for a few shapes, one
   Linear's forward and backward with its casts (``mixprec``'s FP8 linear, compiled on a GPU)
   against ``F.linear`` in bf16.
 * ``step``: (b) a GPT training step (>= 350M parameters, d 2048 on a GPU; a small GPT on a CPU),
@@ -46,10 +46,10 @@ import torch.nn.functional as F
 import mixprec
 from mixprec import FP8Config
 from mixprec.bench.models import GPT, GPTConfig
-from mixprec.core.float8 import E4M3, quantize
-from mixprec.core.fp8.config import RECIPES
-from mixprec.core.fp8.linear import fp8_linear
-from mixprec.core.fp8.roofline import predicted_speedup
+from mixprec.fp8.choice import predicted_speedup
+from mixprec.fp8.config import RECIPES
+from mixprec.fp8.linear import fp8_linear
+from mixprec.fp8.quantization import E4M3, quantize
 
 BF16 = torch.bfloat16
 RECIPE_NAMES = ("tensorwise", "rowwise")

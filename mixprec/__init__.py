@@ -18,13 +18,13 @@ from mixprec import amp, graph, inference, numerics  # noqa: F401 - subpackages:
 from mixprec.core.activations import ActivationConfig
 from mixprec.core.cast_table import register_op
 from mixprec.core.engine import autocast, set_policy
-from mixprec.core.fp8.config import FP8Config
 from mixprec.core.fp32_values import fp32_state_dict
 from mixprec.core.hardware import check, default_dtype
 from mixprec.core.initialize import initialize
 from mixprec.core.norms import register_norm
 from mixprec.core.optimizer import scale_loss
 from mixprec.core.policy import Policy, get_policy, global_policy, policy_scope, set_global_policy
+from mixprec.fp8.config import FP8Config
 from mixprec.graph import convert
 from mixprec.inference import for_inference
 from mixprec.recipe import LossScaling, Recipe

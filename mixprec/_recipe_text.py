@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from mixprec.core.activations import ActivationConfig
-from mixprec.core.fp8.config import FP8Config
 from mixprec.core.policy import _dtype
+from mixprec.fp8.config import FP8Config
 
 __all__ = ["parse", "render_table", "word"]
 

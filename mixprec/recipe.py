@@ -28,9 +28,9 @@ import torch
 from mixprec._recipe_rules import check_fields
 from mixprec._recipe_text import parse, render_table, word
 from mixprec.core.activations import as_activation_config
-from mixprec.core.fp8.config import as_fp8_config
 from mixprec.core.loss_scale import LossScaler
 from mixprec.core.policy import Policy, _dtype, as_policy
+from mixprec.fp8.config import as_fp8_config
 
 __all__ = ["DEFAULTS", "NAMES", "LossScaling", "Recipe", "as_recipe"]
 

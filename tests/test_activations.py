@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.core import activations, float8
+from mixprec.core import activations
 from mixprec.core.activations import ActivationConfig, SavedTensorStorage
+from mixprec.fp8 import quantization
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
@@ -121,7 +122,7 @@ def test_fp8_stores_activations_and_leaves_weights_and_inputs(level):
     assert packed, "nothing was stored in FP8"
     assert not any(_is_weight_like(t, model) for t, _ in packed)
     for t, out in packed:
-        assert out.data.data.dtype == float8.E4M3 and out.data.power_of_2
+        assert out.data.data.dtype == quantization.E4M3 and out.data.power_of_2
         assert out.dtype == t.dtype and out.shape == t.shape
         assert t.numel() >= 1024 and t.dtype.is_floating_point
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -174,7 +175,7 @@ def test_each_tensor_is_stored_once_however_many_ops_save_it():
 def test_expanded_and_fp8_tensors_are_left_alone():
     base = torch.randn(1, 128, requires_grad=True)
     wide = base.expand(512, 128)
-    fp8 = torch.randn(512, 128).to(float8.E4M3)
+    fp8 = torch.randn(512, 128).to(quantization.E4M3)
     hooks = SavedTensorStorage(ActivationConfig(min_numel=1), BF16)
     assert not hooks._wanted(wide)
     assert not hooks._wanted(fp8)
@@ -250,7 +251,7 @@ def test_fp8_gradients_stay_close_to_the_level_without_it(level):
         opt.backward(F.cross_entropy(model(x), y))
         grads.append([opt.grad_of(p).clone() for p in model.parameters()])
     for ref, got in zip(*grads):
-        assert float8.sqnr(ref, got) > 20  # e4m3: about 3 significant bits per element
+        assert quantization.sqnr(ref, got) > 20  # e4m3: about 3 significant bits per element
 
 
 def test_a_row_overflowing_in_forward_skips_the_step_with_fp8_storage():
@@ -361,19 +362,20 @@ def test_plain_torch_is_untouched_outside_the_model():
 
 @pytest.mark.parametrize("shape", [(3, 1000, 96), (70000,), (5, 40, 8, 8), (2, 3)])
 def test_fp8_chunks_round_trip_any_shape(shape, monkeypatch):
-    monkeypatch.setattr(float8, "_CHUNK", 4096)  # several slices, a partial last one
+    monkeypatch.setattr(quantization, "_CHUNK", 4096)  # several slices, a partial last one
     ranges = torch.rand(shape[0], *([1] * (len(shape) - 1))) * 100
     t = (torch.randn(*shape) * ranges).to(BF16)
     packed = activations._Packed(activations._to_fp8(t), t)
     back = packed.unpack()
     assert back.shape == t.shape and back.dtype == BF16
-    assert float8.sqnr(t, back) > 25
+    assert quantization.sqnr(t, back) > 25
     width = 1
     for d in activations._row_dims(t.shape):
         width *= t.shape[d]
     assert width >= min(activations._ROW, t.numel())
-    whole = float8.quantize(t.reshape(-1, width), axis=-1, power_of_2=True)
-    assert torch.equal(back.reshape(-1, width), float8.dequantize(whole, BF16))  # chunking: exact
+    whole = quantization.quantize(t.reshape(-1, width), axis=-1, power_of_2=True)
+    # chunking: exact
+    assert torch.equal(back.reshape(-1, width), quantization.dequantize(whole, BF16))
 
 
 def test_caller_hooks_around_the_model_win_with_a_warning():
@@ -419,4 +421,4 @@ def test_checkpointing_inside_the_model_composes_with_the_storage():
         opt.backward(F.cross_entropy(model(x), y))
         grads.append([opt.grad_of(p) for p in model.parameters()])
     for a, b in zip(*grads):
-        assert torch.isfinite(b).all() and float8.sqnr(a, b) > 20
+        assert torch.isfinite(b).all() and quantization.sqnr(a, b) > 20

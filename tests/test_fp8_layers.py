@@ -19,8 +19,8 @@ import mixprec
 from mixprec import FP8Config
 from mixprec.bench.models import GPT, GPTConfig
 from mixprec.core import hardware
-from mixprec.core.fp8 import layers as fp8_layers
-from mixprec.core.fp8.layers import FP8Forward, layers_of
+from mixprec.fp8 import layers as fp8_layers
+from mixprec.fp8.layers import FP8Forward, layers_of
 
 BLOCK = ("attn.qkv", "attn.proj", "fc", "fc_proj")
 pytestmark = [

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec.core import float8
-from mixprec.core.float8 import E4M3, E5M2, dequantize, quantize, quantize_chunked, sqnr
-from mixprec.core.fp8.config import RECIPES
-from mixprec.core.fp8.gemm import check_gemm, scaled_mm
-from mixprec.core.fp8.linear import fp8_linear
+from mixprec.fp8 import quantization
+from mixprec.fp8.config import RECIPES
+from mixprec.fp8.gemm import check_gemm, scaled_mm
+from mixprec.fp8.linear import fp8_linear
+from mixprec.fp8.quantization import E4M3, E5M2, dequantize, quantize, quantize_chunked, sqnr
 from tests.training_helpers import linear_run
 
 RECIPE_NAMES = sorted(RECIPES)
@@ -153,7 +153,7 @@ def test_check_gemm_refuses_what_cuda_refuses():
 
 
 def test_quantize_chunked_gives_quantizes_scales_and_data(monkeypatch):
-    monkeypatch.setattr(float8, "_CHUNK", 1000)
+    monkeypatch.setattr(quantization, "_CHUNK", 1000)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(300, 48, generator=g) * torch.exp2(torch.randint(-8, 8, (300, 1), generator=g))
     x[3, 5] = float("inf")

@@ -14,7 +14,7 @@ from torch import nn
 import mixprec
 from mixprec import FP8Config
 from mixprec.bench.models import GPT, GPTConfig
-from mixprec.core.fp8.layers import layers_of
+from mixprec.fp8.layers import layers_of
 
 pytestmark = pytest.mark.filterwarnings("ignore:FP8 on CPU is emulated")
 ALL = FP8Config(layers="all")

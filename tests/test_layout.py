@@ -111,12 +111,25 @@ def test_no_import_circle_inside_mixprec():
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
 
 
+# what a training step runs: the core and the FP8 package its engine calls
+_STEP = ("mixprec.core", "mixprec.fp8")
+
+
 def test_the_core_imports_nothing_above_it():
     graph = import_graph()
-    core = [m for m in graph if m.startswith("mixprec.core")]
+    core = [m for m in graph if m.startswith(_STEP)]
     assert "mixprec.core.engine" in core and "mixprec.core.optimizer" in core
-    upward = {m: sorted(t for t in graph[m] if not t.startswith("mixprec.core")) for m in core}
+    assert "mixprec.fp8.layers" in core
+    upward = {m: sorted(t for t in graph[m] if not t.startswith(_STEP)) for m in core}
     assert not any(upward.values()), {m: t for m, t in upward.items() if t}
+
+
+def test_fp8_is_one_package_that_imports_only_the_cores_leaves():
+    graph = import_graph()
+    fp8 = [m for m in graph if m.startswith("mixprec.fp8")]
+    outside = {t for m in fp8 for t in graph[m] if not t.startswith("mixprec.fp8")}
+    assert outside <= {"mixprec.core.hardware", "mixprec.core.policy"}, outside
+    assert not [m for m in graph if m.startswith("mixprec.core.float8")]
 
 
 def test_no_module_imports_the_package_root_that_the_root_imports():

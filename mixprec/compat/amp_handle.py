@@ -46,8 +46,9 @@ from torch.optim import Optimizer
 
 import mixprec
 from mixprec.core import dispatch, engine
+from mixprec.core._gradients import LossSlot
 from mixprec.core.loss_scale import LossScaler
-from mixprec.core.optimizer import LossSlot, MixedPrecisionOptimizer
+from mixprec.core.optimizer import MixedPrecisionOptimizer
 
 __all__ = ["AmpHandle", "NoOpHandle", "OptimWrapper", "apex_scaler", "step_without_casts"]
 

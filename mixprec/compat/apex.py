@@ -60,8 +60,10 @@ from mixprec.compat.amp_handle import AmpHandle, NoOpHandle, step_without_casts
 from mixprec.compat.apex_options import ApexOptions, check_level, hint_dtype, resolve_options
 from mixprec.compat.fp16_optimizer import FP16_Optimizer
 from mixprec.core import engine
-from mixprec.core.optimizer import LossSlot, MixedPrecisionOptimizer, take_state
+from mixprec.core._gradients import LossSlot
+from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.core.optimizer_view import as_torch_optimizer
+from mixprec.core.resume import take_state
 from mixprec.core.storage import ACCEPT_16BIT_ATTR
 
 __all__ = ["AmpOptimizer", "FP16_Optimizer", "amp", "install", "uninstall"]

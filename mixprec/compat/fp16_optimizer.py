@@ -33,8 +33,9 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from mixprec.core._gradients import LossSlot
 from mixprec.core.loss_scale import LossScaler
-from mixprec.core.optimizer import LossSlot, MixedPrecisionOptimizer, rounds_to
+from mixprec.core.optimizer import MixedPrecisionOptimizer, rounds_to
 from mixprec.core.resume import pack_state_dict
 
 __all__ = ["FP16Model", "FP16_Optimizer", "convert_network", "network_to_half", "to_python_float"]

@@ -12,20 +12,22 @@ Data flows down this list (see ``docs/design.md``):
   :mod:`~mixprec.core.kernels` -- faster 16-bit formulations of a few ops;
 * :mod:`~mixprec.core.loss_scale` -- static and dynamic loss scaling;
 * :mod:`~mixprec.core.optimizer` -- fp32 master weights, unscale and finite check, skipped steps,
-  ``scale_loss``; :mod:`~mixprec.core.clipping` and :mod:`~mixprec.core.lean` (pure 16-bit
-  updates) plug into it; :mod:`~mixprec.core.optimizer_view` gives optimizer wrappers
-  (``LARC(SGD(...))``) a ``torch.optim.Optimizer`` face; :mod:`~mixprec.core.resume` -- where its
-  checkpoint state lives, and resumes in either load order;
+  ``scale_loss`` (its gradient machinery in ``_gradients``, its checkpoint in
+  ``_optimizer_state``); :mod:`~mixprec.core.clipping` and :mod:`~mixprec.core.lean` (pure
+  16-bit updates, rounding in ``_rounding``) plug into it;
+  :mod:`~mixprec.core.optimizer_view` gives optimizer wrappers (``LARC(SGD(...))``) a
+  ``torch.optim.Optimizer`` face; :mod:`~mixprec.core.resume` -- where its checkpoint state
+  lives, and resumes in either load order;
 * :mod:`~mixprec.core.activations` -- saved-for-backward tensors stored in FP8 or 16-bit, or
-  recomputed (``activations=``); :mod:`~mixprec.core.float8` -- FP8 storage (amax, scales,
-  casts that never hide an overflow), shared with the FP8 matmuls;
-* :mod:`~mixprec.core.fp8` -- FP8 matmuls for chosen Linears (``fp8=``): the recipes, each
-  GEMM held to CUDA's rules, the autograd function, the roofline and the per-layer choice;
+  recomputed (``activations=``), with the FP8 quantization of :mod:`mixprec.fp8`;
 * :mod:`~mixprec.core.initialize` -- the O0-O3 levels that wire all of the above to a model;
 * :mod:`~mixprec.core.hardware`, :mod:`~mixprec.core.memory`, :mod:`~mixprec.core.footprint`,
   :mod:`~mixprec.core.norms` -- facts about the device, memory and layers that the rest consult.
 
-Nothing here imports the tools (graph pass, numerics, inference, distributed, compat, CLI);
+FP8 lives in its own package, :mod:`mixprec.fp8` (quantization, GEMM, Linear, layer choice),
+which the engine and ``initialize`` call and which imports only the leaf modules here (policy,
+hardware). Nothing here imports the tools (graph pass, numerics, inference, distributed, compat,
+CLI);
 they build on the core and register with it where they must. Public names are re-exported from
 :mod:`mixprec`.
 """

@@ -21,9 +21,9 @@ Design:
   tensors (a copy would be larger than the original) and FP8 tensors (already small, e.g. the
   inputs an FP8 layer saves).
 * ``storage="fp8"``: float8 e4m3 with one power-of-2 scale per row (the last dims, at least
-  ``_ROW`` elements), from :mod:`mixprec.core.float8`: a row keeps its own range, the scaling is
-  exact, and a row holding inf/NaN comes back NaN, so an overflow still skips the step. Half
-  the bytes of a 16-bit activation, a quarter of an fp32 one.
+  ``_ROW`` elements), from :mod:`mixprec.fp8.quantization`: a row keeps its own range, the
+  scaling is exact, and a row holding inf/NaN comes back NaN, so an overflow still skips the
+  step. Half the bytes of a 16-bit activation, a quarter of an fp32 one.
 * ``storage="16-bit"``: float32 saved tensors stored in the compute dtype (bf16/fp16); 16-bit
   ones are untouched. This is for O1, where the ops the cast table keeps in fp32 (the
   residual stream, norm inputs) save fp32 tensors.
@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from mixprec.core import float8
+from mixprec.fp8.quantization import E4M3, Float8Data, dequantize_2d, quantize_2d
 
 __all__ = ["STORAGES", "ActivationConfig", "SavedTensorStorage", "as_activation_config"]
 
@@ -178,24 +178,17 @@ class _Packed:
     def unpack(self) -> Tensor:
         if isinstance(self.data, Tensor):
             return self.data.to(self.dtype)
-        q: float8.Float8Data = self.data
-        if q.data.device.type != "cpu":  # one expression, as packed
-            return float8.dequantize(q, self.dtype).view(self.shape)
-        rows = torch.empty(q.data.shape, dtype=self.dtype, device=q.data.device)
-        return float8.dequantize_into(q, rows).view(self.shape)
+        return dequantize_2d(self.data, self.dtype).view(self.shape)
 
 
-def _to_fp8(t: Tensor) -> float8.Float8Data:
+def _to_fp8(t: Tensor) -> Float8Data:
     """``t`` as FP8 rows of its trailing dims (:func:`_row_dims`), one power-of-2 scale a row.
 
     On a CPU in eager mode packed and unpacked in slices of rows whose temporaries stay in
-    cache: whole 12 MB activations went at half the speed of 2**18-element slices (EPYC, 1
-    thread). Elsewhere one expression: a few kernels on a GPU, one fused pass compiled."""
+    cache (:func:`~mixprec.fp8.quantization.quantize_2d`): whole 12 MB activations went at half
+    the speed of 2**18-element slices (EPYC, 1 thread)."""
     width = math.prod(t.shape[d] for d in _row_dims(t.shape))
-    rows = t.detach().reshape(-1, width)
-    if rows.device.type != "cpu" or torch.compiler.is_compiling():  # one expression
-        return float8.quantize(rows, float8.E4M3, -1, power_of_2=True)
-    return float8.quantize_chunked(rows, float8.E4M3, -1, power_of_2=True)
+    return quantize_2d(t.detach().reshape(-1, width), E4M3, -1, power_of_2=True)
 
 
 class _Recomputed:

@@ -37,8 +37,6 @@ from torch.utils import _pytree
 from mixprec.core import dispatch, traced
 from mixprec.core.activations import ActivationConfig, SavedTensorStorage
 from mixprec.core.dispatch import FP32_INSIDE_OPS, Frame, cast_leaf
-from mixprec.core.fp8 import layers as fp8_layers
-from mixprec.core.fp8.config import FP8Config, as_fp8_config
 from mixprec.core.policy import (
     POLICY_ATTR,
     Policy,
@@ -47,6 +45,8 @@ from mixprec.core.policy import (
     get_policy,
     global_policy,
 )
+from mixprec.fp8 import layers as fp8_layers
+from mixprec.fp8.config import FP8Config, as_fp8_config
 
 __all__ = [
     "FP32_INSIDE_OPS",
@@ -148,7 +148,7 @@ class autocast:
             :mod:`mixprec.core.kernels`; ``"torch"`` always runs torch's own kernels.
         fp8: as for :func:`mixprec.initialize`: the Linears of the first module called in the
             region (the model) that the config chooses run their GEMMs in FP8 inside the
-            region (:mod:`mixprec.core.fp8`).
+            region (:mod:`mixprec.fp8`).
 
     Forward only: call ``backward`` outside the region (autograd replays the recorded casts).
 

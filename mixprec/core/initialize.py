@@ -52,16 +52,17 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from mixprec.core import engine
-from mixprec.core.fp8 import layers as fp8_layers
+from mixprec.core._gradients import LossSlot
 from mixprec.core.fp32_values import install_load_refresh
 from mixprec.core.hardware import warn_if_slow
 from mixprec.core.loss_scale import LossScaler
-from mixprec.core.optimizer import LossSlot, MixedPrecisionOptimizer, StepGuard, take_state
+from mixprec.core.optimizer import MixedPrecisionOptimizer, StepGuard
 from mixprec.core.optimizer_view import OptimizerView, as_torch_optimizer
 from mixprec.core.policy import Policy, get_policy
-from mixprec.core.resume import resume_carried
+from mixprec.core.resume import resume_carried, take_state
 from mixprec.core.storage import ACCEPT_16BIT_ATTR, cast_storage, keep_frozen, restore_fp32
 from mixprec.core.update_choice import update_options
+from mixprec.fp8 import layers as fp8_layers
 from mixprec.recipe import Recipe, as_recipe
 
 __all__ = ["MODEL_HOOKS", "RECIPE_ATTR", "initialize", "level_name", "recipe_props"]
@@ -349,7 +350,7 @@ def _prepare_models(
         elif level == "O0":
             cast_storage(m, torch.float32, False)
         _install_boundary(m, props, dtype)
-        if props["fp8"] is not None:  # chosen Linears run their GEMMs in FP8 (mixprec.core.fp8)
+        if props["fp8"] is not None:  # chosen Linears run their GEMMs in FP8 (mixprec.fp8)
             fp8_layers.check_device(device)
             fp8_layers.prepare(m, props["fp8"], device)
         m.__dict__[_MARK] = level

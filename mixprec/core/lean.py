@@ -14,10 +14,9 @@ Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit upda
   - ``"kahan"``: ``w = round(w32)``, ``c = round16(w32 - w)``. The residual is exact in fp32
     and the 16-bit compensation buffer keeps its top 8 (bf16) / 11 (fp16) bits: the weight
     behaves like a 16+8-bit number, at +2 bytes per parameter;
-  - ``"stochastic"``: ``w = SR(w32)``, unbiased (``E[w] = w32``), no extra memory. bf16 uses
-    the integer trick of torchao's ``bf16_stochastic_round`` (add 16 random bits below the bf16
-    mantissa of the fp32 pattern, then truncate); fp16 picks between the two fp16 neighbours
-    with probability proportional to distance (subnormals included).
+  - ``"stochastic"``: ``w = SR(w32)``, unbiased (``E[w] = w32``), no extra memory
+    (:mod:`mixprec.core._rounding`: bf16 by torchao's integer trick, fp16 between the two
+    neighbours).
 
   The math is the optimizer's own, so any optimizer whose update is per parameter works (SGD
   with momentum / nesterov / weight decay, Adam, AdamW, RMSprop, Adagrad, ...). Optimizers that
@@ -45,7 +44,6 @@ Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit upda
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -53,81 +51,17 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["UPDATES", "LeanUpdate", "StateDtype", "stochastic_round"]
+from mixprec.core._rounding import (
+    stochastic_round_bf16_,
+    stochastic_round_to,
+)
+
+__all__ = ["UPDATES", "LeanUpdate", "StateDtype"]
 
 UPDATES = ("nearest", "kahan", "stochastic")
 StateDtype = str | torch.dtype | dict | None
 _LOW = (torch.float16, torch.bfloat16)
 _FIRST_MOMENTS = ("exp_avg", "momentum_buffer")
-_BITS_PER_DRAW = 48  # random_(0, 2**48) on int64: three uniform 16-bit lanes per draw
-
-
-# --------------------------------------------------------------------------- rounding
-
-
-def _random16(n: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
-    """``n`` uniform 16-bit integers in [0, 65536) as int32 (3 lanes of each 48-bit draw)."""
-    draws = -(-n // 3)
-    raw = torch.empty(draws, dtype=torch.int64, device=device).random_(
-        0, 2**_BITS_PER_DRAW, generator=generator
-    )
-    lanes = raw.view(torch.int16).view(draws, 4)  # little-endian: lanes 0-2 uniform, lane 3 zero
-    if sys.byteorder == "big":
-        lanes = lanes[:, 1:]
-    out = torch.empty(draws, 3, dtype=torch.int32, device=device)
-    out.copy_(lanes[:, :3])
-    return out.view(-1)[:n].bitwise_and_(0xFFFF)
-
-
-def _sr_bf16_(x: Tensor, generator: torch.Generator | None) -> Tensor:
-    """In place on contiguous fp32 ``x``: clear the 16 low bits after adding 16 random ones.
-
-    ``x`` then holds bf16 values exactly (copying it to bf16 is lossless). The magnitude is
-    rounded up with probability (dropped bits) / 2**16, so ``E[result] = x``; signs and
-    infinities are preserved (the sign bit is never reached by the carry for finite values).
-    """
-    bits = x.view(torch.int32)
-    bits.add_(_random16(x.numel(), generator, x.device)).bitwise_and_(-65536)
-    return x
-
-
-def _sr_generic(x: Tensor, dtype: torch.dtype, generator: torch.Generator | None) -> Tensor:
-    """Stochastic rounding of fp32 ``x`` to ``dtype`` via its two neighbours (any float dtype)."""
-    near = x.to(dtype)
-    err = x - near.float()
-    toward = torch.where(err > 0, torch.inf, -torch.inf).to(dtype)
-    other = torch.nextafter(near, toward)
-    gap = other.float() - near.float()
-    u = torch.rand(x.shape, generator=generator, device=x.device)
-    # |err| <= gap / 2, so take the far neighbour with probability |err| / gap: E[out] = x.
-    take = (err != 0) & torch.isfinite(gap) & (u * gap.abs() < err.abs())
-    return torch.where(take, other, near)
-
-
-def stochastic_round(
-    x: Tensor, dtype: torch.dtype = torch.bfloat16, generator: torch.Generator | None = None
-) -> Tensor:
-    """Round ``x`` (fp32) to ``dtype`` stochastically: each value goes to one of its two
-    neighbours in ``dtype`` with probability proportional to closeness, so ``E[out] == x``.
-
-    Args:
-        x: a float32 tensor.
-        dtype: ``torch.bfloat16`` or ``torch.float16``.
-        generator: a ``torch.Generator`` on ``x.device`` for reproducible draws.
-    """
-    if dtype not in _LOW:
-        raise ValueError(
-            f"stochastic_round rounds to torch.bfloat16 or torch.float16, received {dtype}."
-        )
-    if x.dtype != torch.float32:
-        raise TypeError(
-            f"stochastic_round expects a float32 tensor, received {x.dtype}; call .float() first."
-        )
-    if dtype == torch.bfloat16:
-        return _sr_bf16_(x.detach().clone(memory_format=torch.contiguous_format), generator).to(
-            dtype
-        )
-    return _sr_generic(x, dtype, generator)
 
 
 # --------------------------------------------------------------------------- state dtypes
@@ -408,10 +342,11 @@ class LeanUpdate:
         if self.update == "stochastic":
             gen = self.generator(device)
             if low == torch.bfloat16:
-                _sr_bf16_(flat, gen)  # now exactly representable: the copy below is lossless
+                # now exactly representable: the copy below is lossless
+                stochastic_round_bf16_(flat, gen)
                 torch._foreach_copy_(chunk, w32)
             else:
-                rounded = _sr_generic(flat, low, gen)
+                rounded = stochastic_round_to(flat, low, gen)
                 torch._foreach_copy_(
                     chunk,
                     [

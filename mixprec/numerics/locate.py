@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec.core.fp8.layers import layers_of
+from mixprec.fp8.layers import layers_of
 
 __all__ = [
     "NonFiniteError",

@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mixprec.core.float8 import E4M3, sqnr
-from mixprec.core.fp8.choice import CastStats, cast_stats
-from mixprec.core.fp8.layers import layers_of
+from mixprec.fp8.choice import CastStats, cast_stats
+from mixprec.fp8.layers import layers_of
+from mixprec.fp8.quantization import E4M3, sqnr
 from mixprec.numerics.locate import iter_tensors
 
 __all__ = ["FP8Stats", "RangeAudit", "RangeStats", "range_audit"]

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mixprec.core.fp8.config import FP8Config
+from mixprec.fp8.config import FP8Config
 
 __all__ = ["add_parser", "builtin_model", "load_factory", "run_report"]
 
@@ -117,7 +117,7 @@ def run_report(
     """
     from mixprec import fp8_plan, initialize, lint, locate_nonfinite, op_stats, range_audit, tune
     from mixprec.core.engine import autocast
-    from mixprec.core.fp8.config import as_fp8_config
+    from mixprec.fp8.config import as_fp8_config
 
     fp8 = as_fp8_config(fp8)
 

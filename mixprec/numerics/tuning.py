@@ -53,12 +53,12 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec.core.engine import set_policy
-from mixprec.core.fp8.choice import FP8Choice, FP8Plan
-from mixprec.core.fp8.config import FP8Config, as_fp8_config
-from mixprec.core.fp8.gemm import layer_shape_ok
-from mixprec.core.fp8.layers import candidates, unprepare
-from mixprec.core.fp8.plan import fp8_plan
 from mixprec.core.policy import Policy, get_policy
+from mixprec.fp8.choice import FP8Choice, FP8Plan
+from mixprec.fp8.config import FP8Config, as_fp8_config
+from mixprec.fp8.gemm import layer_shape_ok
+from mixprec.fp8.layers import candidates, unprepare
+from mixprec.fp8.plan import fp8_plan
 from mixprec.numerics.locate import iter_tensors
 
 __all__ = ["TunePlan", "tune"]

@@ -14,10 +14,10 @@ import mixprec
 from mixprec import FP8Config
 from mixprec.bench.models import GPT, GPTConfig
 from mixprec.core import traced
-from mixprec.core.float8 import E4M3, dequantize, quantize, scale_for, sqnr
-from mixprec.core.fp8 import layers as fp8_layers
-from mixprec.core.fp8.config import RECIPES
-from mixprec.core.fp8.linear import fp8_linear
+from mixprec.fp8 import layers as fp8_layers
+from mixprec.fp8.config import RECIPES
+from mixprec.fp8.linear import fp8_linear
+from mixprec.fp8.quantization import E4M3, dequantize, quantize, scale_for, sqnr
 from tests.training_helpers import linear_run
 
 pytestmark = pytest.mark.skipif(

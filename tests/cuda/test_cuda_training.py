@@ -148,13 +148,14 @@ def test_resume_is_bit_exact_on_cuda(level, dtype):
 
 
 def test_fp8_activations_pack_as_on_a_cpu_and_train_on_cuda(monkeypatch):
-    from mixprec.core import activations, float8
+    from mixprec.core import activations
+    from mixprec.fp8 import quantization
 
     g = torch.Generator().manual_seed(3)
     t = (torch.randn(6, 40, 96, generator=g) * torch.logspace(-3, 3, 6).view(6, 1, 1)).to(BF16)
     on_cpu = activations._Packed(activations._to_fp8(t), t).unpack()
     packed = activations._to_fp8(t.cuda())  # one expression on a GPU, slices on a CPU
-    assert packed.data.device.type == "cuda" and packed.data.dtype == float8.E4M3
+    assert packed.data.device.type == "cuda" and packed.data.dtype == quantization.E4M3
     on_gpu = activations._Packed(packed, t).unpack()
     assert on_gpu.dtype == BF16 and on_gpu.shape == t.shape
     assert torch.equal(on_gpu.cpu(), on_cpu)

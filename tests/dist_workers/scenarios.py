@@ -27,8 +27,8 @@ import mixprec
 import mixprec.distributed as mpd
 from mixprec import Recipe
 from mixprec.bench.models import GPT, GPTConfig
-from mixprec.core.fp8.plan import fp8_plan
 from mixprec.core.optimizer import MixedPrecisionOptimizer
+from mixprec.fp8 import fp8_plan
 
 INF = float("inf")
 BF16 = torch.bfloat16
@@ -602,7 +602,7 @@ def _train_fp8(fsdp: bool, steps: int) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from mixprec.bench.models import Block
-    from mixprec.core.float8 import E4M3, amax, scale_for
+    from mixprec.fp8.quantization import E4M3, amax, scale_for
 
     class Count(TorchDispatchMode):
         n = 0
@@ -660,8 +660,8 @@ def scenario_fp8() -> dict:
 
 def scenario_fp8_auto_agrees() -> dict:
     """Ranks that judge their batches differently still run the same layers in FP8."""
-    from mixprec.core.fp8 import layers as fp8_layers
-    from mixprec.core.fp8.choice import FP8Choice
+    from mixprec.fp8 import layers as fp8_layers
+    from mixprec.fp8.choice import FP8Choice
 
     def judged(name, recipe, x, weight, target):  # rank 0's batch says FP8, rank 1's says no
         return FP8Choice(name, RANK == 0, f"rank {RANK}'s numbers")

@@ -2,8 +2,8 @@
 
 Design: one frozen dataclass under one keyword (``fp8=`` of :func:`mixprec.initialize` and
 :class:`mixprec.autocast`), the project's rule for a group of options. Recipes are data
-(:data:`RECIPES`): the format of each GEMM operand and the scale granularity, the two rows of
-torchao's recipe table that matter on H100-class GPUs:
+(:data:`RECIPES`, each a :class:`Scaling`): the format of each GEMM operand and the scale
+granularity, the two rows of torchao's recipe table that matter on H100-class GPUs:
 
 | recipe | forward operands | gradients | scales |
 |---|---|---|---|
@@ -24,14 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.core.float8 import E4M3, E5M2
+from mixprec.fp8.quantization import E4M3, E5M2
 
-__all__ = ["RECIPES", "TARGETS", "FP8Config", "Recipe", "as_fp8_config"]
+__all__ = ["RECIPES", "TARGETS", "FP8Config", "Scaling", "as_fp8_config"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Recipe:
-    """How one FP8 recipe quantizes the operands of a Linear's three GEMMs.
+class Scaling:
+    """How one FP8 recipe scales and quantizes the operands of a Linear's three GEMMs.
 
     Attributes:
         name: ``"tensorwise"`` or ``"rowwise"``.
@@ -48,12 +48,12 @@ class Recipe:
     fwd_dtype: torch.dtype = E4M3
 
 
-RECIPES: dict[str, Recipe] = {
-    "tensorwise": Recipe("tensorwise", grad_dtype=E5M2, rowwise=False, power_of_2=False),
-    "rowwise": Recipe("rowwise", grad_dtype=E4M3, rowwise=True, power_of_2=True),
+RECIPES: dict[str, Scaling] = {
+    "tensorwise": Scaling("tensorwise", grad_dtype=E5M2, rowwise=False, power_of_2=False),
+    "rowwise": Scaling("rowwise", grad_dtype=E4M3, rowwise=True, power_of_2=True),
 }
 
-#: GPUs whose speed the automatic layer choice can be made for (see :mod:`.roofline`).
+#: GPUs whose speed the automatic layer choice can be made for (see :mod:`.choice`).
 TARGETS = ("h100", "h200", "b200", "l40s")
 _LAYERS = ("auto", "all")
 
@@ -110,8 +110,8 @@ class FP8Config:
             )
 
     @property
-    def spec(self) -> Recipe:
-        """The :class:`Recipe` named by ``recipe``."""
+    def scaling(self) -> Scaling:
+        """The :class:`Scaling` of the recipe named by ``recipe``."""
         return RECIPES[self.recipe]
 
 

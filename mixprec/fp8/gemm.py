@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mixprec.core.float8 import E5M2, FP8_DTYPES
+from mixprec.fp8.quantization import E5M2, FP8_DTYPES
 
 __all__ = ["ALIGN", "check_gemm", "layer_shape_ok", "scaled_mm"]
 
@@ -85,7 +85,7 @@ def scaled_mm(
     bias: Tensor | None = None,
 ) -> Tensor:
     """``(a * scale_a) @ (b * scale_b)`` in ``out_dtype``; scales are dequantization factors
-    (the inverse of :func:`mixprec.core.float8.scale_for`'s). Checked by :func:`check_gemm`.
+    (the inverse of :func:`mixprec.fp8.quantization.scale_for`'s). Checked by :func:`check_gemm`.
 
     On a CPU the rows of ``a`` go through ``_scaled_mm`` in slices (each output row is the same
     computation either way; eager and compiled code slice alike): torch's CPU kernel holds

@@ -11,7 +11,7 @@ Design, per GEMM of ``y = x @ w.T`` (x: M x K tokens, w: N x K; :mod:`.config` h
 **What is saved for backward: the FP8 copy of the input, not the 16-bit input.** torchao
 saves the 16-bit ``x`` and casts it again in backward, so its FP8 saves no activation memory.
 Here the FP8 ``x`` that the weight-gradient GEMM needs is made in forward and saved (1 byte
-per element instead of 2), through :mod:`mixprec.core.float8` -- the storage that
+per element instead of 2), through :mod:`mixprec.fp8.quantization` -- the storage that
 ``activations="fp8"`` uses for every other saved tensor, so the rounding and the inf/NaN
 handling are the same. Tensorwise, that is the very copy the forward GEMM used. Rowwise, the
 weight-gradient GEMM contracts over the tokens (M), so its scales must be constant along M: the
@@ -24,7 +24,7 @@ own parameter is saved (it is alive anyway) and cast again in backward.
 The scales travel as float64 (exactly the float32 values): a saved-tensor hook that narrows
 16/32-bit floats (``activations="fp8"``) must not round a scale.
 
-Non-finite values: :func:`mixprec.core.float8.quantize` turns a slice holding inf/NaN into NaN
+Non-finite values: :func:`mixprec.fp8.quantization.quantize` turns a slice holding inf/NaN into NaN
 instead of saturating it to 448, so an overflow reaches the loss or the gradients and the
 optimizer skips the step.
 """
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mixprec.core.float8 import E4M3, Float8Data, quantize, quantize_chunked
-from mixprec.core.fp8.config import Recipe
-from mixprec.core.fp8.gemm import ALIGN, scaled_mm
+from mixprec.fp8.config import Scaling
+from mixprec.fp8.gemm import ALIGN, scaled_mm
+from mixprec.fp8.quantization import E4M3, Float8Data, quantize_2d
 
 __all__ = ["fp8_linear"]
 
@@ -58,17 +58,8 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def _quantize(x: Tensor, dtype: torch.dtype, axis: int | None, power_of_2: bool) -> Float8Data:
-    """float8.quantize; on a CPU in eager mode slice by slice (no float32 copy of the whole
-    tensor), elsewhere as one expression (compiled: one fused pass; eager on a GPU: a few
-    kernels rather than a loop of them). The same scales and data either way."""
-    if torch.compiler.is_compiling() or x.device.type != "cpu":
-        return quantize(x, dtype, axis, power_of_2)
-    return quantize_chunked(x, dtype, axis, power_of_2)
-
-
-def _q(x: Tensor, dtype: torch.dtype, recipe: Recipe, axis: int | None) -> Float8Data:
-    return _quantize(x, dtype, axis if recipe.rowwise else None, recipe.power_of_2)
+def _q(x: Tensor, dtype: torch.dtype, recipe: Scaling, axis: int | None) -> Float8Data:
+    return quantize_2d(x, dtype, axis if recipe.rowwise else None, recipe.power_of_2)
 
 
 def _inv(q: Float8Data) -> Tensor:
@@ -77,7 +68,7 @@ def _inv(q: Float8Data) -> Tensor:
 
 
 def _weight_grad(
-    qdy: Float8Data, x: Tensor, x_inv: Tensor, recipe: Recipe, dtype: torch.dtype
+    qdy: Float8Data, x: Tensor, x_inv: Tensor, recipe: Scaling, dtype: torch.dtype
 ) -> Tensor:
     """``dw = dy^T x``, contracting over the tokens (padded to a multiple of 16 for CUDA).
 
@@ -112,7 +103,7 @@ class _FP8Linear(torch.autograd.Function):
         x: Tensor,
         weight: Tensor,
         bias: Tensor | None,
-        recipe: Recipe,
+        recipe: Scaling,
         out_dtype: torch.dtype,
     ) -> Tensor:
         n, k = weight.shape
@@ -139,7 +130,7 @@ class _FP8Linear(torch.autograd.Function):
         saved_x = saved_scale = None
         if ctx.needs_input_grad[1]:
             # the weight-gradient GEMM's x: rowwise needs scales constant along M (per column)
-            sx = _quantize(x2, E4M3, 0, recipe.power_of_2) if rowwise else qx
+            sx = quantize_2d(x2, E4M3, 0, recipe.power_of_2) if rowwise else qx
             saved_x, saved_scale = sx.data, _inv(sx).double()
         ctx.save_for_backward(saved_x, saved_scale, weight)
         ctx.recipe = recipe
@@ -150,7 +141,7 @@ class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         saved_x, saved_scale, weight = ctx.saved_tensors
-        recipe: Recipe = ctx.recipe
+        recipe: Scaling = ctx.recipe
         rowwise = recipe.rowwise
         n = weight.shape[0]
         dy2 = dy.reshape(-1, n)
@@ -190,7 +181,7 @@ def fp8_linear(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None,
-    recipe: Recipe,
+    recipe: Scaling,
     out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """``x @ weight.T + bias`` with its three GEMMs in FP8 (``recipe``); output in

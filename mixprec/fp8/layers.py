@@ -41,13 +41,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mixprec.core.fp8.choice import FP8Choice, decide
-from mixprec.core.fp8.config import FP8Config
-from mixprec.core.fp8.gemm import layer_shape_ok
-from mixprec.core.fp8.linear import fp8_linear
-from mixprec.core.fp8.roofline import MIN_SPEEDUP, gpu_for_name, predicted_speedup
 from mixprec.core.hardware import MixprecPerformanceWarning, fp8_support
 from mixprec.core.policy import POLICY_ATTR
+from mixprec.fp8.choice import (
+    MIN_SPEEDUP,
+    FP8Choice,
+    FP8Plan,
+    decide,
+    gpu_for_name,
+    predicted_speedup,
+)
+from mixprec.fp8.config import FP8Config
+from mixprec.fp8.gemm import layer_shape_ok
+from mixprec.fp8.linear import fp8_linear
 
 __all__ = [
     "FP8_ATTR",
@@ -72,7 +78,7 @@ class FP8Layer:
 
     def __init__(self, name: str, config: FP8Config, target: str, source: str) -> None:
         self.name = name
-        self.recipe = config.spec
+        self.recipe = config.scaling
         self.target = target
         self.source = source  # "initialize" or "region" (mixprec.autocast(fp8=...))
         self.choice: FP8Choice | None = None
@@ -240,8 +246,6 @@ def prepare(
 ) -> dict[str, FP8Layer]:
     """Judge every Linear of ``model`` under ``config`` and give the chosen (and the pending)
     ones an :class:`FP8Forward`. Returns ``{name: FP8Layer}``, also kept on the model."""
-    from mixprec.core.fp8.choice import FP8Plan  # a plan given as layers= keeps its reasons
-
     unprepare(model)
     target = default_target(device, config)
     linears, left_out = candidates(model)
@@ -327,7 +331,7 @@ class _Verdict:
         )
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))  # mixprec/
+_PACKAGE = os.path.dirname(os.path.dirname(__file__))  # mixprec/
 _INTERNAL = (os.path.dirname(torch.__file__) + os.sep, _PACKAGE + os.sep)
 
 

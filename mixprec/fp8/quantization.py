@@ -1,4 +1,4 @@
-"""FP8 storage: amax, scales, and casts that never hide an overflow.
+"""FP8 quantization: amax, scales, and casts that never hide an overflow.
 
 Design: one small set of functions that every FP8 user in mixprec shares -- the FP8 matmuls of
 the ``fp8=`` option and the FP8 copies of saved activations (``activations="fp8"``) -- so the
@@ -23,6 +23,11 @@ rounding, the scale rule and the handling of inf/NaN are written once.
   torch's float8 -> bfloat16 cast took 3-4x as long as four integer passes that move the FP8
   bits into a bfloat16/float16/float32 bit pattern (exact for every finite value, subnormals
   included; EPYC, 2 threads), so :func:`dequantize` widens that way on CPUs.
+* **One rule for where to slice.** On a CPU in eager mode a 2-D tensor is cast in slices of
+  rows whose temporaries stay small (:func:`quantize_chunked`, :func:`dequantize_into`);
+  elsewhere as one expression (compiled: one fused pass; eager on a GPU: a few kernels rather
+  than a loop of them). :func:`quantize_2d` and :func:`dequantize_2d` make that choice for the
+  FP8 Linear and the FP8 activations alike; the scales and data are the same either way.
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ __all__ = [
     "Float8Data",
     "amax",
     "dequantize",
+    "dequantize_2d",
     "dequantize_into",
     "quantize",
+    "quantize_2d",
     "quantize_chunked",
     "scale_for",
     "sqnr",
@@ -303,3 +310,22 @@ def dequantize_into(q: Float8Data, out: Tensor) -> Tensor:
         else:
             target.copy_(dequantize(Float8Data(data, s, q.power_of_2), out.dtype))
     return out
+
+
+def quantize_2d(
+    x: Tensor, dtype: torch.dtype = E4M3, axis: int | None = -1, power_of_2: bool = False
+) -> Float8Data:
+    """:func:`quantize` of a 2-D ``x``: on a CPU in eager mode slice by slice
+    (:func:`quantize_chunked`, no float32 copy of the whole tensor), elsewhere as one
+    expression. The same scales and data either way."""
+    if torch.compiler.is_compiling() or x.device.type != "cpu":
+        return quantize(x, dtype, axis, power_of_2)
+    return quantize_chunked(x, dtype, axis, power_of_2)
+
+
+def dequantize_2d(q: Float8Data, dtype: torch.dtype) -> Tensor:
+    """:func:`dequantize` of a 2-D ``q``: on a CPU into a new tensor slice by slice
+    (:func:`dequantize_into`, no whole-size temporary), elsewhere as one expression."""
+    if q.data.device.type != "cpu":
+        return dequantize(q, dtype)
+    return dequantize_into(q, torch.empty(q.data.shape, dtype=dtype, device=q.data.device))

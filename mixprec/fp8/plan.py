@@ -2,7 +2,7 @@
 
 Design: the plan runs the model once on a real batch with a forward pre-hook on every plain
 ``nn.Linear`` (and, given ``loss_fn``, a hook on its output gradient) and hands each layer's
-input, weight and gradient to the same :func:`~mixprec.core.fp8.choice.decide` that an
+input, weight and gradient to the same :func:`~mixprec.fp8.choice.decide` that an
 ``"auto"`` layer calls on its first batch, so the plan and training choose alike. The speed
 side takes ``tokens`` (M) from the batch unless given: measure on a small batch, judge at the
 training batch's size. Nothing is changed in the model; its parameters' gradients are put
@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mixprec.core.fp8.choice import FP8Choice, FP8Plan, decide
-from mixprec.core.fp8.config import FP8Config, as_fp8_config
-from mixprec.core.fp8.gemm import layer_shape_ok
-from mixprec.core.fp8.layers import candidates, default_target, layers_of
+from mixprec.fp8.choice import FP8Choice, FP8Plan, decide
+from mixprec.fp8.config import FP8Config, as_fp8_config
+from mixprec.fp8.gemm import layer_shape_ok
+from mixprec.fp8.layers import candidates, default_target, layers_of
 
 __all__ = ["fp8_plan"]
 
@@ -84,19 +84,55 @@ def fp8_plan(
             "fp8_plan needs a recipe: config=True, 'tensorwise', 'rowwise' or FP8Config."
         )
     if batch is None:
-        layers = layers_of(model)
-        if not layers:
-            raise ValueError(
-                "fp8_plan(model) without a batch lists the choices of a model given fp8= by "
-                "mixprec.initialize; this one has none. Pass a batch: fp8_plan(model, batch)."
-            )
-        first = next(iter(layers.values()))
-        return FP8Plan(
-            {n: layer.current() for n, layer in layers.items()}, first.recipe.name, first.target
-        )
+        return _plan_of_prepared(model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     target = default_target(device, cfg)
     linears, left_out = candidates(getattr(model, "_orig_mod", model))
+    watched = [
+        (name, m)
+        for name, m in linears
+        if name not in left_out and not layer_shape_ok(m.in_features, m.out_features)
+    ]
+    seen, grads = _observe(model, batch, watched, loss_fn)
+    choices: dict[str, FP8Choice] = {}
+    for name, m in linears:
+        if name in left_out:
+            choices[name] = FP8Choice(name, False, left_out[name], target=target)
+            continue
+        bad = layer_shape_ok(m.in_features, m.out_features)
+        if bad is not None:
+            choices[name] = FP8Choice(name, False, bad, target=target)
+        elif name not in seen:
+            choices[name] = FP8Choice(name, False, "not called on this batch", target=target)
+        else:
+            w, grad = m.weight.detach(), grads.get(name)
+            choices[name] = decide(name, cfg.scaling, seen[name], w, target, tokens, grad)
+    return FP8Plan(choices, cfg.recipe, target)
+
+
+def _plan_of_prepared(model: nn.Module) -> FP8Plan:
+    """The choices (pending ones marked) of a model given ``fp8=`` by ``initialize``."""
+    layers = layers_of(model)
+    if not layers:
+        raise ValueError(
+            "fp8_plan(model) without a batch lists the choices of a model given fp8= by "
+            "mixprec.initialize; this one has none. Pass a batch: fp8_plan(model, batch)."
+        )
+    first = next(iter(layers.values()))
+    return FP8Plan(
+        {n: layer.current() for n, layer in layers.items()}, first.recipe.name, first.target
+    )
+
+
+def _observe(
+    model: nn.Module,
+    batch: Any,
+    linears: list[tuple[str, nn.Linear]],
+    loss_fn: Callable[[Any], Tensor] | None,
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Run ``model`` on ``batch`` (and backward through ``loss_fn``, if given) and return each
+    of ``linears``' first input and output gradient, by name. The parameters' gradients are
+    put back as they were."""
     seen: dict[str, Tensor] = {}
     grads: dict[str, Tensor] = {}
     handles = []
@@ -113,8 +149,6 @@ def fp8_plan(
         return pre, post
 
     for name, m in linears:
-        if name in left_out or layer_shape_ok(m.in_features, m.out_features):
-            continue
         pre, post = watch(name)
         handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
     before = {p: p.grad for p in model.parameters()}
@@ -132,17 +166,4 @@ def fp8_plan(
             h.remove()
         for p, g in before.items():
             p.grad = g
-    choices: dict[str, FP8Choice] = {}
-    for name, m in linears:
-        if name in left_out:
-            choices[name] = FP8Choice(name, False, left_out[name], target=target)
-            continue
-        bad = layer_shape_ok(m.in_features, m.out_features)
-        if bad is not None:
-            choices[name] = FP8Choice(name, False, bad, target=target)
-        elif name not in seen:
-            choices[name] = FP8Choice(name, False, "not called on this batch", target=target)
-        else:
-            w = m.weight.detach()
-            choices[name] = decide(name, cfg.spec, seen[name], w, target, tokens, grads.get(name))
-    return FP8Plan(choices, cfg.recipe, target)
+    return seen, grads

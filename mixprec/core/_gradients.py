@@ -1,0 +1,326 @@
+"""From backward to step: gradients moved into the fp32 masters, unscaled, checked, settled.
+
+Design: this is the half of :class:`~mixprec.core.optimizer.MixedPrecisionOptimizer` that
+acts on gradients between a backward and the next ``step()``, as a mixin of that class (its
+methods read the optimizer's own fields: no second object to keep in step with it).
+
+* **Widen, unscale, check: one fused pass.** After each scaled backward the 16-bit gradients
+  are moved into fp32 master gradients (:meth:`GradientChecks._widen`) and everything is
+  unscaled and checked for inf/NaN by ``loss_scale.unscale_and_check_``, which leaves the
+  verdict on the device: no host sync per backward.
+* **Verdicts are settled once per step.** ``step()`` reads every pending verdict with one host
+  sync (:meth:`GradientChecks._settle`), updates the loss scalers of the losses that fed the
+  step (:class:`LossSlot`) and says whether the step is skipped.
+* **Late gradients count against every loss.** A gradient checked outside a scaled backward
+  (a plain ``loss.backward()``, one written after its check) skips the step and counts as an
+  overflow for every loss scaler whose loss fed the step, so the optimizer's and the
+  scaler's skip counts agree.
+* **Accumulation keeps each micro-batch's scale.** Gradients already unscaled are stashed
+  before the next backward and added back after it.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from mixprec.core.loss_scale import LossScaler, unscale_and_check_
+
+__all__ = ["SETTLE_HOOKS", "GradientChecks", "LossSlot", "read_flags"]
+
+#: ``hook(optimizer)``, run by every step before it reads its verdicts. The distributed layer
+#: adds one (a plain ``DDP(model)`` seen running the model: the ranks must skip together). A
+#: registry rather than an import: the core imports nothing above it.
+SETTLE_HOOKS: list[Callable[[Optimizer], None]] = []
+
+
+def read_flags(flags: list[Tensor]) -> list[float]:
+    """Read 1-element verdict tensors to the host with one sync per device involved."""
+    if not flags:
+        return []
+    if len({f.device for f in flags}) == 1:
+        return torch.cat([f.reshape(1) for f in flags]).tolist()
+    return [float(f) for f in flags]
+
+
+def _by_device(tensors: list[Tensor]) -> dict[torch.device, list[Tensor]]:
+    out: dict[torch.device, list[Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
+
+
+def _version(grad: Tensor) -> int:
+    """A gradient's version counter; for a DTensor (FSDP2) that of its local shard, which is
+    what in-place accumulation bumps (the DTensor's own counter stays 0)."""
+    if type(grad) is Tensor:  # the common case, without the attribute lookup
+        return grad._version
+    local = getattr(grad, "_local_tensor", None)
+    return (local if isinstance(local, Tensor) else grad)._version
+
+
+class LossSlot:
+    """A loss scaler plus the device-side verdicts recorded since its last update."""
+
+    def __init__(self, scaler: LossScaler):
+        self.scaler = scaler
+        self.pending: list[Tensor] = []
+
+    def flush(self, values: list[float] | None = None, skipped: bool = False) -> None:
+        """Apply the pending verdicts (reading them from the device unless given); ``skipped``:
+        the step is skipped for a reason found outside this loss's backward, which counts too."""
+        if not self.pending:
+            return
+        if values is None:
+            values = read_flags(self.pending)
+        self.scaler.update(skipped or any(v != 0 for v in values))
+        self.pending.clear()
+
+
+class GradientChecks:
+    """The gradient half of :class:`~mixprec.core.optimizer.MixedPrecisionOptimizer`.
+
+    Uses the optimizer's fields below and its ``master_params()``, ``_own_params()`` and
+    ``slot(loss_id)``.
+    """
+
+    slots: list[LossSlot]
+    master_dtype: torch.dtype
+    reduce_flags: Callable[[list[Tensor]], list[Tensor]] | None
+    _pairs: list[tuple[Tensor, Tensor]]  # (16-bit model parameter, fp32 master)
+    _found: dict[torch.device, Tensor]  # verdicts of scaled backwards, per device
+    _late: dict[torch.device, Tensor]  # verdicts of gradients checked outside them
+    _touched: set[int]  # loss ids recorded since the last step
+    _stash: dict[Tensor, Tensor]  # unscaled gradients set aside during a backward
+    _grad_buffers: dict[int, Tensor]  # id(master) -> persistent fp32 gradient (CPU)
+    _checked: dict[int, tuple[Any, int]]  # id(param) -> (weakref to grad, its version)
+
+    def _found_for(self, device: torch.device) -> Tensor:
+        flag = self._found.get(device)
+        if flag is None:
+            flag = self._found[device] = torch.zeros(1, device=device)
+        return flag
+
+    def _stash_grads(self) -> None:
+        """Before a backward: move already-unscaled grads of fp32 parameters out of the way."""
+        for p in self._own_params():
+            if p.grad is not None and p not in self._stash:
+                self._stash[p] = p.grad
+                p.grad = None
+
+    def _check_late(self) -> None:
+        """Check gradients that have not been through a check yet (not unscaled: they did not
+        come from a scaled backward)."""
+        flag = self._unscale(1.0)
+        if flag is not None:
+            late = self._late.get(flag.device)
+            self._late[flag.device] = flag if late is None else late.add_(flag)
+
+    def _warn_unscaled(self) -> None:
+        """Gradients reached this step from no scaled backward while a loss scale is in force:
+        ``loss.backward()`` where ``opt.backward(loss)`` was meant (once per optimizer)."""
+        scaler = self.slots[0].scaler if self.slots else None
+        if scaler is None or scaler.scale == 1.0 or self.__dict__.get("_warned_unscaled"):
+            return
+        self._warned_unscaled = True
+        warnings.warn(
+            f"The gradients of this step came from a backward without loss scaling, while "
+            f"the loss scale is {scaler.scale:g}: 16-bit gradients of a small loss underflow "
+            "to zero unscaled. Call opt.backward(loss) (or `with mixprec.scale_loss(loss, "
+            "opt) as scaled: scaled.backward()`) instead of loss.backward().",
+            UserWarning,
+            stacklevel=5,  # the caller of step() (through torch.no_grad's wrapper)
+        )
+
+    def _unscale(self, scale: float) -> Tensor | None:
+        """After a backward: unscale fresh grads into master grads; return the verdict flag."""
+        fresh: dict[torch.device, list[Tensor]] = {}
+        targets: list[tuple[Tensor, Tensor]] = []
+        call_flags: dict[torch.device, Tensor] = {}
+
+        def flag_for(device: torch.device) -> Tensor:
+            if device not in call_flags:
+                call_flags[device] = torch.zeros(1, device=device)
+            return call_flags[device]
+
+        def flags_of(call_flags: dict[torch.device, Tensor]) -> Tensor | None:
+            for device, flag in call_flags.items():
+                self._found_for(device).add_(flag)
+            flags = list(call_flags.values())
+            if len(flags) <= 1:
+                return flags[0] if flags else None
+            return torch.tensor([sum(read_flags(flags))])  # several devices: one sync each
+
+        if scale == 1.0:
+            # Nothing to unscale: check the 16-bit grads where they are (half the bytes of an
+            # fp32 pass), then widen. With a scale, widening comes first (fp16 would underflow).
+            by_device: dict[torch.device, list[Tensor]] = {}
+            for p, _ in self._pairs:
+                if p.grad is not None:
+                    by_device.setdefault(p.grad.device, []).append(p.grad)
+            for device, grads in by_device.items():
+                unscale_and_check_(grads, 1.0, flag_for(device))
+        widened = self._widen()
+        for g, master in widened:
+            if scale != 1.0:
+                fresh.setdefault(g.device, []).append(g)
+            targets.append((master, g))
+        for p in self._own_params():
+            if p.grad is not None:
+                fresh.setdefault(p.grad.device, []).append(p.grad)
+                targets.append((p, p.grad))
+        # a master gradient written since its check (clipping by hand, a hook): checked as is
+        changed = [m for _, m in self._pairs if self._unchecked(m)]
+        for device, grads in _by_device([m.grad for m in changed]).items():
+            unscale_and_check_(grads, 1.0, flag_for(device))
+        for m in changed:
+            self._checked[id(m)] = (weakref.ref(m.grad), _version(m.grad))
+        if not targets:
+            return flags_of(call_flags)
+        for device, grads in fresh.items():
+            unscale_and_check_(grads, 1.0 / scale, flag_for(device))
+        for target, g in targets:
+            stashed = self._stash.pop(target, None)
+            if target.grad is None or target.grad is g:
+                target.grad = g if stashed is None else g.add_(stashed)
+            else:
+                target.grad.add_(g)
+            self._checked[id(target)] = (weakref.ref(target.grad), _version(target.grad))
+        return flags_of(call_flags)
+
+    def _widen(self) -> list[tuple[Tensor, Tensor]]:
+        """Move 16-bit model grads into fp32 tensors; return ``(fp32 grad, master)`` pairs.
+
+        On a CPU a master whose grad is empty gets its persistent buffer: allocating fresh fp32
+        grads every step costs page faults that took ~3x longer than the copy itself
+        (benchmarks/NOTES.md), at 4 bytes per 16-bit parameter kept between steps -- also
+        through the forward, where activations peak. Where the allocator caches freed memory
+        (CUDA), a fresh flat buffer per device costs one allocation and no page faults, and is
+        freed by ``zero_grad(set_to_none=True)``: those 4 bytes per parameter are not held while
+        the activations are.
+        """
+        out: list[tuple[Tensor, Tensor]] = []
+        srcs: list[Tensor] = []
+        bufs: list[Tensor] = []
+        fresh: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}
+        for p, master in self._pairs:
+            if p.grad is None:
+                continue
+            if master.grad is None and p.grad.layout == torch.strided:
+                if not self.keep_grad_buffers(p.grad.device):
+                    fresh.setdefault(p.grad.device, []).append((p, master))
+                    continue
+                buf = self._grad_buffers.get(id(master))
+                if buf is None or buf.shape != p.grad.shape or buf.device != p.grad.device:
+                    buf = torch.empty(p.grad.shape, dtype=self.master_dtype, device=p.grad.device)
+                    self._grad_buffers[id(master)] = buf
+                srcs.append(p.grad)
+                bufs.append(buf)
+                out.append((buf, master))
+            else:
+                out.append((p.grad.to(self.master_dtype), master))
+            p.grad = None
+        for device, pairs in fresh.items():
+            flat = torch.empty(
+                sum(p.grad.numel() for p, _ in pairs), dtype=self.master_dtype, device=device
+            )
+            views = flat.split([p.grad.numel() for p, _ in pairs])
+            for (p, master), view in zip(pairs, views):
+                srcs.append(p.grad)
+                bufs.append(view.view(p.grad.shape))
+                out.append((bufs[-1], master))
+                p.grad = None
+        if bufs:
+            torch._foreach_copy_(bufs, srcs)
+        return out
+
+    @staticmethod
+    def keep_grad_buffers(device: torch.device) -> bool:
+        """Keep fp32 master-grad buffers between steps on ``device`` (see :meth:`_widen`)."""
+        return device.type == "cpu"
+
+    def record_backward(self, loss_id: int) -> Tensor | None:
+        """Called after ``backward`` of a loss scaled by ``loss_id``'s scaler.
+
+        Returns this optimizer's verdict flag for the backward (None: it produced no gradients).
+        """
+        slot = self.slot(loss_id)
+        flag = self._unscale(slot.scaler.scale)
+        self._restore_stash()
+        if flag is not None:
+            slot.pending.append(flag)
+            self._touched.add(loss_id)
+        return flag
+
+    def share_verdict(self, flag: Tensor) -> None:
+        """Also skip the next step on ``flag``: another optimizer's verdict for the same loss."""
+        self._found_for(flag.device).add_(flag)
+
+    def _restore_stash(self) -> None:
+        """Give back stashed grads of parameters the last backward did not reach."""
+        for p, stashed in self._stash.items():
+            p.grad = stashed if p.grad is None else p.grad.add_(stashed)
+        self._stash.clear()
+
+    def prepare_backward(self) -> None:
+        """Called before ``backward``: take in raw grads, stash unscaled grads for accumulation."""
+        if self._has_raw_grads():
+            self._check_late()  # grads of a plain loss.backward(): checked, not to be unscaled
+        self._stash_grads()
+
+    def holds_its_gradients(self) -> bool:
+        """True while a gradient this optimizer unscaled and checked (in ``backward`` or
+        ``scale_loss``) waits for its ``step()``."""
+        for p in self.master_params():
+            seen = self._checked.get(id(p))
+            if p.grad is not None and seen is not None and seen[0]() is p.grad:
+                return True
+        return False
+
+    def _unchecked(self, p: Tensor) -> bool:
+        if p.grad is None:
+            return False
+        seen = self._checked.get(id(p))
+        return seen is None or seen[0]() is not p.grad or seen[1] != _version(p.grad)
+
+    def _has_raw_grads(self) -> bool:
+        """True when some gradient has not been through the finite check yet."""
+        if any(p.grad is not None for p, _ in self._pairs):
+            return True
+        return any(self._unchecked(p) for p in self.master_params())
+
+    def _settle(self) -> bool:
+        """Process raw grads, read every verdict with one host sync, update the scalers."""
+        if self._has_raw_grads():
+            self._check_late()  # plain loss.backward() (alone or after scaled ones), or a
+            # gradient changed after its check: not unscaled
+            if not self._touched:
+                self._warn_unscaled()
+        for hook in SETTLE_HOOKS:  # e.g. DDP(model) without wrap_ddp: same verdict everywhere
+            hook(self)
+        slots = [self.slots[i] for i in sorted(self._touched)]
+        flags = list(self._found.values())
+        late = list(self._late.values())
+        if self.reduce_flags is not None:  # the same number of flags on every rank
+            late = [self._late.get(d, torch.zeros_like(f)) for d, f in self._found.items()]
+        all_flags = flags + late + [p for s in slots for p in s.pending]
+        if self.reduce_flags is not None and all_flags:
+            all_flags = self.reduce_flags(all_flags)
+        values = read_flags(all_flags)
+        found = any(v != 0 for v in values[: len(flags)])
+        found_late = any(v != 0 for v in values[len(flags) : len(flags) + len(late)])
+        offset = len(flags) + len(late)
+        for s in slots:
+            n = len(s.pending)
+            s.flush(values[offset : offset + n], skipped=found_late)
+            offset += n
+        self._found.clear()
+        self._late.clear()
+        self._touched.clear()
+        return found

@@ -1,0 +1,110 @@
+"""The checkpoint half of :class:`~mixprec.core.optimizer.MixedPrecisionOptimizer`.
+
+Design: ``state_dict()`` is torch's layout, so the torch optimizer the wrapper holds (or a
+plain one over the fp32 model) loads it as it is, and mixprec's own state (the masters' exact
+values, the loss scalers, the skip counters, an update mode's compensation and generators)
+travels inside it, under ``param_groups[0]["mixprec"]``, which
+``torch.optim.Optimizer.load_state_dict`` keeps. Where that state lives and how either load
+order resumes is :mod:`mixprec.core.resume`; this mixin writes and reads it, checking the
+layout and the counts of masters and scalers before anything is written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixprec.core.resume import (
+    MIXPREC_KEY,
+    drop_stale,
+    pack_state_dict,
+    split_state_dict,
+    state_steps,
+)
+
+__all__ = ["CheckpointState"]
+
+
+class CheckpointState:
+    """``state_dict`` and ``load_state_dict`` of the mixed-precision optimizer (a mixin: it
+    reads the optimizer's ``optimizer``, ``_pairs``, ``slots``, ``lean`` and counters)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout, so the torch optimizer this wraps (or a plain one over the fp32
+        model) loads it as it is: the inner optimizer's ``state`` and ``param_groups`` (indices
+        over the masters), with :meth:`mixprec_state_dict` under ``param_groups[0]["mixprec"]``,
+        which ``torch.optim.Optimizer.load_state_dict`` keeps (:mod:`mixprec.core.resume`)."""
+        return pack_state_dict(self.optimizer.state_dict(), self.mixprec_state_dict())
+
+    def mixprec_state_dict(self) -> dict[str, Any]:
+        """mixprec's own state: the masters' exact values, every loss scaler, the skip counters
+        and, with an update mode, its state (compensation, generators)."""
+        own: dict[str, Any] = {
+            "masters": [m.detach().clone() for _, m in self._pairs],
+            "scalers": [s.scaler.state_dict() for s in self.slots],
+            "skipped_steps": self.skipped_steps,
+            "step_skipped": self.step_skipped,
+            "state_steps": state_steps(self.optimizer.state),  # to tell a stale entry
+        }
+        if self.lean is not None:
+            own["lean"] = self.lean.state_dict()
+        return own
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`state_dict`'s output, an older mixprec layout (``"mixprec"`` or
+        ``optimizer``, ``masters``, ``scalers``, ... at the top), or a plain torch optimizer's
+        state dict. The saved masters and compensation are taken as they are: loaded after
+        ``initialize``, this is the checkpoint's state (the model's 16-bit weights follow the
+        masters).
+
+        A plain torch dict sets the inner optimizer's state and hyper-parameters only: the
+        masters keep following the model (load the model's state dict for its weights) and the
+        loss scalers and counters keep their state. The layout and the numbers of masters and
+        scalers are checked before anything is written.
+        """
+        inner, own = split_state_dict(state_dict)
+        own = drop_stale(inner, own)
+        if own is not None:
+            self._check_own(own)
+            if self.lean is not None:
+                self.lean.load_state_dict(own.get("lean"))
+        self.optimizer.load_state_dict(inner)
+        if self.lean is not None:
+            self.lean.restore_state_dtypes(inner)
+        if own is None:
+            return
+        for (p, m), saved in zip(self._pairs, own["masters"]):
+            m.copy_(saved)
+            p.copy_(saved)
+        for slot, sd in zip(self.slots, own["scalers"]):
+            slot.scaler.load_state_dict(sd)
+            slot.pending.clear()
+        self.skipped_steps = int(own["skipped_steps"])
+        self.step_skipped = bool(own.get("step_skipped", False))
+
+    def _check_own(self, own: dict[str, Any]) -> None:
+        missing = sorted({"masters", "scalers", "skipped_steps"} - set(own))
+        if missing:
+            raise KeyError(
+                f"The checkpoint's {MIXPREC_KEY!r} entry misses {missing}: it was not "
+                "written by MixedPrecisionOptimizer.state_dict."
+            )
+        if len(own["masters"]) != len(self._pairs):
+            raise ValueError(
+                f"The checkpoint has {len(own['masters'])} master weights, this optimizer "
+                f"has {len(self._pairs)}: was it saved at another level or model?"
+            )
+        if len(own["scalers"]) != len(self.slots):
+            raise ValueError(
+                f"The checkpoint has {len(own['scalers'])} loss scalers, this "
+                f"optimizer has {len(self.slots)} (num_losses)."
+            )
+        saved = own.get("lean")
+        if self.lean is None and saved is not None:  # its compensation would be dropped
+            raise ValueError(
+                f"The checkpoint was saved with update={saved.get('update')!r}, this "
+                "optimizer uses update=None; initialize with the same update mode to resume "
+                f"(update={saved.get('update')!r})."
+            )
