@@ -4,7 +4,9 @@
 * :mod:`~mixprec.numerics.opstats` -- per-op counts and dtypes under a policy (``op_stats``);
 * :mod:`~mixprec.numerics.range_audit` -- value ranges against each 16-bit format
   (``range_audit``), with histograms from :mod:`~mixprec.numerics.range_plot`;
-* :mod:`~mixprec.numerics.tuning` -- the fewest modules to keep in fp32 (``tune``);
+* :mod:`~mixprec.numerics.tuning` -- the fewest modules to keep in fp32 (``tune``): the search;
+  its runs against fp32 in ``_tuner``, its result (``TunePlan``) in
+  :mod:`~mixprec.numerics.tune_plan`;
 * :mod:`~mixprec.numerics.alignment` -- dimensions that keep matmuls off the 16-bit units
   (``lint``);
 * :mod:`~mixprec.numerics.report` -- ``mixprec report``: all of the above on one model.
