@@ -1,6 +1,8 @@
 """Numerics tools: find, measure and fix what 16-bit does to a model's numbers.
 
 * :mod:`~mixprec.numerics.locate` -- the first op that produced an inf/NaN (``locate_nonfinite``);
+  its per-op checks in :mod:`~mixprec.numerics.nonfinite_ops`, its events in
+  :mod:`~mixprec.numerics.nonfinite_event`;
 * :mod:`~mixprec.numerics.opstats` -- per-op counts and dtypes under a policy (``op_stats``);
 * :mod:`~mixprec.numerics.range_audit` -- value ranges against each 16-bit format
   (``range_audit``), with histograms from :mod:`~mixprec.numerics.range_plot`;

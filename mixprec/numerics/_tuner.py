@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mixprec.core.engine import set_policy
 from mixprec.core.fp8.config import FP8Config
 from mixprec.core.policy import Policy
-from mixprec.numerics.locate import iter_tensors
+from mixprec.numerics.nonfinite_ops import iter_tensors
 from mixprec.numerics.tune_plan import RunError
 
 _SCALES = (2.0**15, 2.0**10, 2.0**5, 1.0)
