@@ -5,7 +5,8 @@
   stored in the graph by the precision pass of :mod:`~mixprec.inference.onnx_pass`
   (``mix_onnx``);
 * :mod:`~mixprec.inference.quantize` -- int8 storage for chosen Linear/Conv layers;
-* :mod:`~mixprec.inference.bench` -- latency, throughput and accuracy of each way to serve.
+* :mod:`~mixprec.inference.bench` -- latency, throughput and accuracy of each way to serve, on the
+  workloads of :mod:`~mixprec.inference.bench_workloads`.
 """
 
 from mixprec.inference.prepare import *  # noqa: F403 - the old mixprec.inference module's API
