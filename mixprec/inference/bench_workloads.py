@@ -20,8 +20,6 @@ from torch import nn
 from mixprec.inference.inputs import call_model
 from mixprec.inference.prepare import for_inference
 
-__all__ = ["SENTENCES", "WORKLOADS", "SentenceEmbedder", "byte_tokens", "load_minilm"]
-
 WORKLOADS = ("mnist1d-cnn", "char-gpt", "minilm")
 
 

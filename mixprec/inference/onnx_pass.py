@@ -10,6 +10,8 @@ inserts a ``Cast`` only where a value crosses a rule boundary. Initializers are 
 the dtype of their consumers (twice when consumers disagree) and graph outputs keep their fp32
 type. The pass only reads and rewrites the ``ModelProto``; exporting and checking live in
 :mod:`mixprec.inference.export`.
+
+Its public names are listed (``__all__``) and imported from :mod:`mixprec.inference.export`.
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ from typing import Any
 import torch
 
 from mixprec.core.cast_table import FP32, LOWER, rule_for
-
-__all__ = ["ExportError", "mix_onnx", "onnx_rule"]
 
 # ONNX op type -> the cast-table name whose rule it follows (the rule itself is read from the
 # current table, so register_op / cast_rules changes apply to exports too).

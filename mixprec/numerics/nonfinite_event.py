@@ -4,6 +4,8 @@ per step with an inf/NaN, its tensors' :class:`TensorStats`, and the verdict (ex
 Design: an event is plain data (``as_dict`` is JSON-ready) with a ``str`` that reads as the
 answer; :func:`_classify` holds every rule that decides ``expected`` against ``error`` and the
 fix to print, in one place, apart from the hooks that detect the value.
+
+Its public names are listed (``__all__``) and imported from :mod:`mixprec.numerics.locate`.
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-
-__all__ = ["NonFiniteError", "NonFiniteEvent", "TensorStats"]
 
 _LOW = (torch.float16, torch.bfloat16)
 

@@ -4,6 +4,8 @@ Design: the result is plain data, apart from the search that produced it. A ``Tu
 ``path -> Policy`` mapping (so :func:`mixprec.set_policy` and ``dict(plan)`` take it as it is)
 that also carries the evidence -- sensitivities, the errors before and after, why each module
 was kept -- so ``plan.explain()`` and ``plan.as_dict()`` need nothing but the plan.
+
+``TunePlan`` is exported from :mod:`mixprec.numerics.tuning` (and :mod:`mixprec`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ from mixprec.core.engine import set_policy
 from mixprec.core.fp8.choice import FP8Choice, FP8Plan
 from mixprec.core.fp8.config import FP8Config
 from mixprec.core.policy import Policy
-
-__all__ = ["RunError", "TunePlan"]
 
 
 @dataclass
