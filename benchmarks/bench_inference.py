@@ -28,7 +28,8 @@ import time
 
 import torch
 
-from mixprec.inference.bench import _workload, compare_variants, to_json, to_markdown
+from mixprec.inference.bench import compare_variants, to_json, to_markdown
+from mixprec.inference.bench_workloads import _workload
 
 VARIANTS = ["fp32", "bf16", "fp16", "int8-mixed", "int8-wo"]
 # workload -> (timing batch, train steps, train batch, timing iters per round)

@@ -81,7 +81,7 @@ def minilm():
     """all-MiniLM-L6-v2's architecture with random weights from a fixed seed (the tests make
     their weights; nothing is downloaded or shipped) on byte-level tokens."""
     need("transformers")
-    from mixprec.inference.bench import SENTENCES, load_minilm
+    from mixprec.inference.bench_workloads import SENTENCES, load_minilm
 
     model, encode = load_minilm(seed=0)
     inputs = encode(SENTENCES[:4])
@@ -131,7 +131,7 @@ def test_minilm_loads_a_local_checkpoint_and_its_tokenizer(tmp_path) -> None:
     """``--weights DIR``: the model and tokenizer come from a local Hugging Face directory (here
     a small BERT and a word-piece vocabulary the test writes), not from the seed."""
     transformers = need("transformers")
-    from mixprec.inference.bench import load_minilm
+    from mixprec.inference.bench_workloads import load_minilm
 
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "mixed", "precision", "keeps", "norms"]
     (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
@@ -157,7 +157,7 @@ def test_minilm_loads_a_local_checkpoint_and_its_tokenizer(tmp_path) -> None:
 
 
 def test_byte_tokens_frame_each_sentence_and_pad() -> None:
-    from mixprec.inference.bench import byte_tokens
+    from mixprec.inference.bench_workloads import byte_tokens
 
     ids, mask = byte_tokens(["ab", "é"])
     assert ids.tolist() == [[101, 1097, 1098, 102], [101, 1195, 1169, 102]]

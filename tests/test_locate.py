@@ -193,7 +193,7 @@ def test_bad_arguments_are_rejected():
 def test_uninitialized_buffers_are_not_reported():
     """``torch.empty`` may hold garbage NaNs (the optimizer's grad buffers do): its output is
     not judged, while an op that writes NaN into such a buffer still is."""
-    from mixprec.numerics.locate import _op_info
+    from mixprec.numerics.nonfinite_ops import _op_info
 
     for op in (
         torch.ops.aten.empty.memory_format,

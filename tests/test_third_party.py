@@ -14,7 +14,7 @@ import torch
 from extras import need
 
 import mixprec
-from mixprec.inference.bench import byte_tokens
+from mixprec.inference.bench_workloads import byte_tokens
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -111,35 +111,18 @@ def _narrow(wl: object, width: int, quick: bool) -> object:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import dataclasses
     import pathlib
 
-    from mixprec.bench import report, runner
-    from mixprec.bench.workloads import WORKLOADS, make_large_mnist1d
-    from mixprec.cli.progress import make_progress
+    from mixprec.bench import report
     from mixprec.core.hardware import check
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     command = "mixprec bench " + " ".join(args.argv)
     hw = check("cpu", verbose=False)
-    support = hw.dtypes.get(str(dtype)[6:])
     time_budget = args.time_budget
     slow = not hw.is_fast(dtype)
     if slow:
-        time_budget = time_budget or (QUICK_SLOW_BUDGET if args.quick else 60.0)
-        gpt = f"2x128, batch {QUICK_SLOW_GPT_BATCH}" if args.quick else "2x128"
-        print(
-            f"{dtype} is not fast on {hw.name} ({support.reason if support else 'unknown'}): "
-            f"each mode trains for at most {time_budget:g} s (at least {MIN_STEPS} steps), "
-            f"evaluates once at the end, and the seed MLP is {SLOW_WIDTH} wide (not 4096) and "
-            f"the GPT {gpt} (not 4x384), so the 16-bit modes show their memory and per-step "
-            "cost here, not their speed on a GPU or a bf16 CPU."
-        )
-        import warnings
-
-        from mixprec.core.hardware import MixprecPerformanceWarning
-
-        warnings.simplefilter("ignore", MixprecPerformanceWarning)  # said once, above
+        time_budget = _slow_bench(hw, dtype, time_budget, args.quick)
     out = pathlib.Path(args.out)
     path = pathlib.Path(args.json) if args.json else out / "results.json"
     info = report.meta(command, dtype, args.seed, args.quick)
@@ -148,30 +131,8 @@ def _bench(args: argparse.Namespace) -> int:
     name = None
     try:
         for name in args.workloads:
-            wl = WORKLOADS[name]
-            if args.mnist1d_samples and name in ("seed-mlp", "mnist1d-cnn"):
-                n = args.mnist1d_samples  # a larger generated set for timing (80/20 split)
-                wl = dataclasses.replace(wl, prepare=lambda quick, seed, n=n: make_large_mnist1d(n))
-            if slow:
-                wl = _narrow(wl, SLOW_WIDTH, args.quick)
-            steps = args.steps or (wl.quick_steps if args.quick else wl.steps)
-            with make_progress(not args.no_progress) as ui:
-                tasks = {m: ui.add(f"{name} {m}", steps) for m in args.modes}
-                modes = runner.run_workload(
-                    wl,
-                    list(args.modes),
-                    dtype=dtype,
-                    batch_size=args.batch_size,
-                    steps=steps,
-                    time_budget=time_budget,
-                    min_steps=MIN_STEPS if slow else 1,
-                    quick=args.quick,
-                    seed=args.seed,
-                    eval_every=steps if slow else None,
-                    memory=not args.no_memory,
-                    max_batch_mb=args.max_batch,
-                    on_step=lambda m, step, loss, tasks=tasks: ui.advance(tasks[m]),
-                )
+            wl = _bench_workload(name, args, slow)
+            modes = _train_modes(wl, name, args, dtype, time_budget, slow)
             results[name] = (wl, modes)
             unit = "accuracy" if wl.metric == "accuracy" else "val loss"
             _print_table(
@@ -197,6 +158,74 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"mixprec bench: interrupted during {name}; {what}.", file=sys.stderr)
         return 130
     return 0
+
+
+def _slow_bench(hw: object, dtype: torch.dtype, time_budget: float | None, quick: bool) -> float:
+    """Where ``dtype`` is slow here: say how the run is shortened (and silence the per-call
+    performance warning, said once here); returns the time budget per mode."""
+    import warnings
+
+    from mixprec.core.hardware import MixprecPerformanceWarning
+
+    support = hw.dtypes.get(str(dtype)[6:])
+    time_budget = time_budget or (QUICK_SLOW_BUDGET if quick else 60.0)
+    gpt = f"2x128, batch {QUICK_SLOW_GPT_BATCH}" if quick else "2x128"
+    print(
+        f"{dtype} is not fast on {hw.name} ({support.reason if support else 'unknown'}): "
+        f"each mode trains for at most {time_budget:g} s (at least {MIN_STEPS} steps), "
+        f"evaluates once at the end, and the seed MLP is {SLOW_WIDTH} wide (not 4096) and "
+        f"the GPT {gpt} (not 4x384), so the 16-bit modes show their memory and per-step "
+        "cost here, not their speed on a GPU or a bf16 CPU."
+    )
+    warnings.simplefilter("ignore", MixprecPerformanceWarning)  # said once, above
+    return time_budget
+
+
+def _bench_workload(name: str, args: argparse.Namespace, slow: bool) -> object:
+    """The named workload as the options ask: a larger MNIST-1D set, a narrower model."""
+    import dataclasses
+
+    from mixprec.bench.workloads import WORKLOADS, make_large_mnist1d
+
+    wl = WORKLOADS[name]
+    if args.mnist1d_samples and name in ("seed-mlp", "mnist1d-cnn"):
+        n = args.mnist1d_samples  # a larger generated set for timing (80/20 split)
+        wl = dataclasses.replace(wl, prepare=lambda quick, seed, n=n: make_large_mnist1d(n))
+    if slow:
+        wl = _narrow(wl, SLOW_WIDTH, args.quick)
+    return wl
+
+
+def _train_modes(
+    wl: object,
+    name: str,
+    args: argparse.Namespace,
+    dtype: torch.dtype,
+    time_budget: float | None,
+    slow: bool,
+) -> object:
+    """Every ``--modes`` mode trained on ``wl``, with a progress bar per mode."""
+    from mixprec.bench import runner
+    from mixprec.cli.progress import make_progress
+
+    steps = args.steps or (wl.quick_steps if args.quick else wl.steps)
+    with make_progress(not args.no_progress) as ui:
+        tasks = {m: ui.add(f"{name} {m}", steps) for m in args.modes}
+        return runner.run_workload(
+            wl,
+            list(args.modes),
+            dtype=dtype,
+            batch_size=args.batch_size,
+            steps=steps,
+            time_budget=time_budget,
+            min_steps=MIN_STEPS if slow else 1,
+            quick=args.quick,
+            seed=args.seed,
+            eval_every=steps if slow else None,
+            memory=not args.no_memory,
+            max_batch_mb=args.max_batch,
+            on_step=lambda m, step, loss, tasks=tasks: ui.advance(tasks[m]),
+        )
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -257,6 +286,26 @@ def _mode(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # a bare `mixprec`: what it can do, not a usage error
+        parser.print_help()
+        return 0
+    args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
+    _check_args(parser, args)
+    threads = torch.get_num_threads()
+    try:
+        if args.command in ("demo", "bench"):
+            torch.set_num_threads(_choose_threads(args.threads))
+        return args.run(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback, the shell's exit status
+        print(f"mixprec {args.command}: interrupted.", file=sys.stderr)
+        return 130
+    finally:
+        torch.set_num_threads(threads)  # main() may run inside a longer process (tests)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mixprec", description="Automatic mixed precision for PyTorch."
     )
@@ -266,6 +315,17 @@ def main(argv: list[str] | None = None) -> int:
         version=f"mixprec {__version__} (torch {torch.__version__})",
     )
     sub = parser.add_subparsers(dest="command")
+    _add_demo(sub)
+    _add_bench(sub)
+    c = sub.add_parser("check", help="which 16-bit dtypes are supported and fast here")
+    c.add_argument("--device", default=None)
+    c.set_defaults(run=_check)
+    __import__("mixprec.inference.bench", fromlist=["add_parser"]).add_parser(sub)
+    report_cli.add_parser(sub)
+    return parser
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("demo", help="train a model in fp32 and mixed precision, side by side")
     d.add_argument("--steps", type=int, default=60, help="training steps per mode (default 60)")
     d.add_argument("--batch", type=int, default=512)
@@ -301,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--no-progress", action="store_true")
     _threads_option(d)
     d.set_defaults(run=_demo)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="time-to-accuracy benchmarks: every mode, one run")
     b.add_argument(
         "workloads",
@@ -352,16 +415,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--no-progress", action="store_true")
     _threads_option(b)
     b.set_defaults(run=_bench)
-    c = sub.add_parser("check", help="which 16-bit dtypes are supported and fast here")
-    c.add_argument("--device", default=None)
-    c.set_defaults(run=_check)
-    __import__("mixprec.inference.bench", fromlist=["add_parser"]).add_parser(sub)
-    report_cli.add_parser(sub)
-    args = parser.parse_args(argv)
-    if args.command is None:  # a bare `mixprec`: what it can do, not a usage error
-        parser.print_help()
-        return 0
-    args.argv = list(sys.argv[1:] if argv is None else argv)[1:]
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse cannot say: ``parser.error`` (exit status 2) on a bad combination."""
     if args.command == "demo" and (
         args.levels[0] != "O0" or len(set(args.levels)) < len(args.levels)
     ):
@@ -385,16 +442,6 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name, None)
         if value is not None and not value > 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, received {value}.")
-    threads = torch.get_num_threads()
-    try:
-        if args.command in ("demo", "bench"):
-            torch.set_num_threads(_choose_threads(args.threads))
-        return args.run(args)
-    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback, the shell's exit status
-        print(f"mixprec {args.command}: interrupted.", file=sys.stderr)
-        return 130
-    finally:
-        torch.set_num_threads(threads)  # main() may run inside a longer process (tests)
 
 
 if __name__ == "__main__":

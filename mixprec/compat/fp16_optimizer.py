@@ -117,7 +117,7 @@ class FP16_Optimizer:
             print(
                 f"FP16_Optimizer (mixprec): {n} 16-bit parameter(s) got fp32 masters; "
                 f"loss scale {'dynamic' if self.dynamic_loss_scale else scaler.scale}. "
-                "New code: mixprec.initialize(model, optimizer, level='O2')."
+                "New code: mixprec.initialize(model, optimizer, 'O2')."
             )
 
     # -- Apex's promoted properties --------------------------------------------------------

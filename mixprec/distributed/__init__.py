@@ -14,7 +14,7 @@ One concept per module:
 Usage (``torchrun --nproc_per_node=2 train.py``; see ``docs/distributed.md``)::
 
     dist.init_process_group("gloo")                       # "nccl" on GPUs
-    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
+    model, opt = mixprec.initialize(model, opt, "O2", torch.bfloat16)
     model = mixprec.distributed.wrap_ddp(model, opt)      # bf16 all-reduce, synced skips
 """
 

@@ -171,35 +171,69 @@ def apply(
     dt: dict[fx.Node, torch.dtype | None] = {}
     weights: set[fx.Node] = set()
     for n in graph.nodes:
-        v = meta_val(n)
-        if n.op == "get_attr":
-            t = _attr(gm, n.target)
-            dt[n] = t.dtype if isinstance(t, torch.Tensor) and t.is_floating_point() else None
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                weights.add(n)
-        elif n.op == "placeholder":
-            dt[n] = _float_dtype(v)
-            if getattr(v, "requires_grad", False):  # dynamo lifts parameters to inputs
-                weights.add(n)
-        elif c.processable(n):
-            dt[n] = low if c.is_low(n) else torch.float32
-        elif node_op(n) == "getitem" and isinstance(n.args[0], fx.Node):
-            src = n.args[0]
-            if c.processable(src) and _float_dtype(v) in COLOURABLE:
-                dt[n] = low if c.is_low(src) else torch.float32
-            else:
-                dt[n] = _float_dtype(v)
-        elif node_op(n) in SOURCE_OPS and n.args and isinstance(n.args[0], fx.Node):
-            dt[n] = dt.get(n.args[0]) or _float_dtype(v)
-        elif _cast_target(n) is not None:
-            dt[n] = _cast_target(n)
-        elif mutates(n) and n.args and isinstance(n.args[0], fx.Node) and _float_dtype(v):
-            dt[n] = dt.get(n.args[0]) or _float_dtype(v)  # in place: the dtype of what it writes
-        else:
-            dt[n] = _float_dtype(v)
+        dt[n] = _node_dtype(gm, n, c, low, dt, weights)
         rw.dtypes[n.name] = dt[n]
+    _tidy_casts(graph, c, low, dt, rw)
+    needs = _needs(graph, c, low, dt, output_dtype, rw)
+    for p, wants in needs.items():
+        for want, readers in wants.items():
+            _insert(gm, p, want, readers, dt, weights, written, rw)
+    mixed = mixed_allow_inputs(graph, c, dt)
+    if mixed:
+        raise AssertionError(
+            "mixprec graph pass: allow ops would receive floating inputs in different dtypes "
+            f"after the rewrite: {mixed[:3]}. Please report this with the model; "
+            "ops={name: None} makes such an op a float32 boundary meanwhile."
+        )
+    graph.lint()
+    gm.recompile()
+    return rw
 
-    # existing casts: retarget float32 casts whose readers are all 16-bit, drop no-op casts
+
+def _node_dtype(
+    gm: fx.GraphModule,
+    n: fx.Node,
+    c: Colouring,
+    low: torch.dtype,
+    dt: dict[fx.Node, torch.dtype | None],
+    weights: set[fx.Node],
+) -> torch.dtype | None:
+    """The float dtype ``n`` produces after the rewrite (None: not a float); trainable
+    attributes and lifted parameters are added to ``weights``."""
+    v = meta_val(n)
+    if n.op == "get_attr":
+        t = _attr(gm, n.target)
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            weights.add(n)
+        return t.dtype if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+    if n.op == "placeholder":
+        if getattr(v, "requires_grad", False):  # dynamo lifts parameters to inputs
+            weights.add(n)
+        return _float_dtype(v)
+    if c.processable(n):
+        return low if c.is_low(n) else torch.float32
+    if node_op(n) == "getitem" and isinstance(n.args[0], fx.Node):
+        src = n.args[0]
+        if c.processable(src) and _float_dtype(v) in COLOURABLE:
+            return low if c.is_low(src) else torch.float32
+        return _float_dtype(v)
+    if node_op(n) in SOURCE_OPS and n.args and isinstance(n.args[0], fx.Node):
+        return dt.get(n.args[0]) or _float_dtype(v)
+    if _cast_target(n) is not None:
+        return _cast_target(n)
+    if mutates(n) and n.args and isinstance(n.args[0], fx.Node) and _float_dtype(v):
+        return dt.get(n.args[0]) or _float_dtype(v)  # in place: the dtype of what it writes
+    return _float_dtype(v)
+
+
+def _tidy_casts(
+    graph: fx.Graph,
+    c: Colouring,
+    low: torch.dtype,
+    dt: dict[fx.Node, torch.dtype | None],
+    rw: Rewrite,
+) -> None:
+    """Existing casts: retarget float32 casts whose readers are all 16-bit, drop no-op casts."""
     for n in list(graph.nodes):
         target = _cast_target(n)
         src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
@@ -229,7 +263,16 @@ def apply(
             n.replace_all_uses_with(src)
             graph.erase_node(n)
 
-    # what each reader needs from each float input
+
+def _needs(
+    graph: fx.Graph,
+    c: Colouring,
+    low: torch.dtype,
+    dt: dict[fx.Node, torch.dtype | None],
+    output_dtype: torch.dtype | None,
+    rw: Rewrite,
+) -> dict[fx.Node, dict[torch.dtype, list[fx.Node]]]:
+    """What each reader needs from each float input: ``{input: {dtype: [readers]}}``."""
     needs: dict[fx.Node, dict[torch.dtype, list[fx.Node]]] = defaultdict(lambda: defaultdict(list))
     for n in graph.nodes:
         if n.op == "output":
@@ -240,53 +283,50 @@ def apply(
             continue
         if n.op not in ("call_function", "call_method") or _cast_target(n) is not None:
             continue
-        name = node_op(n)
         for i, p in enumerate(_tensor_args(n)):
             have = dt.get(p)
             if have is None:
                 continue
-            if c.processable(n):
-                if i > 0 and (
-                    name in _DATA_PORT_ONLY
-                    or (name in _DATA_PORT_WHEN_LOW and c.is_low(n) and _on_cpu(n))
-                ):
-                    continue
-                if (
-                    c.kind[n] != ALLOW
-                    and _is_scalar(p)
-                    and not all(_is_scalar(q) for q in _tensor_args(n))
-                ):
-                    continue  # type promotion lets a 0-dim tensor meet any float dtype
-                want = low if c.is_low(n) else torch.float32
-                if want != have and _promotes(n, p, want, dt):
-                    rw.casts.append(
-                        CastRecord(p.name, have, want, [n.name], "implicit", numel(meta_val(p)))
-                    )
-                    continue
-            elif (
-                name in SOURCE_OPS
-                or name.endswith("_")
-                or getattr(getattr(n.target, "_schema", None), "is_mutable", False)
-            ):
-                continue
-            else:
-                want = _float_dtype(meta_val(p))  # a boundary op gets what it was traced with
+            want = _reader_want(n, i, p, have, c, low, dt, rw)
             if want is not None and have != want:
                 needs[p][want].append(n)
+    return needs
 
-    for p, wants in needs.items():
-        for want, readers in wants.items():
-            _insert(gm, p, want, readers, dt, weights, written, rw)
-    mixed = mixed_allow_inputs(graph, c, dt)
-    if mixed:
-        raise AssertionError(
-            "mixprec graph pass: allow ops would receive floating inputs in different dtypes "
-            f"after the rewrite: {mixed[:3]}. Please report this with the model; "
-            "ops={name: None} makes such an op a float32 boundary meanwhile."
-        )
-    graph.lint()
-    gm.recompile()
-    return rw
+
+def _reader_want(
+    n: fx.Node,
+    i: int,
+    p: fx.Node,
+    have: torch.dtype,
+    c: Colouring,
+    low: torch.dtype,
+    dt: dict[fx.Node, torch.dtype | None],
+    rw: Rewrite,
+) -> torch.dtype | None:
+    """The dtype reader ``n`` needs its ``i``-th tensor input ``p`` in (None: as it is). An
+    input that type promotion widens on the fly is recorded as an ``implicit`` cast instead."""
+    name = node_op(n)
+    if c.processable(n):
+        if i > 0 and (
+            name in _DATA_PORT_ONLY or (name in _DATA_PORT_WHEN_LOW and c.is_low(n) and _on_cpu(n))
+        ):
+            return None
+        if c.kind[n] != ALLOW and _is_scalar(p) and not all(_is_scalar(q) for q in _tensor_args(n)):
+            return None  # type promotion lets a 0-dim tensor meet any float dtype
+        want = low if c.is_low(n) else torch.float32
+        if want != have and _promotes(n, p, want, dt):
+            rw.casts.append(
+                CastRecord(p.name, have, want, [n.name], "implicit", numel(meta_val(p)))
+            )
+            return None
+        return want
+    if (
+        name in SOURCE_OPS
+        or name.endswith("_")
+        or getattr(getattr(n.target, "_schema", None), "is_mutable", False)
+    ):
+        return None
+    return _float_dtype(meta_val(p))  # a boundary op gets what it was traced with
 
 
 def mixed_allow_inputs(

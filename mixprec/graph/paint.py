@@ -336,8 +336,24 @@ def colour(
     for n, ins in fanin.items():
         for p in ins:
             fanout[p].append(n)
+    _paint_allow(c)
+    _paint_deny(c, fanin, fanout)
+    _paint_between_allow(c, fanin, fanout)
+    _paint_clear_runs(c, fanin, fanout)
+    _paint_multi_outputs(c)
+    for n, kind in c.kind.items():
+        if n not in c.allow and n not in c.reason:
+            c.reason[n] = (
+                f"{kind} op not between allow ops" if kind in (INFER, CLEAR) else f"{kind} op"
+            )
+    return c
 
-    # pass 1: allow ops
+
+_Edges = dict[fx.Node, list[fx.Node]]
+
+
+def _paint_allow(c: Colouring) -> None:
+    """Pass 1: allow ops."""
     for n, kind in c.kind.items():
         if kind == ALLOW:
             c.allow.add(n)
@@ -347,7 +363,10 @@ def colour(
                 else f"{node_op(n)} is on the allow list (cast table: lower)"
             )
 
-    # pass 2: deny propagates forwards through clear/infer chains that lead into infer or deny
+
+def _paint_deny(c: Colouring, fanin: _Edges, fanout: _Edges) -> None:
+    """Pass 2: deny propagates forwards through clear/infer chains that lead into infer or
+    deny."""
     upstream: set[fx.Node] = set()
     for n, kind in c.kind.items():
         if kind in (DENY, INFER):
@@ -364,7 +383,10 @@ def colour(
             c.deny.add(m)
             c.reason[m] = f"deny propagates from {n.name} ({node_op(n)}) through clear/infer ops"
 
-    # pass 3: infer/clear nodes between two allow nodes become allow
+
+def _paint_between_allow(c: Colouring, fanin: _Edges, fanout: _Edges) -> None:
+    """Pass 3: infer/clear nodes between two allow nodes become allow."""
+
     def between(m: fx.Node) -> bool:
         return c.kind[m] in (INFER, CLEAR) and m not in c.deny and m not in c.allow
 
@@ -372,22 +394,26 @@ def colour(
     for n in list(c.allow):
         _walk(n, fanout, between, downstream)
     for n in list(c.allow):
-        reached = set()
+        reached: set[fx.Node] = set()
         _walk(n, fanin, lambda m: m in downstream, reached)
         for m in reached - c.allow:
             c.allow.add(m)
             c.reason[m] = f"{c.kind[m]} op between allow ops (reaches {n.name})"
 
-    # pass 4: clear runs take the allow colour in both directions
+
+def _paint_clear_runs(c: Colouring, fanin: _Edges, fanout: _Edges) -> None:
+    """Pass 4: clear runs take the allow colour in both directions."""
     both = {n: fanin[n] + fanout[n] for n in c.kind}
     for n in list(c.allow):
-        reached = set()
+        reached: set[fx.Node] = set()
         _walk(n, both, lambda m: c.kind[m] == CLEAR and m not in c.deny, reached)
         for m in reached - c.allow:
             c.allow.add(m)
             c.reason[m] = f"clear op next to allow op {n.name}"
 
-    # pass 5: a multi-output node and its getitem readers share one colour
+
+def _paint_multi_outputs(c: Colouring) -> None:
+    """Pass 5: a multi-output node and its getitem readers share one colour."""
     for n in c.kind:
         if not is_multi(meta_val(n)):
             continue  # a getitem on a tensor (dynamo's x[..., :k]) is a clear op of its own
@@ -405,13 +431,6 @@ def colour(
                 if m not in c.allow:
                     c.allow.add(m)
                     c.reason[m] = f"matches the 16-bit colour of {n.name}'s outputs"
-
-    for n, kind in c.kind.items():
-        if n not in c.allow and n not in c.reason:
-            c.reason[n] = (
-                f"{kind} op not between allow ops" if kind in (INFER, CLEAR) else f"{kind} op"
-            )
-    return c
 
 
 def _walk(

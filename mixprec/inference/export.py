@@ -5,7 +5,8 @@ mixprec's own cast table instead of a hand-kept list; ``docs/design.md``, "Infer
 
 * **ONNX = an fp32 export, then a precision pass on the ONNX graph.** The model's fp32 twin
   (16-bit weights widen exactly) goes through ``torch.onnx.export(dynamo=True)`` (opset 20 by
-  default: the first with ``Gelu``; ``LayerNormalization`` needs >= 17). :func:`mix_onnx` then
+  default: the first with ``Gelu``; ``LayerNormalization`` needs >= 17). :func:`mix_onnx`
+  (:mod:`mixprec.inference.onnx_pass`, a module of its own: it only rewrites the graph) then
   gives every node a dtype from the cast table -- ``MatMul``/``Gemm``/``Conv`` are ``"lower"``,
   ``Softmax``/``LayerNormalization``/``Reduce*``/``Exp``/``Pow`` are ``"fp32"``, binary ops
   promote, anything else runs in its input dtype -- stores each float initializer in the dtype of
@@ -40,8 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.core.cast_table import FP32, LOWER, rule_for
 from mixprec.inference.inputs import call_model
+from mixprec.inference.onnx_pass import ExportError, _elem, _np_dtype, _onnx, mix_onnx, onnx_rule
 from mixprec.inference.prepare import for_inference, inference_info, to_fp32_twin
 
 __all__ = [
@@ -57,81 +58,6 @@ __all__ = [
 FORMATS = ("onnx", "torch")
 COMPUTE = ("auto", "16bit", "fp32")
 DEFAULT_OPSET = 20
-
-# ONNX op type -> the cast-table name whose rule it follows (the rule itself is read from the
-# current table, so register_op / cast_rules changes apply to exports too).
-_ONNX_OPS: dict[str, str] = {
-    "MatMul": "matmul",
-    "Gemm": "addmm",
-    "Conv": "convolution",
-    "ConvTranspose": "conv_transpose2d",
-    "Einsum": "einsum",
-    "Attention": "scaled_dot_product_attention",
-    "Softmax": "softmax",
-    "LogSoftmax": "log_softmax",
-    "LayerNormalization": "layer_norm",
-    "GroupNormalization": "group_norm",
-    "RMSNormalization": "rms_norm",
-    "LpNormalization": "normalize",
-    "ReduceSum": "sum",
-    "ReduceMean": "mean",
-    "ReduceProd": "prod",
-    "ReduceLogSumExp": "logsumexp",
-    "ReduceL1": "norm",
-    "ReduceL2": "norm",
-    "ReduceSumSquare": "sum",
-    "CumSum": "cumsum",
-    "Exp": "exp",
-    "Log": "log",
-    "Pow": "pow",
-    "Reciprocal": "reciprocal",
-    "Softplus": "softplus",
-    "Acos": "acos",
-    "Asin": "asin",
-    "Cosh": "cosh",
-    "Sinh": "sinh",
-    "Tan": "tan",
-    "Add": "add",
-    "Sub": "sub",
-    "Mul": "mul",
-    "Div": "div",
-    "Max": "maximum",
-    "Min": "minimum",
-    "Where": "where",
-    "Concat": "cat",
-    "Equal": "eq",
-    "Less": "lt",
-    "LessOrEqual": "le",
-    "Greater": "gt",
-    "GreaterOrEqual": "ge",
-    "ScatterND": "index_put",
-}
-# (op type, input index) whose float input has a fixed type, whatever the node computes in.
-_FIXED_INPUTS = {
-    ("Resize", 1),
-    ("Resize", 2),
-    ("DynamicQuantizeLinear", 0),
-    ("DequantizeLinear", 1),
-    ("QuantizeLinear", 0),
-    ("QuantizeLinear", 1),
-}
-# op types whose float outputs do not follow their float inputs
-_FIXED_OUTPUTS = {
-    "Cast",
-    "CastLike",
-    "DequantizeLinear",
-    "DynamicQuantizeLinear",
-    "ConstantOfShape",
-    "RandomNormal",
-    "RandomUniform",
-    "EyeLike",
-    "Shape",
-    "Size",
-}
-
-
-class ExportError(RuntimeError):
-    """An export could not be produced, or does not run / match the PyTorch model."""
 
 
 @dataclass
@@ -159,231 +85,6 @@ class ExportResult:
     max_abs_error: float | None = None
     cosine: float | None = None
     notes: list[str] = field(default_factory=list)
-
-
-def onnx_rule(op_type: str) -> str | None:
-    """The cast-table rule an ONNX op type follows (None: it runs in its input dtype)."""
-    name = _ONNX_OPS.get(op_type)
-    return None if name is None else rule_for(name)
-
-
-def _onnx():
-    try:
-        import onnx
-    except ImportError as e:
-        raise ImportError(
-            "ONNX export needs the onnx, onnxscript and onnxruntime packages: "
-            "pip install onnx onnxscript onnxruntime"
-        ) from e
-    return onnx
-
-
-def _elem(dtype: torch.dtype) -> int:
-    onnx = _onnx()
-    return {
-        torch.float32: onnx.TensorProto.FLOAT,
-        torch.float16: onnx.TensorProto.FLOAT16,
-        torch.bfloat16: onnx.TensorProto.BFLOAT16,
-    }[dtype]
-
-
-def _np_dtype(elem: int) -> Any:
-    import ml_dtypes
-    import numpy as np
-
-    onnx = _onnx()
-    return {
-        onnx.TensorProto.FLOAT: np.float32,
-        onnx.TensorProto.FLOAT16: np.float16,
-        onnx.TensorProto.BFLOAT16: ml_dtypes.bfloat16,
-    }[elem]
-
-
-def mix_onnx(model: Any, dtype: torch.dtype, compute: str = "16bit") -> Any:
-    """Apply the cast table to an fp32 ONNX ``ModelProto`` (returns a new one).
-
-    Args:
-        model: a float32 ONNX model.
-        dtype: ``torch.float16`` or ``torch.bfloat16``.
-        compute: ``"16bit"`` (nodes compute in ``dtype``) or ``"fp32"`` (16-bit storage only).
-    """
-    onnx = _onnx()
-    from onnx import helper, numpy_helper
-
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"mix_onnx needs a 16-bit dtype, received {dtype}.")
-    if compute not in ("16bit", "fp32"):
-        raise ValueError(f"compute must be '16bit' or 'fp32', received {compute!r}.")
-    F, low = onnx.TensorProto.FLOAT, _elem(dtype)
-    model = onnx.shape_inference.infer_shapes(model)
-    g = model.graph
-    # float Constant nodes become initializers, so they are stored like weights
-    inits = {i.name: i for i in g.initializer}
-    nodes = []
-    for n in g.node:
-        value = next((a.t for a in n.attribute if a.name == "value"), None)
-        if n.op_type == "Constant" and value is not None and value.data_type == F:
-            t = onnx.TensorProto()
-            t.CopyFrom(value)
-            t.name = n.output[0]
-            inits[t.name] = t
-        else:
-            nodes.append(n)
-    types: dict[str, int] = {}
-    for v in (*g.input, *g.value_info, *g.output):
-        types[v.name] = v.type.tensor_type.elem_type
-    for name, t in inits.items():
-        types[name] = t.data_type
-    float_inits = {k for k, t in inits.items() if t.data_type == F}
-    for n in nodes:
-        if any(a.type == onnx.AttributeProto.GRAPH for a in n.attribute) and compute == "16bit":
-            raise ExportError(
-                f"The ONNX graph has control flow ({n.op_type} node {n.name!r}); "
-                "the precision pass does not enter subgraphs. Use "
-                "compute='fp32' (16-bit storage only) or format='torch'."
-            )
-
-    cur = {v.name: v.type.tensor_type.elem_type for v in g.input}
-    requests: dict[str, set[int]] = {k: set() for k in float_inits}
-    new_nodes: list[Any] = []
-    casts: dict[tuple[str, int], str] = {}
-    uses: list[tuple[Any, int, str, int]] = []  # (node, input index, initializer, dtype)
-
-    def cast(value: str, to: int) -> str:
-        key = (value, to)
-        if key not in casts:
-            out = f"{value}__to_{'fp32' if to == F else 'low'}"
-            new_nodes.append(
-                helper.make_node("Cast", [value], [out], to=to, name=f"mixprec_cast_{len(casts)}")
-            )
-            casts[key] = out
-        return casts[key]
-
-    for n in nodes:
-        ins = list(n.input)
-        floats = [
-            i
-            for i, x in enumerate(ins)
-            if x and (types.get(x) == F) and (n.op_type, i) not in _FIXED_INPUTS
-        ]
-        dyn = [i for i in floats if ins[i] not in float_inits]
-        rule = onnx_rule(n.op_type)
-        target: int | None
-        if n.op_type in _FIXED_OUTPUTS:
-            target = None
-            if (
-                n.op_type == "Cast"
-                and ins[0] in inits
-                and inits[ins[0]].data_type != F
-                and compute == "16bit"
-            ):
-                for a in n.attribute:  # dequantizing an int8 weight: straight to 16-bit
-                    if a.name == "to" and a.i == F:
-                        a.i = low
-        elif rule == LOWER:
-            target = low
-        elif rule == FP32:
-            target = F
-        elif dyn:
-            found = {cur.get(ins[i], F) for i in dyn}
-            target = found.pop() if len(found) == 1 else F
-        else:
-            target = low if floats else None
-        for i in floats:
-            x = ins[i]
-            if x in float_inits:
-                want = target if target is not None else F
-                requests[x].add(want)
-                uses.append((n, i, x, want))
-            elif target is not None and cur.get(x, F) != target and compute == "16bit":
-                n.input[i] = cast(x, target)
-        for o in n.output:
-            if n.op_type == "Cast":
-                cur[o] = next(a.i for a in n.attribute if a.name == "to")
-            elif types.get(o) == F and target is not None:
-                cur[o] = target
-            else:
-                cur[o] = types.get(o, 0)
-        new_nodes.append(n)
-
-    if compute == "fp32":  # storage only: keep the fp32 graph, narrow the initializers
-        return _storage_only(model, nodes, inits, requests, low)
-
-    new_inits = [t for k, t in inits.items() if k not in float_inits]
-    renamed: dict[tuple[str, int], str] = {}
-    for name in float_inits:
-        wanted = requests[name] or {F}
-        for k, want in enumerate(sorted(wanted)):
-            new_name = name if k == 0 else f"{name}__{'fp32' if want == F else 'low'}"
-            arr = numpy_helper.to_array(inits[name])
-            new_inits.append(numpy_helper.from_array(_narrow(arr, want), new_name))
-            renamed[(name, want)] = new_name
-    for n, i, name, want in uses:
-        n.input[i] = renamed[(name, want)]
-    outputs = {o.name for o in g.output}
-    tail = []
-    for o in g.output:
-        if o.type.tensor_type.elem_type == F and cur.get(o.name, F) != F:
-            inner = o.name + "__low"
-            for n in new_nodes:
-                n.output[:] = [inner if x == o.name else x for x in n.output]
-                n.input[:] = [inner if x == o.name else x for x in n.input]
-            tail.append(
-                helper.make_node(
-                    "Cast", [inner], [o.name], to=F, name=f"mixprec_cast_out_{len(tail)}"
-                )
-            )
-    del outputs
-    return _replace_graph(model, new_nodes + tail, new_inits)
-
-
-def _storage_only(
-    model: Any, nodes: list[Any], inits: dict[str, Any], requests: dict[str, set[int]], low: int
-) -> Any:
-    onnx = _onnx()
-    from onnx import helper, numpy_helper
-
-    head, new_inits = [], []
-    for name, t in inits.items():
-        if requests.get(name) == {low}:
-            arr = _narrow(numpy_helper.to_array(t), low)
-            new_inits.append(numpy_helper.from_array(arr, name + "__low"))
-            head.append(
-                helper.make_node(
-                    "Cast",
-                    [name + "__low"],
-                    [name],
-                    to=onnx.TensorProto.FLOAT,
-                    name=f"mixprec_widen_{name}",
-                )
-            )
-        else:
-            new_inits.append(t)
-    return _replace_graph(model, head + nodes, new_inits)
-
-
-def _replace_graph(model: Any, nodes: list[Any], inits: list[Any]) -> Any:
-    """Give ``model``'s graph these nodes and initializers; re-infer (strictly) its shapes."""
-    g = model.graph
-    del g.node[:]
-    g.node.extend(nodes)
-    del g.initializer[:]
-    g.initializer.extend(inits)
-    del g.value_info[:]
-    return _onnx().shape_inference.infer_shapes(model, strict_mode=True)
-
-
-def _narrow(arr: Any, elem: int) -> Any:
-    """``arr`` in ONNX type ``elem``; finite values are clipped to its range (fp16 max 65504), so
-    fp32 "minus infinity" masks (``finfo(float32).min``) stay finite, as in torch."""
-    import numpy as np
-
-    target = _np_dtype(elem)
-    if target is np.float32:
-        return arr.astype(np.float32)
-    big = float(torch.finfo(torch.float16 if target is np.float16 else torch.bfloat16).max)
-    finite = np.isfinite(arr)
-    return np.where(finite, np.clip(arr, -big, big), arr).astype(target)
 
 
 @functools.cache
@@ -605,28 +306,68 @@ def _export_onnx(
     min_cosine: float,
 ) -> ExportResult:
     onnx = _onnx()
-    import warnings
-
     if opset < 17:
         raise ValueError(f"opset {opset} is too old: LayerNormalization needs opset >= 17.")
+    low = dtype in (torch.float16, torch.bfloat16)
+    compute, notes = _onnx_compute(dtype, compute, providers[0], check)
+    proto = _torch_onnx_export(model, args, kwargs, opset)
+    if low:
+        proto = mix_onnx(proto, dtype, compute)
+    onnx.checker.check_model(proto)
+    onnx.save(proto, path)
+    weights = {
+        t.name: onnx.helper.tensor_dtype_to_np_dtype(t.data_type).name
+        if t.data_type != onnx.TensorProto.BFLOAT16
+        else "bfloat16"
+        for t in proto.graph.initializer
+    }
+    result = ExportResult(
+        path,
+        "onnx",
+        dtype,
+        compute if low else "fp32",
+        weights,
+        sum(n.op_type == "Cast" for n in proto.graph.node),
+        notes=notes,
+    )
+    if check:
+        got = _run_onnx(path, providers, dtype, compute, args, kwargs)
+        result.max_abs_error, result.cosine = _compare(got, reference, "The ONNX model")
+        _check_cosine(result, min_cosine)
+    return result
+
+
+def _onnx_compute(
+    dtype: torch.dtype, compute: str, provider: str, check: bool
+) -> tuple[str, list[str]]:
+    """The compute mode to export (``"auto"`` resolved against ``provider``) and the note on
+    the fallback taken; raises before the slow export when a 16-bit graph could not be checked."""
     notes: list[str] = []
     low = dtype in (torch.float16, torch.bfloat16)
-    if compute == "16bit" and low and check and not ort_can_run(dtype, providers[0]):
+    if compute == "16bit" and low and check and not ort_can_run(dtype, provider):
         # fail before the (slow) export: the file could be written but not checked here
         raise ExportError(
-            f"ONNX Runtime's {providers[0]} has no {dtype} MatMul kernel, so a "
+            f"ONNX Runtime's {provider} has no {dtype} MatMul kernel, so a "
             f"compute='16bit' {dtype} graph cannot run or be checked with it. "
             + _HINT.get(dtype, "")
             + " Or pass check=False to write the file "
             "for another runtime without running it."
         )
     if compute == "auto":
-        compute = "16bit" if low and ort_can_run(dtype, providers[0]) else "fp32"
+        compute = "16bit" if low and ort_can_run(dtype, provider) else "fp32"
         if low and compute == "fp32":
             notes.append(
-                f"{providers[0]} has no {dtype} MatMul kernel: weights stored in "
+                f"{provider} has no {dtype} MatMul kernel: weights stored in "
                 f"{dtype}, computed in float32 (compute='fp32')."
             )
+    return compute, notes
+
+
+def _torch_onnx_export(model: nn.Module, args: tuple, kwargs: dict, opset: int) -> Any:
+    """The fp32 twin of ``model`` through ``torch.onnx.export(dynamo=True)``, the first dim of
+    every input dynamic; the ONNX ``ModelProto``."""
+    import warnings
+
     twin = to_fp32_twin(model).eval()
     quiet = logging.getLogger("onnxscript.optimizer._constant_folding")
     level = quiet.level
@@ -665,48 +406,36 @@ def _export_onnx(
         ) from e
     finally:
         quiet.setLevel(level)
-    proto = program.model_proto
-    if low:
-        proto = mix_onnx(proto, dtype, compute)
-    onnx.checker.check_model(proto)
-    onnx.save(proto, path)
-    weights = {
-        t.name: onnx.helper.tensor_dtype_to_np_dtype(t.data_type).name
-        if t.data_type != onnx.TensorProto.BFLOAT16
-        else "bfloat16"
-        for t in proto.graph.initializer
-    }
-    result = ExportResult(
-        path,
-        "onnx",
-        dtype,
-        compute if low else "fp32",
-        weights,
-        sum(n.op_type == "Cast" for n in proto.graph.node),
-        notes=notes,
-    )
-    if check:
-        try:
-            sess = ort_session(path, providers)
-        except Exception as e:
-            raise ExportError(
-                f"ONNX Runtime ({providers[0]}) cannot load the {dtype} model "
-                f"(compute={compute!r}): {str(e).splitlines()[0]}. " + _HINT.get(dtype, "")
-            ) from e
-        feeds = _feeds(sess, args, kwargs)
-        try:
-            got = [
-                torch.from_numpy(o.astype("float32") if o.dtype.kind == "f" else o)
-                for o in sess.run(None, feeds)
-            ]
-        except Exception as e:
-            raise ExportError(
-                f"ONNX Runtime ({providers[0]}) cannot run the {dtype} model "
-                f"(compute={compute!r}): {str(e).splitlines()[0]}. " + _HINT.get(dtype, "")
-            ) from e
-        result.max_abs_error, result.cosine = _compare(got, reference, "The ONNX model")
-        _check_cosine(result, min_cosine)
-    return result
+    return program.model_proto
+
+
+def _run_onnx(
+    path: str,
+    providers: list[str],
+    dtype: torch.dtype,
+    compute: str,
+    args: tuple,
+    kwargs: dict,
+) -> list[torch.Tensor]:
+    """The written file's outputs on the example inputs, through ONNX Runtime."""
+    try:
+        sess = ort_session(path, providers)
+    except Exception as e:
+        raise ExportError(
+            f"ONNX Runtime ({providers[0]}) cannot load the {dtype} model "
+            f"(compute={compute!r}): {str(e).splitlines()[0]}. " + _HINT.get(dtype, "")
+        ) from e
+    feeds = _feeds(sess, args, kwargs)
+    try:
+        return [
+            torch.from_numpy(o.astype("float32") if o.dtype.kind == "f" else o)
+            for o in sess.run(None, feeds)
+        ]
+    except Exception as e:
+        raise ExportError(
+            f"ONNX Runtime ({providers[0]}) cannot run the {dtype} model "
+            f"(compute={compute!r}): {str(e).splitlines()[0]}. " + _HINT.get(dtype, "")
+        ) from e
 
 
 _HINT = {

@@ -283,6 +283,18 @@ def for_inference(
         raise TypeError(
             f"for_inference expects an nn.Module, received {type(model).__name__}." + hint
         )
+    pol = _inference_policy(model, policy, options.get("output_dtype"))
+    mode = options.get("engine", "eager")
+    if mode not in ("eager", "graph"):
+        raise ValueError(f"engine must be 'eager' or 'graph', received {mode!r}.")
+    return _for_inference(model, pol, example_inputs, mode, options)
+
+
+def _inference_policy(
+    model: nn.Module, policy: PolicyLike | None, output_dtype: torch.dtype | None
+) -> Policy:
+    """Weights stored in the compute dtype; outputs in the policy's output dtype (float32 for
+    a bare dtype), or ``output_dtype`` when given."""
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     if policy is None:
@@ -295,21 +307,66 @@ def for_inference(
             compute_dtype=pol.compute_dtype,
             output_dtype=torch.float32 if isinstance(policy, torch.dtype) else pol.output_dtype,
         )
-    if options.get("output_dtype") is not None:
+    if output_dtype is not None:
         pol = Policy(
             param_dtype=pol.param_dtype,
             compute_dtype=pol.compute_dtype,
-            output_dtype=options["output_dtype"],
+            output_dtype=output_dtype,
         )
-    dtype = pol.compute_dtype
-    mode = options.get("engine", "eager")
-    if mode not in ("eager", "graph"):
-        raise ValueError(f"engine must be 'eager' or 'graph', received {mode!r}.")
+    return pol
 
+
+def _for_inference(
+    model: nn.Module, pol: Policy, example_inputs: Any, mode: str, options: dict[str, Any]
+) -> nn.Module:
+    """The body of :func:`for_inference`, its arguments checked."""
+    dtype = pol.compute_dtype
+    policies = {name: get_policy(m) for name, m in model.named_modules() if get_policy(m)}
+    out = _fp32_copy(model, policies, options)
+    plan, reasons = storage_plan(out, dtype, example_inputs, keep_fp32=options.get("keep_fp32", ()))
+    reference = None
+    int8 = options.get("int8")
+    if int8 is not None and options.get("int8_modules", "auto") == "auto":
+        if example_inputs is None:
+            raise ValueError(
+                "int8_modules='auto' chooses modules by accuracy and needs "
+                "example_inputs; pass them or list the modules explicitly."
+            )
+        with torch.no_grad():
+            reference = call_model(out, example_inputs)
+    if mode == "graph":  # the graph pass owns casts and storage: hand it the fp32 model
+        out = _graph_convert(out, pol, example_inputs)
+        plan = {k: t.dtype for k, t in out.state_dict().items() if t.is_floating_point()}
+    else:
+        _cast(out, plan, dtype)
+    _install_boundaries(out, pol, policies, mode)
+    info = InferenceInfo(
+        pol, plan, {k: v for k, v in reasons.items() if plan.get(k) == torch.float32}, engine=mode
+    )
+    out.__dict__[INFERENCE_ATTR] = info
+    if int8 is not None:
+        from mixprec.inference.quantize import quantize_int8
+
+        out, chosen = quantize_int8(
+            out,
+            options.get("int8_modules", "auto"),
+            mode=int8,
+            example_inputs=example_inputs,
+            reference=reference,
+            tolerance=options.get("int8_tolerance", 1e-3),
+            metric=options.get("int8_metric"),
+        )
+        info.int8 = dict.fromkeys(chosen, int8)
+        out.__dict__[INFERENCE_ATTR] = info
+    return out
+
+
+def _fp32_copy(model: nn.Module, policies: dict[str, Policy], options: dict[str, Any]) -> nn.Module:
+    """The eval-mode fp32 twin of ``model`` with its per-module policies, holding the weights
+    of ``optimizer=``'s masters or of ``checkpoint=`` when given (loaded strictly)."""
     state: Mapping[str, Tensor] | None = None
     if options.get("optimizer") is not None:
         state = fp32_state_dict(model, options["optimizer"])
-    policies = {name: get_policy(m) for name, m in model.named_modules() if get_policy(m)}
     out = to_fp32_twin(model)
     for name, m in out.named_modules():
         if name in policies:
@@ -332,50 +389,23 @@ def for_inference(
                 f"{str(e).splitlines()[0]} ..."
             ) from e
     out.eval().requires_grad_(False)
-    plan, reasons = storage_plan(out, dtype, example_inputs, keep_fp32=options.get("keep_fp32", ()))
-    reference = None
-    int8 = options.get("int8")
-    if int8 is not None and options.get("int8_modules", "auto") == "auto":
-        if example_inputs is None:
-            raise ValueError(
-                "int8_modules='auto' chooses modules by accuracy and needs "
-                "example_inputs; pass them or list the modules explicitly."
-            )
-        with torch.no_grad():
-            reference = call_model(out, example_inputs)
-    if mode == "graph":  # the graph pass owns casts and storage: hand it the fp32 model
-        out = _graph_convert(out, pol, example_inputs)
-        plan = {k: t.dtype for k, t in out.state_dict().items() if t.is_floating_point()}
-    else:
-        _cast(out, plan, dtype)
+    return out
+
+
+def _install_boundaries(
+    out: nn.Module, pol: Policy, policies: dict[str, Policy], mode: str
+) -> None:
+    """The engine's boundary on each module that had a policy and, in eager mode with a 16-bit
+    policy, on the model itself (inputs cast in, outputs cast out)."""
     for name, m in out.named_modules():
         if name in policies:
             engine.install_boundary(m)
-    if mode == "eager" and dtype in _LOW:
+    if mode == "eager" and pol.compute_dtype in _LOW:
         spec = engine.Boundary(
             pol, cast_inputs=True, fp32_inside=True, kernels="auto", cast_outputs=True
         )
         out.__dict__[engine.BOUNDARY_ATTR] = spec
         engine.install_boundary(out)
-    info = InferenceInfo(
-        pol, plan, {k: v for k, v in reasons.items() if plan.get(k) == torch.float32}, engine=mode
-    )
-    out.__dict__[INFERENCE_ATTR] = info
-    if int8 is not None:
-        from mixprec.inference.quantize import quantize_int8
-
-        out, chosen = quantize_int8(
-            out,
-            options.get("int8_modules", "auto"),
-            mode=int8,
-            example_inputs=example_inputs,
-            reference=reference,
-            tolerance=options.get("int8_tolerance", 1e-3),
-            metric=options.get("int8_metric"),
-        )
-        info.int8 = dict.fromkeys(chosen, int8)
-        out.__dict__[INFERENCE_ATTR] = info
-    return out
 
 
 def _graph_convert(model: nn.Module, policy: Policy, example_inputs: Any) -> nn.Module:

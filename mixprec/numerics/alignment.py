@@ -138,50 +138,7 @@ def lint(
     report = LintReport(dtype, target, multiple, [])
     if dtype not in (torch.float16, torch.bfloat16):
         return report
-    seen: set[tuple[str, str]] = set()
-
-    def check(path: str, module: nn.Module, dim: str, value: int) -> None:
-        if value % multiple == 0 or (path, dim) in seen:
-            return
-        seen.add((path, dim))
-        to = preferred if value >= _LARGE and target == "gpu" else multiple
-        report.findings.append(
-            LintFinding(path, type(module).__name__, dim, value, multiple, _round_up(value, to))
-        )
-
-    tied = {}  # id(weight) -> embedding path, for vocabularies tied to an output projection
-    for path, m in model.named_modules():
-        if isinstance(m, nn.Embedding):
-            tied[id(m.weight)] = path
-    for path, m in model.named_modules():
-        if isinstance(m, nn.Linear):
-            check(path, m, "in_features", m.in_features)
-            dim = "vocab_size" if id(m.weight) in tied else "out_features"
-            check(path, m, dim, m.out_features)
-        elif isinstance(m, nn.modules.conv._ConvNd):
-            check(path, m, "in_channels per group", m.in_channels // m.groups)
-            check(path, m, "out_channels per group", m.out_channels // m.groups)
-        elif isinstance(m, nn.Embedding):
-            check(path, m, "embedding_dim", m.embedding_dim)
-        elif isinstance(m, nn.RNNBase):
-            check(path, m, "input_size", m.input_size)
-            check(path, m, "hidden_size", m.hidden_size)
-        elif isinstance(m, nn.MultiheadAttention):
-            check(path, m, "embed_dim", m.embed_dim)
-            check(path, m, "head_dim", m.head_dim)
-            continue
-        heads = next(
-            (getattr(m, a) for a in _HEAD_ATTRS if isinstance(getattr(m, a, None), int)), None
-        )
-        if heads and not isinstance(m, nn.MultiheadAttention):
-            width = next(
-                (getattr(m, a) for a in _WIDTH_ATTRS if isinstance(getattr(m, a, None), int)), None
-            )
-            if width is None:
-                first = next((c for c in m.modules() if isinstance(c, nn.Linear)), None)
-                width = first.in_features if first is not None else None
-            if width and width % heads == 0:
-                check(path, m, "head_dim", width // heads)
+    report.findings.extend(_module_findings(model, target, multiple, preferred))
     if batch_size is not None:
         tokens = batch_size * (seq_len or 1)
         dim = "tokens per batch (batch_size*seq_len)" if seq_len else "batch_size"
@@ -192,3 +149,66 @@ def lint(
                 )
             )
     return report
+
+
+def _module_findings(
+    model: nn.Module, target: str, multiple: int, preferred: int
+) -> list[LintFinding]:
+    """One finding per (module, dimension) that is not a multiple of ``multiple``."""
+    tied = {}  # id(weight) -> embedding path, for vocabularies tied to an output projection
+    for path, m in model.named_modules():
+        if isinstance(m, nn.Embedding):
+            tied[id(m.weight)] = path
+    findings: list[LintFinding] = []
+    seen: set[tuple[str, str]] = set()
+    for path, m in model.named_modules():
+        for dim, value in _dims(m, tied):
+            if value % multiple == 0 or (path, dim) in seen:
+                continue
+            seen.add((path, dim))
+            to = preferred if value >= _LARGE and target == "gpu" else multiple
+            findings.append(
+                LintFinding(path, type(m).__name__, dim, value, multiple, _round_up(value, to))
+            )
+    return findings
+
+
+def _dims(m: nn.Module, tied: dict[int, str]) -> list[tuple[str, int]]:
+    """The (name, size) of each dimension of ``m`` that feeds a matmul, in report order."""
+    if isinstance(m, nn.MultiheadAttention):
+        return [("embed_dim", m.embed_dim), ("head_dim", m.head_dim)]
+    if isinstance(m, nn.Linear):
+        out = "vocab_size" if id(m.weight) in tied else "out_features"
+        dims = [("in_features", m.in_features), (out, m.out_features)]
+    elif isinstance(m, nn.modules.conv._ConvNd):
+        dims = [
+            ("in_channels per group", m.in_channels // m.groups),
+            ("out_channels per group", m.out_channels // m.groups),
+        ]
+    elif isinstance(m, nn.Embedding):
+        dims = [("embedding_dim", m.embedding_dim)]
+    elif isinstance(m, nn.RNNBase):
+        dims = [("input_size", m.input_size), ("hidden_size", m.hidden_size)]
+    else:
+        dims = []
+    head_dim = _head_dim(m)
+    if head_dim is not None:
+        dims.append(("head_dim", head_dim))
+    return dims
+
+
+def _head_dim(m: nn.Module) -> int | None:
+    """An attention block's width per head, from its head-count and width attributes (or its
+    first Linear's input width); None when ``m`` names no head count."""
+    heads = next((getattr(m, a) for a in _HEAD_ATTRS if isinstance(getattr(m, a, None), int)), None)
+    if not heads:
+        return None
+    width = next(
+        (getattr(m, a) for a in _WIDTH_ATTRS if isinstance(getattr(m, a, None), int)), None
+    )
+    if width is None:
+        first = next((c for c in m.modules() if isinstance(c, nn.Linear)), None)
+        width = first.in_features if first is not None else None
+    if width and width % heads == 0:
+        return width // heads
+    return None

@@ -33,13 +33,14 @@ Design (``docs/design.md``, "Numerics tools"):
 
 Diagnostics never change numerics: the locator only reads tensors and sets autograd-node
 metadata.
+
+This module holds the locator (dispatch mode, module hooks, where and which step); the per-op
+checks live in :mod:`~mixprec.numerics.nonfinite_ops` and the recorded events with their
+verdicts in :mod:`~mixprec.numerics.nonfinite_event`.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -47,6 +48,20 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec.fp8.layers import layers_of
+from mixprec.numerics.nonfinite_event import (
+    NonFiniteError,
+    NonFiniteEvent,
+    TensorStats,
+    _classify,
+)
+from mixprec.numerics.nonfinite_ops import (
+    _INFO,
+    _checkable,
+    _op_info,
+    _produced_here,
+    has_nonfinite,
+    iter_tensors,
+)
 
 __all__ = [
     "NonFiniteError",
@@ -58,135 +73,6 @@ __all__ = [
 
 _TAG = "mixprec_module"
 _RAISE_ON = (None, "error", "any")
-_LOW = (torch.float16, torch.bfloat16)
-
-
-def iter_tensors(obj: Any) -> Iterator[Tensor]:
-    """Tensors in a (nested) tuple/list/dict, in order."""
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from iter_tensors(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from iter_tensors(x)
-
-
-def _checkable(t: Tensor) -> bool:
-    return (
-        t.is_floating_point()
-        and t.layout == torch.strided
-        and t.device.type != "meta"
-        and t.numel() > 0
-    )
-
-
-def has_nonfinite(t: Tensor) -> bool:
-    """True when ``t`` holds an inf or NaN (one fp32-accumulated reduction in the common case)."""
-    s = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
-    if math.isfinite(s.item()):
-        return False
-    if t.element_size() == 1:  # FP8 has no isfinite kernel; its values are exact in float32
-        t = t.float()
-    return not bool(torch.isfinite(t).all())  # the sum may overflow on huge finite values
-
-
-@dataclass
-class TensorStats:
-    """Summary of one floating tensor: dtype, shape, finite min/max/abs-max, non-finite counts."""
-
-    dtype: str
-    shape: list[int]
-    min: float
-    max: float
-    absmax: float
-    num_nan: int
-    num_inf: int
-
-    @classmethod
-    @torch.no_grad()
-    def of(cls, t: Tensor) -> TensorStats:
-        x = t.detach().float()
-        finite = torch.isfinite(x)
-        vals = x[finite]
-        lo, hi = (vals.min().item(), vals.max().item()) if vals.numel() else (math.nan, math.nan)
-        return cls(
-            str(t.dtype).replace("torch.", ""),
-            list(t.shape),
-            lo,
-            hi,
-            max(abs(lo), abs(hi)) if vals.numel() else math.nan,
-            int(torch.isnan(x).sum()),
-            int(torch.isinf(x).sum()),
-        )
-
-    def __str__(self) -> str:
-        bad = f", {self.num_nan} nan, {self.num_inf} inf" if self.num_nan or self.num_inf else ""
-        return (
-            f"{self.dtype}{self.shape} min={self.min:.4g} max={self.max:.4g} "
-            f"absmax={self.absmax:.4g}{bad}"
-        )
-
-
-@dataclass
-class NonFiniteEvent:
-    """The first non-finite value of one step.
-
-    ``severity`` is ``"expected"`` (a 16-bit gradient overflow the loss scaler skips) or
-    ``"error"``; ``reason`` says why and what to do.
-    """
-
-    step: int
-    phase: str  # "forward" or "backward"
-    module: str  # dotted path from the watched model ("" is the model itself)
-    op: str  # aten op, e.g. "aten.addmm.default"
-    node: str | None  # autograd node running the op in backward, e.g. "SqrtBackward0"
-    dtype: str
-    kind: str  # "inf", "nan" or "inf+nan"
-    output: TensorStats
-    inputs: list[TensorStats]
-    severity: str
-    reason: str
-    loss_scale: float | None = None
-    step_skipped: bool | None = None  # filled in at the next step when an optimizer is watched
-    stack: list[str] = field(default_factory=list)
-    fp8: str | None = None  # the recipe, when the op ran inside a Linear running in FP8
-    fp8_reached: list[str] = field(default_factory=list)  # FP8 layers it reached (forward)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def __str__(self) -> str:
-        where = f"module '{self.module or '<model>'}'"
-        if self.fp8:
-            where += f" (FP8 {self.fp8})"
-        node = f" in {self.node}" if self.node else ""
-        lines = [
-            f"[{self.severity}] step {self.step}, {self.phase}: first {self.kind} in {where},"
-            f" op {self.op}{node} ({self.dtype})",
-            f"  output: {self.output}",
-        ]
-        lines += [f"  input {i}: {s}" for i, s in enumerate(self.inputs)]
-        if self.fp8_reached:
-            lines.append(
-                f"  reached FP8 layer(s) {', '.join(self.fp8_reached)}: their casts made the "
-                "slice NaN instead of saturating it to a finite 448"
-            )
-        if self.loss_scale is not None:
-            lines.append(f"  loss scale: {self.loss_scale:g}")
-        if self.step_skipped is not None:
-            lines.append(f"  step skipped by the optimizer: {self.step_skipped}")
-        lines.append(f"  {self.reason}")
-        return "\n".join(lines)
-
-
-class NonFiniteError(FloatingPointError):
-    """Raised at the op that produced the first inf/NaN when ``raise_on`` asks for it."""
-
-    def __init__(self, event: NonFiniteEvent):
-        super().__init__(str(event))
-        self.event = event
 
 
 class _Mode(TorchDispatchMode):
@@ -227,68 +113,6 @@ class _Mode(TorchDispatchMode):
                     loc._found(func, args, kwargs, t)
                 break
         return out
-
-
-_LITERALS = ("lift_fresh", "lift_fresh_copy", "scalar_tensor")
-# ops whose output is uninitialized memory by contract: garbage NaNs there are not a bug (e.g.
-# the optimizer's persistent gradient buffers, filled by the copy that follows)
-_UNINITIALIZED = frozenset(
-    {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
-)
-_INFO: dict[Any, tuple[bool, tuple[tuple[int, str], ...]]] = {}
-
-
-def _op_info(func: Any) -> tuple[bool, tuple[tuple[int, str], ...]]:
-    """(skip: a view, which cannot create a value; the (position, name) of args it writes)."""
-    name = func.overloadpacket.__name__
-    skip = (func.is_view and name not in _LITERALS) or name in _UNINITIALIZED
-    written = tuple(
-        (i, a.name)
-        for i, a in enumerate(func._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    )
-    return skip, written
-
-
-def _scalars(obj: Any) -> Iterator[float]:
-    if isinstance(obj, float):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _scalars(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _scalars(x)
-
-
-def _produced_here(
-    func: Any, args: tuple, kwargs: dict, out: Tensor, written: tuple[tuple[int, str], ...]
-) -> bool:
-    """Did this op *create* the non-finite value in ``out`` (rather than pass one on)?
-
-    Yes when its floating inputs are all finite and no scalar argument is ``-inf`` (attention
-    masks built with ``masked_fill(-inf)`` are intentional), or when it makes a NaN from inputs
-    without one (inf - inf, a softmax over a fully masked row).
-    """
-    if any(v == -math.inf for v in _scalars((args, kwargs))):
-        return False
-    if func.overloadpacket.__name__ in _LITERALS:  # a Python inf/NaN literal enters the graph
-        return not bool((out == -math.inf).all())
-    # arguments an in-place op writes to were checked before it ran
-    skip_pos = {i for i, _ in written}
-    skip_kw = {n for _, n in written}
-    inputs = [
-        t
-        for src in (
-            [a for i, a in enumerate(args) if i not in skip_pos],
-            {k: v for k, v in kwargs.items() if k not in skip_kw},
-        )
-        for t in iter_tensors(src)
-        if _checkable(t)
-    ]
-    if not any(has_nonfinite(t) for t in inputs):
-        return True
-    return bool(torch.isnan(out).any()) and not any(bool(torch.isnan(t).any()) for t in inputs)
 
 
 class NonFiniteLocator:
@@ -523,47 +347,6 @@ def _tag_graph(output: Any, path: str, start: int) -> None:
         for nxt, _ in node.next_functions:
             if nxt is not None and not hasattr(nxt, "variable") and nxt._sequence_nr() >= start:
                 todo.append(nxt)
-
-
-def _classify(
-    phase: str,
-    module: str,
-    dtype: torch.dtype,
-    kind: str,
-    inputs: list[TensorStats],
-    scale: float | None,
-) -> tuple[str, str]:
-    where = module or "<model>"
-    dname = str(dtype).replace("torch.", "")
-    if any(s.num_nan or s.num_inf for s in inputs):
-        return "error", (
-            "A NaN made from infinite inputs (inf - inf, 0 * inf, a softmax over a "
-            "fully masked row): find where the inf came from, or the mask."
-        )
-    if phase == "backward" and kind == "inf" and dtype in _LOW and scale is not None and scale > 1:
-        return "expected", (
-            f"A scaled {dname} gradient overflowed at loss scale {scale:g}: the "
-            "optimizer skips this step and lowers the scale (dynamic loss "
-            "scaling at work)."
-        )
-    if dtype == torch.float16 and kind == "inf":
-        fix = (
-            f"the op overflowed float16 (max 65504) from finite inputs: keep '{where}' in "
-            f"float32 (mixprec.set_policy(model.get_submodule('{module}'), 'float32'), or "
-            "mixprec.tune), or use bfloat16."
-        )
-        if phase == "backward":
-            fix = "a float16 gradient overflowed without loss scaling to skip it: " + fix
-        return "error", fix[0].upper() + fix[1:]
-    if dtype in _LOW:
-        return "error", (
-            f"A {kind} appeared in {dname} from finite inputs; run '{where}' in "
-            "float32 (mixprec.set_policy) to see if precision causes it."
-        )
-    return "error", (
-        f"A {kind} appeared in {dname} from finite inputs: a numerical bug (0/0, "
-        "inf-inf, log or sqrt of a negative, a zero norm), not a precision issue."
-    )
 
 
 def locate_nonfinite(

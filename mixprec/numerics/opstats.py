@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec.numerics.locate import iter_tensors
+from mixprec.numerics.nonfinite_ops import iter_tensors
 
 __all__ = ["CATEGORIES", "OpStats", "op_stats"]
 

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from mixprec.fp8.choice import CastStats, cast_stats
 from mixprec.fp8.layers import layers_of
 from mixprec.fp8.quantization import E4M3, sqnr
-from mixprec.numerics.locate import iter_tensors
+from mixprec.numerics.nonfinite_ops import iter_tensors
 
 __all__ = ["FP8Stats", "RangeAudit", "RangeStats", "range_audit"]
 

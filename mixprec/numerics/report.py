@@ -115,45 +115,87 @@ def run_report(
 
     ``fp8``: None, or what ``fp8=`` takes (True, a recipe name, an ``FP8Config``).
     """
-    from mixprec import fp8_plan, initialize, lint, locate_nonfinite, op_stats, range_audit, tune
-    from mixprec.core.engine import autocast
     from mixprec.fp8.config import as_fp8_config
 
     fp8 = as_fp8_config(fp8)
-
-    name = str(dtype).replace("torch.", "")
     doc: dict[str, Any] = {
         "model": type(model).__name__,
-        "dtype": name,
+        "dtype": str(dtype).replace("torch.", ""),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
-    bs, seq = _shape_hints(batch[0]) if batch is not None else (None, None)
-    report = lint(model, dtype, target=target, batch_size=bs, seq_len=seq)
-    print(report)
-    doc["lint"] = report.as_dict()
+    doc["lint"] = _lint_section(model, batch, dtype, target)
     if batch is None:
         print(
             "no batch: op stats, range audit, locator and tune need (model, batch) from the "
             "factory."
         )
         return doc
-    x, y = batch
+    x, _ = batch
     loss_fn = loss_fn or _default_loss
-
     if fp8 is not None:
-        plan = fp8_plan(model, x if isinstance(x, tuple) else (x,), config=fp8)
-        print()
-        print(plan)
-        doc["fp8_plan"] = {n: _choice_dict(c) for n, c in plan.items()}
-        if fp8.layers == "auto":  # the rest of the report runs the layers the plan chose
-            fp8 = dataclasses.replace(fp8, layers=plan)
+        fp8 = _fp8_plan_section(model, x, fp8, doc)
 
     saved = [(p, p.grad) for p in model.parameters()]
     observed = copy.deepcopy(model) if fp8 is not None else model  # FP8 leaves no trace
+    _op_stats_section(observed, batch, loss_fn, dtype, fp8, doc)
+    audit = _range_section(model, batch, loss_fn, saved, doc)
+    if fp8 is not None:
+        _fp8_range_section(observed, batch, loss_fn, dtype, fp8, doc)
+    del observed
+
+    _locator_section(model, batch, loss_fn, dtype, steps, fp8, doc)
+    if do_tune:
+        from mixprec.numerics.tuning import tune
+
+        plan = tune(copy.deepcopy(model), batch, loss_fn, dtype, tolerance)
+        print()
+        print(plan.explain())
+        doc["tune"] = plan.as_dict()
+    if out is not None:
+        doc["files"] = _write_files(out, doc, audit if plots else None)
+    return doc
+
+
+def _lint_section(model: nn.Module, batch: Any, dtype: torch.dtype, target: str) -> dict:
+    from mixprec.numerics.alignment import lint
+
+    bs, seq = _shape_hints(batch[0]) if batch is not None else (None, None)
+    report = lint(model, dtype, target=target, batch_size=bs, seq_len=seq)
+    print(report)
+    return report.as_dict()
+
+
+def _fp8_plan_section(model: nn.Module, x: Any, fp8: FP8Config, doc: dict) -> FP8Config:
+    """Print :func:`mixprec.fp8_plan`'s choices; returns the config the rest of the report
+    runs (with ``layers="auto"``: the layers the plan chose)."""
+    from mixprec.fp8 import fp8_plan
+
+    plan = fp8_plan(model, x if isinstance(x, tuple) else (x,), config=fp8)
+    print()
+    print(plan)
+    doc["fp8_plan"] = {n: _choice_dict(c) for n, c in plan.items()}
+    if fp8.layers == "auto":  # the rest of the report runs the layers the plan chose
+        fp8 = dataclasses.replace(fp8, layers=plan)
+    return fp8
+
+
+def _op_stats_section(
+    observed: nn.Module,
+    batch: Any,
+    loss_fn: Callable,
+    dtype: torch.dtype,
+    fp8: FP8Config | None,
+    doc: dict,
+) -> None:
+    from mixprec.core.engine import autocast
+    from mixprec.numerics.opstats import op_stats
+
+    x, y = batch
     with op_stats() as stats:
         with autocast(dtype, fp8=fp8):
             loss = loss_fn(_forward(observed, x), y)
         loss.backward()
+    name = doc["dtype"]
     what = f"{name}, fp8={fp8.recipe}" if fp8 is not None else name
     print(f"\nop statistics: one forward and backward under mixprec.autocast({what})")
     print(stats.table())
@@ -163,6 +205,13 @@ def run_report(
         "totals": stats.totals(),
     }
 
+
+def _range_section(model: nn.Module, batch: Any, loss_fn: Callable, saved: list, doc: dict) -> Any:
+    """The fp32 range audit, then again at the recommended fp16 loss scale; the gradients in
+    ``saved`` are put back after. Returns the unscaled audit (for the plots)."""
+    from mixprec.numerics.range_audit import range_audit
+
+    x, y = batch
     for p in model.parameters():
         p.grad = None
     with range_audit(model) as audit:  # fp32: the true values, judged for fp16 and bf16
@@ -184,19 +233,46 @@ def run_report(
     )
     doc["range_audit"] = audit.as_dict()
     doc["range_audit"]["at_recommended_scale"] = {"fp16": grads_s.fractions("fp16")}
-    if fp8 is not None:
-        with range_audit(observed) as fp8_audit, autocast(dtype, fp8=fp8):
-            loss = loss_fn(_forward(observed, x), y)
-        loss.backward()
-        print(f"\nFP8 layers ({fp8.recipe}): their casts, and their output against 16 bits")
-        print(fp8_audit.fp8_table() if fp8_audit.fp8 else "no Linear runs in FP8.")
-        doc["fp8"] = fp8_audit.as_dict()["fp8"]
-    if observed is not model:
-        del observed
+    return audit
 
+
+def _fp8_range_section(
+    observed: nn.Module,
+    batch: Any,
+    loss_fn: Callable,
+    dtype: torch.dtype,
+    fp8: FP8Config,
+    doc: dict,
+) -> None:
+    from mixprec.core.engine import autocast
+    from mixprec.numerics.range_audit import range_audit
+
+    x, y = batch
+    with range_audit(observed) as fp8_audit, autocast(dtype, fp8=fp8):
+        loss = loss_fn(_forward(observed, x), y)
+    loss.backward()
+    print(f"\nFP8 layers ({fp8.recipe}): their casts, and their output against 16 bits")
+    print(fp8_audit.fp8_table() if fp8_audit.fp8 else "no Linear runs in FP8.")
+    doc["fp8"] = fp8_audit.as_dict()["fp8"]
+
+
+def _locator_section(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable,
+    dtype: torch.dtype,
+    steps: int,
+    fp8: FP8Config | None,
+    doc: dict,
+) -> None:
+    """Train a copy for ``steps`` O2 steps under the locator."""
+    from mixprec import Recipe, initialize
+    from mixprec.numerics.locate import locate_nonfinite
+
+    x, y = batch
     train = copy.deepcopy(model)
     opt = torch.optim.AdamW(train.parameters(), lr=1e-3)
-    train, opt = initialize(train, opt, level="O2", dtype=dtype, fp8=fp8)
+    train, opt = initialize(train, opt, Recipe("O2", dtype, fp8=fp8))
     losses = []
     with locate_nonfinite(train, opt) as loc:
         for _ in range(steps):
@@ -214,29 +290,24 @@ def run_report(
         "events": [e.as_dict() for e in loc.events],
     }
 
-    if do_tune:
-        plan = tune(copy.deepcopy(model), batch, loss_fn, dtype, tolerance)
-        print()
-        print(plan.explain())
-        doc["tune"] = plan.as_dict()
 
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        files = []
-        if plots:
-            for kind in ("gradient", "activation"):
-                files.append(
-                    audit.plot(
-                        str(out / f"range_{kind}.png"), kind, dtypes=(torch.float16, torch.bfloat16)
-                    )
+def _write_files(out: pathlib.Path, doc: dict, audit: Any) -> list[str]:
+    """``OUT/report.json`` and, given the range audit, its PNG histograms; returns the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    if audit is not None:
+        for kind in ("gradient", "activation"):
+            files.append(
+                audit.plot(
+                    str(out / f"range_{kind}.png"), kind, dtypes=(torch.float16, torch.bfloat16)
                 )
-        path = out / "report.json"
-        path.write_text(json.dumps(doc, indent=2, default=str))
-        files.append(str(path))
-        for f in files:
-            print(f"wrote {f}")
-        doc["files"] = files
-    return doc
+            )
+    path = out / "report.json"
+    path.write_text(json.dumps(doc, indent=2, default=str))
+    files.append(str(path))
+    for f in files:
+        print(f"wrote {f}")
+    return files
 
 
 def _choice_dict(c: Any) -> dict[str, Any]:
