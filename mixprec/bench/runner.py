@@ -140,17 +140,15 @@ class Trainer:
         elif mode in _GRAPH:
             from mixprec import graph
 
-            policy = mixprec.Policy(
-                compute_dtype=dtype, param_dtype=torch.float32, output_dtype=torch.float32
-            )
             # the eager level's settings: 16-bit weights (with fp32 masters at O2), norms and
             # softmax on 16-bit inputs (fp32 inside), mixprec's kernels
+            recipe = mixprec.Recipe(_GRAPH[mode], dtype)
             if mode.startswith("graph+compile"):
-                model = graph.compile(model, policy, fp32_inside=True, kernels="auto")
+                model = graph.compile(model, recipe)
             else:
                 x, _ = wl.example_batch(data, batch_size)
-                model = graph.convert(model, (x,), policy, fp32_inside=True)
-            model, opt = mixprec.initialize(model, opt, _GRAPH[mode], dtype)
+                model = graph.convert(model, (x,), recipe)
+            model, opt = mixprec.initialize(model, opt, recipe)
         elif mode == "torch-autocast" and dtype == torch.float16:
             self.scaler = torch.amp.GradScaler("cpu" if _device(model) == "cpu" else "cuda")
         if compiled:  # as a user would: the same model and loop, the model compiled

@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from mixprec._recipe_rules import refuse_moved_keywords
 from mixprec.core import engine
 from mixprec.core._gradients import LossSlot
 from mixprec.core.fp32_values import install_load_refresh
@@ -109,43 +110,6 @@ def level_name(level: Any) -> str:
     if name not in _LEVELS:
         raise ValueError(f"Unknown level {level!r}; expected {LEVEL_SPELLINGS}.")
     return name
-
-
-def refuse_moved_keywords(entry: str, moved: Mapping[str, str]) -> Callable[[Any], Any]:
-    """Turn a keyword that became a Recipe field into a TypeError naming the field and the
-    call that replaces it; the decorated function's signature is unchanged."""
-
-    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            old = [k for k in kwargs if k in moved]
-            if old:
-                raise TypeError(_moved_message(entry, old[0], kwargs[old[0]], moved, args))
-            return fn(*args, **kwargs)
-
-        return call
-
-    return decorate
-
-
-def _moved_message(entry: str, key: str, value: Any, moved: Mapping[str, str], args: Any) -> str:
-    field = moved[key]
-    if key in ("level", "policy"):  # the recipe argument itself
-        return (
-            f"{entry}() no longer takes {key}=; pass it as the recipe, the third argument: "
-            f"{entry}(model, optimizer, {value!r}) (a level name, a Policy or a Recipe)."
-        )
-    level = next((a for a in args[2:3] if isinstance(a, str)), "O2")
-    dtype = next((a for a in args[3:4] if isinstance(a, torch.dtype)), torch.bfloat16)
-    base = f"mixprec.Recipe.from_name({level!r}, {dtype})"
-    if field.startswith("loss_scale"):
-        example = f"{base}.replace(loss_scale=mixprec.LossScaling({key}={value!r}))"
-    else:
-        example = f"{base}.replace({field}={value!r})"
-    return (
-        f"{entry}() no longer takes {key}=; it is the Recipe field {field!r}. Pass a recipe: "
-        f"{entry}(model, optimizer, {example})."
-    )
 
 
 def recipe_props(recipe: Recipe, dtype: torch.dtype) -> dict[str, Any]:

@@ -51,12 +51,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from mixprec._recipe_rules import refuse_moved_keywords
 from mixprec.core import engine, initialize, optimizer
-from mixprec.core.initialize import (  # set by initialize on every model it prepared
-    _MARK,
-    RECIPE_ATTR,
-    refuse_moved_keywords,
-)
+from mixprec.core.initialize import _MARK, RECIPE_ATTR  # set by initialize on each model
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.distributed.verdicts import (
     _optimizers,
@@ -241,7 +238,11 @@ def _broadcast_masters(
             dist.broadcast(t, src=src, group=group)
 
 
-@refuse_moved_keywords("wrap_ddp", {"comm_dtype": "reduce_dtype"})
+@refuse_moved_keywords(
+    "wrap_ddp",
+    {"comm_dtype": "reduce_dtype"},
+    "initialize(model, optimizer, {recipe}), then wrap_ddp(model, optimizer)",
+)
 def wrap_ddp(
     model: nn.Module,
     optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer] | None = None,

@@ -42,7 +42,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from mixprec.core.initialize import _MARK, MOVED, initialize, refuse_moved_keywords
+from mixprec._recipe_rules import refuse_moved_keywords
+from mixprec.core.initialize import _MARK, MOVED, initialize
 from mixprec.core.norms import is_norm
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.core.policy import Policy, PolicyLike, as_policy
@@ -122,7 +123,9 @@ def _check_model(model: nn.Module) -> None:
 
 
 @refuse_moved_keywords(
-    "initialize_fsdp", {**MOVED, "reduce_dtype": "reduce_dtype", "keep_norm_fp32": "keep_fp32"}
+    "initialize_fsdp",
+    {**MOVED, "reduce_dtype": "reduce_dtype", "keep_norm_fp32": "keep_fp32"},
+    "{entry}(model, optimizer_fn, {recipe})",
 )
 def initialize_fsdp(
     model: nn.Module,

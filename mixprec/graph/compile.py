@@ -14,42 +14,49 @@ Use ``torch.compile(model, backend=mixprec.graph.backend())`` or :func:`compile`
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-from mixprec.core.policy import PolicyLike
+from mixprec._recipe_rules import refuse_moved_keywords
 from mixprec.graph.caches import has_cache_switch
 from mixprec.graph.convert import GRAPH_ATTR
 
 __all__ = ["backend", "compile"]
 
 
+@refuse_moved_keywords(
+    "backend", {"fp32_inside": "fp32_inside", "kernels": "kernels"}, "{entry}({recipe})"
+)
 def backend(
-    policy: PolicyLike | None = None, *, compiler: str = "inductor", **options: Any
+    recipe: Any = None,
+    *,
+    compiler: str = "inductor",
+    ops: Mapping[Any, str | None] | None = None,
+    fp32_modules: Iterable[str] = (),
 ) -> Callable[[fx.GraphModule, list], Callable]:
     """A ``torch.compile`` backend that runs the graph pass, then ``compiler``.
 
     Args:
-        policy: as in :func:`mixprec.convert` (default: global policy if mixed, else the fast
-            16-bit dtype here).
+        recipe: as in :func:`mixprec.convert`: a Recipe, or a policy (default: the global policy
+            if mixed, else the fast 16-bit dtype here; with a policy, mixprec's kernels are off:
+            inductor has its own attention lowering).
         compiler: ``"inductor"`` (fuses the casts); ``"aot_eager"`` (AOTAutograd traces
             forward and backward, no code generation) or ``"eager"`` (the rewritten graph as
             is) to debug the pass under dynamo.
-        **options: ``fp32_inside``, ``ops``, ``fp32_modules``, ``kernels`` as in ``convert``
-            (``kernels`` defaults to ``"torch"``: inductor has its own attention lowering).
+        ops, fp32_modules: as in ``convert``.
     """
-    from mixprec.graph.convert import _default_policy
+    from mixprec.graph.convert import graph_settings
     from mixprec.graph.rewrite import rewrite
 
     if compiler not in ("inductor", "aot_eager", "eager"):
         raise ValueError(
             f"compiler must be 'inductor', 'aot_eager' or 'eager', received {compiler!r}."
         )
-    pol = _default_policy(policy)
-    options = {"kernels": "torch", **options}
+    pol, settings = graph_settings(recipe, kernels="torch")
+    options = {**settings, "ops": dict(ops or {}), "fp32_modules": tuple(fp32_modules)}
     results: list[Any] = []
 
     def mixprec_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
@@ -117,14 +124,18 @@ class _Compiled(nn.Module):
 _entries = itertools.count()
 
 
+@refuse_moved_keywords(
+    "compile", {"fp32_inside": "fp32_inside", "kernels": "kernels"}, "{entry}(model, {recipe})"
+)
 def compile(
     model: nn.Module,
-    policy: PolicyLike | None = None,
+    recipe: Any = None,
     *,
     compiler: str = "inductor",
-    **options: Any,
+    ops: Mapping[Any, str | None] | None = None,
+    fp32_modules: Iterable[str] = (),
 ) -> nn.Module:
-    """``torch.compile(model, backend=backend(policy, ...))``, marked as graph-converted.
+    """``torch.compile(model, backend=backend(recipe, ...))``, marked as graph-converted.
 
     The mark tells :func:`mixprec.initialize` that the casts live in the graph: it then stores
     weights and wraps the optimizer for the level, without installing the eager engine.
@@ -158,7 +169,11 @@ def compile(
 
     entry.__code__ = entry.__code__.replace(co_name=f"mixprec_graph_entry_{next(_entries)}")
     compiled = _Compiled(
-        model, torch.compile(entry, backend=backend(policy, compiler=compiler, **options))
+        model,
+        torch.compile(
+            entry,
+            backend=backend(recipe, compiler=compiler, ops=ops, fp32_modules=fp32_modules),
+        ),
     )
     model.__dict__[GRAPH_ATTR] = True
     compiled.__dict__[GRAPH_ATTR] = True

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from mixprec._recipe_rules import refuse_moved_keywords
 from mixprec.core.policy import Policy, PolicyLike, as_policy, global_policy
 from mixprec.graph import paint
 from mixprec.graph.caches import no_cache, strip_use_cache
@@ -219,33 +220,51 @@ def _default_policy(policy: PolicyLike | None) -> Policy:
     return Policy("mixed_bfloat16" if default_dtype() == torch.bfloat16 else "mixed_float16")
 
 
+def graph_settings(spec: Any, kernels: str = "auto") -> tuple[Policy, dict[str, Any]]:
+    """The pass's policy and the Recipe fields it applies (``fp32_inside``, ``kernels``) from a
+    :class:`~mixprec.Recipe`, or from a policy spelling (None: the default policy) with
+    ``fp32_inside=False`` and ``kernels``."""
+    from mixprec.recipe import NAMES, Recipe
+
+    first = spec.split()[0] if isinstance(spec, str) and spec.split() else None
+    if first is not None and (first in NAMES or first.upper() in NAMES):
+        spec = Recipe(spec)
+    if isinstance(spec, Recipe):
+        low = spec.resolved_dtype()
+        policy = Policy(
+            param_dtype=torch.float32, compute_dtype=low, output_dtype=spec.outputs or low
+        )
+        return policy, {"fp32_inside": spec.fp32_inside, "kernels": spec.kernels}
+    return _default_policy(spec), {"fp32_inside": False, "kernels": kernels}
+
+
+_GRAPH_MOVED = {"fp32_inside": "fp32_inside", "kernels": "kernels", "policy": "name"}
+
+
+@refuse_moved_keywords("convert", _GRAPH_MOVED, "{entry}(model, example_inputs, {recipe})")
 def convert(
     model: nn.Module,
     example_inputs: Any,
-    policy: PolicyLike | None = None,
+    recipe: Any = None,
     *,
     example_kwargs: Mapping[str, Any] | None = None,
     dynamic_batch: bool = True,
-    fp32_inside: bool = False,
     ops: Mapping[Any, str | None] | None = None,
     fp32_modules: Iterable[str] = (),
-    kernels: str = "auto",
 ) -> ConvertedModule:
     """Capture ``model`` as a graph and rewrite it to mixed precision (the PAI-TAO design).
 
     Args:
         model: a float32 ``nn.Module``. Its submodules and parameters are shared, not copied.
         example_inputs: a tensor or a tuple of positional inputs for one forward call.
-        policy: a mixed policy (default: the global one if mixed, else ``mixed_bfloat16`` where
-            bf16 is fast, ``mixed_float16`` otherwise). Its compute dtype is the 16-bit dtype,
-            its output dtype that of the graph's outputs.
+        recipe: a :class:`mixprec.Recipe` (its dtype, outputs, ``fp32_inside`` -- layer norm
+            and softmax on 16-bit inputs, their kernels accumulate in float32 -- and
+            ``kernels``), or a mixed policy (default: the global one if mixed, else
+            ``mixed_bfloat16`` where bf16 is fast, ``mixed_float16`` otherwise).
         example_kwargs: keyword inputs for the example call.
         dynamic_batch: make dim 0 of every input symbolic (one graph for all batch sizes).
-        fp32_inside: let layer norm and softmax run on 16-bit inputs (their kernels accumulate
-            in float32), as the eager engine's ``fp32_inside``.
         ops: move ops between grappler's lists, e.g. ``{"gelu": "deny", "softmax": "infer"}``.
         fp32_modules: module paths (e.g. ``"blocks.0.attn"``) whose ops stay float32.
-        kernels: ``"auto"`` uses mixprec's measured-faster kernels, ``"torch"`` never.
 
     Returns:
         A trainable :class:`ConvertedModule`; ``precision_report()`` explains every node.
@@ -260,9 +279,10 @@ def convert(
         raise ValueError(
             "convert the float32 model before mixprec.initialize: initialize "
             "installs the eager engine, which the graph pass replaces. Call "
-            "convert(model, x) first, then initialize(converted, optimizer, level)."
+            "convert(model, x) first, then initialize(converted, optimizer, recipe)."
         )
-    pol = _default_policy(policy)
+    pol, settings = graph_settings(recipe)
+    fp32_inside = settings["fp32_inside"]
     if pol.compute_dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(
             f"convert needs a 16-bit compute dtype; policy {pol} computes in "
@@ -274,7 +294,7 @@ def convert(
         fp32_inside=fp32_inside,
         ops=dict(ops or {}),
         fp32_modules=tuple(fp32_modules),
-        kernels=kernels,
+        kernels=settings["kernels"],
     )
     paint.build_lists(fp32_inside=fp32_inside, ops=ops)  # validate ops now, not at first call
     converted = ConvertedModule(model, (args, kwargs), pol, options, dynamic_batch)

@@ -33,13 +33,14 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from mixprec._recipe_rules import refuse_moved_keywords
 from mixprec.core import engine
 from mixprec.core.cast_table import FP32, resolve_op, rule_for
 from mixprec.core.fp32_values import fp32_state_dict
 from mixprec.core.hardware import default_dtype
 from mixprec.core.initialize import _MARK
 from mixprec.core.norms import is_norm
-from mixprec.core.policy import Policy, PolicyLike, as_policy, get_policy
+from mixprec.core.policy import Policy, as_policy, get_policy
 from mixprec.inference.inputs import call_model
 
 __all__ = [
@@ -53,17 +54,6 @@ __all__ = [
 ]
 
 INFERENCE_ATTR = "_mixprec_inference"
-_OPTIONS = (
-    "checkpoint",
-    "optimizer",
-    "keep_fp32",
-    "int8",
-    "int8_modules",
-    "int8_tolerance",
-    "int8_metric",
-    "engine",
-    "output_dtype",
-)
 _LOW = (torch.float16, torch.bfloat16)
 
 
@@ -238,32 +228,47 @@ def _load_checkpoint(checkpoint: Any) -> Mapping[str, Tensor]:
     return checkpoint
 
 
+@refuse_moved_keywords(
+    "for_inference",
+    {"output_dtype": "outputs", "policy": "name"},
+    "{entry}(model, {recipe}, example_inputs)",
+)
 def for_inference(
-    model: nn.Module, policy: PolicyLike | None = None, example_inputs: Any = None, **options: Any
+    model: nn.Module,
+    recipe: Any = None,
+    example_inputs: Any = None,
+    *,
+    checkpoint: Any = None,
+    optimizer: Any = None,
+    keep_fp32: Any = (),
+    int8: str | None = None,
+    int8_modules: Any = "auto",
+    int8_tolerance: float = 1e-3,
+    int8_metric: Any = None,
+    engine: str = "eager",
 ) -> nn.Module:
     """An eval-mode copy of ``model`` whose weights are stored and computed in 16-bit.
 
     Args:
         model: a plain fp32 module, a module returned by :func:`mixprec.initialize`, or a fresh
             module to load ``checkpoint`` into. It is not modified.
-        policy: any policy spelling (``"mixed_bfloat16"``, ``torch.float16``, ...); its compute
-            dtype is the storage/compute dtype. None uses :func:`mixprec.default_dtype` for the
-            model's device. A float32 policy gives an fp32 eval copy (the baseline).
+        recipe: a :class:`mixprec.Recipe` (its dtype stores and computes the weights, its
+            ``outputs`` is the outputs' dtype) or any policy spelling (``"mixed_bfloat16"``,
+            ``torch.float16``, ...: its compute dtype stores and computes; a bare dtype returns
+            float32). None uses :func:`mixprec.default_dtype` for the model's device. A
+            float32 policy gives an fp32 eval copy (the baseline).
         example_inputs: inputs for one fp32 trace (tensor, tuple or dict of kwargs) that keeps
             float32 every tensor an ``"fp32"``-rule op consumes, and that int8 selection uses.
-        **options:
-            checkpoint: a state dict (``mixprec.fp32_state_dict``) or a path, loaded strictly.
-            optimizer: the ``initialize`` optimizer; its fp32 master weights are used.
-            keep_fp32: module names or types to keep in float32.
-            int8: None, ``"dynamic"`` (torch int8 GEMM, CPU) or ``"weight_only"`` (portable,
-                exportable); see :func:`mixprec.inference.quantize.quantize_int8`.
-            int8_modules: ``"auto"`` (accuracy-driven choice, needs ``example_inputs``) or a
-                list of Linear/Conv module names.
-            int8_tolerance: error budget for ``"auto"`` (1 - cosine similarity, default 1e-3).
-            int8_metric: optional ``f(output, reference) -> error`` for ``"auto"``.
-            engine: ``"eager"`` (default) or ``"graph"`` (``mixprec.convert``, if present).
-            output_dtype: dtype of the model's outputs (default: the policy's; float32 when
-                ``policy`` is a bare dtype).
+        checkpoint: a state dict (``mixprec.fp32_state_dict``) or a path, loaded strictly.
+        optimizer: the ``initialize`` optimizer; its fp32 master weights are used.
+        keep_fp32: module names or types to keep in float32.
+        int8: None, ``"dynamic"`` (torch int8 GEMM, CPU) or ``"weight_only"`` (portable,
+            exportable); see :func:`mixprec.inference.quantize.quantize_int8`.
+        int8_modules: ``"auto"`` (accuracy-driven choice, needs ``example_inputs``) or a
+            list of Linear/Conv module names.
+        int8_tolerance: error budget for ``"auto"`` (1 - cosine similarity).
+        int8_metric: optional ``f(output, reference) -> error`` for ``"auto"``.
+        engine: ``"eager"`` or ``"graph"`` (``mixprec.convert``).
 
     Returns:
         The new model; :func:`inference_info` describes its storage.
@@ -271,9 +276,15 @@ def for_inference(
     Example:
         >>> fast = for_inference(torch.nn.Linear(4, 2), "mixed_bfloat16")  # doctest: +SKIP
     """
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise TypeError(f"Unknown for_inference option(s) {unknown}; allowed: {sorted(_OPTIONS)}.")
+    options = dict(
+        checkpoint=checkpoint,
+        optimizer=optimizer,
+        keep_fp32=keep_fp32,
+        int8=int8,
+        int8_modules=int8_modules,
+        int8_tolerance=int8_tolerance,
+        int8_metric=int8_metric,
+    )
     if not isinstance(model, nn.Module):
         hint = (
             " To build from a checkpoint, pass a fresh model and checkpoint=state_dict."
@@ -283,37 +294,33 @@ def for_inference(
         raise TypeError(
             f"for_inference expects an nn.Module, received {type(model).__name__}." + hint
         )
-    pol = _inference_policy(model, policy, options.get("output_dtype"))
-    mode = options.get("engine", "eager")
-    if mode not in ("eager", "graph"):
-        raise ValueError(f"engine must be 'eager' or 'graph', received {mode!r}.")
-    return _for_inference(model, pol, example_inputs, mode, options)
+    pol = _inference_policy(model, recipe)
+    if engine not in ("eager", "graph"):
+        raise ValueError(f"engine must be 'eager' or 'graph', received {engine!r}.")
+    return _for_inference(model, pol, example_inputs, engine, options)
 
 
-def _inference_policy(
-    model: nn.Module, policy: PolicyLike | None, output_dtype: torch.dtype | None
-) -> Policy:
-    """Weights stored in the compute dtype; outputs in the policy's output dtype (float32 for
-    a bare dtype), or ``output_dtype`` when given."""
+def _inference_policy(model: nn.Module, spec: Any) -> Policy:
+    """Weights stored in the compute dtype; outputs in the recipe's or policy's output dtype
+    (float32 for a bare dtype)."""
+    from mixprec.recipe import NAMES, Recipe
+
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
-    if policy is None:
+    if isinstance(spec, str) and spec.split() and spec.split()[0].upper() in NAMES:
+        spec = Recipe(spec)  # a level name; Lightning's names are read as policies below
+    if isinstance(spec, Recipe):
+        dtype = spec.resolved_dtype(device)
+        return Policy(param_dtype=dtype, compute_dtype=dtype, output_dtype=spec.outputs or dtype)
+    if spec is None:
         dtype = default_dtype(device)
-        pol = Policy(param_dtype=dtype, compute_dtype=dtype)
-    else:
-        pol = as_policy(policy)  # a bare dtype means "compute in it, return float32"
-        pol = Policy(
-            param_dtype=pol.compute_dtype,
-            compute_dtype=pol.compute_dtype,
-            output_dtype=torch.float32 if isinstance(policy, torch.dtype) else pol.output_dtype,
-        )
-    if output_dtype is not None:
-        pol = Policy(
-            param_dtype=pol.param_dtype,
-            compute_dtype=pol.compute_dtype,
-            output_dtype=output_dtype,
-        )
-    return pol
+        return Policy(param_dtype=dtype, compute_dtype=dtype)
+    pol = as_policy(spec)  # a bare dtype means "compute in it, return float32"
+    return Policy(
+        param_dtype=pol.compute_dtype,
+        compute_dtype=pol.compute_dtype,
+        output_dtype=torch.float32 if isinstance(spec, torch.dtype) else pol.output_dtype,
+    )
 
 
 def _for_inference(
@@ -349,7 +356,7 @@ def _for_inference(
 
         out, chosen = quantize_int8(
             out,
-            options.get("int8_modules", "auto"),
+            options["int8_modules"],
             mode=int8,
             example_inputs=example_inputs,
             reference=reference,

@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 import mixprec
-from mixprec.core.initialize import MOVED, refuse_moved_keywords
+from mixprec._recipe_rules import refuse_moved_keywords
+from mixprec.core.initialize import MOVED
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.recipe import Recipe, as_recipe
 
@@ -48,7 +49,7 @@ class MixprecPrecision(_Precision):
         dtype: the 16-bit dtype; None: the recipe's, else the best one for the device.
     """
 
-    @refuse_moved_keywords("MixprecPrecision", MOVED)
+    @refuse_moved_keywords("MixprecPrecision", MOVED, "{entry}({recipe})")
     def __init__(self, recipe: Recipe | str = "O1", dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.recipe = as_recipe(recipe, dtype)
