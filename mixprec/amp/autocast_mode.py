@@ -58,7 +58,8 @@ def is_autocast_available(device_type: str) -> bool:
 
 
 def _check_rules(rules: Any) -> Mapping[Any, str | None] | None:
-    """``cast_rules`` as overrides for :func:`mixprec.cast_rules` ({} for ``"mixprec"``)."""
+    """``cast_rules`` as overrides for :func:`mixprec.numerics.cast_rules` ({} for
+    ``"mixprec"``)."""
     if isinstance(rules, str) and rules == "mixprec":
         return {}
     if isinstance(rules, Mapping):
@@ -91,7 +92,8 @@ class autocast(_TorchAutocast):
             ``"mixprec"``: mixprec's cast table (float32 softmax, norms, reductions and losses
             on every device, promotion for an fp16/bf16 mix, rules set with
             ``mixprec.register_op``). A mapping ``{op: "lower" | "fp32" | "promote" | None}``:
-            mixprec's table with these overrides inside the region (as ``mixprec.cast_rules``).
+            mixprec's table with these overrides inside the region (as
+            ``mixprec.numerics.cast_rules``).
             Only for device types ``"cpu"`` and ``"cuda"``. Under ``torch.compile``, make the
             region inside the compiled function: it is then part of the graph. Like
             ``mixprec.autocast``, a region object made outside it (or a decorator) is not

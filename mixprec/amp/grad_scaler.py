@@ -8,7 +8,8 @@ Design (``docs/design.md``, "A drop-in for torch.amp"):
   ``torch.amp.GradScaler`` runs unchanged (``tests/amp_conformance/`` checks it against torch's).
 * **The scale rule.** By default torch's kernel (``torch._amp_update_scale_``: on the device, no
   host sync), so the scale follows torch's bit for bit. ``hysteresis``, ``min_scale`` or
-  ``max_scale`` switch to :class:`mixprec.LossScaler`'s rule, kept on the host: ``update()``
+  ``max_scale`` switch to :class:`mixprec.core.loss_scale.LossScaler`'s rule, kept on the host:
+  ``update()``
   then reads the step's verdict once (the non-fused ``step()`` has read it already).
 * **Skips are counted** on the device (``skipped_steps``, ``step_skipped``); reading them syncs.
 * **Ranks agree.** With more than one rank, the verdict of each ``unscale_`` is all-reduced
@@ -101,7 +102,8 @@ class GradScaler(torch.amp.GradScaler):
     Args:
         hysteresis: back off only after this many consecutive non-finite steps (Megatron's
             rule; 1 is torch's). Any of ``hysteresis``, ``min_scale``, ``max_scale`` selects
-            :class:`mixprec.LossScaler`'s rule, which reads the verdict on the host at
+            :class:`mixprec.core.loss_scale.LossScaler`'s rule, which reads the verdict on the
+            host at
             ``update()``.
         min_scale: a floor for the scale (torch has none: the scale can fall to 0).
         max_scale: a ceiling for the scale (torch stops growth only at float32's overflow).

@@ -2,7 +2,7 @@
 
 Diagnostics only: it reads the gradients of an optimizer whose step the scaler has just
 skipped (so it costs nothing on steps that run) and names the parameters holding inf or NaN.
-Which *op* made them is what :func:`mixprec.locate_nonfinite` answers; the report says so.
+Which *op* made them is what :func:`mixprec.numerics.locate_nonfinite` answers; the report says so.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def skip_report(
     else:
         lines.append(
             "NaN, or inf at a loss scale of 1 or less, is not a scaling overflow: find the op "
-            "that made it with `with mixprec.locate_nonfinite(model, scaler): ...` around a "
-            "few training steps."
+            "that made it with `with mixprec.numerics.locate_nonfinite(model, scaler): ...` "
+            "around a few training steps."
         )
     return "\n".join(lines)

@@ -8,5 +8,5 @@
   (``apex.parallel.LARC``) and :mod:`~mixprec.compat.fp16_optimizer`.
 
 The Keras-style ``LossScaleOptimizer`` lives in :mod:`mixprec.compat.keras`
-(``mixprec.LossScaleOptimizer``).
+(``mixprec.compat.keras.LossScaleOptimizer``).
 """

@@ -29,7 +29,8 @@ Differences from Apex, none of which a caller has to change for:
   Handles nest; deactivate them in reverse order.
 * The scalers are updated once per step with that step's verdict (Apex: once per backward), and
   dynamic scaling has a floor of 1.0.
-* ``verbose=True`` does not print each cast: ``mixprec.op_stats()`` counts what ran in which
+* ``verbose=True`` does not print each cast: ``mixprec.numerics.op_stats()`` counts what ran in
+  which
   dtype. ``allow_banned`` is accepted: ``binary_cross_entropy`` runs in float32 in any case.
 """
 

@@ -131,7 +131,8 @@ def _print(level: int, msg: str) -> None:
 
 
 class AmpOptimizer(MixedPrecisionOptimizer):
-    """What ``amp.initialize`` returns: a :class:`mixprec.MixedPrecisionOptimizer` (itself a
+    """What ``amp.initialize`` returns: a :class:`mixprec.core.optimizer.MixedPrecisionOptimizer`
+    (itself a
     ``torch.optim.Optimizer``, so LR schedulers accept it) with Apex's step-time behaviour.
 
     * A skipped step prints Apex's "Gradient overflow. Skipping step" line at ``verbosity >= 1``.

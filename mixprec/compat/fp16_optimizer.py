@@ -1,7 +1,8 @@
 """Apex's ``fp16_utils``: ``FP16_Optimizer`` and the model-conversion helpers, on mixprec.
 
 Design (``docs/design.md``, "Compatibility layers"): ``FP16_Optimizer`` is a thin shell around
-:class:`mixprec.MixedPrecisionOptimizer` with ``master_weights=True`` and one loss scaler, so it
+:class:`mixprec.core.optimizer.MixedPrecisionOptimizer` with ``master_weights=True`` and one loss
+scaler, so it
 gets mixprec's fused unscale + finite check, bitwise-unchanged skipped steps and exact
 checkpoints. Apex's signature, defaults and method names are kept. Differences (none breaks a
 caller):

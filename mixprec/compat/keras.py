@@ -1,10 +1,12 @@
-"""Keras-style loss scaling for custom PyTorch training loops: ``mixprec.LossScaleOptimizer``.
+"""Keras-style loss scaling for custom PyTorch training loops:
+``mixprec.compat.keras.LossScaleOptimizer``.
 
 Design (``docs/design.md``, "Compatibility layers"): the tf-keras API that the Keras mixed-precision
 guide teaches -- ``get_scaled_loss``, ``get_unscaled_gradients``, ``apply_gradients`` -- wrapped
 around any ``torch.optim.Optimizer``, so the guide's custom loop ports line by line
 (``tape.gradient`` becomes ``torch.autograd.grad``). Keras' dynamic rule is reproduced exactly
-on top of :class:`mixprec.LossScaler`: start at ``initial_scale`` (2**15), double after
+on top of :class:`mixprec.core.loss_scale.LossScaler`: start at ``initial_scale`` (2**15), double
+after
 ``dynamic_growth_steps`` (2000) consecutive finite steps, halve on a non-finite one, never below
 1 (tf-keras' floor). ``apply_gradients`` checks every gradient with one fused kernel and one host
 sync; a non-finite step leaves parameters and optimizer state untouched.

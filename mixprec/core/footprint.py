@@ -79,7 +79,8 @@ def footprint(
 
     Args:
         model: the model (after :func:`mixprec.initialize`, if used).
-        optimizer: its optimizer (a :class:`mixprec.MixedPrecisionOptimizer` or a plain one).
+        optimizer: its optimizer (a :class:`mixprec.core.optimizer.MixedPrecisionOptimizer` or a
+        plain one).
         step: optional callable running one full training step (forward, backward, step,
             zero_grad); it is run ``steps`` times under :class:`~mixprec.core.memory.PeakMemory`
             before counting, so that lazily created optimizer state exists.

@@ -300,7 +300,7 @@ def decide(
 
 
 class FP8Plan:
-    """Each Linear's :class:`FP8Choice`, by module path: what :func:`mixprec.fp8_plan` returns.
+    """Each Linear's :class:`FP8Choice`, by module path: what :func:`mixprec.fp8.fp8_plan` returns.
 
     A plan is also a layer predicate: ``FP8Config(layers=plan)`` applies its choices as they
     are (with their reasons), e.g. to resume a run with the layers it chose.

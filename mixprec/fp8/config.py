@@ -69,7 +69,7 @@ class FP8Config:
             default) or ``"rowwise"`` (e4m3, per-row power-of-2 scales).
         layers: ``"auto"`` (default): a Linear runs in FP8 where its shape is predicted to be
             faster on the target GPU and its numbers survive the cast, decided from the first
-            batch it sees (or from :func:`mixprec.fp8_plan`); ``"all"``: every Linear whose
+            batch it sees (or from :func:`mixprec.fp8.fp8_plan`); ``"all"``: every Linear whose
             shape CUDA's FP8 kernels accept (in and out features multiples of 16), the output
             head excepted; or a predicate ``(name, module) -> bool`` (a :class:`FP8Plan` is
             one).

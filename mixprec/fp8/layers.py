@@ -10,11 +10,12 @@ Design:
   else by it.
 * **Candidates.** ``"all"`` and ``"auto"`` leave out the output head (the model's last
   ``nn.Linear``, and any Linear sharing its weight with an embedding) and any Linear with its
-  own policy (``set_policy``, :func:`mixprec.tune`'s plan). A predicate decides by itself. The
+  own policy (``set_policy``, :func:`mixprec.numerics.tune`'s plan). A predicate decides by
+  itself. The
   shape rule of :mod:`.gemm` applies to all.
 * **When "auto" decides.** The speed side needs the number of tokens M and the numbers side a
   real batch, which ``initialize`` does not have: a candidate decides at its first forward,
-  from its own input, and keeps the choice. ``mixprec.fp8_plan(model, batch)`` makes the same
+  from its own input, and keeps the choice. ``mixprec.fp8.fp8_plan(model, batch)`` makes the same
   choices ahead of time; ``FP8Config(layers=plan)`` then applies them as they are (the way to
   resume with the same layers). Under ``torch.compile`` a layer still undecided is judged by
   its shape alone: a compiled graph has no values to measure, and a graph break inside a
@@ -317,7 +318,7 @@ class _Verdict:
         reasons = [f"{layer.name or '(the model)'}: {layer.choice.reason}" for layer in layers]
         shown = "; ".join(reasons[:3])
         if len(reasons) > 3:
-            shown += f"; ... ({len(reasons) - 3} more in mixprec.fp8_plan(model))"
+            shown += f"; ... ({len(reasons) - 3} more in mixprec.fp8.fp8_plan(model))"
         why = f" ({shown})" if reasons else ": the model has no nn.Linear"
         warnings.warn(
             f"fp8= (recipe {self.config.recipe!r}, layers={_selector_name(self.config)}) chose "

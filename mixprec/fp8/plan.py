@@ -1,4 +1,4 @@
-"""``mixprec.fp8_plan``: each Linear's FP8 choice and its reason, ahead of training.
+"""``mixprec.fp8.fp8_plan``: each Linear's FP8 choice and its reason, ahead of training.
 
 Design: the plan runs the model once on a real batch with a forward pre-hook on every plain
 ``nn.Linear`` (and, given ``loss_fn``, a hook on its output gradient) and hands each layer's

@@ -1,4 +1,5 @@
-"""``mixprec.export``: write a mixed-precision model as ONNX or as a ``torch.export`` program.
+"""``mixprec.inference.export``: write a mixed-precision model as ONNX or as a ``torch.export``
+program.
 
 Design (ONNX Runtime's and onnxconverter's "float16 conversion with a block list", driven by
 mixprec's own cast table instead of a hand-kept list; ``docs/design.md``, "Inference and export"):

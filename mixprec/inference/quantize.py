@@ -13,7 +13,8 @@ Design (the seed's note that inference chips mix int8 and int16 within one model
   error against the fp32 reference output measured on the example batch; candidates are then
   added from least to most sensitive while the error of the whole model stays within
   ``tolerance`` (default: 1 - cosine similarity <= 1e-3). A numerics tuner shared with training
-  (``mixprec.tune``) was not available when this was written; this greedy pass is the tuner here.
+  (``mixprec.numerics.tune``) was not available when this was written; this greedy pass is the
+  tuner here.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Design: ``Trainer`` builds its optimizer in ``create_optimizer`` and routes every backward
 through ``accelerator.backward``; those are the two seams used here. ``create_optimizer`` calls
 :func:`mixprec.initialize` on the model and the optimizer Trainer built, and keeps the returned
-:class:`mixprec.MixedPrecisionOptimizer` (a ``torch.optim.Optimizer``, so Trainer's LR scheduler
+:class:`mixprec.core.optimizer.MixedPrecisionOptimizer` (a ``torch.optim.Optimizer``, so Trainer's
+LR scheduler
 and accelerate accept it). The backward is wrapped in :func:`mixprec.scale_loss`; gradient
 clipping and the logged grad norm use the unscaled fp32 masters. Leave ``fp16``/``bf16`` off in
 ``TrainingArguments``: mixprec does the mixed precision, and the two would stack.

@@ -1,4 +1,4 @@
-"""The runs behind :func:`mixprec.tune`: the fp32 reference, one module's sensitivity, and
+"""The runs behind :func:`mixprec.numerics.tune`: the fp32 reference, one module's sensitivity, and
 the error of a mixed-precision run against fp32.
 
 Design: one object, :class:`_Tuner`, owns the model for the whole search and measures; the
@@ -194,7 +194,7 @@ class _Tuner:
             if not math.isfinite(loss.item()):
                 raise ValueError(
                     f"The fp32 loss is {loss.item()}: tune needs a model that "
-                    "trains in fp32 first (use mixprec.locate_nonfinite)."
+                    "trains in fp32 first (use mixprec.numerics.locate_nonfinite)."
                 )
             self._zero()
             loss.backward()

@@ -1,6 +1,6 @@
 """Alignment lint: dimensions that keep 16-bit matmuls off the tensor cores (or AMX tiles).
 
-``print(mixprec.lint(model, torch.bfloat16, batch_size=16, seq_len=256))``
+``print(mixprec.numerics.lint(model, torch.bfloat16, batch_size=16, seq_len=256))``
 
 Design (NVIDIA's "Deep Learning Performance" guide on GEMM dimension alignment; the seed
 ``000_...`` names alignment as one of AMP's two hard parts):

@@ -1,6 +1,7 @@
 """Find the first inf/NaN: which module, which op, which step, forward or backward.
 
-``with mixprec.locate_nonfinite(model, opt) as loc: ...train...`` then ``print(loc.report())``.
+``with mixprec.numerics.locate_nonfinite(model, opt) as loc: ...train...`` then
+``print(loc.report())``.
 
 Design (``docs/design.md``, "Numerics tools"):
 
@@ -120,7 +121,7 @@ class NonFiniteLocator:
 
     Args:
         model: the module whose forward is watched (its submodules name the culprit).
-        optimizer: optional; a :class:`mixprec.MixedPrecisionOptimizer` or a
+        optimizer: optional; a :class:`mixprec.core.optimizer.MixedPrecisionOptimizer` or a
             ``mixprec.amp.GradScaler`` makes gradient overflows under loss scaling ``expected``
             and records whether the step was skipped.
         raise_on: ``None`` (record only), ``"error"`` or ``"any"``: raise
@@ -356,7 +357,7 @@ def locate_nonfinite(
 
     Example::
 
-        with mixprec.locate_nonfinite(model, opt, raise_on="error") as loc:
+        with mixprec.numerics.locate_nonfinite(model, opt, raise_on="error") as loc:
             for x, y in data:
                 opt.backward(loss_fn(model(x), y)); opt.step(); opt.zero_grad()
         print(loc.report())

@@ -142,7 +142,7 @@ def _classify(
         fix = (
             f"the op overflowed float16 (max 65504) from finite inputs: keep '{where}' in "
             f"float32 (mixprec.set_policy(model.get_submodule('{module}'), 'float32'), or "
-            "mixprec.tune), or use bfloat16."
+            "mixprec.numerics.tune), or use bfloat16."
         )
         if phase == "backward":
             fix = "a float16 gradient overflowed without loss scaling to skip it: " + fix

@@ -1,6 +1,7 @@
 """Op statistics: how many ops ran in fp32, bf16, fp16 or other dtypes, per op, over a region.
 
-``with mixprec.op_stats() as stats: ...`` then ``print(stats.table())`` or ``stats.as_dict()``.
+``with mixprec.numerics.op_stats() as stats: ...`` then ``print(stats.table())`` or
+``stats.as_dict()``.
 
 Design (Paddle's ``collect_operator_stats``; ``docs/design.md``, "Numerics tools"):
 
@@ -134,7 +135,7 @@ def op_stats() -> OpStats:
 
     Example::
 
-        with mixprec.op_stats() as stats:
+        with mixprec.numerics.op_stats() as stats:
             with mixprec.autocast(torch.bfloat16):
                 loss = model(x).float().sum()
             loss.backward()

@@ -1,6 +1,6 @@
 """Range audit: would these activations and gradients fit in fp16 / bf16 at this loss scale?
 
-``with mixprec.range_audit(model) as audit: ...a few fp32 or bf16 steps...`` then
+``with mixprec.numerics.range_audit(model) as audit: ...a few fp32 or bf16 steps...`` then
 ``audit.summary()``, ``audit.recommended_loss_scale()``, ``audit.plot("grads.png")``.
 
 Design (Micikevicius et al. 2017, Fig. 3 and §3.2, and Transformer Engine's underflow/overflow
@@ -193,7 +193,8 @@ class RangeAudit:
             parameters directly.
         loss_scale: the scale gradients are judged at; default the optimizer's current scale,
             else 1.0 (no scaling).
-        optimizer: a :class:`mixprec.MixedPrecisionOptimizer` whose scaled backward is watched:
+        optimizer: a :class:`mixprec.core.optimizer.MixedPrecisionOptimizer` whose scaled backward
+        is watched:
             observed gradients are divided by its scale for the histograms.
     """
 
@@ -429,7 +430,7 @@ def range_audit(
 
     Example::
 
-        with mixprec.range_audit(model) as audit:
+        with mixprec.numerics.range_audit(model) as audit:
             loss_fn(model(x), y).backward()          # an fp32 step
         print(audit.table("fp16"), audit.recommended_loss_scale())
     """

@@ -8,7 +8,7 @@ runs (the other tools need data). Integer targets get cross-entropy, float targe
 The model given is never trained: op stats and the range audit run one forward/backward on it
 (gradients are cleared after), the locator trains a deep copy for ``--steps`` steps through
 ``mixprec.initialize`` at O2, and ``--tune`` searches on another copy. With ``--fp8`` the plan
-of :func:`mixprec.fp8_plan` is printed first (each Linear's choice and why), op stats run under
+of :func:`mixprec.fp8.fp8_plan` is printed first (each Linear's choice and why), op stats run under
 ``autocast(fp8=...)`` on a copy (the scaled matmuls in the ``fp8`` column), a second range
 audit judges the FP8 layers at their recipe's scales, and the locator trains with ``fp8=``.
 Results go to the terminal, to ``OUT/report.json`` and to PNG histograms in ``OUT``.
@@ -166,7 +166,7 @@ def _lint_section(model: nn.Module, batch: Any, dtype: torch.dtype, target: str)
 
 
 def _fp8_plan_section(model: nn.Module, x: Any, fp8: FP8Config, doc: dict) -> FP8Config:
-    """Print :func:`mixprec.fp8_plan`'s choices; returns the config the rest of the report
+    """Print :func:`mixprec.fp8.fp8_plan`'s choices; returns the config the rest of the report
     runs (with ``layers="auto"``: the layers the plan chose)."""
     from mixprec.fp8 import fp8_plan
 

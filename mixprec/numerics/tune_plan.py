@@ -1,4 +1,5 @@
-"""What :func:`mixprec.tune` returns: a :class:`TunePlan` and the :class:`RunError` of a run.
+"""What :func:`mixprec.numerics.tune` returns: a :class:`TunePlan` and the :class:`RunError` of a
+run.
 
 Design: the result is plain data, apart from the search that produced it. A ``TunePlan`` is a
 ``path -> Policy`` mapping (so :func:`mixprec.set_policy` and ``dict(plan)`` take it as it is)

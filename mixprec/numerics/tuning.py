@@ -1,6 +1,6 @@
 """Automatic precision tuning: the fewest modules to keep in fp32 so training matches fp32.
 
-``plan = mixprec.tune(model, (x, y), loss_fn, torch.float16, tolerance=0.05)`` then
+``plan = mixprec.numerics.tune(model, (x, y), loss_fn, torch.float16, tolerance=0.05)`` then
 ``plan.apply(model)`` (or ``mixprec.set_policy`` per entry) and ``print(plan.explain())``.
 
 Design (Intel Neural Compressor's accuracy-driven fallback and TE's per-layer statistics,
@@ -27,7 +27,7 @@ Design (Intel Neural Compressor's accuracy-driven fallback and TE's per-layer st
 4. **FP8** (``fp8=``). After the float32 search, the Linears the FP8 config selects (outside
    the kept modules) run their GEMMs in FP8 as well (``mixprec.autocast(fp8=...)``). If the run
    leaves the tolerance, the layers whose casts measured worst (lowest SQNR of input, weight or
-   output gradient, from :func:`mixprec.fp8_plan` on the first batch) go back to 16 bits one by
+   output gradient, from :func:`mixprec.fp8.fp8_plan` on the first batch) go back to 16 bits one by
    one until it passes, and each is then tried in FP8 again. Every Linear ends in FP8, 16 bits
    or float32, chosen against the same loss/gradient tolerance or the user's metric.
 5. **Result.** A :class:`TunePlan` maps module paths to policies: ``"float32"`` for kept
@@ -50,14 +50,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mixprec._recipe_rules import refuse_moved_keywords
 from mixprec.core.engine import set_policy
 from mixprec.core.policy import Policy, get_policy
-from mixprec.fp8.config import FP8Config, as_fp8_config
+from mixprec.fp8.config import FP8Config
 from mixprec.fp8.gemm import layer_shape_ok
 from mixprec.fp8.layers import candidates, unprepare
 from mixprec.fp8.plan import fp8_plan
 from mixprec.numerics._tuner import _Tuner
 from mixprec.numerics.tune_plan import RunError, TunePlan
+from mixprec.recipe import NAMES, Recipe
 
 __all__ = ["TunePlan", "tune"]
 
@@ -80,18 +82,20 @@ def _as_batches(batch: Any) -> list[tuple[Any, Any]]:
     return out
 
 
+@refuse_moved_keywords(
+    "tune", {"fp8": "fp8", "dtype": "dtype"}, "{entry}(model, batch, loss_fn, {recipe})"
+)
 def tune(
     model: nn.Module,
     batch: Any,
     loss_fn: Callable[[Any, Any], Tensor] | None = None,
-    dtype: torch.dtype | str = torch.float16,
+    recipe: Any = torch.float16,
     tolerance: float = 0.05,
     *,
     metric: Callable[[Any, Any], Any] | None = None,
     candidates: list[str] | None = None,
     max_evaluations: int = 64,
     seed: int = 0,
-    fp8: bool | str | FP8Config | None = None,
 ) -> TunePlan:
     """Find the fewest modules to keep in float32 so loss and gradients (or a metric) match fp32.
 
@@ -101,7 +105,11 @@ def tune(
             tuple of positional arguments. The loss is ``loss_fn(model(inputs), target)``.
         loss_fn: returns a scalar loss that requires grad; the search compares loss and
             gradients with fp32. Give ``loss_fn`` or ``metric``, not both.
-        dtype: the 16-bit compute dtype to tune for.
+        recipe: the 16-bit dtype to tune for, or a :class:`mixprec.Recipe`: its dtype, and
+            with its ``fp8`` the search also chooses which Linears run their GEMMs in FP8 (the
+            FP8 config's ``layers`` gives the candidates -- ``"auto"``: the ones
+            :func:`mixprec.fp8.fp8_plan` chooses on the first batch, ``"all"``: every eligible
+            Linear -- and the search keeps those the tolerance allows; see ``plan.fp8``).
         tolerance: with ``loss_fn``, the largest relative error of the loss and of the global
             gradient (each, worst batch) accepted against fp32; with ``metric``, the largest
             drop of the metric (absolute, in its units, e.g. 0.01 = one accuracy point)
@@ -114,21 +122,16 @@ def tune(
                 def accuracy(logits, y):
                     return (logits.argmax(-1) == y).float().mean()
 
-                plan = mixprec.tune(model, batches, metric=accuracy, tolerance=0.01)
+                plan = mixprec.numerics.tune(model, batches, metric=accuracy, tolerance=0.01)
         candidates: module paths to choose from (default: every module running its own ops).
         max_evaluations: cap on full forward/backward evaluations in the search.
         seed: RNG seed set before every forward, so dropout matches across runs.
-        fp8: also choose which Linears run their GEMMs in FP8 (True, a recipe name or an
-            :class:`mixprec.FP8Config`; its ``layers`` gives the candidates -- ``"auto"``: the
-            ones :func:`mixprec.fp8_plan` chooses on the first batch, ``"all"``: every eligible
-            Linear -- and the search keeps those the tolerance allows). See ``plan.fp8``.
 
     Returns:
         A :class:`TunePlan` (a ``path -> Policy`` mapping with ``apply`` and ``explain``).
     """
     _check_model(model)
-    if not isinstance(dtype, torch.dtype):
-        dtype = Policy(compute_dtype=dtype).compute_dtype
+    dtype, fp8 = _dtype_and_fp8(recipe)
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(
             f"tune needs a 16-bit dtype (torch.float16 or torch.bfloat16), received {dtype}."
@@ -138,9 +141,20 @@ def tune(
     _check_params_fp32(model)
     _check_criterion(loss_fn, metric)
     batches = _as_batches(batch)
-    fp8_cfg = as_fp8_config(fp8)
     tuner = _Tuner(model, batches, loss_fn, dtype, seed, metric)
-    return _tune(tuner, tolerance, candidates, max_evaluations, fp8_cfg)
+    return _tune(tuner, tolerance, candidates, max_evaluations, fp8)
+
+
+def _dtype_and_fp8(spec: Any) -> tuple[torch.dtype, FP8Config | None]:
+    """The dtype to tune for and the FP8 config to choose layers for, from a dtype (or its
+    name) or a Recipe."""
+    if isinstance(spec, str) and spec.split() and spec.split()[0].upper() in NAMES:
+        spec = Recipe(spec)
+    if isinstance(spec, Recipe):
+        return spec.resolved_dtype(), spec.fp8
+    if isinstance(spec, torch.dtype):
+        return spec, None
+    return Policy(compute_dtype=spec).compute_dtype, None
 
 
 def _check_model(model: nn.Module) -> None:
