@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -57,7 +56,14 @@ from mixprec.compat import amp_casts, larc
 from mixprec.compat import fp16_optimizer as fp16_utils
 from mixprec.compat.amp_checkpoint import install_fp32_state_dict
 from mixprec.compat.amp_handle import AmpHandle, NoOpHandle, step_without_casts
-from mixprec.compat.apex_options import ApexOptions, check_level, hint_dtype, resolve_options
+from mixprec.compat.apex_options import (
+    ApexOptions,
+    check_level,
+    hint_dtype,
+    refuse_wrapped,
+    resolve_options,
+)
+from mixprec.compat.apex_state import AmpState
 from mixprec.compat.fp16_optimizer import FP16_Optimizer
 from mixprec.core import engine
 from mixprec.core._gradients import LossSlot
@@ -69,60 +75,7 @@ from mixprec.core.storage import ACCEPT_16BIT_ATTR
 __all__ = ["AmpOptimizer", "FP16_Optimizer", "amp", "install", "uninstall"]
 
 
-class _ScalerView:
-    """Apex's ``LossScaler`` surface over one of mixprec's loss scalers: ``loss_scale()``,
-    ``_loss_scale`` (settable, as Apex's tests set it) and ``_unskipped``."""
-
-    def __init__(self, slot: LossSlot) -> None:
-        self._slot = slot
-
-    def loss_scale(self) -> float:
-        return self._slot.scaler.scale
-
-    @property
-    def _loss_scale(self) -> float:
-        return self._slot.scaler.scale
-
-    @_loss_scale.setter
-    def _loss_scale(self, value: float) -> None:
-        self._slot.scaler.scale = float(value)
-
-    @property
-    def _unskipped(self) -> int:
-        return self._slot.scaler.growth_tracker
-
-    @property
-    def dynamic(self) -> bool:
-        return self._slot.scaler.dynamic
-
-    def __repr__(self) -> str:
-        return f"LossScaler view of {self._slot.scaler!r}"
-
-
-class _AmpState:
-    """Apex's process-global ``_amp_state`` (``amp._amp_state``): the latest call's scalers,
-    options and handle."""
-
-    def __init__(self) -> None:
-        self.initialized = False
-        self.enabled = True
-        self.verbosity = 1
-        self.slots: list[LossSlot] = []
-        self.wrappers: weakref.WeakValueDictionary[int, AmpOptimizer] = (
-            weakref.WeakValueDictionary()
-        )  # id(optimizer the caller passed) -> returned optimizer
-        self.opt_properties: types.SimpleNamespace | None = None
-        self.handle: AmpHandle | None = None
-        self.handles: list[AmpHandle] = []  # from amp.init, deactivated by reset() in reverse
-        self.allow_incoming_model_not_fp32 = False
-        self.hard_override = False
-
-    @property
-    def loss_scalers(self) -> list[_ScalerView]:
-        return [_ScalerView(slot) for slot in self.slots]
-
-
-_state = _AmpState()
+_state = AmpState()
 
 
 def _print(level: int, msg: str) -> None:
@@ -196,7 +149,7 @@ def initialize(
     level = check_level(opt_level)
     model_list, many_models = _as_list(models)
     opt_list, many_opts = ([], False) if optimizers is None else _as_list(optimizers)
-    _refuse_wrapped(model_list, opt_list)
+    refuse_wrapped(model_list, opt_list)
     opts = resolve_options(
         level,
         cast_model_type,
@@ -220,26 +173,6 @@ def initialize(
     if optimizers is None:
         return out_models
     return out_models, (wrapped if many_opts else wrapped[0])
-
-
-def _refuse_wrapped(model_list: list[nn.Module], opt_list: list[Any]) -> None:
-    for m in model_list:
-        if isinstance(m, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            raise RuntimeError(  # noqa: TRY004 - Apex's exception type, kept for ported code
-                "Incoming model is an instance of DataParallel/DistributedDataParall"
-                "el. Parallel wrappers should only be applied to the model(s) AFTER "
-                "the model(s) have been returned from amp.initialize."
-            )
-    for o in opt_list:
-        if isinstance(o, FP16_Optimizer):
-            raise RuntimeError(  # noqa: TRY004 - a misuse of the API, not a wrong type
-                "An incoming optimizer is an FP16_Optimizer: amp.initialize takes "
-                "the plain torch optimizer. Pass init_optimizer instead."
-            )
-        if isinstance(o, MixedPrecisionOptimizer):
-            raise RuntimeError(  # noqa: TRY004 - Apex's exception type, kept for ported code
-                "A given optimizer should only be passed through amp.initialize once."
-            )
 
 
 def _wrap(

@@ -13,12 +13,15 @@ import types
 from typing import Any
 
 import torch
+from torch import nn
 
+from mixprec.compat.fp16_optimizer import FP16_Optimizer
 from mixprec.core.hardware import default_dtype
 from mixprec.core.loss_scale import LossScaler
+from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.recipe import LossScaling, Recipe
 
-__all__ = ["ApexOptions", "check_level", "hint_dtype", "resolve_options"]
+__all__ = ["ApexOptions", "check_level", "hint_dtype", "refuse_wrapped", "resolve_options"]
 
 _LEVELS = ("O0", "O1", "O2", "O3")
 _APEX_LOSS_SCALE = {"O0": 1.0, "O1": "dynamic", "O2": "dynamic", "O3": 1.0}
@@ -225,3 +228,25 @@ def hint_dtype(opts: ApexOptions, device: torch.device) -> str | None:
         "pass dtype=torch.bfloat16 to amp.initialize (cast_model_type=torch.bfloat16 "
         "at O2/O3)."
     )
+
+
+def refuse_wrapped(model_list: list[nn.Module], opt_list: list[Any]) -> None:
+    """Apex's refusals: a parallel wrapper applied too early, an FP16_Optimizer, an optimizer
+    passed twice."""
+    for m in model_list:
+        if isinstance(m, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            raise RuntimeError(  # noqa: TRY004 - Apex's exception type, kept for ported code
+                "Incoming model is an instance of DataParallel/DistributedDataParall"
+                "el. Parallel wrappers should only be applied to the model(s) AFTER "
+                "the model(s) have been returned from amp.initialize."
+            )
+    for o in opt_list:
+        if isinstance(o, FP16_Optimizer):
+            raise RuntimeError(  # noqa: TRY004 - a misuse of the API, not a wrong type
+                "An incoming optimizer is an FP16_Optimizer: amp.initialize takes "
+                "the plain torch optimizer. Pass init_optimizer instead."
+            )
+        if isinstance(o, MixedPrecisionOptimizer):
+            raise RuntimeError(  # noqa: TRY004 - Apex's exception type, kept for ported code
+                "A given optimizer should only be passed through amp.initialize once."
+            )
