@@ -86,6 +86,8 @@ def _settings(text: str) -> tuple[str, dict[str, Any]]:
 
 def _value(field: str, text: str) -> Any:
     """Read the word ``text`` as the value of ``field``."""
+    if field in ("keep_fp32", "compute", "weights", "kernels"):  # choices, "none" among them
+        return text
     if text.lower() == "none":
         return None
     if field in _BOOLS:
