@@ -4,15 +4,21 @@ fp32 masters.
 At O2 the gradients that the optimizer steps live on the fp32 master weights; the 16-bit model
 parameters hold none after ``opt.backward``. The common torch idiom
 ``clip_grad_norm_(model.parameters(), max_norm)`` would then measure only the fp32 parameters'
-gradients (the norms') and clip nothing the optimizer uses -- silently. mixprec therefore wraps
-torch's function once, at import: each 16-bit parameter that has a master is replaced by its
-master before torch's own code runs, so the norm is the true one and clipping reaches what the
-optimizer steps. Everything else (other parameters, other arguments) passes through unchanged.
-``opt.clip_grad_norm_(max_norm)`` does the same explicitly.
+gradients (the norms') and clip nothing the optimizer uses -- silently.
+
+Design: torch's function is wrapped, but only once masters exist -- by the first
+``MixedPrecisionOptimizer`` that creates them (:func:`register_masters`), never at
+``import mixprec``. The wrapper replaces each 16-bit parameter that has a master by its master
+before torch's own code runs, so the norm is the true one and clipping reaches what the
+optimizer steps; every other parameter and argument passes through, so for tensors mixprec does
+not own the result is torch's, bit for bit. ``opt.clip_grad_norm_(max_norm)`` does the same
+explicitly. The alternatives fail: torch's code drops parameters whose ``.grad`` is None before
+anything outside it could see them, so the mistake cannot be detected without patching torch,
+and an error would break a habit that gives the right result here.
 
 The wrapper is installed on ``torch.nn.utils`` (``torch.nn.utils.clip_grad_norm_``, the spelling
 used in practice); a name imported with ``from torch.nn.utils import clip_grad_norm_`` before
-mixprec was imported keeps torch's original.
+the first masters were created keeps torch's original.
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ _master_of: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
 def register_masters(pairs: list[tuple[Tensor, Tensor]]) -> None:
-    """Record ``(model parameter, fp32 master)`` pairs for the clipping wrapper."""
+    """Record ``(model parameter, fp32 master)`` pairs for the clipping wrapper, which the first
+    pairs install."""
+    if pairs:
+        _install()
     for key in [k for k, (p, _) in _master_of.items() if p() is None]:
         del _master_of[key]  # parameters that are gone
     for param, master in pairs:
@@ -62,5 +71,7 @@ def _wrap(original: Any) -> Any:
     return clip
 
 
-torch.nn.utils.clip_grad_norm_ = _wrap(torch.nn.utils.clip_grad_norm_)
-torch.nn.utils.clip_grad_value_ = _wrap(torch.nn.utils.clip_grad_value_)
+def _install() -> None:
+    utils = torch.nn.utils
+    utils.clip_grad_norm_ = _wrap(utils.clip_grad_norm_)  # both idempotent
+    utils.clip_grad_value_ = _wrap(utils.clip_grad_value_)
