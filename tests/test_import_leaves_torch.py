@@ -348,12 +348,39 @@ def _mode_enable(how: str) -> list[str]:
     return found
 
 
+def _mode_clip() -> list[str]:
+    """torch's clip_grad_norm_ on an O2 model's parameters reaches the fp32 masters; a name
+    the script bound to torch's own function before is named in a warning."""
+    import warnings
+
+    import mixprec
+
+    # as `from torch.nn.utils import clip_grad_norm_ as clip_by_name` at the script's top
+    globals()["clip_by_name"] = torch.nn.utils.clip_grad_norm_
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
+    found = [f"warned: {w.message}"[:40] for w in caught if "clips nothing" in str(w.message)]
+    opt.backward(model(torch.randn(4, 16)).float().sum())
+    masters = [m for m in opt.master_params() if m.grad is not None]
+    before = torch.nn.utils.get_total_norm([m.grad for m in masters])
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    after = torch.nn.utils.get_total_norm([m.grad for m in masters])
+    if torch.equal(norm, before) and torch.allclose(after, torch.tensor(1e-3), rtol=1e-3):
+        found.append("clipped the masters")
+    return found
+
+
 def main(argv: list[str]) -> None:
     mode, *rest = argv
     if mode == "dependencies":
         result = _mode_dependencies(every=rest[0] == "every")
     elif mode == "import":
         result = _mode_import(rest[0] == "every", rest[1])
+    elif mode == "clip":
+        result = _mode_clip()
     elif mode == "train":
         result = _mode_train(rest[0] == "mixprec", rest[1])
     else:
@@ -411,6 +438,10 @@ def test_importing_every_module_changes_nothing_in_torch_or_dynamo(tmp_path):
 )
 def test_mixprec_registers_once_at_its_first_use(how, registered):
     assert _child("enable", how) == registered
+
+
+def test_torch_clipping_on_o2_parameters_reaches_the_masters_or_says_why_not():
+    assert _child("clip") == ["warned: clip_by_name in your script is t", "clipped the masters"]
 
 
 def test_plain_training_is_bitwise_the_same_after_mixprec_was_used(tmp_path):

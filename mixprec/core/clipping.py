@@ -18,12 +18,15 @@ and an error would break a habit that gives the right result here.
 
 The wrapper is installed on ``torch.nn.utils`` (``torch.nn.utils.clip_grad_norm_``, the spelling
 used in practice); a name imported with ``from torch.nn.utils import clip_grad_norm_`` before
-the first masters were created keeps torch's original.
+the first masters were created keeps torch's original. Where the user's script (``__main__``)
+holds one, installing the wrapper warns, naming it and the fix: that name would clip nothing.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+import warnings
 import weakref
 from typing import Any
 
@@ -73,5 +76,28 @@ def _wrap(original: Any) -> Any:
 
 def _install() -> None:
     utils = torch.nn.utils
-    utils.clip_grad_norm_ = _wrap(utils.clip_grad_norm_)  # both idempotent
-    utils.clip_grad_value_ = _wrap(utils.clip_grad_value_)
+    originals = (utils.clip_grad_norm_, utils.clip_grad_value_)
+    if getattr(originals[0], "_mixprec_wrapped", False):
+        return
+    utils.clip_grad_norm_, utils.clip_grad_value_ = (_wrap(f) for f in originals)
+    _warn_if_bound(originals)
+
+
+def _warn_if_bound(originals: tuple[Any, ...]) -> None:
+    """Warn when the user's script bound torch's own clipping functions by name."""
+    main = sys.modules.get("__main__")
+    names = [
+        name
+        for name, value in list(getattr(main, "__dict__", {}).items())
+        if any(value is f for f in originals)
+    ]
+    if names:
+        warnings.warn(
+            f"{', '.join(names)} in your script is torch's own function, imported before "
+            "mixprec created fp32 master weights: on a model's 16-bit parameters it finds no "
+            "gradients (they live on the masters) and clips nothing. Call "
+            "opt.clip_grad_norm_(max_norm), or torch.nn.utils.clip_grad_norm_(...) by its "
+            "full name, which reaches the masters.",
+            UserWarning,
+            stacklevel=2,
+        )
