@@ -12,8 +12,10 @@ registers a process-wide optimizer post-step hook (an optimizer step taken insid
 changes weights in place, which torch's weight-cast cache does not see) and mixprec's graph
 nodes with dynamo -- right away if dynamo is loaded, else by a one-shot import hook that runs
 when it is (importing dynamo for this took ~1.9 s). The autocast kernels are registered by
-``sync`` at the same first uses. Registering at import made every torch user of the process pay
-for mixprec, and changed torch's objects for code that never used it.
+``sync`` when the first region is entered or the first boundary installed, and the clipping
+wrapper by the first fp32 masters (:mod:`mixprec.core.clipping`). Registering at import made
+every torch user of the process pay for mixprec, and changed torch's objects for code that
+never used it.
 
 A first use under ``torch.compile`` (a region that dynamo meets before any ran eagerly) registers
 from inside the trace: :func:`ready_for_dynamo` is a constant for dynamo, which calls it rather
