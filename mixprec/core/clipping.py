@@ -4,20 +4,29 @@ fp32 masters.
 At O2 the gradients that the optimizer steps live on the fp32 master weights; the 16-bit model
 parameters hold none after ``opt.backward``. The common torch idiom
 ``clip_grad_norm_(model.parameters(), max_norm)`` would then measure only the fp32 parameters'
-gradients (the norms') and clip nothing the optimizer uses -- silently. mixprec therefore wraps
-torch's function once, at import: each 16-bit parameter that has a master is replaced by its
-master before torch's own code runs, so the norm is the true one and clipping reaches what the
-optimizer steps. Everything else (other parameters, other arguments) passes through unchanged.
-``opt.clip_grad_norm_(max_norm)`` does the same explicitly.
+gradients (the norms') and clip nothing the optimizer uses -- silently.
+
+Design: torch's function is wrapped, but only once masters exist -- by the first
+``MixedPrecisionOptimizer`` that creates them (:func:`register_masters`), never at
+``import mixprec``. The wrapper replaces each 16-bit parameter that has a master by its master
+before torch's own code runs, so the norm is the true one and clipping reaches what the
+optimizer steps; every other parameter and argument passes through, so for tensors mixprec does
+not own the result is torch's, bit for bit. ``opt.clip_grad_norm_(max_norm)`` does the same
+explicitly. The alternatives fail: torch's code drops parameters whose ``.grad`` is None before
+anything outside it could see them, so the mistake cannot be detected without patching torch,
+and an error would break a habit that gives the right result here.
 
 The wrapper is installed on ``torch.nn.utils`` (``torch.nn.utils.clip_grad_norm_``, the spelling
 used in practice); a name imported with ``from torch.nn.utils import clip_grad_norm_`` before
-mixprec was imported keeps torch's original.
+the first masters were created keeps torch's original. Where the user's script (``__main__``)
+holds one, installing the wrapper warns, naming it and the fix: that name would clip nothing.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+import warnings
 import weakref
 from typing import Any
 
@@ -32,7 +41,10 @@ _master_of: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
 def register_masters(pairs: list[tuple[Tensor, Tensor]]) -> None:
-    """Record ``(model parameter, fp32 master)`` pairs for the clipping wrapper."""
+    """Record ``(model parameter, fp32 master)`` pairs for the clipping wrapper, which the first
+    pairs install."""
+    if pairs:
+        _install()
     for key in [k for k, (p, _) in _master_of.items() if p() is None]:
         del _master_of[key]  # parameters that are gone
     for param, master in pairs:
@@ -62,5 +74,30 @@ def _wrap(original: Any) -> Any:
     return clip
 
 
-torch.nn.utils.clip_grad_norm_ = _wrap(torch.nn.utils.clip_grad_norm_)
-torch.nn.utils.clip_grad_value_ = _wrap(torch.nn.utils.clip_grad_value_)
+def _install() -> None:
+    utils = torch.nn.utils
+    originals = (utils.clip_grad_norm_, utils.clip_grad_value_)
+    if getattr(originals[0], "_mixprec_wrapped", False):
+        return
+    utils.clip_grad_norm_, utils.clip_grad_value_ = (_wrap(f) for f in originals)
+    _warn_if_bound(originals)
+
+
+def _warn_if_bound(originals: tuple[Any, ...]) -> None:
+    """Warn when the user's script bound torch's own clipping functions by name."""
+    main = sys.modules.get("__main__")
+    names = [
+        name
+        for name, value in list(getattr(main, "__dict__", {}).items())
+        if any(value is f for f in originals)
+    ]
+    if names:
+        warnings.warn(
+            f"{', '.join(names)} in your script is torch's own function, imported before "
+            "mixprec created fp32 master weights: on a model's 16-bit parameters it finds no "
+            "gradients (they live on the masters) and clips nothing. Call "
+            "opt.clip_grad_norm_(max_norm), or torch.nn.utils.clip_grad_norm_(...) by its "
+            "full name, which reaches the masters.",
+            UserWarning,
+            stacklevel=2,
+        )

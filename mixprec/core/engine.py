@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree
 
-from mixprec.core import dispatch, traced
+from mixprec.core import dispatch
 from mixprec.core.activations import ActivationConfig, SavedTensorStorage
 from mixprec.core.dispatch import FP32_INSIDE_OPS, Frame, cast_leaf
 from mixprec.core.policy import (
@@ -315,7 +315,7 @@ def _run(spec: Boundary, forward: Any, args: tuple, kwargs: dict) -> Any:
     elif (
         torch.compiler.is_dynamo_compiling()
         and not torch.compiler.is_exporting()  # export: push() records the casts
-        and traced.frames_in_graph()
+        and dispatch.ready_for_dynamo()
     ):
         output = _traced_region(frame, forward, args, kwargs)
     elif torch.compiler.is_compiling():  # push and pop run eagerly (dynamo before torch 2.13)
@@ -403,6 +403,7 @@ def install_boundary(module: nn.Module) -> None:
     """Make ``module`` compute under its own policy (idempotent)."""
     if has_boundary(module):
         return
+    dispatch.enable()  # mixprec's first use: its registrations with torch
     dispatch.sync(first=True)  # now, not while a compiler traces the first forward
     module.__dict__["forward"] = _Forward(module, module.__dict__.get("forward"))
 

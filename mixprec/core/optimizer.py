@@ -131,6 +131,7 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         for group in optimizer.param_groups:
             group["params"] = [self._master_for(p) for p in group["params"]]
         del self._given
+        dispatch.enable()  # mixprec's first use: its registrations with torch
         register_masters(self._pairs)  # torch's clip_grad_norm_ on model params reaches these
         self._versions = [p._version for p, _ in self._pairs]
         self.lean: LeanUpdate | None = None

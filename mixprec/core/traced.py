@@ -43,11 +43,11 @@ from typing import Any
 
 import torch
 
-from mixprec.core import cast_table, dispatch
-from mixprec.core.dispatch import FP32_INSIDE_OPS, Frame
+from mixprec.core import _autocast_kernels, _frames, cast_table
+from mixprec.core._autocast_kernels import FP32_INSIDE_OPS
+from mixprec.core._frames import Frame, _state
 from mixprec.core.hardware import MixprecPerformanceWarning
 
-_state = dispatch._state
 _MODES = (
     torch._C._TorchDispatchModeKey.FAKE,
     torch._C._TorchDispatchModeKey.PROXY,
@@ -100,17 +100,16 @@ def _frame(dtype: torch.dtype | None, kernels: str, fp32_inside: bool) -> Frame:
     return Frame(dtype, kernels, FP32_INSIDE_OPS if fp32_inside else frozenset())
 
 
-@torch.fx.node.has_side_effect
 def enter(
     dtype: torch.dtype | None, kernels: str, fp32_inside: bool, in_autocast: bool = False
 ) -> None:
     """The push of a region, as a graph node; ``in_autocast``: inside torch.autocast regions
     of the frame's setting (a module boundary), which dynamo carries across a graph break."""
-    if dispatch._synced[0] != cast_table._version[0]:
-        dispatch.sync(first=True)
+    if _autocast_kernels._synced[0] != cast_table._version[0]:
+        _autocast_kernels.sync(first=True)
     compiling = _compilation()
     if compiling is None:  # run as it stands (a backend that runs dynamo's graph eagerly)
-        dispatch._enter(_frame(dtype, kernels, fp32_inside))
+        _frames._enter(_frame(dtype, kernels, fp32_inside))
         return
     compiling.sync()
     _state.frames.append(_frame(dtype, kernels, fp32_inside))
@@ -119,7 +118,6 @@ def enter(
         torch.ops.mixprec.enter_frame(dtype, kernels, fp32_inside)
 
 
-@torch.fx.node.has_side_effect
 def exit() -> None:
     """The pop of a region, as a graph node."""
     compiling = _compilation()
@@ -137,9 +135,21 @@ def exit() -> None:
 
 # -- the run-time ops of an unbalanced graph -------------------------------------------------
 
-_lib = torch.library.Library("mixprec", "FRAGMENT")
-_lib.define("enter_frame(ScalarType? dtype, str kernels, bool fp32_inside) -> ()")
-_lib.define("exit_frame() -> ()")
+_lib: list[torch.library.Library] = []  # defined when mixprec registers with dynamo
+
+
+def _define_ops() -> None:
+    lib = torch.library.Library("mixprec", "FRAGMENT")
+    lib.define("enter_frame(ScalarType? dtype, str kernels, bool fp32_inside) -> ()")
+    lib.define("exit_frame() -> ()")
+    lib.impl("enter_frame", _enter_frame, "CompositeExplicitAutograd")
+    lib.impl("exit_frame", _exit_frame, "CompositeExplicitAutograd")
+    torch.library.register_fake("mixprec::enter_frame", _traced_already, lib=lib)
+    torch.library.register_fake("mixprec::exit_frame", _traced_already, lib=lib)
+    ops = torch.ops.mixprec
+    for fn in (enter, exit, ops.enter_frame.default, ops.exit_frame.default):
+        torch.fx.node.has_side_effect(fn)
+    _lib.append(lib)
 
 
 def _enter_frame(dtype: torch.dtype | None, kernels: str, fp32_inside: bool) -> None:
@@ -153,14 +163,6 @@ def _exit_frame() -> None:
 
 def _traced_already(*args: Any) -> None:
     """Under fake tensors (a trace): the graph node's own Python did the work."""
-
-
-_lib.impl("enter_frame", _enter_frame, "CompositeExplicitAutograd")
-_lib.impl("exit_frame", _exit_frame, "CompositeExplicitAutograd")
-torch.library.register_fake("mixprec::enter_frame", _traced_already, lib=_lib)
-torch.library.register_fake("mixprec::exit_frame", _traced_already, lib=_lib)
-torch.fx.node.has_side_effect(torch.ops.mixprec.enter_frame.default)
-torch.fx.node.has_side_effect(torch.ops.mixprec.exit_frame.default)
 
 
 # -- wiring, when dynamo arrives --------------------------------------------------------------
@@ -219,24 +221,18 @@ def frames_in_graph() -> bool:
     return _in_graph[0]
 
 
-def register_with_dynamo() -> None:
-    """Make the frame push/pop graph nodes for dynamo. Run when ``torch._dynamo`` is imported
-    (by the first torch.compile or torch.export), not at ``import mixprec``: importing dynamo
-    took ~1.9 s of the ~2.1 s mixprec added to ``import torch`` (EPYC, torch 2.13)."""
+def register_with_dynamo() -> bool:
+    """Make the frame push/pop graph nodes for dynamo (idempotent); return
+    :func:`frames_in_graph`. Run by :func:`mixprec.core.dispatch.enable` at mixprec's first use,
+    once dynamo is loaded: neither ``import mixprec`` nor this imports dynamo (importing it took
+    ~1.9 s of the ~2.1 s mixprec added to ``import torch``; EPYC, torch 2.13)."""
+    if _frames._traced:
+        return _in_graph[0]
     dynamo = sys.modules["torch._dynamo"]
+    _define_ops()
     dynamo.allow_in_graph(enter)
     dynamo.allow_in_graph(exit)
     _add_callbacks(dynamo)
-    dispatch._traced[:] = [enter, exit]
     _in_graph[0] = dynamo_traces_autocast_setters()
-    if not _in_graph[0]:
-        # Older dynamo: run push/pop eagerly (one clean graph break at each module boundary)
-        # rather than half-traced, which left a frame pushed by a graph node without its pop.
-        dispatch.push = dynamo.disable(dispatch.push)
-        dispatch.pop = dynamo.disable(dispatch.pop)
-
-
-if "torch._dynamo" in sys.modules:
-    register_with_dynamo()
-else:
-    dispatch.after_import("torch._dynamo", register_with_dynamo)
+    _frames._traced[:] = [enter, exit]
+    return _in_graph[0]
