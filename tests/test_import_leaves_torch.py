@@ -239,7 +239,7 @@ def _use_mixprec() -> None:
         torch.softmax(torch.randn(2, 3), -1)
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
+    model, opt = mixprec.initialize(model, opt, "O2", torch.bfloat16)
     opt.backward(model(torch.randn(4, 16)).float().sum())
     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     opt.step()
@@ -286,11 +286,13 @@ def _trigger(how: str) -> None:
         model = mixprec.set_policy(_net(), "bfloat16")
         model(torch.randn(2, 16))
     elif how == "optimizer":
-        from mixprec.core.optimizer import LossSlot
+        from mixprec.core._gradients import LossSlot
+        from mixprec.core.loss_scale import LossScaler
+        from mixprec.core.optimizer import MixedPrecisionOptimizer
 
         model = _net().to(torch.bfloat16)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        mixprec.MixedPrecisionOptimizer(opt, [LossSlot(mixprec.LossScaler())])
+        MixedPrecisionOptimizer(opt, [LossSlot(LossScaler())])
     elif how == "compiled region":  # the first region runs while dynamo traces it
 
         def f(x: torch.Tensor) -> torch.Tensor:
@@ -361,7 +363,7 @@ def _mode_clip() -> list[str]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
+        model, opt = mixprec.initialize(model, opt, "O2", torch.bfloat16)
     found = [f"warned: {w.message}"[:40] for w in caught if "clips nothing" in str(w.message)]
     opt.backward(model(torch.randn(4, 16)).float().sum())
     masters = [m for m in opt.master_params() if m.grad is not None]
