@@ -51,9 +51,7 @@ def _run(args: argparse.Namespace) -> None:
     def ddp(level, dtype, wire):
         torch.manual_seed(0)
         m = GPT(cfg)
-        m, o = mixprec.initialize(
-            m, torch.optim.AdamW(m.parameters(), lr=1e-3), level=level, dtype=dtype
-        )
+        m, o = mixprec.initialize(m, torch.optim.AdamW(m.parameters(), lr=1e-3), level, dtype)
         return mpd.wrap_ddp(m, o, comm_dtype=wire), o
 
     def fsdp():

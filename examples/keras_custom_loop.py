@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
+from mixprec.compat.keras import LossScaleOptimizer
 
 
 def synthetic_digits(
@@ -81,7 +82,7 @@ def run(
     # optimizer = keras.optimizers.RMSprop()
     optimizer = torch.optim.RMSprop(params, lr=1e-3, alpha=0.9, eps=1e-7)
     # optimizer = mixed_precision.LossScaleOptimizer(optimizer)
-    optimizer = mixprec.LossScaleOptimizer(optimizer)
+    optimizer = LossScaleOptimizer(optimizer)
     # initial_weights = model.get_weights()
     initial_weights = copy.deepcopy(model.state_dict())
 

@@ -106,7 +106,10 @@ def test_every_level_trains_and_matches_fp32(opt_name):
 
 def test_o0_refuses_a_16bit_dtype_it_would_ignore():
     m, o = model_and_opt()
-    with pytest.raises(ValueError, match=r"Recipe\(dtype=torch.float16\): recipe .O0. trains in float32, so the dtype"):
+    with pytest.raises(
+        ValueError,
+        match=r"Recipe\(dtype=torch.float16\): recipe .O0. trains in float32, so the dtype",
+    ):
         initialize(m, o, "O0", FP16)
     with pytest.raises(TypeError, match=r"floating dtype .* received torch.int8"):
         initialize(m, o, "O0", torch.int8)

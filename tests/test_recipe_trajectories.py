@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from recipe_cases import CASES, capability_key, train
 
 REFERENCE = Path(__file__).parent / "data" / f"recipe_reference_{capability_key()}.pt"

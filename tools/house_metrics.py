@@ -110,6 +110,7 @@ def measure() -> dict[str, object]:
             module = importlib.import_module(name)
             public += len(getattr(module, "__all__", ()))
     modules = set(graph)
+
     # an import of a package's submodule also runs the package: an edge to each
     def resolve(target: str) -> str:
         mod, _, attr = target.partition(":")
