@@ -46,6 +46,7 @@ import torch.nn.functional as F
 import mixprec
 from mixprec import FP8Config
 from mixprec.bench.models import GPT, GPTConfig
+from mixprec.fp8 import fp8_plan
 from mixprec.fp8.choice import predicted_speedup
 from mixprec.fp8.config import RECIPES
 from mixprec.fp8.linear import fp8_linear
@@ -226,7 +227,7 @@ def _build_step(device: str, mode: Any, cfg: GPTConfig, batch: int, compile_it: 
         convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn != "head")
         mode = None
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device == "cuda")
-    model, opt = mixprec.initialize(model, opt, "O2", BF16, fp8=mode)
+    model, opt = mixprec.initialize(model, opt, mixprec.Recipe("O2", BF16, fp8=mode))
     run = torch.compile(model) if compile_it else model
     g = torch.Generator(device=device).manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), device=device, generator=g)
@@ -275,7 +276,7 @@ def step_part(
             for _ in range(3):  # warm-up: compilation, and "auto" decides
                 row["final_loss"] = float(step())
             fp8 = mode not in (None, "torchao")
-            row["fp8_layers"] = len(mixprec.fp8_plan(model).chosen) if fp8 else 0
+            row["fp8_layers"] = len(fp8_plan(model).chosen) if fp8 else 0
             if device == "cuda":
                 row["times"] = [seconds(step, device, steps, warmup=0) for _ in range(rounds)]
                 row["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
@@ -392,7 +393,7 @@ def curves_part(device: str, steps: int, seeds: int, compile_it: bool) -> dict:
             torch.manual_seed(seed)
             model = GPT(cfg).to(device)
             opt = torch.optim.AdamW(model.parameters(), lr=lr)
-            model, opt = mixprec.initialize(model, opt, "O2", BF16, fp8=fp8)
+            model, opt = mixprec.initialize(model, opt, mixprec.Recipe("O2", BF16, fp8=fp8))
             run = torch.compile(model) if compile_it else model
             data = markov(device, cfg.vocab_size, batch, cfg.block_size, 100 + seed)
             losses = []

@@ -5,13 +5,14 @@
     python benchmarks/bench_lean.py --workloads lsq        # least squares only, ~20 s
 
 Modes: fp32, O2 (fp32 masters), O3 with update="nearest" / "kahan" / "stochastic" (fp32 math on
-temporaries, state_dtype="auto"), and O3 with the old 16-bit-arithmetic step (update=None,
+temporaries, optimizer_states="auto"), and O3 with the old 16-bit-arithmetic step (update=None,
 memory rows only).
 Training is round-robin: each round gives every mode one step on the same batch, and only that
 step is timed, so step-time ratios compare modes that saw the same machine at the same moment
 (medians of per-round ratios). Peak memory is measured afterwards in a fresh subprocess per mode
 (model + optimizer built inside ``PeakMemory``, two steps), so no mode inherits another's
-allocator state; bytes per parameter come from :func:`mixprec.footprint` in the same process.
+allocator state; bytes per parameter come from :func:`mixprec.numerics.footprint` in the same
+process.
 
 ``lsq`` is the small-update regime on its own: least squares on 64 x 16
 Gaussian data, SGD lr 2e-3 for 3000 steps from a bf16 Linear(16, 1); it reports the final MSE
@@ -38,17 +39,19 @@ import mixprec
 from mixprec.bench.workloads import WORKLOADS
 from mixprec.core.memory import PeakMemory
 
-MODES: dict[str, dict[str, Any] | None] = {
+R, BF16 = mixprec.Recipe, torch.bfloat16
+MODES: dict[str, mixprec.Recipe | None] = {
     "fp32": None,
-    "O2": dict(level="O2"),
-    "O3-nearest": dict(level="O3", update="nearest"),
-    "O3-kahan": dict(level="O3", update="kahan"),
-    "O3-stochastic": dict(level="O3", update="stochastic"),
+    "O2": R("O2", BF16),
+    "O3-nearest": R("O3", BF16, update="nearest"),
+    "O3-kahan": R("O3", BF16, update="kahan"),
+    "O3-stochastic": R("O3", BF16, update="stochastic"),
 }
-MEMORY_ONLY: dict[str, dict[str, Any]] = {
-    "O3 (update=None)": dict(level="O3"),
-    "O3-kahan, bf16 state": dict(level="O3", update="kahan", state_dtype=torch.bfloat16),
-    "O3-kahan, kernels=torch": dict(level="O3", update="kahan", kernels="torch"),
+OLD_O3 = R("O3", BF16, update=None)  # the optimizer's own 16-bit step
+MEMORY_ONLY: dict[str, mixprec.Recipe] = {
+    "O3 (update=None)": OLD_O3,
+    "O3-kahan, bf16 state": R("O3", BF16, update="kahan", optimizer_states=BF16),
+    "O3-kahan, kernels=torch": R("O3", BF16, update="kahan", kernels="torch"),
 }
 WORKLOAD_NAMES = {"cnn": "mnist1d-cnn", "gpt": "char-gpt"}
 
@@ -56,16 +59,15 @@ WORKLOAD_NAMES = {"cnn": "mnist1d-cnn", "gpt": "char-gpt"}
 class Run:
     """One mode of one workload: model, optimizer, batches and a timed step."""
 
-    def __init__(self, wl: Any, data: Any, cfg: dict[str, Any] | None, batch: int, seed: int):
+    def __init__(self, wl: Any, data: Any, cfg: mixprec.Recipe | None, batch: int, seed: int):
         self.wl, self.data = wl, data
         torch.manual_seed(seed)
         model = wl.make_model(data)
         opt = wl.make_optimizer(model.parameters())
         if cfg is not None:
-            cfg = dict(cfg)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                model, opt = mixprec.initialize(model, opt, cfg.pop("level"), torch.bfloat16, **cfg)
+                model, opt = mixprec.initialize(model, opt, cfg)
         self.mixed = cfg is not None
         self.model, self.opt = model, opt
         self.batches = wl.batches(data, batch, seed)
@@ -134,7 +136,7 @@ def measure_memory(key: str, mode: str, seed: int) -> dict[str, Any]:
         run = Run(wl, data, cfg, wl.batch_size, seed)
         run.step()
         run.step()
-    fp = mixprec.footprint(run.model, run.opt)
+    fp = mixprec.numerics.footprint(run.model, run.opt)
     return {
         "peak_bytes": pm.peak_bytes,
         "bytes": fp.bytes,
@@ -159,15 +161,14 @@ def least_squares(steps: int = 3000, lr: float = 2e-3, seed: int = 0) -> dict[st
     x = torch.randn(64, 16, generator=g)
     y = x @ (2 * torch.randn(16, 1, generator=g))
     out = {}
-    for mode, cfg in {**MODES, "O3 (update=None)": dict(level="O3")}.items():
+    for mode, cfg in {**MODES, "O3 (update=None)": OLD_O3}.items():
         torch.manual_seed(seed)
         model = torch.nn.Linear(16, 1, bias=False)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         if cfg is not None:
-            cfg = dict(cfg)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                model, opt = mixprec.initialize(model, opt, cfg.pop("level"), torch.bfloat16, **cfg)
+                model, opt = mixprec.initialize(model, opt, cfg)
         for _ in range(steps):
             loss = (model(x).float() - y).pow(2).mean()
             if cfg is not None:

@@ -105,7 +105,7 @@ def build(mode: str, dtype: torch.dtype, seed: int = 0) -> tuple[Any, Any, Any, 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     region, scaler = contextlib.nullcontext, None
     if level in _LEVELS:
-        model, opt = mixprec.initialize(model, opt, level=level, dtype=dtype, activations=act)
+        model, opt = mixprec.initialize(model, opt, mixprec.Recipe(level, dtype, activations=act))
     elif level == "torch-autocast":
         region = lambda: torch.autocast("cpu", dtype)  # noqa: E731
         if dtype == torch.float16:

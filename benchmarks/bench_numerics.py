@@ -31,9 +31,9 @@ MODES = ("plain", "locator", "op_stats", "locator+op_stats")
 def _region(mode: str, model: torch.nn.Module) -> contextlib.AbstractContextManager:
     stack = contextlib.ExitStack()
     if "locator" in mode:
-        stack.enter_context(mixprec.locate_nonfinite(model))
+        stack.enter_context(mixprec.numerics.locate_nonfinite(model))
     if "op_stats" in mode:
-        stack.enter_context(mixprec.op_stats())
+        stack.enter_context(mixprec.numerics.op_stats())
     return stack
 
 

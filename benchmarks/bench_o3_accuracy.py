@@ -16,9 +16,8 @@ also keeps each seed's median of per-round ratios (``time_vs_fp32``).
 Modes: fp32; O2 bf16 (fp32 masters); O3 bf16 with ``initialize``'s default update (whatever it
 resolves to, recorded in the output: ``"kahan"``); O3 bf16 with ``update=None`` (the optimizer's
 own bf16 arithmetic, the default before) and ``"stochastic"``; ``--modes`` adds an explicit
-``"O3 bf16 kahan"``. Bytes per parameter come from
-:func:`mixprec.footprint` after training (optimizer state, compensation, masters, and the total
-with weights and gradients).
+``"O3 bf16 kahan"``. Bytes per parameter come from :func:`mixprec.numerics.footprint` after
+training (optimizer state, compensation, masters, and the total with weights and gradients).
 """
 
 from __future__ import annotations
@@ -45,14 +44,14 @@ from mixprec.bench.workloads import (
     mnist1d_batches,
 )
 
-DEFAULT = object()  # "pass no update=": the level's default
-MODES: dict[str, dict[str, Any] | None] = {
+R = mixprec.Recipe
+MODES: dict[str, mixprec.Recipe | None] = {
     "fp32": None,
-    "O2 bf16": dict(level="O2"),
-    "O3 bf16 default": dict(level="O3", update=DEFAULT),
-    "O3 bf16 update=None": dict(level="O3", update=None),
-    "O3 bf16 kahan": dict(level="O3", update="kahan"),
-    "O3 bf16 stochastic": dict(level="O3", update="stochastic"),
+    "O2 bf16": R("O2", torch.bfloat16),
+    "O3 bf16 default": R("O3", torch.bfloat16),  # update="auto": the level's default
+    "O3 bf16 update=None": R("O3", torch.bfloat16, update=None),
+    "O3 bf16 kahan": R("O3", torch.bfloat16, update="kahan"),
+    "O3 bf16 stochastic": R("O3", torch.bfloat16, update="stochastic"),
 }
 # "O3 bf16 kahan" is the bf16 default, measured as "O3 bf16 default" (its update column says so)
 DEFAULT_RUN = [m for m in MODES if m != "O3 bf16 kahan"]
@@ -62,16 +61,15 @@ HERE = pathlib.Path(__file__).resolve().parent
 class Run:
     """One mode of one seed: model, optimizer and a timed training step."""
 
-    def __init__(self, cfg: dict[str, Any] | None, seed: int, lr: float):
+    def __init__(self, recipe: mixprec.Recipe | None, seed: int, lr: float):
         torch.manual_seed(seed)
         model: Any = MNIST1DCNN()
         opt: Any = torch.optim.Adam(model.parameters(), lr=lr)
-        self.mixed = cfg is not None
-        if cfg is not None:
-            kwargs = {k: v for k, v in cfg.items() if k != "level" and v is not DEFAULT}
+        self.mixed = recipe is not None
+        if recipe is not None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "bf16 is slow on this CPU": known, measured
-                model, opt = mixprec.initialize(model, opt, cfg["level"], torch.bfloat16, **kwargs)
+                model, opt = mixprec.initialize(model, opt, recipe)
         self.model, self.opt = model, opt
         lean = getattr(opt, "lean", None)
         self.update = None if lean is None else lean.update
@@ -126,7 +124,7 @@ def train_seed(
             )
     out: dict[str, Any] = {}
     for m, r in runs.items():
-        per_param = mixprec.footprint(r.model, r.opt).per_param
+        per_param = mixprec.numerics.footprint(r.model, r.opt).per_param
         ratio = (
             statistics.median(a / b for a, b in zip(times[m][1:], times["fp32"][1:]))
             if "fp32" in times and len(times[m]) > 1
@@ -176,7 +174,7 @@ def summarize(doc: dict[str, Any]) -> str:
         accs = [r["test_accuracy"] for r in rows]
         mean = statistics.mean(accs)
         bpp = rows[-1]["bytes_per_param"]
-        update = rows[0]["update"] if MODES[m] and MODES[m]["level"] == "O3" else "-"
+        update = rows[0]["update"] if MODES[m] and MODES[m].level == "O3" else "-"
         ms = step_ms(m)
         lines.append(
             f"| {m} | {update} | "

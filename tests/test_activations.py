@@ -44,7 +44,7 @@ def _pair(level: str, act, seed: int = 0, dtype=BF16, **kw):
     dtype = None if level == "O0" else dtype
     model = Block()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    return mixprec.initialize(model, opt, level=level, dtype=dtype, activations=act, **kw)
+    return mixprec.initialize(model, opt, mixprec.Recipe(level, dtype, activations=act, **kw))
 
 
 class Census:
@@ -103,10 +103,10 @@ def test_config_spellings_and_errors():
         activations.as_activation_config(8)
     with pytest.raises(TypeError, match="received str 'int4'"):
         activations.as_activation_config("int4")
-    with pytest.raises(ValueError, match="activations='16-bit'.*level O0"):
-        mixprec.initialize(Block(), None, level="O0", activations="16-bit")
-    with pytest.raises(TypeError, match="Unknown initialize option"):
-        mixprec.initialize(Block(), None, level="O2", activation="fp8")
+    with pytest.raises(ValueError, match=r"Recipe\(activations=.*'16-bit' .* computes in fp32"):
+        mixprec.Recipe("O0", activations="16-bit")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'activation'"):
+        mixprec.Recipe("O2", activation="fp8")
 
 
 # ---------------------------------------------------------------------------- what is stored
@@ -311,7 +311,7 @@ def test_graph_models_get_the_storage_too():
     graph = mixprec.convert(Block(), (x,), "mixed_bfloat16")
     opt = torch.optim.SGD(graph.parameters(), lr=0.1)
     graph, opt = mixprec.initialize(
-        graph, opt, level="O2", dtype=BF16, activations=ActivationConfig(min_numel=1024)
+        graph, opt, mixprec.Recipe("O2", BF16, activations=ActivationConfig(min_numel=1024))
     )
     saved = _saved(graph, x)
     assert any(out is not t for t, out in saved)
@@ -417,7 +417,7 @@ def test_checkpointing_inside_the_model_composes_with_the_storage():
         torch.manual_seed(0)
         model = Checkpointed()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt = mixprec.initialize(model, opt, "O2", BF16, activations=act)
+        model, opt = mixprec.initialize(model, opt, mixprec.Recipe("O2", BF16, activations=act))
         opt.backward(F.cross_entropy(model(x), y))
         grads.append([opt.grad_of(p) for p in model.parameters()])
     for a, b in zip(*grads):

@@ -327,7 +327,7 @@ def test_a_skipped_step_can_report_which_gradients_held_inf():
     with pytest.warns(RuntimeWarning, match="0 inf, 1 nan") as rec:
         one_step(scaler, model, opt, float("nan"))
     assert rec[0].filename == __file__  # points at the caller's scaler.step
-    assert "mixprec.locate_nonfinite(model, scaler)" in scaler.last_skip_report
+    assert "mixprec.numerics.locate_nonfinite(model, scaler)" in scaler.last_skip_report
     plain = amp.GradScaler("cpu", init_scale=2.0**10)  # off by default: silent
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -341,7 +341,7 @@ def test_locate_nonfinite_accepts_the_scaler_for_the_loss_scale_and_the_skip():
     scaler = amp.GradScaler("cpu", init_scale=2.0**10)
     x, y = data()
     x[0, 0] = INF
-    with mixprec.locate_nonfinite(model, scaler) as loc:
+    with mixprec.numerics.locate_nonfinite(model, scaler) as loc:
         one_step(scaler, model, opt)
         with amp.autocast("cpu", torch.float16):
             loss = F.mse_loss(model(x).float(), y)

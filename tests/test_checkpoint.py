@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from training_helpers import assert_bitwise, assert_tree_bitwise, make_model, mse, poisoned
 
+import mixprec
 from mixprec import fp32_state_dict, initialize
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
@@ -27,8 +28,8 @@ K = 5  # checkpoint after this many steps
 def build(level: str, dtype):
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)  # eps: see test_optimizer
-    scaling = dict(loss_scale="dynamic", init_scale=2.0**4, growth_interval=2)
-    return initialize(model, opt, level, dtype, **scaling)
+    scaling = mixprec.LossScaling(init_scale=2.0**4, growth_interval=2)
+    return initialize(model, opt, mixprec.Recipe(level, dtype, loss_scale=scaling))
 
 
 def train(model, opt, steps) -> list[bool]:
@@ -127,7 +128,9 @@ def test_load_state_dict_rejects_mismatched_checkpoints():
         plain.load_state_dict({"model": sd})
     model2 = make_model()
     _, two = initialize(
-        model2, torch.optim.AdamW(model2.parameters(), eps=1e-4), "O2", FP16, num_losses=2
+        model2,
+        torch.optim.AdamW(model2.parameters(), eps=1e-4),
+        mixprec.Recipe("O2", FP16, num_losses=2),
     )
     with pytest.raises(
         ValueError,

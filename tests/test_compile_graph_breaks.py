@@ -49,9 +49,7 @@ class _Net(nn.Module):
 def _model(breaks: bool, level: str = "O2") -> nn.Module:
     torch.manual_seed(0)
     net = _Net(breaks)
-    model, _ = mixprec.initialize(
-        net, torch.optim.SGD(net.parameters(), lr=0.1), level=level, dtype=BF16
-    )
+    model, _ = mixprec.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), level, BF16)
     return model
 
 

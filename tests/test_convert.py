@@ -185,7 +185,7 @@ def test_convert_errors_say_how_to_fix():
     m = nn.Linear(4, 4)
     with pytest.raises(ValueError, match="16-bit compute dtype"):
         convert(m, torch.randn(2, 4), "float32")
-    mixprec.initialize(m, level="O1", dtype=torch.bfloat16)
+    mixprec.initialize(m, recipe="O1", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="before mixprec.initialize"):
         convert(m, torch.randn(2, 4))
 

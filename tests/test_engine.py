@@ -910,9 +910,7 @@ def test_boundary_casts_dataclass_and_pytree_outputs():
             return Out(y, [y, Frozen(y)], 3), Pair(y, y.double())
 
     net = Net()
-    model, _ = mixprec.initialize(
-        net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2", dtype=BF16
-    )
+    model, _ = mixprec.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), "O2", BF16)
     out, pair = model(rn(2, 4))
     assert isinstance(out, Out) and out.step == 3
     assert out.logits.dtype == F32 and out.extras[0].dtype == F32

@@ -164,7 +164,7 @@ def _init(level: str, model: nn.Module | None = None, dtype=BF16, **kw):
     torch.manual_seed(0)
     model = model or _Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return mixprec.initialize(model, opt, level=level, dtype=dtype, **kw)
+    return mixprec.initialize(model, opt, mixprec.Recipe(level, dtype, **kw))
 
 
 X = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
@@ -262,7 +262,7 @@ def test_graph_compile_many_models_in_one_process():
         model = _Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         compiled, opt = mixprec.initialize(
-            graph.compile(model, policy, compiler="aot_eager"), opt, level="O2", dtype=BF16
+            graph.compile(model, policy, compiler="aot_eager"), opt, "O2", BF16
         )
         out = compiled(X)
         assert out.dtype == torch.float32 and torch.isfinite(out).all()

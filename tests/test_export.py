@@ -1,4 +1,5 @@
-"""mixprec.export: ONNX and torch.export round trips, weight dtypes against the table, errors."""
+"""mixprec.inference.export: ONNX and torch.export round trips, weight dtypes against the table,
+errors."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def gpt() -> nn.Module:
 def test_onnx_fp16_round_trip_and_weight_dtypes(gpt: nn.Module, tmp_path) -> None:
     onnx = need_onnx()
     fast = mixprec.for_inference(gpt, torch.float16, X)
-    res = mixprec.export(fast, X, tmp_path / "m.onnx")
+    res = mixprec.inference.export(fast, X, tmp_path / "m.onnx")
     assert res.compute == "16bit" and res.cosine > 0.9999 and res.max_abs_error < 1e-2
     proto = onnx.load(tmp_path / "m.onnx")
     inferred = onnx.shape_inference.infer_shapes(proto)
@@ -88,9 +89,11 @@ def test_onnx_bf16_falls_back_to_storage_and_16bit_compute_errors(gpt, tmp_path)
     if ort_can_run(torch.bfloat16):
         pytest.skip("this ONNX Runtime build runs bf16 MatMul: no fallback to test")
     with pytest.raises(ExportError, match="no torch.bfloat16 MatMul kernel.*compute='fp32'"):
-        mixprec.export(fast, X, tmp_path / "c.onnx", compute="16bit")  # fails before exporting
+        mixprec.inference.export(
+            fast, X, tmp_path / "c.onnx", compute="16bit"
+        )  # fails before exporting
     assert not (tmp_path / "c.onnx").exists()
-    res = mixprec.export(fast, X, tmp_path / "b.onnx")  # compute="auto"
+    res = mixprec.inference.export(fast, X, tmp_path / "b.onnx")  # compute="auto"
     assert res.compute == "fp32" and "no torch.bfloat16 MatMul kernel" in res.notes[0]
     assert res.cosine > 0.9999
     proto = onnx.load(tmp_path / "b.onnx")
@@ -108,7 +111,7 @@ def test_onnx_bf16_falls_back_to_storage_and_16bit_compute_errors(gpt, tmp_path)
 
 def test_torch_export_round_trip_keeps_plan(gpt: nn.Module, tmp_path) -> None:
     fast = mixprec.for_inference(gpt, torch.bfloat16, X)
-    res = mixprec.export(fast, X, tmp_path / "m.pt2", format="torch")
+    res = mixprec.inference.export(fast, X, tmp_path / "m.pt2", format="torch")
     assert res.cosine > 0.99999
     plan = mixprec.inference.prepare.inference_info(fast).storage
     for key, dtype in plan.items():
@@ -125,9 +128,9 @@ def test_int8_dynamic_refuses_with_fix(tmp_path) -> None:
     dyn = mixprec.for_inference(net, torch.bfloat16, x, int8="dynamic", int8_modules=["0"])
     for fmt in ("onnx", "torch"):
         with pytest.raises(ExportError, match="cannot trace.*int8='weight_only'"):
-            mixprec.export(dyn, x, tmp_path / "d.bin", format=fmt)
+            mixprec.inference.export(dyn, x, tmp_path / "d.bin", format=fmt)
     wo = mixprec.for_inference(net, torch.bfloat16, x, int8="weight_only", int8_modules=["0"])
-    res = mixprec.export(wo, x, tmp_path / "q.pt2", format="torch")
+    res = mixprec.inference.export(wo, x, tmp_path / "q.pt2", format="torch")
     assert res.weight_dtypes["0.weight_int8"] == "int8" and res.cosine > 0.9999
 
 
@@ -140,8 +143,8 @@ def test_unsupported_op_and_bad_arguments(tmp_path) -> None:
     need_onnx()
     x = torch.randn(2, 4, 4)
     with pytest.raises(ExportError, match="cannot export Eigen.*format='torch'"):
-        mixprec.export(Eigen(), x, tmp_path / "e.onnx", policy=torch.float16)
+        mixprec.inference.export(Eigen(), x, tmp_path / "e.onnx", policy=torch.float16)
     with pytest.raises(ValueError, match="format must be"):
-        mixprec.export(Eigen(), x, tmp_path / "e.x", format="tflite")
+        mixprec.inference.export(Eigen(), x, tmp_path / "e.x", format="tflite")
     with pytest.raises(ValueError, match="compute must be"):
-        mixprec.export(Eigen(), x, tmp_path / "e.onnx", compute="int4")
+        mixprec.inference.export(Eigen(), x, tmp_path / "e.onnx", compute="int4")

@@ -1,4 +1,4 @@
-"""mixprec.footprint: bytes per parameter by category, counted from the live tensors."""
+"""mixprec.numerics.footprint: bytes per parameter by category, counted from the live tensors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec import footprint
+from mixprec.numerics import footprint
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
@@ -26,7 +26,7 @@ def make(level=None, opt="adamw", **kw):
     if level is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model, o = mixprec.initialize(model, o, level, BF16, **kw)
+            model, o = mixprec.initialize(model, o, mixprec.Recipe(level, BF16, **kw))
     x = torch.randn(32, 64)
 
     def step():
@@ -68,13 +68,13 @@ def make(level=None, opt="adamw", **kw):
         ),
         (
             "O3",
-            dict(update="kahan", state_dtype=BF16),
+            dict(update="kahan", optimizer_states=BF16),
             "adamw",
             dict(weights=2, grads=2, masters=0, compensation=2, optimizer_state=4),
         ),
         (
             "O3",
-            dict(update="stochastic", state_dtype=torch.float32),
+            dict(update="stochastic", optimizer_states=torch.float32),
             "adamw",
             dict(weights=2, grads=2, masters=0, compensation=0, optimizer_state=8),
         ),

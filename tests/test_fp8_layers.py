@@ -19,6 +19,7 @@ import mixprec
 from mixprec import FP8Config
 from mixprec.bench.models import GPT, GPTConfig
 from mixprec.core import hardware
+from mixprec.fp8 import fp8_plan
 from mixprec.fp8 import layers as fp8_layers
 from mixprec.fp8.layers import FP8Forward, layers_of
 
@@ -94,10 +95,10 @@ def test_layers_all_runs_every_block_linear_in_fp8_and_not_the_head(recipe):
     model = gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = mixprec.initialize(
-        model, opt, "O2", torch.bfloat16, fp8=FP8Config(recipe, layers="all")
+        model, opt, mixprec.Recipe("O2", torch.bfloat16, fp8=FP8Config(recipe, layers="all"))
     )
     chosen = block_linears()
-    plan = mixprec.fp8_plan(model)
+    plan = fp8_plan(model)
     assert plan.chosen == chosen
     assert not plan["head"].fp8 and "output head" in plan["head"].reason
     with GemmsByModule(model) as g:
@@ -118,25 +119,27 @@ def test_layers_all_runs_every_block_linear_in_fp8_and_not_the_head(recipe):
 
 def test_a_predicate_and_a_plan_choose_the_layers():
     model = gpt()
-    model = mixprec.initialize(model, None, "O2", fp8=FP8Config(layers=lambda n, m: "fc" in n))
-    plan = mixprec.fp8_plan(model)
+    model = mixprec.initialize(
+        model, None, mixprec.Recipe("O2", fp8=FP8Config(layers=lambda n, m: "fc" in n))
+    )
+    plan = fp8_plan(model)
     assert plan.chosen == [n for n in block_linears() if n.endswith(("fc", "fc_proj"))]
     assert plan["blocks.0.attn.qkv"].reason == "not selected by the layers= predicate"
     # a plan given as layers= is applied as it is, reasons included
-    again = mixprec.initialize(gpt(), None, "O2", fp8=FP8Config(layers=plan))
-    assert mixprec.fp8_plan(again).chosen == plan.chosen
+    again = mixprec.initialize(gpt(), None, mixprec.Recipe("O2", fp8=FP8Config(layers=plan)))
+    assert fp8_plan(again).chosen == plan.chosen
     with GemmsByModule(again) as g, torch.no_grad():
         again(tokens())
     assert [m for m, op in g.forward if op == "_scaled_mm"] == plan.chosen
 
 
 def test_auto_decides_at_the_first_batch_and_explains_why_a_small_model_stays_16_bit():
-    model = mixprec.initialize(gpt(), None, "O2", fp8=True)
-    plan = mixprec.fp8_plan(model)
+    model = mixprec.initialize(gpt(), None, mixprec.Recipe("O2", fp8=True))
+    plan = fp8_plan(model)
     assert all(plan[n].pending for n in block_linears()) and plan.chosen == []
     with torch.no_grad():
         model(tokens())
-    plan = mixprec.fp8_plan(model)
+    plan = fp8_plan(model)
     assert plan.chosen == []
     qkv = plan["blocks.0.attn.qkv"]
     assert not qkv.pending and qkv.shape == (64, 32, 96) and qkv.speedup < 1.05
@@ -146,7 +149,7 @@ def test_auto_decides_at_the_first_batch_and_explains_why_a_small_model_stays_16
 
 def test_fp8_plan_picks_the_block_linears_at_d4096_and_none_at_d256():
     big = gpt(n_embd=4096, n_layer=1)
-    plan = mixprec.fp8_plan(big, tokens(1, 16), tokens=8192)
+    plan = fp8_plan(big, tokens(1, 16), tokens=8192)
     assert plan.chosen == block_linears(1), str(plan)
     for name in plan.chosen:
         c = plan[name]
@@ -154,11 +157,11 @@ def test_fp8_plan_picks_the_block_linears_at_d4096_and_none_at_d256():
         assert c.reason.startswith("predicted") and "casts survive" in c.reason
     assert "output head" in plan["head"].reason
     del big
-    small = mixprec.fp8_plan(gpt(n_embd=256, n_layer=1), tokens(1, 16), tokens=8192)
+    small = fp8_plan(gpt(n_embd=256, n_layer=1), tokens(1, 16), tokens=8192)
     assert small.chosen == []
     assert all("below 1.05x" in small[n].reason for n in block_linears(1)), str(small)
     # the same shapes are judged for the GPU asked for: an L40S's FP8 gain is smaller
-    l40s = mixprec.fp8_plan(gpt(n_embd=256, n_layer=1), tokens(1, 16), config=FP8Config(
+    l40s = fp8_plan(gpt(n_embd=256, n_layer=1), tokens(1, 16), config=FP8Config(
         target="l40s"), tokens=8192)  # fmt: skip
     assert l40s.target == "l40s" and "L40S" in l40s["blocks.0.fc"].reason
 
@@ -168,16 +171,16 @@ def test_numbers_that_do_not_survive_the_cast_keep_a_layer_16_bit():
     wide = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 2048), nn.Linear(2048, 16))
     x = torch.randn(8, 2048)
     x[:, 0] = 1e6  # one huge feature: per-tensor scaling flushes the other values to zero
-    plan = mixprec.fp8_plan(wide, x, tokens=1 << 16)
+    plan = fp8_plan(wide, x, tokens=1 << 16)
     first, second = plan["0"], plan["1"]
     assert first.speedup >= 1.05 and second.speedup >= 1.05  # the speed side says yes
     assert not first.fp8 and first.input.underflow > 0.01, str(plan)
     assert "flushes" in first.reason and "amax 1e+06" in first.reason
     assert second.fp8 and second.input.underflow < 0.01
     # rowwise: one power-of-2 scale per token keeps the same values (each row has the outlier)
-    assert mixprec.fp8_plan(wide, x, tokens=1 << 16, config="rowwise")["0"].input.underflow > 0
+    assert fp8_plan(wide, x, tokens=1 << 16, config="rowwise")["0"].input.underflow > 0
     small = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 16))
-    with_grads = mixprec.fp8_plan(small, torch.randn(32, 64), loss_fn=lambda y: y.sum())
+    with_grads = fp8_plan(small, torch.randn(32, 64), loss_fn=lambda y: y.sum())
     assert with_grads["0"].grad is not None and with_grads["0"].grad.dtype == "float8_e5m2"
     assert all(p.grad is None for p in small.parameters())  # the plan leaves no gradients
 
@@ -200,8 +203,8 @@ def test_candidates_leave_out_the_head_tied_and_own_policy_linears_and_bad_shape
 
     model = Tied()
     mixprec.set_policy(model.kept, "float32")
-    model = mixprec.initialize(model, None, "O2", fp8=FP8Config(layers="all"))
-    plan = mixprec.fp8_plan(model)
+    model = mixprec.initialize(model, None, mixprec.Recipe("O2", fp8=FP8Config(layers="all")))
+    plan = fp8_plan(model)
     assert plan.chosen == ["lin"]
     assert "multiple of 16" in plan["odd"].reason
     assert "embedding" in plan["out"].reason
@@ -218,15 +221,15 @@ def test_a_linear_subclass_with_its_own_forward_is_not_touched():
             return 2 * super().forward(x)
 
     model = nn.Sequential(Scaled(32, 32), nn.Linear(32, 32), nn.Linear(32, 16))
-    model = mixprec.initialize(model, None, "O2", fp8=FP8Config(layers="all"))
-    assert mixprec.fp8_plan(model).chosen == ["1"] and "0" not in mixprec.fp8_plan(model)
+    model = mixprec.initialize(model, None, mixprec.Recipe("O2", fp8=FP8Config(layers="all")))
+    assert fp8_plan(model).chosen == ["1"] and "0" not in fp8_plan(model)
 
 
 def test_the_model_keeps_its_keys_pickles_copies_and_fp32_state_dict_loads_strict():
     model = gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     keys = list(model.state_dict())
-    model, opt = mixprec.initialize(model, opt, "O2", fp8=FP8Config(layers="all"))
+    model, opt = mixprec.initialize(model, opt, mixprec.Recipe("O2", fp8=FP8Config(layers="all")))
     step(model, opt, tokens())
     assert list(model.state_dict()) == keys
     plain = gpt(seed=5)
@@ -238,7 +241,7 @@ def test_the_model_keeps_its_keys_pickles_copies_and_fp32_state_dict_loads_stric
     with torch.no_grad():
         x = tokens()
         assert torch.equal(loaded(x), model(x)) and torch.equal(twin(x), model(x))
-    assert mixprec.fp8_plan(loaded).chosen == block_linears()
+    assert fp8_plan(loaded).chosen == block_linears()
 
 
 def test_autocast_fp8_runs_the_chosen_linears_in_the_region_only():
@@ -256,7 +259,7 @@ def test_autocast_fp8_runs_the_chosen_linears_in_the_region_only():
             fp8 = model(x)
         assert [m for m, op in g.forward if op == "_scaled_mm"] == block_linears()
         assert fp8.dtype == torch.bfloat16 and not torch.equal(fp8, plain)
-        assert mixprec.fp8_plan(model).chosen == block_linears()
+        assert fp8_plan(model).chosen == block_linears()
         # outside the region the model is what it was, bit for bit
         with mixprec.autocast(torch.bfloat16):
             assert torch.equal(model(x), plain)
@@ -274,17 +277,17 @@ def test_bad_fp8_arguments_say_what_is_allowed():
     with pytest.raises(ValueError, match="target"):
         FP8Config(target="a100")
     with pytest.raises(ValueError, match="fp8='e4m3'.*recipe name"):
-        mixprec.initialize(gpt(), None, "O2", fp8="e4m3")
+        mixprec.initialize(gpt(), None, mixprec.Recipe("O2", fp8="e4m3"))
     with pytest.raises(TypeError, match="fp8= takes True"):
-        mixprec.initialize(gpt(), None, "O2", fp8=1)
-    with pytest.raises(ValueError, match="level O0 trains in float32"):
-        mixprec.initialize(gpt(), None, "O0", fp8=True)
+        mixprec.initialize(gpt(), None, mixprec.Recipe("O2", fp8=1))
+    with pytest.raises(ValueError, match=r"Recipe\(fp8=.*applies inside 16-bit compute"):
+        mixprec.Recipe("O0", fp8=True)
     with pytest.raises(ValueError, match="16-bit region"):
         mixprec.autocast("float32", fp8=True)
     with pytest.raises(ValueError, match="tokens"):
-        mixprec.fp8_plan(gpt(), tokens(), tokens=0)
+        fp8_plan(gpt(), tokens(), tokens=0)
     with pytest.raises(ValueError, match="without a batch"):
-        mixprec.fp8_plan(gpt())
+        fp8_plan(gpt())
 
 
 def test_fp8_support_per_device_and_the_refusal_names_the_gpu(monkeypatch):
@@ -300,15 +303,15 @@ def test_fp8_support_per_device_and_the_refusal_names_the_gpu(monkeypatch):
     assert not hardware._fp8_support_for("mps", None, "mps", torch.float32).supported
     monkeypatch.setattr(fp8_layers, "fp8_support", lambda device: a100)
     with pytest.raises(RuntimeError, match="A100.*no FP8 tensor cores"):
-        mixprec.initialize(gpt(), None, "O2", fp8=True)
+        mixprec.initialize(gpt(), None, mixprec.Recipe("O2", fp8=True))
 
 
 def test_cpu_fp8_warns_once_that_it_is_emulated(monkeypatch):
     monkeypatch.setattr(fp8_layers, "_warned", set())
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        mixprec.initialize(gpt(), None, "O2", fp8=True)
-        mixprec.initialize(gpt(), None, "O2", fp8=True)
+        mixprec.initialize(gpt(), None, mixprec.Recipe("O2", fp8=True))
+        mixprec.initialize(gpt(), None, mixprec.Recipe("O2", fp8=True))
     emulated = [w for w in seen if "emulated" in str(w.message)]
     assert len(emulated) == 1 and issubclass(emulated[0].category, UserWarning)
     assert emulated[0].filename == __file__  # points at the initialize call
@@ -331,19 +334,19 @@ def test_auto_under_compile_judges_undecided_layers_by_shape_without_graph_break
 
     from mixprec.core import dispatch
 
-    model = mixprec.initialize(gpt(), None, "O2", fp8=True)
+    model = mixprec.initialize(gpt(), None, mixprec.Recipe("O2", fp8=True))
     compiled = torch.compile(model, backend="aot_eager")
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():
         out = compiled(tokens())
     assert dict(counters["graph_break"]) == {} and not dispatch._state.frames
-    assert all(c.pending for n, c in mixprec.fp8_plan(model).items() if n != "head")
+    assert all(c.pending for n, c in fp8_plan(model).items() if n != "head")
     with torch.no_grad():
         # too small for an H100 by shape alone: the compiled graph ran the 16-bit Linears
         assert torch.equal(out, model(tokens()))  # and an eager call decides
 
-    assert not any(c.pending for c in mixprec.fp8_plan(model).values())
+    assert not any(c.pending for c in fp8_plan(model).values())
 
 
 def test_importing_mixprec_does_not_import_dynamo():

@@ -14,6 +14,7 @@ from torch import nn
 import mixprec
 from mixprec import FP8Config
 from mixprec.bench.models import GPT, GPTConfig
+from mixprec.fp8 import fp8_plan
 from mixprec.fp8.layers import layers_of
 
 pytestmark = pytest.mark.filterwarnings("ignore:FP8 on CPU is emulated")
@@ -42,9 +43,9 @@ def ce(logits, target):
 
 
 def test_op_stats_counts_the_scaled_matmuls_in_their_own_column():
-    model = mixprec.initialize(gpt(), None, "O2", fp8=ALL)
+    model = mixprec.initialize(gpt(), None, mixprec.Recipe("O2", fp8=ALL))
     x = tokens()
-    with mixprec.op_stats() as stats:
+    with mixprec.numerics.op_stats() as stats:
         ce(model(x), x).backward()
     fwd, bwd = stats.as_dict("forward"), stats.as_dict("backward")
     assert fwd["_scaled_mm"] == {"fp32": 0, "bf16": 0, "fp16": 0, "fp8": 8, "other": 0}
@@ -55,11 +56,13 @@ def test_op_stats_counts_the_scaled_matmuls_in_their_own_column():
 
 
 def test_range_audit_judges_fp8_layers_at_their_recipes_scales():
-    model = mixprec.initialize(gpt(), None, "O2", fp8=FP8Config("rowwise", layers="all"))
+    model = mixprec.initialize(
+        gpt(), None, mixprec.Recipe("O2", fp8=FP8Config("rowwise", layers="all"))
+    )
     x = tokens()
-    with mixprec.range_audit(model) as audit:
+    with mixprec.numerics.range_audit(model) as audit:
         ce(model(x), x).backward()
-    fp8 = set(mixprec.fp8_plan(model).chosen)
+    fp8 = set(fp8_plan(model).chosen)
     assert set(audit.fp8) == fp8 and "head" not in audit.fp8
     s = audit.fp8["blocks.0.fc"]
     assert s.recipe == "rowwise" and s.calls == 1
@@ -75,10 +78,10 @@ def test_range_audit_judges_fp8_layers_at_their_recipes_scales():
 
 def test_range_audit_sees_an_input_outside_the_fp8_range():
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 16))
-    model = mixprec.initialize(model, None, "O2", fp8=ALL)
+    model = mixprec.initialize(model, None, mixprec.Recipe("O2", fp8=ALL))
     x = torch.randn(8, 32)
     x[:, 0] = 1e7  # per-tensor scaling pushes everything else under e4m3's smallest value
-    with torch.no_grad(), mixprec.range_audit(model) as audit:
+    with torch.no_grad(), mixprec.numerics.range_audit(model) as audit:
         model(x)
     first = audit.fp8["0"]
     assert first.input.amax == pytest.approx(1e7, rel=1e-2)
@@ -130,7 +133,7 @@ def test_tune_chooses_fp8_16_bit_or_fp32_per_linear():
     def loss(out, target):
         return F.cross_entropy(out.float(), target)
 
-    plan = mixprec.tune(model, (x, y), loss, torch.bfloat16, tolerance=0.05, fp8=ALL)
+    plan = mixprec.numerics.tune(model, (x, y), loss, torch.bfloat16, tolerance=0.05, fp8=ALL)
     assert plan.passed and plan.fp32_modules == []
     assert "0" in plan.fp8_modules and "2" not in plan.fp8_modules
     assert "in FP8: loss error" in plan.fp8_reasons["2"]
@@ -139,19 +142,19 @@ def test_tune_chooses_fp8_16_bit_or_fp32_per_linear():
     assert plan.as_dict()["fp8_modules"] == plan.fp8_modules
     # the model is left as it was, and the plan's fp8= trains exactly those layers
     assert layers_of(model) == {} and not any("forward" in m.__dict__ for m in model.modules())
-    trained = mixprec.initialize(model, None, "O2", fp8=plan.fp8)
-    assert mixprec.fp8_plan(trained).chosen == plan.fp8_modules
+    trained = mixprec.initialize(model, None, mixprec.Recipe("O2", fp8=plan.fp8))
+    assert fp8_plan(trained).chosen == plan.fp8_modules
 
     def accuracy(out, target):
         return (out.argmax(-1) == target).float().mean()
 
     torch.manual_seed(0)
     fresh = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 8))
-    by_metric = mixprec.tune(
+    by_metric = mixprec.numerics.tune(
         fresh, (x, y), metric=accuracy, dtype=torch.bfloat16, tolerance=0.05, fp8=ALL
     )
     assert by_metric.fp8_modules == ["0", "2"] and by_metric.passed
-    assert mixprec.tune(fresh, (x, y), loss, torch.bfloat16).fp8 is None  # not asked
+    assert mixprec.numerics.tune(fresh, (x, y), loss, torch.bfloat16).fp8 is None  # not asked
 
 
 def test_mixprec_report_cli_takes_fp8_and_its_layers(tmp_path, capsys):

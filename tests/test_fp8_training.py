@@ -47,7 +47,7 @@ def build(fp8, seed: int = 0, n_layer: int = 2, lr: float = 3e-3):
     torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab_size=V, block_size=32, n_layer=n_layer, n_head=4, n_embd=64))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    return mixprec.initialize(model, opt, "O2", torch.bfloat16, fp8=fp8)
+    return mixprec.initialize(model, opt, mixprec.Recipe("O2", torch.bfloat16, fp8=fp8))
 
 
 def loss_of(model, x, y):
@@ -126,7 +126,7 @@ def test_an_inf_entering_an_fp8_layer_skips_the_step_and_the_locator_names_the_l
         return (x,)
 
     handle = fc.register_forward_pre_hook(plant)
-    with mixprec.locate_nonfinite(model, opt) as loc:
+    with mixprec.numerics.locate_nonfinite(model, opt) as loc:
         x, y = next(data)
         loss = loss_of(model, x, y)
         opt.backward(loss)
@@ -155,7 +155,7 @@ def test_an_inf_made_upstream_is_traced_into_the_fp8_layers_it_reached():
     ln = model.blocks[1].ln2
     handle = ln.register_forward_pre_hook(lambda m, a: (a[0] * float("inf"),))
     x, y = next(markov_batches(6, n=2, t=16))
-    with mixprec.locate_nonfinite(model, opt) as loc:
+    with mixprec.numerics.locate_nonfinite(model, opt) as loc:
         opt.backward(loss_of(model, x, y))
         opt.step()
     handle.remove()
@@ -203,9 +203,8 @@ _MEMORY = textwrap.dedent(
     model = GPT(GPTConfig(vocab_size=64, block_size=64, n_layer=8, n_head=4, n_embd=256))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = mixprec.FP8Config(**fp8) if fp8 else None
-    model, opt = mixprec.initialize(
-        model, opt, "O2", torch.bfloat16, fp8=cfg, activations=activations
-    )
+    recipe = mixprec.Recipe("O2", torch.bfloat16, fp8=cfg, activations=activations)
+    model, opt = mixprec.initialize(model, opt, recipe)
     x = torch.randint(0, 64, (16, 64))
 
     def step():

@@ -338,7 +338,7 @@ def lm_loss(out, ids: torch.Tensor) -> torch.Tensor:
 def train_o2(model: nn.Module, ids: torch.Tensor, kwargs: dict, steps: int = 10) -> list[float]:
     """``steps`` AdamW steps at O2, as the docs show; finite losses that fall."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model, opt = mixprec.initialize(model, opt, level="O2", dtype=BF16)
+    model, opt = mixprec.initialize(model, opt, "O2", BF16)
     losses = []
     for _ in range(steps):
         out = model(ids, **kwargs)

@@ -261,7 +261,7 @@ def test_lists_follow_the_cast_table_and_validate_overrides():
     assert "linear" in lists.allow and "softmax" in lists.deny and "add" in lists.infer
     assert "view" in lists.clear
     assert "softmax" in build_lists(fp32_inside=True).infer
-    from mixprec import cast_rules
+    from mixprec.numerics import cast_rules
 
     with cast_rules({"softmax": "lower"}):
         assert "softmax" in build_lists().allow

@@ -116,7 +116,7 @@ def test_minilm_shaped_encoder_onnx_export_matches_fp32(minilm, tmp_path) -> Non
 
     model, inputs, ref = minilm
     fast = mixprec.for_inference(model, torch.bfloat16, inputs)
-    res = mixprec.export(fast, inputs, tmp_path / "minilm.onnx")
+    res = mixprec.inference.export(fast, inputs, tmp_path / "minilm.onnx")
     assert res.compute == ("16bit" if ort_can_run(torch.bfloat16) else "fp32")
     n16 = sum(v == "bfloat16" for v in res.weight_dtypes.values())
     assert n16 >= 36, res.weight_dtypes  # 6 layers x (q, k, v, out, ffn in, ffn out) at least

@@ -67,7 +67,7 @@ def test_without_example_inputs_module_rule_only() -> None:
 def test_from_initialized_model_uses_masters_and_from_checkpoint() -> None:
     net = _net()
     model, opt = mixprec.initialize(
-        net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2", dtype=torch.bfloat16
+        net, torch.optim.SGD(net.parameters(), lr=0.1), "O2", torch.bfloat16
     )
     model.train()
     loss = model(X).float().pow(2).mean()

@@ -106,7 +106,10 @@ def test_every_level_trains_and_matches_fp32(opt_name):
 
 def test_o0_refuses_a_16bit_dtype_it_would_ignore():
     m, o = model_and_opt()
-    with pytest.raises(ValueError, match=r"O0 trains in float32, so dtype=torch.float16"):
+    with pytest.raises(
+        ValueError,
+        match=r"Recipe\(dtype=torch.float16\): recipe .O0. trains in float32, so the dtype",
+    ):
         initialize(m, o, "O0", FP16)
     with pytest.raises(TypeError, match=r"floating dtype .* received torch.int8"):
         initialize(m, o, "O0", torch.int8)
@@ -153,23 +156,25 @@ def test_bad_losses_get_a_mixprec_error(make_loss, exc, match):
 
 def test_master_weights_and_keep_norm_overrides_at_o2_o3():
     m, o = model_and_opt()
-    m, o = initialize(m, o, "O2", BF16, keep_norm_fp32=False)
+    m, o = initialize(m, o, mixprec.Recipe("O2", BF16, keep_fp32="none"))
     assert all(p.dtype == BF16 for p in m.parameters()) and len(o._pairs) == 6
     m, o = model_and_opt()
-    m, o = initialize(m, o, "O3", BF16, master_weights=True)
+    m, o = initialize(m, o, mixprec.Recipe("O3", BF16, masters=True))
     assert all(p.dtype == BF16 for p in m.parameters()) and len(o._pairs) == 6
     m, o = model_and_opt()
-    m, o = initialize(m, o, "O2", BF16, master_weights=False)
+    m, o = initialize(m, o, mixprec.Recipe("O2", BF16, masters=False))
     assert o._pairs == [] and {p.dtype for p in o.master_params()} == {BF16, FP32}
 
 
 # ------------------------------------------------------------------ 13. error paths
 
 
-def _o1_error(match: str, exc=ValueError, **kw):
+def _o1_error(match: str, *recipe, exc=ValueError, **kw):
+    """``initialize(model, opt, *recipe, **kw)`` raises, and leaves the model and optimizer as
+    given; a callable in ``recipe`` builds the recipe inside the check (its own errors)."""
     m, o = model_and_opt()
     with pytest.raises(exc, match=match):
-        initialize(m, o, **kw)
+        initialize(m, o, *(r() if callable(r) else r for r in recipe), **kw)
     # nothing was modified: the same model and optimizer initialize fine afterwards
     assert all(p.dtype == FP32 for p in m.parameters())
     assert not m.__dict__.get("_mixprec_initialized")
@@ -177,77 +182,78 @@ def _o1_error(match: str, exc=ValueError, **kw):
 
 
 def test_unknown_level():
-    _o1_error(r"Unknown level 'O4'", level="O4", dtype=BF16)
+    _o1_error(r"Cannot read 'O4' as a recipe or a policy; recipe names: \['O0', 'O1'", "O4", BF16)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 @pytest.mark.parametrize("dtype", [FP32, "fp32", torch.float64])
 def test_fp32_dtype_needs_o0(level, dtype):
-    _o1_error(rf"Level {level} needs a 16-bit dtype", level=level, dtype=dtype)
+    _o1_error(rf"Recipe\(dtype=torch.float\d\d\): recipe '{level}' needs a 16-bit", level, dtype)
 
 
-def test_keep_norm_fp32_at_o1():
+def test_keep_fp32_none_at_o1():
     _o1_error(
-        r"keep_norm_fp32 only applies where parameters are cast",
-        level="O1",
-        dtype=BF16,
-        keep_norm_fp32=True,
+        r"Recipe\(keep_fp32='none'\): modules stay float32 anyway",
+        lambda: mixprec.Recipe("O1", BF16, keep_fp32="none"),
     )
 
 
-def test_master_weights_at_o1():
+def test_masters_at_o1():
     _o1_error(
-        r"master_weights=True needs 16-bit parameters", level="O1", dtype=BF16, master_weights=True
+        r"Recipe\(masters=True\): master weights back 16-bit weights",
+        lambda: mixprec.Recipe("O1", BF16, masters=True),
     )
 
 
-def test_unknown_override():
-    _o1_error(
-        r"Unknown initialize option\(s\) \['loss_scael'\]",
-        TypeError,
-        level="O2",
-        dtype=FP16,
-        loss_scael="dynamic",
-    )
+def test_unknown_option():
+    _o1_error(r"unexpected keyword argument 'loss_scael'", exc=TypeError, loss_scael="dynamic")
+    with pytest.raises(TypeError, match=r"Recipe has no field\(s\) \['loss_scael'\]"):
+        mixprec.Recipe("O2", FP16).replace(loss_scael="dynamic")
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.0, True])
 def test_bad_num_losses(bad):
-    _o1_error(r"num_losses must be an int >= 1", level="O2", dtype=BF16, num_losses=bad)
+    _o1_error(
+        rf"Recipe\(num_losses={bad!r}\): expected an int >= 1",
+        lambda: mixprec.Recipe("O2", BF16, num_losses=bad),
+    )
 
 
 def test_static_scale_with_dynamic_option():
     _o1_error(
-        r"Static loss scale 128.0 does not use \['growth_interval'\]",
-        level="O2",
-        dtype=FP16,
-        loss_scale=128.0,
-        growth_interval=10,
+        r"LossScaling\(dynamic=False\) is a static scale; \['growth_interval'\] only apply",
+        lambda: mixprec.Recipe(
+            "O2", FP16, loss_scale=mixprec.LossScaling(dynamic=False, growth_interval=10)
+        ),
     )
 
 
-def test_disabled_scale_with_option():
-    _o1_error(
-        r"spec None disables loss scaling and takes no options",
-        level="O2",
-        dtype=BF16,
-        init_scale=8.0,
-    )
+def test_scaler_settings_in_bf16_turn_scaling_on():
+    """Scaler settings once needed a scaler that bf16 does not switch on (an error); a
+    LossScaling given in bf16 is that scaler, switched on by the recipe."""
+    m, o = model_and_opt()
+    scaled = mixprec.Recipe("O2", BF16, loss_scale=mixprec.LossScaling(init_scale=8.0))
+    m, o = initialize(m, o, scaled)
+    assert o.loss_scale == 8.0 and o.slots[0].scaler.dynamic
 
 
 def test_bad_loss_scale_spec():
-    _o1_error(r"Unknown loss-scale spec 'dyn'", level="O2", dtype=FP16, loss_scale="dyn")
+    _o1_error(
+        r"Recipe\(loss_scale='dyn'\): expected 'auto', 'dynamic', a number",
+        lambda: mixprec.Recipe("O2", FP16, loss_scale="dyn"),
+    )
 
 
 def test_policy_and_dtype_together():
-    _o1_error(r"Give policy= or dtype=, not both", policy="bf16-mixed", dtype=BF16)
+    _o1_error(r"The policy 'mixed_bfloat16' carries its dtype", "mixed_bfloat16", BF16)
+    _o1_error(r"The recipe says dtype=torch.bfloat16 and dtype=torch.float16", "bf16-mixed", FP16)
 
 
 def test_initialize_twice_on_same_model():
     m, o = model_and_opt()
     m, o = initialize(m, o, "O2", BF16)
     with pytest.raises(RuntimeError, match="initialize was already called on this Sequential"):
-        initialize(m, level="O2", dtype=BF16)
+        initialize(m, recipe="O2", dtype=BF16)
     with pytest.raises(RuntimeError, match="initialize was already called"):
         initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), "O1", BF16)
     m2 = make_model(1)
@@ -275,13 +281,13 @@ def test_non_module_and_non_optimizer_inputs():
         match=r"expects an nn.Module \(or a list of them\), received "
         r"OrderedDict",
     ):
-        initialize(m.state_dict(), o)
+        initialize(m.state_dict(), o, "O1")
     with pytest.raises(TypeError, match=r"expects an nn.Module .* received function"):
-        initialize([m, lambda x: x], o)
+        initialize([m, lambda x: x], o, "O1")
     with pytest.raises(TypeError, match=r"takes torch.optim.Optimizer .* received list, which"):
-        initialize(m, [list(m.parameters())])
+        initialize(m, [list(m.parameters())], "O1")
     with pytest.raises(TypeError, match=r"takes torch.optim.Optimizer .* received dict, which"):
-        initialize(m, {"lr": 0.1})
+        initialize(m, {"lr": 0.1}, "O1")
     with pytest.raises(TypeError, match="wraps a torch.optim.Optimizer, received int"):
         MixedPrecisionOptimizer(3, [])
 
@@ -306,7 +312,8 @@ def _resume(level: str, order: str, **kw):
     if order == "load_then_init":  # Apex's documented order
         m.load_state_dict(weights)
         o.load_state_dict(opt_state)
-    m, o = initialize(m, o, level, BF16 if level != "O0" else None, **kw)
+    recipe = mixprec.Recipe(level, BF16 if level != "O0" else None, **kw)
+    m, o = initialize(m, o, recipe)
     if order == "init_then_load":
         m.load_state_dict(weights)
         o.load_state_dict(opt_state)  # a plain torch optimizer state dict
@@ -348,7 +355,7 @@ def test_a_torch_optimizer_state_resumes_in_either_order(level, kw):
 
 def test_loss_id_out_of_range():
     m, o = model_and_opt()
-    m, o = initialize(m, o, "O2", FP16, num_losses=2)
+    m, o = initialize(m, o, mixprec.Recipe("O2", FP16, num_losses=2))
     x, y = regression_data(8)
     for bad in (2, -1):
         with (
@@ -405,7 +412,7 @@ def test_step_with_closure_raises():
 def test_policy_bf16_mixed_is_o1_bf16():
     x, _ = regression_data(8)
     m, o = model_and_opt()
-    m, o = initialize(m, o, policy="bf16-mixed")
+    m, o = initialize(m, o, "bf16-mixed")
     ref, ref_o = model_and_opt()
     ref, ref_o = initialize(ref, ref_o, "O1", BF16)
     assert all(p.dtype == FP32 for p in m.parameters())
@@ -419,9 +426,9 @@ def test_policy_bf16_mixed_is_o1_bf16():
 def test_policy_bf16_true_is_o3():
     x, _ = regression_data(8)
     m, o = model_and_opt()
-    m, o = initialize(m, o, policy="bf16-true")
+    m, o = initialize(m, o, mixprec.Recipe.from_policy("bf16-true"))
     ref, ref_o = model_and_opt()
-    ref, ref_o = initialize(ref, ref_o, "O3", BF16, cast_model_outputs=BF16)
+    ref, ref_o = initialize(ref, ref_o, mixprec.Recipe("O3", BF16, outputs=BF16))
     assert all(p.dtype == BF16 for p in m.parameters())
     assert o._pairs == [] and o.loss_scale == 1.0
     out = m(x)
@@ -431,7 +438,7 @@ def test_policy_bf16_true_is_o3():
 
 def test_policy_16_mixed_is_o1_fp16_with_dynamic_scaling():
     m, o = model_and_opt()
-    m, o = initialize(m, o, policy="16-mixed")
+    m, o = initialize(m, o, "16-mixed")
     assert all(p.dtype == FP32 for p in m.parameters())
     assert o.loss_scale == 2.0**16 and o.slots[0].scaler.dynamic
     x, _ = regression_data(8)
@@ -440,7 +447,7 @@ def test_policy_16_mixed_is_o1_fp16_with_dynamic_scaling():
 
 def test_default_level_is_o1_with_default_dtype():
     m, o = model_and_opt()
-    m, o = initialize(m, o)
+    m, o = initialize(m, o, "O1")
     assert m.__dict__["_mixprec_initialized"] == "O1"
     assert all(p.dtype == FP32 for p in m.parameters())
     x, _ = regression_data(8)
@@ -465,7 +472,7 @@ def test_return_shapes():
     m = make_model()
     assert initialize(m, None, "O2", BF16) is m
     m1, m2 = make_model(0), make_model(1)
-    out = initialize([m1, m2], level="O3", dtype=BF16)
+    out = initialize([m1, m2], recipe="O3", dtype=BF16)
     assert isinstance(out, list) and out[0] is m1 and out[1] is m2
     assert all(p.dtype == BF16 for p in m2.parameters())
 
@@ -492,7 +499,6 @@ def test_model_is_modified_in_place_and_params_keep_identity():
         ("fp16", FP16),
         ("half", FP16),
         ("float16", FP16),
-        ("bf16-mixed", BF16),
     ],
 )
 def test_dtype_strings(spelling, expected):
@@ -502,11 +508,20 @@ def test_dtype_strings(spelling, expected):
     assert o.loss_scale == (2.0**16 if expected == FP16 else 1.0)
 
 
+def test_a_policy_spelling_is_a_recipe_not_a_dtype():
+    """dtype= names a dtype; a policy spelling goes where the recipe goes."""
+    _o1_error(r"Cannot read dtype='bf16-mixed' as a floating dtype", "O3", "bf16-mixed")
+    m, o = initialize(*model_and_opt(), "bf16-mixed")
+    assert {p.dtype for p in m.parameters()} == {FP32} and o.loss_scale == 1.0
+
+
 def test_o3_fp16_warns_when_adam_eps_vanishes():
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.warns(RuntimeWarning, match="eps=1e-08, which rounds to 0 in torch.float16"):
         initialize(
-            model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O3", torch.float16, update=None
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-3),
+            mixprec.Recipe("O3", torch.float16, update=None),
         )  # explicitly 16-bit arithmetic
     model = nn.Sequential(nn.Linear(4, 4))
     with warnings.catch_warnings():  # the default for fp16 Adam is an fp32 update: no warning
@@ -528,14 +543,25 @@ def test_a_per_module_policy_map_is_applied_before_the_level():
     seen = {}
     model[2].register_forward_hook(lambda m, i, o: seen.update(out=o.dtype))
     model[0].register_forward_hook(lambda m, i, o: seen.update(first=o.dtype))
-    model, opt = mixprec.initialize(model, opt, "O2", torch.bfloat16, policy={"2": "float32"})
+    mixprec.set_policy(model[2], "float32")  # a per-module policy, then the level
+    model, opt = mixprec.initialize(model, opt, "O2", torch.bfloat16)
     assert model[0].weight.dtype == torch.bfloat16 and model[2].weight.dtype == torch.float32
     model(torch.randn(3, 8)).sum().backward()
     assert seen == {"first": torch.bfloat16, "out": torch.float32}
+    # a {module path: policy} map as the recipe (tune's plan) is applied at O1
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    seen.clear()
+    model[2].register_forward_hook(lambda m, i, o: seen.update(out=o.dtype))
+    model[0].register_forward_hook(lambda m, i, o: seen.update(first=o.dtype))
+    model = mixprec.initialize(model, None, {"2": "float32"}, torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # O1: fp32 storage
+    model(torch.randn(3, 8))
+    assert seen == {"first": torch.bfloat16, "out": torch.float32}
     with pytest.raises(ValueError, match="does not have"):
-        mixprec.initialize(nn.Linear(2, 2), policy={"head": "float32"})
+        mixprec.initialize(nn.Linear(2, 2), recipe={"head": "float32"})
     with pytest.raises(ValueError, match="one model"):
-        mixprec.initialize([nn.Linear(2, 2), nn.Linear(2, 2)], policy={"": "float32"})
+        mixprec.initialize([nn.Linear(2, 2), nn.Linear(2, 2)], recipe={"": "float32"})
 
 
 def test_wrapped_distributed_models_are_refused_with_the_order_to_use():
@@ -545,10 +571,10 @@ def test_wrapped_distributed_models_are_refused_with_the_order_to_use():
             self.module = nn.Linear(2, 2)
 
     with pytest.raises(TypeError, match="then mixprec.distributed.wrap_ddp"):
-        mixprec.initialize(DistributedDataParallel())
+        mixprec.initialize(DistributedDataParallel(), recipe="O1")
     fsdp = type("FSDPLinear", (nn.Linear, type("FSDPModule", (), {})), {})(2, 2)
     with pytest.raises(TypeError, match="initialize_fsdp"):
-        mixprec.initialize(fsdp)
+        mixprec.initialize(fsdp, recipe="O1")
 
 
 # -- the masters start from the weights the model held ---------------------------------------------
@@ -584,7 +610,7 @@ def test_o2_masters_hold_the_loaded_fp32_weights_bit_for_bit(make, order, dtype)
     if order == "load_then_init":
         model.load_state_dict(pretrained)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = mixprec.initialize(model, opt, level="O2", dtype=dtype)
+    model, opt = mixprec.initialize(model, opt, "O2", dtype)
     if order == "init_then_load":
         model.load_state_dict(pretrained)
     assert any(p.dtype == dtype for p in model.parameters())  # the model itself is 16-bit
@@ -610,7 +636,7 @@ def test_o2_masters_do_not_share_storage_with_the_users_tensors():
     model = _mlp()
     model.load_state_dict(pretrained, assign=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
+    model, opt = mixprec.initialize(model, opt, "O2", torch.bfloat16)
     opt.backward(model(torch.randn(4, 8)).float().pow(2).sum())
     opt.step()
     assert all(torch.equal(pretrained[k], kept[k]) for k in kept)
@@ -667,7 +693,7 @@ def test_stepping_the_original_optimizer_after_initialize_raises_with_the_fix(le
     0, silently."""
     m = make_model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    mixprec.initialize(m, opt, level=level, dtype=BF16)
+    mixprec.initialize(m, opt, level, BF16)
     x, y = regression_data(8)
     mse(m, x, y).backward()
     before = [p.detach().clone() for p in m.parameters()]

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec import LossScaleOptimizer
+from mixprec.compat.keras import LossScaleOptimizer
 
 INF, NAN = float("inf"), float("nan")
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "keras_custom_loop.py"

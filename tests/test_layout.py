@@ -1,32 +1,32 @@
 """The package's shape: no import circles, a core that imports no tool, the public names and
-the old module paths that users may have imported."""
+where each tool lives."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import pathlib
-import pickle
 import warnings
 
 import pytest
-import torch
 
 import mixprec
-from mixprec import _moved
 
 PKG = pathlib.Path(mixprec.__file__).resolve().parent
 
-# The public API as it was before the package was split into subpackages, plus what was added
-# since (``amp``, the torch.amp drop-in): it must not shrink.
+# The public names: what a training script needs (the Recipe, the Policy and the names that
+# apply them); the tools live in subpackages.
 PUBLIC = set(
-    """Footprint LossScaleOptimizer LossScaler MixedPrecisionOptimizer NonFiniteError
-    NonFiniteLocator OpStats Policy RangeAudit TunePlan amp autocast cast_rules check convert
-    FP8Config FP8Plan fp8_plan
-    default_dtype export footprint for_inference fp32_state_dict get_policy global_policy
-    initialize lint locate_nonfinite op_stats policy_scope range_audit register_norm register_op
-    scale_loss set_global_policy set_policy stochastic_round tune""".split()  # noqa: SIM905
+    """ActivationConfig FP8Config LossScaling Policy Recipe autocast check convert default_dtype
+    for_inference fp32_state_dict get_policy global_policy initialize policy_scope register_norm
+    register_op scale_loss set_global_policy set_policy""".split()  # noqa: SIM905
 )
+#: subpackage -> the tools it exports
+TOOLS = {
+    "mixprec.numerics": """Footprint NonFiniteError NonFiniteLocator OpStats RangeAudit TunePlan
+    cast_rules footprint lint locate_nonfinite op_stats range_audit stochastic_round tune""",
+    "mixprec.inference": "export for_inference",
+}
 
 
 def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
@@ -138,65 +138,27 @@ def test_no_module_imports_the_package_root_that_the_root_imports():
     assert not [m for m in below_root if "mixprec" in graph[m]]
 
 
-def test_public_names_import_from_mixprec_as_before():
-    assert set(mixprec.__all__) >= PUBLIC
+def test_the_public_names_are_the_twenty_a_training_script_needs():
+    assert set(mixprec.__all__) == PUBLIC and len(mixprec.__all__) <= 20
     for name in mixprec.__all__:
         assert getattr(mixprec, name) is not None
-    assert callable(mixprec.initialize) and callable(mixprec.export)  # not the old modules
-    assert callable(mixprec.range_audit) and callable(mixprec.footprint)
+    assert callable(mixprec.initialize) and callable(mixprec.inference.export)  # not modules
 
 
-def _fresh(old: str) -> _moved._MovedModule:
-    proxy = importlib.import_module(f"mixprec.{old}")
-    assert isinstance(proxy, _moved._MovedModule)
-    proxy.__dict__["_warned"] = False  # an earlier test may have used it
-    return proxy
+@pytest.mark.parametrize("package", sorted(TOOLS))
+def test_each_tool_lives_in_its_subpackage(package):
+    module = importlib.import_module(package)
+    names = set(TOOLS[package].split())
+    assert names <= set(module.__all__)
+    assert all(not isinstance(getattr(module, n), type(mixprec)) for n in names)  # not modules
+    assert not names & set(mixprec.__all__) - {"for_inference"}
 
 
-@pytest.mark.parametrize("old", sorted(_moved.MOVED))
-def test_old_module_paths_work_and_warn(old):
-    proxy = _fresh(old)
-    new = importlib.import_module(_moved.MOVED[old])
-    public = getattr(new, "__all__", None) or [n for n in vars(new) if not n.startswith("_")]
-    name = min(public)
-    with pytest.warns(DeprecationWarning, match=f"mixprec.{old} is deprecated.*{new.__name__}"):
-        value = getattr(proxy, name)
-    assert value is getattr(new, name)
-
-
-def test_from_import_through_an_old_path_warns_and_gives_the_same_objects():
-    _fresh("policy")
-    _fresh("loss_scale")
-    with pytest.warns(DeprecationWarning, match="mixprec.core.policy"):
-        from mixprec.policy import Policy
-    assert Policy is mixprec.Policy
-    import mixprec.loss_scale as old  # importing alone does not warn: using it does
-
-    with pytest.warns(DeprecationWarning, match="mixprec.core.loss_scale"):
-        scaler = old.LossScaler
-    assert scaler is mixprec.LossScaler
-
-
-def test_objects_pickled_under_an_old_path_load():
-    scaler = mixprec.LossScaler(init_scale=2.0**10)
-    data = pickle.dumps(scaler, protocol=2)  # module names as plain text lines
-    assert b"mixprec.core.loss_scale\n" in data
-    old = data.replace(b"mixprec.core.loss_scale\n", b"mixprec.loss_scale\n")
-    assert old != data
-    _fresh("loss_scale")
-    with pytest.warns(DeprecationWarning, match="mixprec.loss_scale is deprecated"):
-        loaded = pickle.loads(old)
-    assert type(loaded) is mixprec.LossScaler and loaded.scale == 2.0**10
-
-
-def test_writes_through_an_old_path_reach_the_module_that_runs(monkeypatch):
-    from mixprec.core import hardware
-
-    proxy = _fresh("hardware")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        monkeypatch.setattr(proxy, "default_dtype", lambda device=None: torch.float16)
-    assert hardware.default_dtype() is torch.float16
+@pytest.mark.parametrize("old", ["policy", "loss_scale", "hardware", "tuning", "initialize"])
+def test_the_flat_module_paths_of_an_unreleased_layout_are_gone(old):
+    """Nothing was released under ``mixprec.<module>``: no alias keeps those paths alive."""
+    with pytest.raises(ModuleNotFoundError, match=f"No module named 'mixprec.{old}'"):
+        importlib.import_module(f"mixprec.{old}")
 
 
 def test_public_names_and_the_new_paths_do_not_warn():
@@ -206,4 +168,4 @@ def test_public_names_and_the_new_paths_do_not_warn():
         importlib.import_module("mixprec.numerics.range_audit")
         from mixprec.inference import for_inference  # noqa: F401
 
-        assert mixprec.tune is mixprec.numerics.tuning.tune
+        assert mixprec.numerics.tune is mixprec.numerics.tuning.tune

@@ -18,7 +18,8 @@ from torch import nn
 from training_helpers import assert_bitwise, batch, make_model, mse, poisoned, train
 
 import mixprec
-from mixprec import initialize, stochastic_round
+from mixprec import initialize
+from mixprec.numerics import stochastic_round
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
@@ -30,7 +31,8 @@ def build(update, opt_fn, dtype=BF16, seed=0, **kw):
     model = make_model(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return initialize(model, opt_fn(model.parameters()), "O3", dtype, update=update, **kw)
+        recipe = mixprec.Recipe("O3", dtype, update=update, **kw)
+        return initialize(model, opt_fn(model.parameters()), recipe)
 
 
 def adamw(params):
@@ -56,7 +58,9 @@ def _accumulate(update, chains=256, steps=10_000, delta=1e-3):
     model = nn.Linear(1, chains, bias=False)
     nn.init.ones_(model.weight)
     model, opt = initialize(
-        model, torch.optim.SGD(model.parameters(), lr=delta), "O3", BF16, update=update
+        model,
+        torch.optim.SGD(model.parameters(), lr=delta),
+        mixprec.Recipe("O3", BF16, update=update),
     )
     w = model.weight
     grad = torch.full_like(w, -1.0)  # SGD adds lr * 1.0 each step
@@ -164,7 +168,7 @@ def test_stochastic_rounding_is_seeded_and_validated():
 @pytest.mark.parametrize("opt_fn", [adamw, sgd], ids=["adamw", "sgd"])
 @pytest.mark.parametrize("update", ["nearest", "kahan"])
 def test_one_step_equals_the_fp32_step_rounded(update, opt_fn):
-    model, opt = build(update, opt_fn, state_dtype=FP32)
+    model, opt = build(update, opt_fn, optimizer_states=FP32)
     x, y = batch()
     opt.backward(mse(model, x, y))
     params = list(model.parameters())
@@ -181,7 +185,7 @@ def test_one_step_equals_the_fp32_step_rounded(update, opt_fn):
             c = opt.lean.compensation[p]
             assert c.dtype == BF16
             assert_bitwise(c, (r.detach() - p.detach().float()).to(BF16))
-    # the state is the fp32 optimizer's, bitwise (state_dtype=fp32)
+    # the state is the fp32 optimizer's, bitwise (optimizer_states=fp32)
     for p, r in zip(params, ref):
         for k, v in ref_opt.state[r].items():
             assert_bitwise(opt.state[p][k], v)
@@ -197,7 +201,7 @@ def test_every_mode_trains_with_sgd_and_adamw(update, opt_fn):
     for p in model.parameters():
         assert p.dtype == BF16
         st = opt.state[p]
-        if "exp_avg" in st:  # state_dtype="auto": first moment bf16, second fp32
+        if "exp_avg" in st:  # optimizer_states="auto": first moment bf16, second fp32
             assert st["exp_avg"].dtype == BF16 and st["exp_avg_sq"].dtype == FP32
         else:
             assert st["momentum_buffer"].dtype == BF16
@@ -207,7 +211,7 @@ def test_every_mode_trains_with_sgd_and_adamw(update, opt_fn):
 
 
 @pytest.mark.parametrize(
-    ("state_dtype", "expect"),
+    ("states", "expect"),
     [
         (BF16, (BF16, BF16)),
         (FP32, (FP32, FP32)),
@@ -215,8 +219,8 @@ def test_every_mode_trains_with_sgd_and_adamw(update, opt_fn):
         ({"exp_avg_sq": BF16}, (FP32, BF16)),
     ],
 )
-def test_state_dtype(state_dtype, expect):
-    model, opt = build("kahan", adamw, state_dtype=state_dtype)
+def test_optimizer_states(states, expect):
+    model, opt = build("kahan", adamw, optimizer_states=states)
     train(model, opt, 2)
     for p in model.parameters():
         assert (opt.state[p]["exp_avg"].dtype, opt.state[p]["exp_avg_sq"].dtype) == expect
@@ -309,7 +313,7 @@ def test_checkpoint_of_another_update_mode_is_rejected():
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.RMSprop, torch.optim.Adamax, torch.optim.Adam])
 def test_wraps_other_per_parameter_optimizers(opt_cls):
-    model, opt = build("kahan", lambda ps: opt_cls(ps, lr=1e-2), state_dtype=FP32)
+    model, opt = build("kahan", lambda ps: opt_cls(ps, lr=1e-2), optimizer_states=FP32)
     x, y = batch()
     opt.backward(mse(model, x, y))
     params = list(model.parameters())
@@ -347,7 +351,9 @@ def test_fp16_parameters(update):
 def test_add_param_group_gets_compensation():
     model = make_model()
     first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
-    model, opt = initialize(model, torch.optim.SGD(first, lr=0.1), "O3", BF16, update="kahan")
+    model, opt = initialize(
+        model, torch.optim.SGD(first, lr=0.1), mixprec.Recipe("O3", BF16, update="kahan")
+    )
     opt.add_param_group({"params": rest})
     assert set(opt.lean.compensation) == set(model.parameters())
     train(model, opt, 2)
@@ -358,21 +364,22 @@ def test_validation_errors():
         m = make_model()
         return m, torch.optim.SGD(m.parameters(), lr=0.1)
 
-    with pytest.raises(ValueError, match="master weights"):
-        initialize(*make(), "O2", BF16, update="kahan")
-    with pytest.raises(ValueError, match="fp32 parameters"):
-        initialize(*make(), "O1", BF16, update="kahan")
-    with pytest.raises(ValueError, match="apply to an update mode"):
-        initialize(*make(), "O3", BF16, update=None, state_dtype=BF16)
-    with pytest.raises(ValueError, match="apply to an update mode"):
-        initialize(*make(), "O3", FP16, state_dtype=BF16)  # fp16 SGD: no update by default
-    with pytest.raises(ValueError, match="not an update mode"):
-        initialize(*make(), "O3", BF16, update="round")
-    with pytest.raises(ValueError, match="state_dtype"):
-        initialize(*make(), "O3", BF16, update="kahan", state_dtype=torch.int8)
-    with pytest.raises(TypeError, match="update_seed"):
-        initialize(*make(), "O3", BF16, update="stochastic", update_seed="7")
-    _m, o = initialize(*make(), "O2", BF16, master_weights=False, update="kahan")  # allowed
+    R = mixprec.Recipe
+    with pytest.raises(ValueError, match=r"Recipe\(update='kahan'\): .* has master weights"):
+        R("O2", BF16, update="kahan")
+    with pytest.raises(ValueError, match=r"Recipe\(update='kahan'\): .* has fp32 weights"):
+        R("O1", BF16, update="kahan")
+    with pytest.raises(ValueError, match=r"Recipe\(optimizer_states=.*applies to an update mode"):
+        R("O3", BF16, update=None, optimizer_states=BF16)
+    with pytest.raises(ValueError, match="apply to an update mode"):  # fp16 SGD: no update mode
+        initialize(*make(), R("O3", FP16, optimizer_states=BF16))
+    with pytest.raises(ValueError, match=r"Recipe\(update='round'\): expected one of"):
+        R("O3", BF16, update="round")
+    with pytest.raises(ValueError, match=r"Recipe\(optimizer_states=torch.int8\)"):
+        R("O3", BF16, update="kahan", optimizer_states=torch.int8)
+    with pytest.raises(ValueError, match=r"Recipe\(update_seed='7'\): expected an int"):
+        R("O3", BF16, update="stochastic", update_seed="7")
+    _m, o = initialize(*make(), R("O2", BF16, masters=False, update="kahan"))  # allowed
     assert o.lean is not None and o.master_params()[0].dtype in (BF16, FP32)
 
 

@@ -40,7 +40,7 @@ def _use_mixprec() -> None:
         torch.manual_seed(0)
         model = Net()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt = mixprec.initialize(model, opt, level=level, dtype=dtype)
+        model, opt = mixprec.initialize(model, opt, level, dtype)
         opt.backward(model(torch.randn(2, 8)).sum())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -62,7 +62,7 @@ def _use_mixprec() -> None:
         fp8 = mixprec.FP8Config(layers="all")
         mlp = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 4))
         opt = torch.optim.SGD(mlp.parameters(), lr=0.1)
-        mlp, opt = mixprec.initialize(mlp, opt, level="O2", dtype=BF16, fp8=fp8)
+        mlp, opt = mixprec.initialize(mlp, opt, mixprec.Recipe("O2", BF16, fp8=fp8))
         opt.backward(mlp(torch.randn(4, 16)).float().sum())
         opt.step()
         plain = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 4))
@@ -110,7 +110,7 @@ def test_the_reported_compile_under_a_users_autocast_runs():
     a = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MixprecPerformanceWarning)
-        mixprec.initialize(a, torch.optim.SGD(a.parameters(), lr=0.1), level="O2", dtype=BF16)
+        mixprec.initialize(a, torch.optim.SGD(a.parameters(), lr=0.1), "O2", BF16)
     m = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8))
     x = torch.randn(4, 64)
     torch._dynamo.reset()
@@ -151,7 +151,7 @@ def test_compiling_an_initialized_model_raises_no_warning(level):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MixprecPerformanceWarning)
         model, opt = mixprec.initialize(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), level=level, dtype=BF16
+            model, torch.optim.SGD(model.parameters(), lr=0.1), level, BF16
         )
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager")

@@ -24,7 +24,7 @@ def _model() -> nn.Module:
 def test_initialize_takes_a_level_in_either_case(spelling):
     model = _model()
     model, opt = mixprec.initialize(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), level=spelling, dtype=BF16
+        model, torch.optim.SGD(model.parameters(), lr=0.1), spelling, BF16
     )
     assert model[0].weight.dtype == BF16 and model[1].weight.dtype == torch.float32  # O2
     assert opt.master_params()[0].dtype == torch.float32
@@ -34,9 +34,16 @@ def test_initialize_takes_a_level_in_either_case(spelling):
 def test_a_wrong_level_name_lists_the_spellings(bad):
     with pytest.raises(ValueError, match=r"expected 'O0', 'O1', 'O2' or 'O3' \(the letter O, not"):
         level_name(bad)
-    if bad:  # initialize(level=None or "") means the default level
-        with pytest.raises(ValueError, match=r"Unknown level .*any case: 'o2' is 'O2'"):
-            mixprec.initialize(_model(), level=bad, dtype=BF16)
+    if isinstance(bad, str):
+        with pytest.raises(
+            ValueError, match=r"recipe names: \['O0', 'O1', 'O2', 'O3', 'bf16-mixed'"
+        ):
+            mixprec.initialize(_model(), recipe=bad, dtype=BF16)
+        with pytest.raises(ValueError, match=r"Unknown recipe name .*the letter O, not zero"):
+            mixprec.Recipe(bad, BF16)
+    else:  # not a name at all
+        with pytest.raises(TypeError, match=r"Expected a mixprec.Recipe, a recipe name \(O0, O1"):
+            mixprec.initialize(_model(), recipe=bad, dtype=BF16)
 
 
 def test_level_name_maps_every_case_to_the_key():

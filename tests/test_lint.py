@@ -28,7 +28,7 @@ def _found(report):
 
 
 def test_lint_flags_the_right_dims_and_no_others():
-    report = mixprec.lint(Toy(), torch.float16, batch_size=3, seq_len=5)
+    report = mixprec.numerics.lint(Toy(), torch.float16, batch_size=3, seq_len=5)
     assert _found(report) == {
         ("conv", "in_channels per group", 3, 8),
         ("gconv", "in_channels per group", 4, 8),
@@ -47,28 +47,28 @@ def test_lint_flags_the_right_dims_and_no_others():
 def test_gpt_with_aligned_dims_is_clean_and_fp32_has_no_rule():
     from mixprec.bench.models import GPT
 
-    assert not mixprec.lint(GPT(), torch.bfloat16)
-    assert len(mixprec.lint(Toy(), torch.float32)) == 0
+    assert not mixprec.numerics.lint(GPT(), torch.bfloat16)
+    assert len(mixprec.numerics.lint(Toy(), torch.float32)) == 0
 
 
 def test_targets_change_the_multiple():
     from mixprec.bench.models import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=96, block_size=8, n_layer=1, n_head=6, n_embd=384))
-    tpu = mixprec.lint(model, "bf16", target="tpu")
+    tpu = mixprec.numerics.lint(model, "bf16", target="tpu")
     assert _found(tpu) == {
         ("blocks.0.attn", "head_dim", 64, 128),
         ("head", "out_features", 96, 128),
     }
-    cpu = mixprec.lint(nn.Linear(24, 32), torch.bfloat16, target="cpu")
+    cpu = mixprec.numerics.lint(nn.Linear(24, 32), torch.bfloat16, target="cpu")
     assert _found(cpu) == {("", "in_features", 24, 32)}
-    assert mixprec.lint(model, torch.float16).as_dict()["findings"] == []
+    assert mixprec.numerics.lint(model, torch.float16).as_dict()["findings"] == []
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="target"):
-        mixprec.lint(nn.Linear(8, 8), torch.float16, target="fpga")
+        mixprec.numerics.lint(nn.Linear(8, 8), torch.float16, target="fpga")
     with pytest.raises(ValueError, match="batch_size"):
-        mixprec.lint(nn.Linear(8, 8), torch.float16, batch_size=0)
+        mixprec.numerics.lint(nn.Linear(8, 8), torch.float16, batch_size=0)
     with pytest.raises(TypeError, match="nn.Module"):
-        mixprec.lint("model", torch.float16)
+        mixprec.numerics.lint("model", torch.float16)

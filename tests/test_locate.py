@@ -61,7 +61,7 @@ def _net() -> nn.Sequential:
 def _train(model, steps, arm_at, which, dtype=None, raise_on=None):
     x, y = torch.randn(32, 8), torch.randn(32, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with mixprec.locate_nonfinite(model, raise_on=raise_on) as loc:
+    with mixprec.numerics.locate_nonfinite(model, raise_on=raise_on) as loc:
         for step in range(steps):
             which.armed = step == arm_at
             with mixprec.autocast(dtype or torch.float32, enabled=dtype is not None):
@@ -104,7 +104,7 @@ def test_planted_backward_nan_is_found_in_its_module_and_step():
 
 def test_raise_on_error_raises_at_the_op_with_the_event():
     model = _net()
-    with pytest.raises(mixprec.NonFiniteError) as info:
+    with pytest.raises(mixprec.numerics.NonFiniteError) as info:
         _train(model, 4, arm_at=2, which=model[2][0], dtype=torch.float16, raise_on="error")
     assert info.value.event.module == "2.0.lin" and info.value.event.step == 2
     assert any("forward" in line for line in info.value.event.stack)
@@ -113,7 +113,7 @@ def test_raise_on_error_raises_at_the_op_with_the_event():
 def test_parameter_gradient_poison_is_attributed_to_its_owner():
     model = make_model()
     x, y = torch.randn(4, 8), torch.randn(4, 4)
-    with mixprec.locate_nonfinite(model) as loc, poisoned(model[3].weight, INF):
+    with mixprec.numerics.locate_nonfinite(model) as loc, poisoned(model[3].weight, INF):
         mse(model, x, y).backward()
     e = loc.first
     assert (e.phase, e.module, e.kind) == ("backward", "3", "inf")
@@ -124,10 +124,14 @@ def test_overflow_skipped_by_the_scaler_is_expected_and_steps_match_the_optimize
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     model, opt = mixprec.initialize(
-        model, opt, level="O2", dtype=torch.float16, init_scale=2.0**24, hysteresis=1
+        model,
+        opt,
+        mixprec.Recipe(
+            "O2", torch.float16, loss_scale=mixprec.LossScaling(init_scale=2.0**24, hysteresis=1)
+        ),
     )
     x, y = torch.randn(16, 8), torch.randn(16, 4)
-    with mixprec.locate_nonfinite(model, opt, raise_on="error") as loc:
+    with mixprec.numerics.locate_nonfinite(model, opt, raise_on="error") as loc:
         for _ in range(12):
             opt.backward(mse(model, x, y))
             opt.step()
@@ -144,7 +148,7 @@ def test_nonfinite_input_data_is_reported_as_input():
     model = make_model()
     x = torch.randn(4, 8)
     x[0, 0] = float("nan")
-    with mixprec.locate_nonfinite(model) as loc:
+    with mixprec.numerics.locate_nonfinite(model) as loc:
         model(x)
     assert loc.first.op == "<model input>" and loc.first.kind == "nan"
 
@@ -155,7 +159,7 @@ def test_causal_attention_masks_are_not_reported():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32))
     idx = torch.randint(0, 32, (2, 16))
-    with mixprec.locate_nonfinite(model, raise_on="any") as loc:
+    with mixprec.numerics.locate_nonfinite(model, raise_on="any") as loc:
         with mixprec.autocast(torch.bfloat16):
             out = model(idx)
         out.float().sum().backward()
@@ -167,7 +171,7 @@ def test_the_locator_does_not_change_numerics():
         model = make_model()
         x, y = torch.randn(8, 8), torch.randn(8, 4)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        loc = mixprec.locate_nonfinite(model) if watch else None
+        loc = mixprec.numerics.locate_nonfinite(model) if watch else None
         if loc:
             loc.__enter__()
         for _ in range(3):
@@ -185,9 +189,9 @@ def test_the_locator_does_not_change_numerics():
 
 def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="raise_on"):
-        mixprec.locate_nonfinite(make_model(), raise_on="always")
+        mixprec.numerics.locate_nonfinite(make_model(), raise_on="always")
     with pytest.raises(TypeError, match="nn.Module"):
-        mixprec.locate_nonfinite("model")
+        mixprec.numerics.locate_nonfinite("model")
 
 
 def test_uninitialized_buffers_are_not_reported():

@@ -44,7 +44,7 @@ def build(opt_fn, dtype=BF16, seed=0, **kw):
     model = make_model(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        return initialize(model, opt_fn(model.parameters()), "O3", dtype, **kw)
+        return initialize(model, opt_fn(model.parameters()), mixprec.Recipe("O3", dtype, **kw))
 
 
 # ------------------------------------------------- what initialize builds
@@ -136,16 +136,15 @@ def test_sparse_gradients_keep_the_optimizers_own_step():
     assert losses[-1] < 0.5 * losses[0]
 
 
-def test_state_dtype_and_seed_apply_to_the_default_update():
-    _, opt = build(adamw, state_dtype=BF16, update_seed=3)
+def test_optimizer_states_and_seed_apply_to_the_default_update():
+    _, opt = build(adamw, optimizer_states=BF16, update_seed=3)
     assert opt.lean.update == "kahan" and opt.lean.state_dtype == BF16 and opt.lean.seed == 3
-    with pytest.raises(ValueError, match=r"\['state_dtype'\] apply to an update mode"):
-        build(adamw, update=None, state_dtype=BF16)  # explicitly no update mode
-    with pytest.raises(ValueError, match=r"\['state_dtype'\] apply to an update mode"):
-        build(sgd, FP16, state_dtype=FP16)  # fp16 SGD's default is None
-    model = make_model()
-    with pytest.raises(ValueError, match=r"\['update_seed'\] apply to an update mode"):
-        initialize(model, sgd(model.parameters()), "O2", BF16, update_seed=1)  # masters
+    with pytest.raises(ValueError, match=r"Recipe\(optimizer_states=.*\): applies to an update"):
+        build(adamw, update=None, optimizer_states=BF16)  # explicitly no update mode
+    with pytest.raises(ValueError, match=r"apply to an update mode"):
+        build(sgd, FP16, optimizer_states=FP16)  # fp16 SGD's default is None
+    with pytest.raises(ValueError, match=r"Recipe\(update_seed=1\): applies to an update mode"):
+        mixprec.Recipe("O2", BF16, update_seed=1)  # masters
 
 
 def test_compensation_starts_from_the_fp32_values_the_model_held():
@@ -231,7 +230,7 @@ def _least_squares(level=None, **kw):
     model = nn.Linear(16, 1, bias=False)
     opt = torch.optim.SGD(model.parameters(), lr=2e-2)
     if level is not None:
-        model, opt = initialize(model, opt, level, BF16, **kw)
+        model, opt = initialize(model, opt, mixprec.Recipe(level, BF16, **kw))
     for _ in range(150):
         loss = (model(x).float() - y).pow(2).mean()
         opt.backward(loss) if level is not None else loss.backward()

@@ -232,7 +232,9 @@ def run(probe: Probe, level: str, dtype: torch.dtype) -> tuple[Call, ...]:
         region = mixprec.autocast(dtype, kernels=probe.kernels)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, _ = mixprec.initialize(model, opt, level, dtype, kernels=probe.kernels)
+        model, _ = mixprec.initialize(
+            model, opt, mixprec.Recipe(level, dtype, kernels=probe.kernels)
+        )
         region = contextlib.nullcontext()
     model.train(probe.train)
     log = KernelLog()
@@ -441,7 +443,7 @@ def test_batch_norm_has_no_rule_and_an_fp32_rule_would_freeze_16bit_running_stat
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model, _ = mixprec.initialize(model, opt, "O3", BF16)
         before = model.op.running_mean.clone()
-        with mixprec.cast_rules({"batch_norm": rule}):
+        with mixprec.numerics.cast_rules({"batch_norm": rule}):
             model(torch.randn(8, 16))
         moved[rule] = not torch.equal(before, model.op.running_mean)
     assert moved == {None: True, FP32: False}
@@ -452,7 +454,7 @@ def test_batch_norm_at_o3_with_keep_norm_fp32_runs_as_at_o2():
         torch.manual_seed(0)
         model = Then(offset_activation(), nn.BatchNorm1d(16))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, _ = mixprec.initialize(model, opt, "O3", dtype, keep_norm_fp32=True)
+        model, _ = mixprec.initialize(model, opt, mixprec.Recipe("O3", dtype, keep_fp32="norms"))
         log = KernelLog()
         with log:
             model(torch.randn(8, 16))
@@ -467,7 +469,9 @@ def test_o3_bfloat16_running_mean_stops_moving_within_a_few_percent():
     for keep in (False, True):
         model = nn.BatchNorm1d(4)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, _ = mixprec.initialize(model, opt, "O3", BF16, keep_norm_fp32=keep)
+        model, _ = mixprec.initialize(
+            model, opt, mixprec.Recipe("O3", BF16, keep_fp32="norms" if keep else "none")
+        )
         model.running_mean.fill_(10.0)
         for _ in range(5):
             model(torch.full((8, 4), 10.25))  # 2.5% above the running mean

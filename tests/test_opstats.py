@@ -16,7 +16,7 @@ def _mlp() -> nn.Sequential:
 
 def test_forward_counts_match_a_hand_count():
     model, x = _mlp(), torch.randn(4, 8)
-    with torch.no_grad(), mixprec.op_stats() as stats, mixprec.autocast(torch.bfloat16):
+    with torch.no_grad(), mixprec.numerics.op_stats() as stats, mixprec.autocast(torch.bfloat16):
         model(x).sum()
     # Hand count. Linear 1: x, weight, bias cast to bf16 (3 _to_copy), F.linear decomposes into
     # t + addmm. ReLU: relu in bf16. Linear 2: weight and bias cast (2 _to_copy; its input is
@@ -35,7 +35,7 @@ def test_forward_counts_match_a_hand_count():
 
 def test_backward_is_counted_separately():
     model, x = _mlp(), torch.randn(4, 8)
-    with mixprec.op_stats() as stats:
+    with mixprec.numerics.op_stats() as stats:
         with mixprec.autocast(torch.bfloat16):
             loss = model(x).sum()
         loss.backward()
@@ -51,7 +51,7 @@ def test_backward_is_counted_separately():
 
 def test_fp32_model_counts_fp32_and_other_categories():
     model, x = _mlp(), torch.randn(4, 8)
-    with torch.no_grad(), mixprec.op_stats() as stats:
+    with torch.no_grad(), mixprec.numerics.op_stats() as stats:
         y = model(x)
         (y > 0).sum()
         torch.arange(3)
@@ -63,7 +63,7 @@ def test_fp32_model_counts_fp32_and_other_categories():
 
 def test_table_has_every_op_and_a_total():
     model, x = _mlp(), torch.randn(4, 8)
-    with torch.no_grad(), mixprec.op_stats() as stats, mixprec.autocast(torch.bfloat16):
+    with torch.no_grad(), mixprec.numerics.op_stats() as stats, mixprec.autocast(torch.bfloat16):
         model(x)
     table = stats.table()
     lines = table.splitlines()

@@ -28,7 +28,8 @@ from training_helpers import (
     poisoned,
 )
 
-from mixprec import initialize, scale_loss
+import mixprec
+from mixprec import LossScaling, initialize, scale_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
@@ -75,7 +76,9 @@ def test_dynamic_trajectory_matches_closed_form(level):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     model, opt = initialize(
-        model, opt, level, FP16, loss_scale="dynamic", init_scale=2.0**4, growth_interval=2
+        model,
+        opt,
+        mixprec.Recipe(level, FP16, loss_scale=LossScaling(init_scale=2.0**4, growth_interval=2)),
     )
     verdicts = [0, 0, 1, 0, 0, 0, 1, 1, 0, 0]  # 1 = overflow injected
     scales, skipped = _trajectory_run(opt, model, verdicts, model[0].weight)
@@ -96,12 +99,11 @@ def test_hysteresis_override_passes_through_initialize():
     model, opt = initialize(
         model,
         opt,
-        "O2",
-        FP16,
-        loss_scale="dynamic",
-        init_scale=2.0**4,
-        growth_interval=2,
-        hysteresis=2,
+        mixprec.Recipe(
+            "O2",
+            FP16,
+            loss_scale=LossScaling(init_scale=2.0**4, growth_interval=2, hysteresis=2),
+        ),
     )
     assert opt.slots[0].scaler.hysteresis == 2
     verdicts = [1, 1, 0, 1, 0, 1, 1]
@@ -117,13 +119,13 @@ def test_static_loss_scale_never_changes_and_grads_are_unscaled():
     x, y = batch()
     ref = make_model()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-3)
-    ref, ref_opt = initialize(ref, ref_opt, "O2", FP16, loss_scale=None)
+    ref, ref_opt = initialize(ref, ref_opt, mixprec.Recipe("O2", FP16, loss_scale=None))
     ref_opt.backward(mse(ref, x, y))
     ref_grads = [m.grad.clone() for m in ref_opt.master_params()]
 
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    model, opt = initialize(model, opt, "O2", FP16, loss_scale=128.0)
+    model, opt = initialize(model, opt, mixprec.Recipe("O2", FP16, loss_scale=128.0))
     assert opt.loss_scale == 128.0
     opt.backward(mse(model, x, y))
     for g, r in zip((m.grad for m in opt.master_params()), ref_grads):
@@ -141,7 +143,7 @@ def test_static_loss_scale_never_changes_and_grads_are_unscaled():
 def test_no_loss_scaling_still_skips_on_inf(dtype):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    model, opt = initialize(model, opt, "O2", dtype, loss_scale=None)
+    model, opt = initialize(model, opt, mixprec.Recipe("O2", dtype, loss_scale=None))
     assert opt.loss_scale == 1.0 and not opt.slots[0].scaler.enabled
     scales, skipped = _trajectory_run(opt, model, [0, 1, 0], model[2].weight)
     assert scales == [1.0, 1.0, 1.0]
@@ -164,12 +166,12 @@ def test_bf16_defaults_to_no_scaling_fp16_to_dynamic():
 )
 def test_trajectory_through_optimizer_equals_bare_scaler(verdicts, hysteresis, growth_interval):
     """Whatever the clean/overflow sequence, the optimizer's scaler follows LossScaler's rule."""
-    from mixprec import LossScaler
+    from mixprec.core.loss_scale import LossScaler
 
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     cfg = dict(init_scale=2.0**4, growth_interval=growth_interval, hysteresis=hysteresis)
-    model, opt = initialize(model, opt, "O2", FP16, loss_scale="dynamic", **cfg)
+    model, opt = initialize(model, opt, mixprec.Recipe("O2", FP16, loss_scale=LossScaling(**cfg)))
     ref = LossScaler(**cfg)
     scales, skipped = _trajectory_run(opt, model, verdicts, model[0].weight)
     expected = []
@@ -192,7 +194,11 @@ def test_overflow_in_each_param_skips_bitwise(level, dtype, bad):
     # zero gradient element gives 0/0 = NaN parameters on the first step (torch behaviour).
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
     model, opt = initialize(
-        model, opt, level, dtype, loss_scale="dynamic", init_scale=2.0**10, growth_interval=1000
+        model,
+        opt,
+        mixprec.Recipe(
+            level, dtype, loss_scale=LossScaling(init_scale=2.0**10, growth_interval=1000)
+        ),
     )
     x, y = batch()
     opt.backward(mse(model, x, y))
@@ -249,12 +255,12 @@ def test_multiple_models_optimizers_losses(level, order):
     (m1, m2), (o1, o2) = initialize(
         [m1, m2],
         [o1, o2],
-        level,
-        num_losses=2,
-        dtype=FP16,
-        loss_scale="dynamic",
-        init_scale=2.0**6,
-        growth_interval=2,
+        mixprec.Recipe(
+            level,
+            FP16,
+            num_losses=2,
+            loss_scale=LossScaling(init_scale=2.0**6, growth_interval=2),
+        ),
     )
     assert all(a is b for a, b in zip(o1.slots, o2.slots))  # one scaler per loss, shared
     x, y = batch()
@@ -400,7 +406,9 @@ def test_fp16_accumulated_grad_is_sum_of_unscaled_grads(level):
     x, y = batch(n=8)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = initialize(model, opt, level, FP16, loss_scale="dynamic", init_scale=2.0**12)
+    model, opt = initialize(
+        model, opt, mixprec.Recipe(level, FP16, loss_scale=LossScaling(init_scale=2.0**12))
+    )
     halves = [(x[:4], y[:4]), (x[4:], y[4:])]
     single = []
     for xb, yb in halves:
@@ -427,7 +435,9 @@ def test_accumulation_keeps_grads_the_second_backward_does_not_reach(level):
     x, y = batch()
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = initialize(model, opt, level, FP16, init_scale=2.0**8)
+    model, opt = initialize(
+        model, opt, mixprec.Recipe(level, FP16, loss_scale=LossScaling(init_scale=2.0**8))
+    )
     opt.backward(mse(model, x, y))
     first = [m.grad.clone() for m in opt.master_params()]
     # touches only the LayerNorm weight and the last Linear's weight (gradient: ones)
@@ -479,7 +489,9 @@ def test_fused_and_foreach_adamw_train_and_agree():
 def test_lr_scheduler_held_on_skipped_steps(kind):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = initialize(model, opt, "O2", FP16, init_scale=2.0**8)
+    model, opt = initialize(
+        model, opt, mixprec.Recipe("O2", FP16, loss_scale=LossScaling(init_scale=2.0**8))
+    )
     if kind == "step":
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     else:
@@ -586,7 +598,9 @@ def test_zero_grad_set_to_none_false_then_accumulate():
     x, y = batch()
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = initialize(model, opt, "O2", FP16, init_scale=2.0**8)
+    model, opt = initialize(
+        model, opt, mixprec.Recipe("O2", FP16, loss_scale=LossScaling(init_scale=2.0**8))
+    )
     opt.backward(mse(model, x, y))
     g = [m.grad.clone() for m in opt.master_params()]
     opt.zero_grad(set_to_none=False)
@@ -638,14 +652,14 @@ def test_zero_grad_drops_the_overflow_verdict_with_the_grads():
     assert opt.loss_scale == 2.0**15
 
 
-def test_loss_scaler_instance_spec_gives_each_loss_its_own_scaler():
-    from mixprec import LossScaler
-
-    scaler = LossScaler(16.0, growth_interval=2)
+def test_loss_scaling_settings_give_each_loss_its_own_scaler():
+    scaling = LossScaling(init_scale=16.0, growth_interval=2)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = initialize(model, opt, "O2", FP16, loss_scale=scaler, num_losses=2)
-    assert opt.slots[0].scaler is scaler and opt.slots[1].scaler is not scaler
+    model, opt = initialize(
+        model, opt, mixprec.Recipe("O2", FP16, loss_scale=scaling, num_losses=2)
+    )
+    assert opt.slots[0].scaler is not opt.slots[1].scaler
     x, y = batch()
     opt.backward(mse(model, x, y), loss_id=0)
     opt.backward(mse(model, x, y), loss_id=1)
@@ -658,7 +672,11 @@ def test_loss_scaler_instance_spec_gives_each_loss_its_own_scaler():
 def test_scale_loss_rejects_optimizers_from_separate_initialize_calls():
     m1, m2 = make_model(0), make_model(1)
     m1, o1 = initialize(m1, torch.optim.SGD(m1.parameters(), lr=0.1), "O2", FP16)
-    m2, o2 = initialize(m2, torch.optim.SGD(m2.parameters(), lr=0.1), "O2", FP16, init_scale=2.0**4)
+    m2, o2 = initialize(
+        m2,
+        torch.optim.SGD(m2.parameters(), lr=0.1),
+        mixprec.Recipe("O2", FP16, loss_scale=LossScaling(init_scale=2.0**4)),
+    )
     x, y = batch()
     with pytest.raises(ValueError, match="optimizers from different initialize calls"):
         with scale_loss(mse(m1, x, y) + mse(m2, x, y), [o1, o2]) as s:
@@ -673,7 +691,9 @@ def test_plain_and_scaled_backward_mix_in_one_step(level, scaled_first):
     x, y = batch()
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = initialize(model, opt, level, FP16, init_scale=2.0**10)
+    model, opt = initialize(
+        model, opt, mixprec.Recipe(level, FP16, loss_scale=LossScaling(init_scale=2.0**10))
+    )
 
     def main_loss():
         return mse(model, x, y)
@@ -762,7 +782,7 @@ def test_an_inf_written_after_backward_skips_and_counts_everywhere(level, dtype,
     scaler used to see only the backward's verdict: 4 skips, scaler.skipped_steps 0.)"""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    model, opt = initialize(model, opt, level=level, dtype=dtype, loss_scale="dynamic")
+    model, opt = initialize(model, opt, mixprec.Recipe(level, dtype, loss_scale="dynamic"))
     scaler = opt.slot(0).scaler
     x, y = batch()
     scales = [scaler.scale]
@@ -787,7 +807,7 @@ def test_an_inf_written_after_backward_skips_and_counts_everywhere(level, dtype,
 def test_a_late_inf_counts_against_every_loss_that_fed_the_step_and_only_those():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    model, opt = initialize(model, opt, level="O1", dtype=FP16, num_losses=3)
+    model, opt = initialize(model, opt, mixprec.Recipe("O1", FP16, num_losses=3))
     x, y = batch()
     opt.backward(mse(model, x, y), loss_id=0)
     opt.backward(mse(model, x, y) * 0.5, loss_id=1)
@@ -802,7 +822,7 @@ def test_an_overflow_in_one_loss_backs_off_that_loss_only():
     """Per-loss scalers (Apex's num_losses): the optimizer skips, each scaler judges its loss."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    model, opt = initialize(model, opt, level="O1", dtype=FP16, num_losses=2)
+    model, opt = initialize(model, opt, mixprec.Recipe("O1", FP16, num_losses=2))
     x, y = batch()
     opt.backward(mse(model, x, y), loss_id=0)
     with poisoned(model[0].bias):
@@ -816,7 +836,7 @@ def test_a_plain_backward_with_no_scaled_loss_leaves_the_scaler_alone():
     """No loss was scaled for this step: the optimizer skips it, no scaler took part."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    model, opt = initialize(model, opt, level="O1", dtype=FP16)
+    model, opt = initialize(model, opt, "O1", FP16)
     x, y = batch()
     with poisoned(model[0].weight):
         mse(model, x, y).backward()
@@ -831,7 +851,7 @@ def test_a_plain_backward_under_loss_scaling_warns_once_with_the_fix():
     losses' 16-bit gradients underflow to zero (100 % of a first layer's, measured), silently."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    model, opt = initialize(model, opt, level="O2", dtype=FP16)
+    model, opt = initialize(model, opt, "O2", FP16)
     x, y = batch()
     mse(model, x, y).backward()
     with pytest.warns(UserWarning, match=r"without loss scaling.*opt.backward\(loss\)") as rec:
@@ -849,7 +869,7 @@ def test_a_plain_backward_under_loss_scaling_warns_once_with_the_fix():
 def test_a_plain_backward_without_loss_scaling_does_not_warn():
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    model, opt = initialize(model, opt, level="O2", dtype=BF16)  # bf16: no scaling
+    model, opt = initialize(model, opt, "O2", BF16)  # bf16: no scaling
     x, y = batch()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -867,7 +887,7 @@ def test_grad_of_gives_every_parameter_its_unscaled_gradient_at_every_level(leve
     model = make_model()
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    model, opt = initialize(model, opt, level=level, dtype=dtype)
+    model, opt = initialize(model, opt, level, dtype)
     x, y = batch()
     opt.backward(mse(model, x, y))
     mse(ref, x, y).backward()

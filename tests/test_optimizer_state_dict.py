@@ -12,6 +12,7 @@ import pytest
 import torch
 from training_helpers import assert_bitwise, assert_tree_bitwise, make_model, mse, poisoned
 
+import mixprec
 from mixprec import fp32_state_dict, initialize
 from mixprec.core.resume import split_state_dict
 
@@ -26,8 +27,8 @@ DATA = [(torch.randn(8, 8, generator=_g), torch.randn(8, 4, generator=_g)) for _
 def build(level, dtype, **kw):
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
-    scaling = dict(loss_scale="dynamic", init_scale=2.0**4, growth_interval=2)
-    return initialize(model, opt, level, dtype, **scaling, **kw)
+    scaling = mixprec.LossScaling(init_scale=2.0**4, growth_interval=2)
+    return initialize(model, opt, mixprec.Recipe(level, dtype, loss_scale=scaling, **kw))
 
 
 def train(model, opt, steps, poison=()):

@@ -49,7 +49,7 @@ def _run(loss_scale=None):
         out.register_hook(lambda g: seen.__setitem__("grad", g.detach()))
 
     model[0].register_forward_hook(keep)
-    with mixprec.range_audit(model, ["0", "1"], loss_scale=loss_scale) as audit:
+    with mixprec.numerics.range_audit(model, ["0", "1"], loss_scale=loss_scale) as audit:
         (model(x) * 2.0**-28).sum().backward()
     return audit, seen
 
@@ -78,7 +78,7 @@ def test_gradient_fractions_are_judged_at_the_loss_scale():
 
 
 def test_histogram_bins_are_floor_log2():
-    stats = mixprec.RangeAudit(nn.Linear(1, 1)).merged()  # empty accumulator
+    stats = mixprec.numerics.RangeAudit(nn.Linear(1, 1)).merged()  # empty accumulator
     stats.add(torch.tensor([1.0, 0.75, 2.0**-30, -3.0, 0.0, float("inf")]))
     nz = {EXP_MIN + int(i): int(stats.hist[i]) for i in torch.nonzero(stats.hist).flatten()}
     assert nz == {0: 1, -1: 1, -30: 1, 1: 1}
@@ -98,7 +98,7 @@ def test_recommended_loss_scale_keeps_the_largest_gradient_below_max():
 def test_default_modules_summary_dict_and_plot(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-    with mixprec.range_audit(model) as audit:
+    with mixprec.numerics.range_audit(model) as audit:
         model(torch.randn(4, 8)).sum().backward()
     assert sorted({m for m, _ in audit.stats}) == ["0", "2"]  # modules owning parameters
     rows = audit.summary()
@@ -113,6 +113,6 @@ def test_default_modules_summary_dict_and_plot(tmp_path):
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="No module 'nope'"):
-        mixprec.range_audit(nn.Linear(2, 2), ["nope"])
+        mixprec.numerics.range_audit(nn.Linear(2, 2), ["nope"])
     with pytest.raises(ValueError, match="loss_scale"):
-        mixprec.range_audit(nn.Linear(2, 2), loss_scale=0)
+        mixprec.numerics.range_audit(nn.Linear(2, 2), loss_scale=0)

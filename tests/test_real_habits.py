@@ -45,7 +45,7 @@ def test_sparse_embedding_with_sparse_adam_trains_at_every_level(level, dtype):
         torch.optim.SparseAdam(list(emb.parameters()), lr=0.05),
         torch.optim.Adam(head.parameters(), lr=0.05),
     ]
-    model, opts = mixprec.initialize(model, opts, level=level, dtype=dtype)
+    model, opts = mixprec.initialize(model, opts, level, dtype)
     g = torch.Generator().manual_seed(1)
     ids, y = torch.randint(0, 50, (16, 4), generator=g), torch.randn(16, 4, 1, generator=g)
     losses = _train(model, opts, [(ids, y)] * 30, lambda m, i, t: (m(i).float() - t).pow(2).mean())
@@ -56,7 +56,7 @@ def test_sparse_embedding_with_sparse_adam_trains_at_every_level(level, dtype):
 def test_sparse_gradient_with_an_inf_is_skipped():
     emb = nn.Embedding(10, 4, sparse=True)
     opt = torch.optim.SparseAdam(list(emb.parameters()), lr=0.1)
-    emb, opt = mixprec.initialize(emb, opt, level="O2", dtype=torch.bfloat16)
+    emb, opt = mixprec.initialize(emb, opt, "O2", torch.bfloat16)
     before = emb.weight.detach().clone()
     out = emb(torch.tensor([1, 2])).float().sum() * float("inf")
     opt.backward(out)
@@ -80,7 +80,7 @@ def test_complex_parameters_train_and_stay_complex(level, dtype):
     torch.manual_seed(0)
     model = _Complex()
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    model, opt = mixprec.initialize(model, opt, level=level, dtype=dtype)
+    model, opt = mixprec.initialize(model, opt, level, dtype)
     assert model.phase.dtype == torch.complex64
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
     losses = _train(model, [opt], [(x,)] * 25, lambda m, a: (m(a) - 1).pow(2).mean())
@@ -95,7 +95,7 @@ def test_fp16_o3_with_adamw_and_no_update_mode_trains():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = mixprec.initialize(model, opt, level="O3", dtype=torch.float16)
+    model, opt = mixprec.initialize(model, opt, "O3", torch.float16)
     assert opt.lean is not None  # the update runs in fp32 temporaries
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
@@ -132,7 +132,7 @@ def test_hand_written_rmsnorms_stay_fp32_at_o2_and_train(name):
     model = _hf(name)
     fp32_twin = _hf(name)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
+    model, opt = mixprec.initialize(model, opt, "O2", torch.bfloat16)
     norms = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
     assert len(norms) == 2 * 2 + 1  # two per layer and the final one
     assert all(m.weight.dtype == torch.float32 for _, m in norms)
@@ -179,7 +179,7 @@ def test_the_norm_rule_and_register_norm():
         assert is_norm(Scaler()) and not is_norm(ScaleNorm())
         model = nn.Sequential(nn.Linear(4, 4), Scaler(), ScaleNorm())
         model, _ = mixprec.initialize(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), level="O2", dtype=torch.bfloat16
+            model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", torch.bfloat16
         )
         assert model[1].g.dtype == torch.float32 and model[2].g.dtype == torch.bfloat16
     finally:
@@ -209,7 +209,7 @@ def test_buffers_that_overflow_16bit_stay_fp32_with_a_warning():
     model = _Scaled(1e5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.warns(RuntimeWarning, match=r"_Scaled.scale holds values outside torch.float16"):
-        model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.float16)
+        model, opt = mixprec.initialize(model, opt, "O2", torch.float16)
     assert model.scale.dtype == torch.float32 and model.shift.dtype == torch.float16
     x = torch.randn(3, 4)
     loss = model(x).float().pow(2).mean()
@@ -231,8 +231,10 @@ def test_load_state_dict_after_initialize_is_not_undone_by_the_next_step(level, 
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: a step must not move anything
-    kw = {"update": update} if level == "O3" else {}  # O3: None explicitly (bf16 default: kahan)
-    model, opt = mixprec.initialize(model, opt, level=level, dtype=torch.bfloat16, **kw)
+    recipe = mixprec.Recipe(level, torch.bfloat16)
+    if level == "O3":  # O3: None explicitly (bf16 default: kahan)
+        recipe = recipe.replace(update=update)
+    model, opt = mixprec.initialize(model, opt, recipe)
     model.load_state_dict(pretrained.state_dict())  # build, initialize, load pretrained
     opt.backward(model(torch.randn(4, 8)).float().sum())
     opt.step()
@@ -250,7 +252,7 @@ def test_loading_a_submodule_or_writing_a_weight_in_place_reaches_the_masters():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # a step that must not move anything
-    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
+    model, opt = mixprec.initialize(model, opt, "O2", torch.bfloat16)
     fresh = nn.Linear(8, 2)
     model[1].load_state_dict(fresh.state_dict())  # a submodule on its own
     with torch.no_grad():
@@ -267,7 +269,7 @@ def test_o3_kahan_resume_optimizer_first_is_bit_exact():
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
         o = torch.optim.AdamW(m.parameters(), lr=1e-2)
-        return mixprec.initialize(m, o, level="O3", dtype=torch.bfloat16, update="kahan")
+        return mixprec.initialize(m, o, mixprec.Recipe("O3", torch.bfloat16, update="kahan"))
 
     g = torch.Generator().manual_seed(4)
     data = [torch.randn(4, 8, generator=g) for _ in range(6)]
@@ -295,7 +297,7 @@ def _o2_pair(seed: int, steps: int):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
+    model, opt = mixprec.initialize(model, opt, "O2", torch.bfloat16)
     for _ in range(steps):
         opt.backward(model(torch.randn(4, 8)).float().pow(2).mean())
         opt.step()
@@ -335,7 +337,7 @@ def test_torch_clip_grad_norm_on_model_parameters_clips_the_masters():
     loss.backward()
     true_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
     model, opt = mixprec.initialize(
-        net, torch.optim.SGD(net.parameters(), lr=0.1), level="O2", dtype=torch.bfloat16
+        net, torch.optim.SGD(net.parameters(), lr=0.1), "O2", torch.bfloat16
     )
     opt.backward(model(x).float().pow(2).mean())
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
@@ -357,7 +359,7 @@ def test_frozen_parameters_at_o2(keep):
     exact = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     model, opt = mixprec.initialize(
-        model, opt, level="O2", dtype=torch.bfloat16, keep_frozen_fp32=keep
+        model, opt, mixprec.Recipe("O2", torch.bfloat16, frozen_masters=keep)
     )
     assert model[0].weight.dtype == torch.bfloat16  # stored 16-bit either way
     state = mixprec.fp32_state_dict(model, opt)
@@ -380,7 +382,7 @@ def test_a_buffer_that_would_flush_to_zero_stays_fp32():
     model = _Scaled(1e-9)  # 1e-9 is below fp16's smallest subnormal
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.warns(RuntimeWarning, match="flush to 0"):
-        model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.float16)
+        model, opt = mixprec.initialize(model, opt, "O2", torch.float16)
     assert model.scale.dtype == torch.float32
 
 
@@ -393,7 +395,7 @@ def test_a_model_with_frozen_fp32_copies_pickles_and_keeps_them(tmp_path):
     exact = model[0].weight.detach().clone()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     model, opt = mixprec.initialize(
-        model, opt, level="O2", dtype=torch.bfloat16, keep_frozen_fp32=True
+        model, opt, mixprec.Recipe("O2", torch.bfloat16, frozen_masters=True)
     )
     buf = io.BytesIO()
     torch.save(model, buf)

@@ -33,7 +33,7 @@ def test_tune_by_a_user_metric_keeps_the_planted_layer():
     accuracy, calls = _accuracy_calls()
     model = Net()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    plan = mixprec.tune(model, _data(), metric=accuracy, dtype=FP16, tolerance=0.01)
+    plan = mixprec.numerics.tune(model, _data(), metric=accuracy, dtype=FP16, tolerance=0.01)
     assert plan.fp32_modules == ["amp"] and plan.passed
     assert plan.before.metric_drop > 0.05  # all-fp16: non-finite logits, accuracy falls
     assert plan.after.metric == plan.after.metric_ref  # tuned: the fp32 accuracy
@@ -43,7 +43,10 @@ def test_tune_by_a_user_metric_keeps_the_planted_layer():
         assert torch.equal(v, before[k])
     assert "metric" in plan.explain() and plan.as_dict()["after"]["loss"] is None
     # bf16 keeps the fp32 accuracy with everything in 16-bit: an empty plan
-    assert mixprec.tune(Net(), _data(), metric=accuracy, dtype=BF16, tolerance=0.01).policies == {}
+    assert (
+        mixprec.numerics.tune(Net(), _data(), metric=accuracy, dtype=BF16, tolerance=0.01).policies
+        == {}
+    )
 
 
 def test_tune_explains_how_to_pass_an_accuracy_metric():
@@ -53,13 +56,13 @@ def test_tune_explains_how_to_pass_an_accuracy_metric():
 
     accuracy, _ = _accuracy_calls()
     with pytest.raises(ValueError, match="does not require grad.*pass it as metric=fn"):
-        mixprec.tune(Net(), _data(), accuracy, FP16)
+        mixprec.numerics.tune(Net(), _data(), accuracy, FP16)
     with pytest.raises(ValueError, match="one of them; received both"):
-        mixprec.tune(Net(), _data(), nn.functional.cross_entropy, FP16, metric=accuracy)
+        mixprec.numerics.tune(Net(), _data(), nn.functional.cross_entropy, FP16, metric=accuracy)
     with pytest.raises(ValueError, match="one of them; received neither"):
-        mixprec.tune(Net(), _data(), dtype=FP16)
+        mixprec.numerics.tune(Net(), _data(), dtype=FP16)
     with pytest.raises(TypeError, match="metric must return a number"):
-        mixprec.tune(Net(), _data(), metric=lambda out, y: "high", dtype=FP16)
+        mixprec.numerics.tune(Net(), _data(), metric=lambda out, y: "high", dtype=FP16)
 
 
 # -- plain DDP detection (the 2-rank runs are in tests/test_distributed.py) ------------------------
@@ -114,14 +117,14 @@ def test_fp16_o3_explicit_update_none_still_warns_for_rmsprop():
     model = _mlp()
     with pytest.warns(RuntimeWarning, match="eps=1e-08, which rounds to 0 in torch.float16"):
         _, opt = mixprec.initialize(
-            model, torch.optim.RMSprop(model.parameters()), "O3", FP16, update=None
+            model, torch.optim.RMSprop(model.parameters()), mixprec.Recipe("O3", FP16, update=None)
         )
     assert opt.lean is None
 
 
 # -- sparse and complex gradients under overflow (training at every level: test_real_habits.py) ---
-def _init(model, opt, level, dtype, **kw):
-    return mixprec.initialize(model, opt, level=level, dtype=dtype, **kw)
+def _init(model, opt, level, dtype):
+    return mixprec.initialize(model, opt, level, dtype)
 
 
 class Bag(nn.Module):

@@ -30,20 +30,25 @@ _g = torch.Generator().manual_seed(11)
 DATA = [(torch.randn(8, 8, generator=_g), torch.randn(8, 4, generator=_g)) for _ in range(11)]
 POISON = {1, 2, 5, 8}  # inf gradients: two in a row back the scale off (hysteresis 2)
 K, N = 6, 11  # checkpoint after K steps; the resumed run goes on to N
-SCALING = dict(loss_scale="dynamic", init_scale=16.0, growth_interval=3, hysteresis=2)
+SCALING = mixprec.LossScaling(init_scale=16.0, growth_interval=3, hysteresis=2)
+
+
+def _recipe(level, dtype, **fields) -> mixprec.Recipe:
+    return mixprec.Recipe(level, dtype, loss_scale=SCALING, **fields)
+
 
 CONFIGS = {
-    "O0": ("O0", None, {}),
-    "O1-bf16": ("O1", BF16, {}),
-    "O1-fp16": ("O1", FP16, {}),
-    "O2-bf16": ("O2", BF16, {}),
-    "O2-fp16": ("O2", FP16, {}),
-    "O3-bf16-kahan": ("O3", BF16, {}),  # the default
-    "O3-bf16-stochastic": ("O3", BF16, {"update": "stochastic", "update_seed": 3}),
-    "O3-bf16-none": ("O3", BF16, {"update": None}),
-    "O3-fp16-kahan": ("O3", FP16, {}),  # the default with AdamW
-    "O3-fp16-stochastic": ("O3", FP16, {"update": "stochastic", "update_seed": 3}),
-    "O3-fp16-none": ("O3", FP16, {"update": None}),
+    "O0": _recipe("O0", None),
+    "O1-bf16": _recipe("O1", BF16),
+    "O1-fp16": _recipe("O1", FP16),
+    "O2-bf16": _recipe("O2", BF16),
+    "O2-fp16": _recipe("O2", FP16),
+    "O3-bf16-kahan": _recipe("O3", BF16),  # the default
+    "O3-bf16-stochastic": _recipe("O3", BF16, update="stochastic", update_seed=3),
+    "O3-bf16-none": _recipe("O3", BF16, update=None),
+    "O3-fp16-kahan": _recipe("O3", FP16),  # the default with AdamW
+    "O3-fp16-stochastic": _recipe("O3", FP16, update="stochastic", update_seed=3),
+    "O3-fp16-none": _recipe("O3", FP16, update=None),
 }
 ORDERS = [
     "load-then-initialize",
@@ -59,8 +64,7 @@ def plain(seed: int):
 
 
 def initialize(model, opt, config):
-    level, dtype, kw = CONFIGS[config]
-    return mixprec.initialize(model, opt, level, dtype, **SCALING, **kw)
+    return mixprec.initialize(model, opt, CONFIGS[config])
 
 
 def train(model, opt, steps) -> list[torch.Tensor]:
@@ -144,7 +148,7 @@ def test_resume_is_bit_exact(config, order, form, straight_runs):
     scaler = opt.slots[0].scaler
     assert (scaler.scale, scaler.hysteresis_tracker, scaler.growth_tracker) == (8.0, 1, 0)
     assert (opt.skipped_steps, opt.step_skipped) == (3, True)
-    if CONFIGS[config][1] is not None and CONFIGS[config][0] == "O3":
+    if CONFIGS[config].level == "O3":
         assert (opt.lean is None) == ("none" in config)
     weights = mixprec.fp32_state_dict(model, opt) if form == "fp32_state_dict" else None
     ckpt = saved({"model": weights or model.state_dict(), "opt": opt.state_dict()})
@@ -279,7 +283,9 @@ def test_a_half_way_kahan_value_rounds_back_to_its_weight(dtype):
 
     model = nn.Linear(4, 1, bias=False)
     model, opt = mixprec.initialize(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), "O3", dtype, update="kahan"
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        mixprec.Recipe("O3", dtype, update="kahan"),
     )
     with torch.no_grad():
         model.weight.copy_(w.view(1, 4))
@@ -289,7 +295,9 @@ def test_a_half_way_kahan_value_rounds_back_to_its_weight(dtype):
     fresh = nn.Linear(4, 1, bias=False)
     fresh.load_state_dict(exported)  # before initialize: the residual of the cast is c again
     fresh, fresh_opt = mixprec.initialize(
-        fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), "O3", dtype, update="kahan"
+        fresh,
+        torch.optim.SGD(fresh.parameters(), lr=0.1),
+        mixprec.Recipe("O3", dtype, update="kahan"),
     )
     assert_bitwise(fresh.weight.detach(), model.weight.detach())
     assert_bitwise(fresh_opt.lean.compensation[fresh.weight], c.view(1, 4))
@@ -337,10 +345,12 @@ def test_a_torch_amp_checkpoint_warns_about_the_loss_scale_unless_given():
         model, opt = plain(seed=7)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
-        kw = {} if init_scale is None else {"init_scale": init_scale}
+        recipe = mixprec.Recipe("O2", FP16)
+        if init_scale is not None:
+            recipe = recipe.replace(loss_scale=mixprec.LossScaling(init_scale=init_scale))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model, opt = mixprec.initialize(model, opt, "O2", FP16, **kw)
+            model, opt = mixprec.initialize(model, opt, recipe)
         said = [str(w.message) for w in caught if "no mixprec entry" in str(w.message)]
         if init_scale is None:  # fp32 weights: the masters are exact, only the scale restarts
             assert len(said) == 1 and "masters" not in said[0]

@@ -85,7 +85,7 @@ def test_hf_model_trains(name, level):
     model, batch, out_key = MODELS[name]()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model, opt = mixprec.initialize(model, opt, level=level, dtype=torch.bfloat16)
+    model, opt = mixprec.initialize(model, opt, level, torch.bfloat16)
     if level == "O2":
         assert any(p.dtype == torch.bfloat16 for p in model.parameters())
     losses = []
@@ -162,7 +162,7 @@ def encoder_cosines(level: str = "O3") -> tuple[torch.Tensor, torch.Tensor, torc
     model = sentence_encoder()
     with torch.no_grad():
         ref = embed(model, SENTENCES)
-        low = mixprec.initialize(copy.deepcopy(model), level=level, dtype=torch.bfloat16)
+        low = mixprec.initialize(copy.deepcopy(model), recipe=level, dtype=torch.bfloat16)
         got = embed(low, SENTENCES)
     return ref @ ref.T, (ref * got).sum(-1), (ref @ ref.T - got @ got.T).abs().max()
 

@@ -18,6 +18,7 @@ from mixprec.bench.models import GPT, GPTConfig
 from mixprec.compat.apex import amp
 from mixprec.core import engine, kernels
 from mixprec.core.hardware import MixprecPerformanceWarning
+from mixprec.fp8.plan import fp8_plan
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
@@ -223,10 +224,12 @@ def test_fp8_that_chose_no_linear_says_so_once_at_the_first_step():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model, opt = mixprec.initialize(
-            model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O2", BF16, fp8=True
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-3),
+            mixprec.Recipe("O2", BF16, fp8=True),
         )
         assert fp8_warnings(caught) == []  # undecided: the plan says "pending"
-        assert all(c.pending for n, c in mixprec.fp8_plan(model).items() if n != "head")
+        assert all(c.pending for n, c in fp8_plan(model).items() if n != "head")
         ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
         for _ in range(2):
             logits = model(ids)
@@ -240,7 +243,7 @@ def test_fp8_that_chose_no_linear_says_so_once_at_the_first_step():
     assert warning.filename == __file__  # at the model's call, not inside mixprec
     assert "layers='auto') chose 0 of 9 Linears" in said[0]
     assert "blocks.0.attn.qkv: predicted" in said[0] and "FP8Config(layers='all')" in said[0]
-    assert mixprec.fp8_plan(model).chosen == []
+    assert fp8_plan(model).chosen == []
 
 
 @pytest.mark.filterwarnings("ignore:FP8 on CPU is emulated")
@@ -248,7 +251,9 @@ def test_fp8_on_linears_no_fp8_gemm_takes_says_so_at_initialize():
     model = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 3))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        mixprec.initialize(model, None, "O2", BF16, fp8=mixprec.FP8Config(layers="all"))
+        mixprec.initialize(
+            model, None, mixprec.Recipe("O2", BF16, fp8=mixprec.FP8Config(layers="all"))
+        )
     said = fp8_warnings(caught)
     assert len(said) == 1 and "layers='all') chose 0 of 2 Linears" in said[0]
     assert "multiples of 16" in said[0]
@@ -259,11 +264,13 @@ def test_fp8_that_chose_a_linear_stays_quiet():
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = mixprec.initialize(model, None, "O2", BF16, fp8=mixprec.FP8Config(layers="all"))
+        model = mixprec.initialize(
+            model, None, mixprec.Recipe("O2", BF16, fp8=mixprec.FP8Config(layers="all"))
+        )
         with torch.no_grad():
             model(torch.randn(4, 32))
     assert fp8_warnings(caught) == []
-    assert mixprec.fp8_plan(model).chosen == ["0"]
+    assert fp8_plan(model).chosen == ["0"]
 
 
 # -- Apex's O1 region and another model's backward ------------------------------------------

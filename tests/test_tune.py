@@ -43,7 +43,7 @@ def _data():
 def test_tune_finds_the_planted_layer_and_nothing_else():
     model = Net()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    plan = mixprec.tune(model, _data(), F.cross_entropy, torch.float16, tolerance=0.05)
+    plan = mixprec.numerics.tune(model, _data(), F.cross_entropy, torch.float16, tolerance=0.05)
     assert plan.fp32_modules == ["amp"]
     assert dict(plan) == {"amp": mixprec.Policy("float32")}
     assert math.isinf(plan.before.loss) and plan.passed and plan.after.grad < 0.05
@@ -56,7 +56,7 @@ def test_tune_finds_the_planted_layer_and_nothing_else():
 
 
 def test_the_tuned_policy_trains_where_the_untuned_one_overflows():
-    plan = mixprec.tune(Net(), _data(), F.cross_entropy, torch.float16)
+    plan = mixprec.numerics.tune(Net(), _data(), F.cross_entropy, torch.float16)
     x, y = _data()
 
     def train(tuned: bool):
@@ -64,7 +64,7 @@ def test_the_tuned_policy_trains_where_the_untuned_one_overflows():
         if tuned:
             plan.apply(model)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.float16)
+        model, opt = mixprec.initialize(model, opt, "O2", torch.float16)
         losses = []
         for _ in range(15):
             loss = F.cross_entropy(model(x), y)
@@ -85,11 +85,11 @@ def test_a_stable_model_needs_nothing_in_fp32_and_containers_map_their_children(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
     x, y = torch.randn(32, 8), torch.randn(32, 2)
-    plan = mixprec.tune(model, [(x, y), (x * 2, y)], F.mse_loss, "bf16", tolerance=0.05)
+    plan = mixprec.numerics.tune(model, [(x, y), (x * 2, y)], F.mse_loss, "bf16", tolerance=0.05)
     assert dict(plan) == {} and plan.evaluations == 1 and plan.passed
     # forcing a tolerance nothing can meet in bf16 keeps candidates in fp32; a container
     # chosen maps its direct children back to 16-bit
-    tight = mixprec.tune(
+    tight = mixprec.numerics.tune(
         model,
         (x, y),
         F.mse_loss,
@@ -106,8 +106,8 @@ def test_a_stable_model_needs_nothing_in_fp32_and_containers_map_their_children(
 def test_bad_arguments():
     model = Net()
     with pytest.raises(ValueError, match="16-bit"):
-        mixprec.tune(model, _data(), F.cross_entropy, torch.float32)
+        mixprec.numerics.tune(model, _data(), F.cross_entropy, torch.float32)
     with pytest.raises(ValueError, match="tolerance"):
-        mixprec.tune(model, _data(), F.cross_entropy, torch.float16, tolerance=0)
+        mixprec.numerics.tune(model, _data(), F.cross_entropy, torch.float16, tolerance=0)
     with pytest.raises(TypeError, match="batch="):
-        mixprec.tune(model, torch.randn(4, 16), F.cross_entropy)
+        mixprec.numerics.tune(model, torch.randn(4, 16), F.cross_entropy)

@@ -49,7 +49,7 @@ def test_plain_torch_autocast_on_cuda_is_untouched():
 def test_fp32_inside_keeps_norms_16bit_at_o2():
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2)).cuda()
     opt = torch.optim.AdamW(model.parameters())
-    model, opt = mixprec.initialize(model, opt, level="O2", dtype=BF16)
+    model, opt = mixprec.initialize(model, opt, "O2", BF16)
     seen = {}
     model[1].register_forward_hook(lambda m, a, out: seen.update(ln=out.dtype))
     out = model(torch.randn(3, 8, device="cuda"))
@@ -67,7 +67,7 @@ def test_checkpointing_bitwise_on_cuda(level, reentrant):
         model = copy.deepcopy(base)
         model.ckpt = ckpt
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt = mixprec.initialize(model, opt, level=level, dtype=BF16)
+        model, opt = mixprec.initialize(model, opt, level, BF16)
         opt.backward(model(x).float().pow(2).mean())
         grads.append([p.grad for group in opt.param_groups for p in group["params"]])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
@@ -79,7 +79,7 @@ def test_compile_on_cuda(level):
     torch.manual_seed(0)
     model = _Net().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = mixprec.initialize(model, opt, level=level, dtype=BF16)
+    model, opt = mixprec.initialize(model, opt, level, BF16)
     x = torch.randn(4, 8, device="cuda")
     breaks = torch._dynamo.explain(model)(x).graph_break_count
     assert breaks == 0 or not traced.dynamo_traces_autocast_setters()  # torch < 2.13 breaks
@@ -96,7 +96,7 @@ def test_loss_scale_change_does_not_recompile_on_cuda():
     torch._dynamo.reset()
     block = _Block(8).cuda()
     opt = torch.optim.SGD(block.parameters(), lr=0.1)
-    block, opt = mixprec.initialize(block, opt, level="O2", dtype=F16)
+    block, opt = mixprec.initialize(block, opt, "O2", F16)
     scaler = opt.slot(0).scaler
     counter = CompileCounter()
     fn = torch.compile(lambda x: scaler.scale_loss(block(x).float().pow(2).mean()), backend=counter)

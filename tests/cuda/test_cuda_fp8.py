@@ -14,6 +14,7 @@ import mixprec
 from mixprec import FP8Config
 from mixprec.bench.models import GPT, GPTConfig
 from mixprec.core import traced
+from mixprec.fp8 import fp8_plan
 from mixprec.fp8 import layers as fp8_layers
 from mixprec.fp8.config import RECIPES
 from mixprec.fp8.linear import fp8_linear
@@ -97,7 +98,7 @@ def test_cuda_gpt_trains_with_fp8_compiled_without_graph_breaks():
 
     model = _gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    model, opt = mixprec.initialize(model, opt, "O2", torch.bfloat16, fp8=ALL)
+    model, opt = mixprec.initialize(model, opt, mixprec.Recipe("O2", torch.bfloat16, fp8=ALL))
     x = torch.randint(0, 512, (8, 128), device="cuda")
     with CountScaled() as c:
         _step(model, opt, x)
@@ -118,7 +119,7 @@ def test_cuda_gpt_trains_with_fp8_compiled_without_graph_breaks():
 
 def test_cuda_eager_fp8_warns_once_to_compile(monkeypatch):
     monkeypatch.setattr(fp8_layers, "_warned", {"cpu"})
-    model = mixprec.initialize(_gpt(), None, "O2", torch.bfloat16, fp8=ALL)
+    model = mixprec.initialize(_gpt(), None, mixprec.Recipe("O2", torch.bfloat16, fp8=ALL))
     x = torch.randint(0, 512, (2, 128), device="cuda")
     with warnings.catch_warnings(record=True) as seen, torch.no_grad():
         warnings.simplefilter("always")
@@ -131,7 +132,7 @@ def test_cuda_eager_fp8_warns_once_to_compile(monkeypatch):
 def test_cuda_plan_is_judged_for_this_gpu_and_check_reports_fp8():
     report = mixprec.check("cuda", verbose=False)
     assert report.fp8 is not None and report.fp8.supported and report.fp8.fast
-    plan = mixprec.fp8_plan(_gpt(n_embd=1024), torch.randint(0, 512, (1, 64), device="cuda"))
+    plan = fp8_plan(_gpt(n_embd=1024), torch.randint(0, 512, (1, 64), device="cuda"))
     name = torch.cuda.get_device_name()
     if "H100" in name or "H200" in name:
         assert plan.target in ("h100", "h200")
@@ -144,7 +145,7 @@ def test_cuda_fp8_saved_inputs_lower_the_compiled_peak():
         torch.cuda.reset_peak_memory_stats()
         model = _gpt(n_embd=512)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-        model, opt = mixprec.initialize(model, opt, "O2", torch.bfloat16, fp8=fp8)
+        model, opt = mixprec.initialize(model, opt, mixprec.Recipe("O2", torch.bfloat16, fp8=fp8))
         compiled = torch.compile(model)
         x = torch.randint(0, 512, (32, 128), device="cuda")
         _step(compiled, opt, x)

@@ -35,7 +35,7 @@ def test_for_inference_and_export_on_cuda(dtype, tmp_path):
         ref, out = model(x), fast(x)
     assert out.dtype == torch.float32
     assert F.cosine_similarity(out.flatten(), ref.flatten(), 0) > 0.999
-    res = mixprec.export(fast, x, tmp_path / "m.pt2", format="torch")
+    res = mixprec.inference.export(fast, x, tmp_path / "m.pt2", format="torch")
     assert res.cosine > 0.9999
 
 
@@ -45,12 +45,14 @@ def test_locate_and_range_audit_on_cuda_tensors():
     with torch.no_grad():
         model[2].weight.mul_(1e5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = mixprec.initialize(model, opt, level="O1", dtype=torch.float16, loss_scale=None)
+    model, opt = mixprec.initialize(
+        model, opt, mixprec.Recipe("O1", torch.float16, loss_scale=None)
+    )
     x = torch.randn(4, 8, device="cuda") * 1e2
-    with mixprec.locate_nonfinite(model) as loc:
+    with mixprec.numerics.locate_nonfinite(model) as loc:
         model(x).float().sum().backward()
     assert loc.first is not None and loc.first.module == "2" and loc.first.phase == "forward"
-    with mixprec.range_audit(model) as audit:
+    with mixprec.numerics.range_audit(model) as audit:
         model(x)
     assert audit.stats  # per-module statistics, gathered from CUDA tensors
     assert max(s.absmax for s in audit.stats.values()) > 1e3  # the scaled-up activations
@@ -61,12 +63,9 @@ def test_gpt_trains_on_cuda(level):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, n_layer=2, n_embd=64, n_head=4)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    recipe = mixprec.Recipe(level, torch.bfloat16)
     model, opt = mixprec.initialize(
-        model,
-        opt,
-        level=level,
-        dtype=torch.bfloat16,
-        **({"update": "kahan"} if level == "O3" else {}),
+        model, opt, recipe.replace(update="kahan") if level == "O3" else recipe
     )
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randint(0, 96, (8, 33), device="cuda", generator=g)
@@ -95,7 +94,7 @@ def test_hf_llama_trains_on_cuda_at_o2():
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    model, opt = mixprec.initialize(model, opt, level="O2", dtype=torch.bfloat16)
+    model, opt = mixprec.initialize(model, opt, "O2", torch.bfloat16)
     ids = torch.randint(
         0, 128, (4, 32), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)
     )

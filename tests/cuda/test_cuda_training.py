@@ -36,7 +36,7 @@ def _build(level, dtype, fused=False, **kw):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-4, fused=fused)
     kw.setdefault("loss_scale", "dynamic" if dtype == FP16 else None)
-    return mixprec.initialize(model, opt, level=level, dtype=dtype, **kw)
+    return mixprec.initialize(model, opt, mixprec.Recipe(level, dtype, **kw))
 
 
 def _train(model, opt, data, poison_at=()):
