@@ -177,7 +177,7 @@ def _moved_message(
     level = next((a for a in args if isinstance(a, str)), "O2")
     dtype = next((a for a in args if isinstance(a, torch.dtype)), torch.bfloat16)
     base = f"mixprec.Recipe.from_name({level!r}, {dtype})"
-    if field.startswith("loss_scale"):
+    if field.startswith("loss_scale="):
         example = f"{base}.replace(loss_scale=mixprec.LossScaling({key}={value!r}))"
     else:
         example = f"{base}.replace({field}={value!r})"

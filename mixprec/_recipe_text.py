@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from mixprec.core.activations import ActivationConfig
+from mixprec.core.loss_scale import LossScaling
 from mixprec.core.policy import _dtype
 from mixprec.fp8.config import FP8Config
 
@@ -104,8 +105,6 @@ def _value(field: str, text: str) -> Any:
         head, kw = _settings(text)
         if head not in ("auto", "dynamic"):
             return float(head)
-        from mixprec.recipe import LossScaling
-
         return LossScaling(**kw) if kw else head
     if field == "fp8":
         head, kw = _settings(text)
@@ -116,12 +115,10 @@ def _value(field: str, text: str) -> Any:
     return text
 
 
-def parse(line: str) -> dict[str, Any]:
-    """The field values a recipe line states (``name``, ``dtype`` and the changed fields)."""
-    from mixprec.recipe import Recipe
-
+def parse(line: str, fields: set[str]) -> dict[str, Any]:
+    """The field values a recipe line states (``name``, ``dtype`` and the changed fields of
+    ``fields``)."""
     words = line.split()
-    fields = {f.name for f in dataclasses.fields(Recipe)}
     out: dict[str, Any] = {"name": words[0]}
     rest = words[1:]
     if rest and "=" not in rest[0]:

@@ -28,7 +28,7 @@ import torch
 from mixprec._recipe_rules import check_fields
 from mixprec._recipe_text import parse, render_table, word
 from mixprec.core.activations import as_activation_config
-from mixprec.core.loss_scale import LossScaler
+from mixprec.core.loss_scale import LossScaling
 from mixprec.core.policy import Policy, _dtype, as_policy
 from mixprec.fp8.config import as_fp8_config
 
@@ -36,51 +36,6 @@ __all__ = ["DEFAULTS", "NAMES", "LossScaling", "Recipe", "as_recipe"]
 
 _LOW = (torch.float16, torch.bfloat16)
 _SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-@dataclasses.dataclass(frozen=True)
-class LossScaling:
-    """Loss scaling: a static scale (``dynamic=False``, the scale is ``init_scale``) or a
-    dynamic one that backs off on inf/NaN gradients and grows after ``growth_interval`` clean
-    steps. ``Recipe.loss_scale`` also takes ``"dynamic"`` (these defaults), a number (static)
-    or None (off)."""
-
-    dynamic: bool = True
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    hysteresis: int = 1
-    min_scale: float = 1.0
-    max_scale: float = 2.0**24
-
-    def __post_init__(self) -> None:
-        if not self.dynamic:
-            moved = [
-                f.name
-                for f in dataclasses.fields(self)
-                if f.name not in ("dynamic", "init_scale") and getattr(self, f.name) != f.default
-            ]
-            if moved:
-                raise ValueError(
-                    f"LossScaling(dynamic=False) is a static scale; {moved} only apply to "
-                    "dynamic scaling. Drop them, or set dynamic=True."
-                )
-        self.scaler()  # the scaler's own checks (positive scale, factors, intervals)
-
-    def scaler(self) -> LossScaler:
-        """A fresh :class:`~mixprec.core.loss_scale.LossScaler` with these settings."""
-        if not self.dynamic:
-            return LossScaler(float(self.init_scale), dynamic=False)
-        settings = dataclasses.asdict(self)
-        del settings["dynamic"]
-        return LossScaler(**settings)
-
-    def __str__(self) -> str:
-        if not self.dynamic:
-            return repr(float(self.init_scale))
-        moved = _changed(self, LossScaling())
-        return "dynamic" + (f"({','.join(f'{k}={v!r}' for k, v in moved)})" if moved else "")
 
 
 #: The presets: for each name, the fields it sets (the others keep the dataclass defaults).
@@ -202,7 +157,10 @@ class Recipe:
     def __post_init__(self) -> None:
         given = _given(self)
         if isinstance(self.name, str) and (" " in self.name.strip() or "=" in self.name):
-            given = {**parse(self.name), **{k: v for k, v in given.items() if k != "name"}}
+            given = {
+                **parse(self.name, {f.name for f in dataclasses.fields(self)}),
+                **{k: v for k, v in given.items() if k != "name"},
+            }
         for key, value in _filled(given).items():
             object.__setattr__(self, key, value)
         check_fields(self)

@@ -9,8 +9,8 @@ from extras import has, install_hint
 from torch import nn
 
 import mixprec
+from mixprec._initialize import level_name
 from mixprec.cli import main
-from mixprec.core.initialize import level_name
 
 BF16 = torch.bfloat16
 

@@ -15,7 +15,7 @@ from torch import nn
 
 import mixprec
 from mixprec import ActivationConfig, FP8Config, LossScaling, Recipe
-from mixprec.core.initialize import MOVED
+from mixprec._initialize import MOVED
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -65,7 +65,7 @@ UNCHANGED = dict(
     frozen_masters=False,
     optimizer_states="auto",
     update_seed=None,
-    reduce_dtype=None,
+    reduce_dtype="auto",
     activations=None,
     loss_scale="auto",
     outputs=FP32,
@@ -120,12 +120,7 @@ ROUND_TRIP = [
     Recipe("O3", BF16, update="stochastic", update_seed=3),
     Recipe("O3", BF16, update="nearest", optimizer_states=BF16),
     Recipe("O3", FP16, update="kahan", optimizer_states={"exp_avg_sq": BF16}),
-    pytest.param(
-        Recipe("O2", BF16, keep_fp32="none", outputs=None),
-        marks=pytest.mark.xfail(
-            strict=True, reason="keep_fp32='none' is written as the word none, read back as None"
-        ),
-    ),
+    Recipe("O2", BF16, keep_fp32="none", outputs=None),
     Recipe("O2", BF16, masters=False, frozen_masters=True),
     Recipe("O2", FP16, loss_scale=128.0),
     Recipe("O2", FP16, loss_scale=LossScaling(init_scale=2.0**20, growth_interval=2)),
@@ -247,11 +242,14 @@ def test_each_old_keyword_raises_naming_its_recipe_field(key, field):
     model = nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     value = _sample(key)
-    with pytest.raises(TypeError, match=rf"no longer takes {key}=; it is the Recipe field") as info:
+    with pytest.raises(TypeError, match=rf"no longer takes {key}=") as info:
         mixprec.initialize(model, opt, "O2", BF16, **{key: value})
     said = str(info.value)
-    assert repr(field) in said and "mixprec.Recipe" in said
-    if field.isidentifier():  # the call that replaces it, ready to paste
+    if key in ("level", "policy"):  # the recipe argument itself
+        assert f"initialize(model, optimizer, {value!r})" in said
+    else:
+        assert f"it is the Recipe field {field!r}" in said and "mixprec.Recipe" in said
+    if field.isidentifier() and key not in ("level", "policy"):  # the call that replaces it
         assert f".replace({field}={value!r})" in said
     assert model.weight.dtype == FP32 and not model.__dict__.get("_mixprec_initialized")
 
@@ -308,15 +306,8 @@ def _measured(recipe: Recipe) -> dict[str, float]:
 
 
 # O2's model weights hold their bf16 gradient during backward before it moves to the fp32
-# master: footprint counts 2 + 4 bytes, the table only the master's 4.
-_O2_GRADS = pytest.mark.xfail(
-    strict=True, reason="the table leaves out O2's transient 16-bit gradient (2 B/param)"
-)
-CASES = [
-    pytest.param(level, category, marks=_O2_GRADS if (level, category) == ("O2", "grads") else ())
-    for level in ("O1", "O2", "O3")
-    for category in ROWS.values()
-]
+# master: footprint counts 2 + 4 bytes, and so does the table.
+CASES = [(level, category) for level in ("O1", "O2", "O3") for category in ROWS.values()]
 
 
 @pytest.mark.parametrize(("level", "category"), CASES)

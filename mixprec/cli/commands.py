@@ -14,9 +14,9 @@ import sys
 import torch
 
 from mixprec import __version__
+from mixprec._initialize import level_name
 from mixprec.bench.runner import MODES
 from mixprec.cli.demo import MIN_STEPS, SLOW_WIDTH
-from mixprec.core.initialize import level_name
 from mixprec.numerics import report as report_cli
 
 __all__ = ["main"]

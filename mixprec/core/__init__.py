@@ -20,7 +20,7 @@ Data flows down this list (see ``docs/design.md``):
   lives, and resumes in either load order;
 * :mod:`~mixprec.core.activations` -- saved-for-backward tensors stored in FP8 or 16-bit, or
   recomputed (``activations=``), with the FP8 quantization of :mod:`mixprec.fp8`;
-* :mod:`~mixprec.core.initialize` -- the O0-O3 levels that wire all of the above to a model;
+* :mod:`~mixprec._initialize` -- the O0-O3 levels that wire all of the above to a model;
 * :mod:`~mixprec.core.hardware`, :mod:`~mixprec.core.memory`, :mod:`~mixprec.core.footprint`,
   :mod:`~mixprec.core.norms` -- facts about the device, memory and layers that the rest consult.
 

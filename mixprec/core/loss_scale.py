@@ -22,6 +22,7 @@ Design (Apex, torch.amp and Keras loss scaling compared in ``docs/design.md``, "
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Union
@@ -32,6 +33,7 @@ __all__ = [
     "DYNAMIC_OPTIONS",
     "LossScaleSpec",
     "LossScaler",
+    "LossScaling",
     "found_non_finite",
     "unscale_and_check_",
 ]
@@ -417,3 +419,52 @@ def found_non_finite(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor) -
     check, which is not exact (finite values can sum to inf).
     """
     unscale_and_check_(tensors, 1.0, found_inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaling:
+    """Loss scaling: a static scale (``dynamic=False``, the scale is ``init_scale``) or a
+    dynamic one that backs off on inf/NaN gradients and grows after ``growth_interval`` clean
+    steps. ``Recipe.loss_scale`` also takes ``"dynamic"`` (these defaults), a number (static)
+    or None (off)."""
+
+    dynamic: bool = True
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+
+    def __post_init__(self) -> None:
+        if not self.dynamic:
+            moved = [
+                f.name
+                for f in dataclasses.fields(self)
+                if f.name not in ("dynamic", "init_scale") and getattr(self, f.name) != f.default
+            ]
+            if moved:
+                raise ValueError(
+                    f"LossScaling(dynamic=False) is a static scale; {moved} only apply to "
+                    "dynamic scaling. Drop them, or set dynamic=True."
+                )
+        self.scaler()  # the scaler's own checks (positive scale, factors, intervals)
+
+    def scaler(self) -> LossScaler:
+        """A fresh :class:`~mixprec.core.loss_scale.LossScaler` with these settings."""
+        if not self.dynamic:
+            return LossScaler(float(self.init_scale), dynamic=False)
+        settings = dataclasses.asdict(self)
+        del settings["dynamic"]
+        return LossScaler(**settings)
+
+    def __str__(self) -> str:
+        if not self.dynamic:
+            return repr(float(self.init_scale))
+        moved = [
+            (f.name, getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != f.default
+        ]
+        return "dynamic" + (f"({','.join(f'{k}={v!r}' for k, v in moved)})" if moved else "")

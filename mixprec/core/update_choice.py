@@ -2,7 +2,7 @@
 
 Design: a recipe's ``update="auto"`` is decided per optimizer, because the right choice depends
 on the optimizer (Adam's eps and second moment) and on the gradients it sees (sparse ones need
-the optimizer's own step). The reasons are in :mod:`mixprec.core.initialize`'s docstring.
+the optimizer's own step). The reasons are in :mod:`mixprec._initialize`'s docstring.
 """
 
 from __future__ import annotations

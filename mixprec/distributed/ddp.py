@@ -51,9 +51,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from mixprec import _initialize as initialize
+from mixprec._initialize import _MARK, RECIPE_ATTR  # set by initialize on each model
 from mixprec._recipe_rules import refuse_moved_keywords
-from mixprec.core import engine, initialize, optimizer
-from mixprec.core.initialize import _MARK, RECIPE_ATTR  # set by initialize on each model
+from mixprec.core import engine, optimizer
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.distributed.verdicts import (
     _optimizers,

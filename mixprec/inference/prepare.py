@@ -33,12 +33,12 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from mixprec._initialize import _MARK
 from mixprec._recipe_rules import refuse_moved_keywords
 from mixprec.core import engine
 from mixprec.core.cast_table import FP32, resolve_op, rule_for
 from mixprec.core.fp32_values import fp32_state_dict
 from mixprec.core.hardware import default_dtype
-from mixprec.core.initialize import _MARK
 from mixprec.core.norms import is_norm
 from mixprec.core.policy import Policy, as_policy, get_policy
 from mixprec.inference.inputs import call_model

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 import mixprec
+from mixprec._initialize import MOVED
 from mixprec._recipe_rules import refuse_moved_keywords
-from mixprec.core.initialize import MOVED
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.recipe import Recipe, as_recipe
 
