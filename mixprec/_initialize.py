@@ -188,7 +188,7 @@ def initialize(
     props = recipe_props(recipe, low)
     level = recipe.level
     if level != "O0":
-        warn_if_slow(low, device, stacklevel=3)
+        warn_if_slow(low, device)
     if props["cast_params"] and not props["master_weights"]:
         lean_kwargs = update_options(props["lean"], opt_list, model_list, low)
     else:

@@ -18,6 +18,7 @@ __all__ = ["UPDATES", "check_fields", "refuse_moved_keywords"]
 
 UPDATES = ("auto", None, "nearest", "kahan", "stochastic")
 _LOW = (torch.float16, torch.bfloat16)
+_LEVEL_NAMES = ("O0", "O1", "O2", "O3")
 _CHOICES = {
     "compute": ("16-bit", "fp32"),
     "weights": ("16-bit", "fp32"),
@@ -168,13 +169,13 @@ def _moved_message(
     entry: str, key: str, value: Any, moved: Mapping[str, str], args: Any, call: str
 ) -> str:
     field = moved[key]
-    if key in ("level", "policy"):  # the recipe argument itself
+    if key in ("level", "policy") or field == "recipe":  # the recipe argument itself
         return (
             f"{entry}() no longer takes {key}=; pass it as the recipe argument: "
             f"{call.format(entry=entry, recipe=repr(value))} (a level name, a Policy or a "
             "Recipe)."
         )
-    level = next((a for a in args if isinstance(a, str)), "O2")
+    level = next((a for a in args if isinstance(a, str) and a.upper() in _LEVEL_NAMES), "O2")
     dtype = next((a for a in args if isinstance(a, torch.dtype)), torch.bfloat16)
     base = f"mixprec.Recipe.from_name({level!r}, {dtype})"
     if field.startswith("loss_scale="):

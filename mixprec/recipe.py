@@ -275,10 +275,11 @@ def as_recipe(spec: Any, dtype: Any = None) -> Recipe:
         try:
             recipe = Recipe.from_policy(spec)
         except ValueError:
+            others = [n for n in NAMES if n not in _LEVELS]
             raise ValueError(
-                f"Cannot read {spec!r} as a recipe or a policy; recipe names: {list(NAMES)}, "
-                "or a Recipe, a Policy, a policy spelling ('mixed_bfloat16', "
-                "'p=f32,c=bf16,o=f32')."
+                f"Cannot read {spec!r} as a recipe or a policy: expected 'O0', 'O1', 'O2' or "
+                f"'O3' (the letter O, not zero; any case), a named recipe ({', '.join(others)}), "
+                "a Recipe, or a policy spelling ('mixed_bfloat16', 'p=f32,c=bf16,o=f32')."
             ) from None
         if low is not None:
             raise ValueError(

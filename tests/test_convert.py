@@ -19,6 +19,7 @@ from mixprec.graph import convert
 from mixprec.graph.compare import compare_with_eager
 
 SMALL_GPT = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=2, n_embd=32)
+INSIDE = mixprec.Recipe("O1", fp32_inside=True)  # norms and softmax on 16-bit inputs
 
 
 def gpt_batch(batch: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,13 +289,13 @@ def test_cnn_per_op_dtypes_match_eager_and_fp32_inside_lowers_norms():
     model = GPT(SMALL_GPT)
     ids, _ = gpt_batch()
     plain = convert(model, (ids,)).precision_report()
-    inside = convert(model, (ids,), fp32_inside=True).precision_report()
+    inside = convert(model, (ids,), INSIDE).precision_report()
     assert plain.by_op()["layer_norm"] == {"fp32": 5}
     assert inside.by_op()["layer_norm"] == {"bf16": 4, "fp32": 1}  # the last one feeds the head
     count = lambda r: sum(1 for c in r.casts if c["kind"] in ("activation", "input"))  # noqa
     assert count(inside) < count(plain)
     with pytest.raises(ValueError, match="fp32_inside"):
-        compare_with_eager(model, convert(model, (ids,), fp32_inside=True), ids)
+        compare_with_eager(model, convert(model, (ids,), INSIDE), ids)
 
 
 def test_o2_storage_with_fp32_inside_leaves_only_the_output_cast():
@@ -303,7 +304,7 @@ def test_o2_storage_with_fp32_inside_leaves_only_the_output_cast():
     torch.manual_seed(0)
     model = GPT(SMALL_GPT)
     ids, y = gpt_batch()
-    graph = convert(model, (ids,), fp32_inside=True)
+    graph = convert(model, (ids,), INSIDE)
     graph, opt = mixprec.initialize(
         graph, torch.optim.AdamW(graph.parameters()), "O2", torch.bfloat16
     )
@@ -346,7 +347,7 @@ def test_compiled_training_with_mixprec_attention_under_aot_autograd():
     ids, y = gpt_batch()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     compiled = mixprec.graph.compile(
-        model, "mixed_bfloat16", compiler="aot_eager", fp32_inside=True, kernels="auto"
+        model, mixprec.Recipe("O1", torch.bfloat16, fp32_inside=True), compiler="aot_eager"
     )
     compiled, opt = mixprec.initialize(compiled, opt, "O2", torch.bfloat16)
     losses = []

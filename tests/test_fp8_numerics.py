@@ -133,7 +133,9 @@ def test_tune_chooses_fp8_16_bit_or_fp32_per_linear():
     def loss(out, target):
         return F.cross_entropy(out.float(), target)
 
-    plan = mixprec.numerics.tune(model, (x, y), loss, torch.bfloat16, tolerance=0.05, fp8=ALL)
+    plan = mixprec.numerics.tune(
+        model, (x, y), loss, mixprec.Recipe("O2", torch.bfloat16, fp8=ALL), tolerance=0.05
+    )
     assert plan.passed and plan.fp32_modules == []
     assert "0" in plan.fp8_modules and "2" not in plan.fp8_modules
     assert "in FP8: loss error" in plan.fp8_reasons["2"]
@@ -151,7 +153,11 @@ def test_tune_chooses_fp8_16_bit_or_fp32_per_linear():
     torch.manual_seed(0)
     fresh = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 8))
     by_metric = mixprec.numerics.tune(
-        fresh, (x, y), metric=accuracy, dtype=torch.bfloat16, tolerance=0.05, fp8=ALL
+        fresh,
+        (x, y),
+        metric=accuracy,
+        recipe=mixprec.Recipe("O2", torch.bfloat16, fp8=ALL),
+        tolerance=0.05,
     )
     assert by_metric.fp8_modules == ["0", "2"] and by_metric.passed
     assert mixprec.numerics.tune(fresh, (x, y), loss, torch.bfloat16).fp8 is None  # not asked

@@ -33,7 +33,7 @@ def test_tune_by_a_user_metric_keeps_the_planted_layer():
     accuracy, calls = _accuracy_calls()
     model = Net()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    plan = mixprec.numerics.tune(model, _data(), metric=accuracy, dtype=FP16, tolerance=0.01)
+    plan = mixprec.numerics.tune(model, _data(), metric=accuracy, recipe=FP16, tolerance=0.01)
     assert plan.fp32_modules == ["amp"] and plan.passed
     assert plan.before.metric_drop > 0.05  # all-fp16: non-finite logits, accuracy falls
     assert plan.after.metric == plan.after.metric_ref  # tuned: the fp32 accuracy
@@ -44,7 +44,7 @@ def test_tune_by_a_user_metric_keeps_the_planted_layer():
     assert "metric" in plan.explain() and plan.as_dict()["after"]["loss"] is None
     # bf16 keeps the fp32 accuracy with everything in 16-bit: an empty plan
     assert (
-        mixprec.numerics.tune(Net(), _data(), metric=accuracy, dtype=BF16, tolerance=0.01).policies
+        mixprec.numerics.tune(Net(), _data(), metric=accuracy, recipe=BF16, tolerance=0.01).policies
         == {}
     )
 
@@ -60,9 +60,9 @@ def test_tune_explains_how_to_pass_an_accuracy_metric():
     with pytest.raises(ValueError, match="one of them; received both"):
         mixprec.numerics.tune(Net(), _data(), nn.functional.cross_entropy, FP16, metric=accuracy)
     with pytest.raises(ValueError, match="one of them; received neither"):
-        mixprec.numerics.tune(Net(), _data(), dtype=FP16)
+        mixprec.numerics.tune(Net(), _data(), recipe=FP16)
     with pytest.raises(TypeError, match="metric must return a number"):
-        mixprec.numerics.tune(Net(), _data(), metric=lambda out, y: "high", dtype=FP16)
+        mixprec.numerics.tune(Net(), _data(), metric=lambda out, y: "high", recipe=FP16)
 
 
 # -- plain DDP detection (the 2-rank runs are in tests/test_distributed.py) ------------------------

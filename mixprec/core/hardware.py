@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from mixprec.core._warnings import user_stacklevel
+
 __all__ = [
     "DtypeSupport",
     "HardwareReport",
@@ -373,14 +375,15 @@ _warned: set[tuple[torch.dtype, str]] = set()
 
 
 def warn_if_slow(
-    dtype: torch.dtype, device: str | torch.device | None = None, *, stacklevel: int = 2
+    dtype: torch.dtype, device: str | torch.device | None = None, *, stacklevel: int | None = None
 ) -> None:
     """Warns (once per dtype and device per process) if ``dtype`` is not fast on ``device``.
 
     Args:
         dtype: The compute dtype about to be used; only bfloat16/float16 are checked.
         device: As for :func:`check`.
-        stacklevel: Passed to :func:`warnings.warn`; the default points at the caller.
+        stacklevel: Passed to :func:`warnings.warn`; None points at the first caller outside
+            mixprec.
     """
     if dtype not in _NAMES:
         return
@@ -397,7 +400,7 @@ def warn_if_slow(
         f"{dtype} {what} on {report.device} ({report.name}): {support.reason}. "
         f"Suggested alternative: {alternative}.",
         category=MixprecPerformanceWarning,
-        stacklevel=stacklevel,
+        stacklevel=user_stacklevel() if stacklevel is None else stacklevel,
     )
 
 

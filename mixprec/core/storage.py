@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mixprec.core._warnings import user_stacklevel
 from mixprec.core.norms import is_norm
 from mixprec.core.policy import get_policy
 
@@ -70,7 +71,7 @@ def cast_storage(
                         f"would flush to 0 or overflow); it stays "
                         f"{b.dtype}.",
                         RuntimeWarning,
-                        stacklevel=4,
+                        stacklevel=user_stacklevel(),
                     )
                     continue
                 module._buffers[name] = cast
@@ -138,7 +139,7 @@ def _warn_16bit(
                 f"time ({_SECOND_ROUNDING[dtype]}). Pass dtype={other[0]} to keep them as they "
                 "are, or build or load the model in float32 and let initialize cast it.",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         return
     warnings.warn(
@@ -148,7 +149,7 @@ def _warn_16bit(
         f"float32 and let initialize cast it: drop the model.half() / "
         f"model.to({next(iter(found))}) before initialize.",
         UserWarning,
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )
 
 

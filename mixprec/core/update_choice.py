@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from mixprec.core._warnings import user_stacklevel
+
 __all__ = ["update_options"]
 
 
@@ -78,7 +80,7 @@ def _warn_vanishing_eps(optimizers: list[Optimizer | None], dtype: torch.dtype) 
             f"value {tiny:.3g}); without fp32 master weights its update can divide 0 by 0. Use "
             "update='kahan', master_weights=True (O2), or eps >= 1e-4.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
-import sys
 import threading
 import warnings
 import weakref
@@ -42,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mixprec.core._warnings import user_stacklevel
 from mixprec.core.hardware import MixprecPerformanceWarning, fp8_support
 from mixprec.core.policy import POLICY_ATTR
 from mixprec.fp8.choice import (
@@ -193,7 +192,7 @@ def _warn_eager_cuda() -> None:
     )
 
 
-def check_device(device: torch.device, stacklevel: int = 3) -> None:
+def check_device(device: torch.device) -> None:
     """Refuse a device without FP8 GEMMs; warn once that a CPU emulates them."""
     support = fp8_support(device)
     if not support.supported:
@@ -205,7 +204,7 @@ def check_device(device: torch.device, stacklevel: int = 3) -> None:
             "for tests and development. Layers are chosen for an H100 unless "
             "FP8Config(target=...) says otherwise.",
             MixprecPerformanceWarning,
-            stacklevel=stacklevel,
+            stacklevel=user_stacklevel(),
         )
 
 
@@ -328,20 +327,8 @@ class _Verdict:
             f"judges the speed for {self.target} at the batch's tokens, so a larger batch may "
             "choose more.",
             MixprecPerformanceWarning,
-            stacklevel=_user_stacklevel(),
+            stacklevel=user_stacklevel(),
         )
-
-
-_PACKAGE = os.path.dirname(os.path.dirname(__file__))  # mixprec/
-_INTERNAL = (os.path.dirname(torch.__file__) + os.sep, _PACKAGE + os.sep)
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` of the first caller outside mixprec and torch (the model's call)."""
-    frame, level = sys._getframe(2), 2  # the caller of the function that warns
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _selector_name(config: FP8Config) -> str:
@@ -396,7 +383,7 @@ def enter_region(config: FP8Config) -> None:
             return  # initialize(fp8=...) owns this model's layers
         if _region_roots.get(root) is not config or prepared is None:
             device = next((p.device for p in root.parameters()), torch.device("cpu"))
-            check_device(device, stacklevel=5)  # the user's model(...) call in the region
+            check_device(device)
             prepare(root, config, device, source="region")
             _region_roots[root] = config
 

@@ -83,7 +83,7 @@ def _as_batches(batch: Any) -> list[tuple[Any, Any]]:
 
 
 @refuse_moved_keywords(
-    "tune", {"fp8": "fp8", "dtype": "dtype"}, "{entry}(model, batch, loss_fn, {recipe})"
+    "tune", {"fp8": "fp8", "dtype": "recipe"}, "{entry}(model, batch, loss_fn, {recipe})"
 )
 def tune(
     model: nn.Module,
