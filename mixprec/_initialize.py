@@ -51,9 +51,9 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from mixprec._recipe_rules import refuse_moved_keywords
 from mixprec.core import engine
 from mixprec.core._gradients import LossSlot
+from mixprec.core._keywords import refuse_moved_keywords
 from mixprec.core.fp32_values import install_load_refresh
 from mixprec.core.hardware import warn_if_slow
 from mixprec.core.loss_scale import LossScaler

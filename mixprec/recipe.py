@@ -237,6 +237,10 @@ class Recipe:
             output_dtype=self.outputs or torch.float32,
         )
 
+    def region_settings(self) -> tuple[Policy, str, Any]:
+        """What a :class:`mixprec.autocast` region applies: the policy, the kernels, FP8."""
+        return self.policy(), self.kernels, self.fp8
+
     def __str__(self) -> str:
         base = Recipe(self.name, self.dtype)
         implied = self.dtype is None or self.dtype == NAMES[self.name][1]

@@ -143,7 +143,9 @@ def test_region_accepts_policy_spellings(spec, dtype):
 
 def test_region_argument_errors():
     with pytest.raises(ValueError, match="kernels"):
-        mixprec.autocast(BF16, kernels="flash")
+        mixprec.autocast(mixprec.Recipe("O1", BF16, kernels="flash"))
+    with pytest.raises(TypeError, match="Recipe field 'kernels'"):
+        mixprec.autocast(BF16, kernels="torch")
     with pytest.raises(ValueError):
         mixprec.autocast(torch.int32)
     with pytest.raises(ValueError):
@@ -769,9 +771,9 @@ def test_region_attention_fused_vs_auto():
         with torch.no_grad(), mixprec.autocast(BF16):
             inference = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         assert torch.equal(inference, F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal))
-        with mixprec.autocast(BF16, kernels="torch"):
+        with mixprec.autocast(mixprec.Recipe("O1", BF16, kernels="torch")):
             fused = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        with mixprec.autocast(BF16, kernels="auto"):
+        with mixprec.autocast(mixprec.Recipe("O1", BF16, kernels="auto")):
             auto = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         want_fused = F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)
         want_auto = kernels.decomposed_attention(qb, kb, vb, is_causal=causal)

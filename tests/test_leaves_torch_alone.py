@@ -66,7 +66,7 @@ def _use_mixprec() -> None:
         opt.backward(mlp(torch.randn(4, 16)).float().sum())
         opt.step()
         plain = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 4))
-        with mixprec.autocast(BF16, fp8=fp8):
+        with mixprec.autocast(mixprec.Recipe("O1", BF16, fp8=fp8)):
             plain(torch.randn(4, 16)).float().sum().backward()
     assert not torch.nn.modules.module._global_forward_pre_hooks
     assert mixprec.core.dispatch.registered()

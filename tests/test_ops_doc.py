@@ -229,7 +229,7 @@ def run(probe: Probe, level: str, dtype: torch.dtype) -> tuple[Call, ...]:
     model = probe.build()
     x = torch.randn(probe.shape, generator=torch.Generator().manual_seed(1))
     if level == "autocast":
-        region = mixprec.autocast(dtype, kernels=probe.kernels)
+        region = mixprec.autocast(mixprec.Recipe("O1", dtype, kernels=probe.kernels))
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model, _ = mixprec.initialize(

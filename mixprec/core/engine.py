@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils import _pytree
 
 from mixprec.core import dispatch
+from mixprec.core._keywords import refuse_moved_keywords
 from mixprec.core.activations import ActivationConfig, SavedTensorStorage
 from mixprec.core.dispatch import FP32_INSIDE_OPS, Frame, cast_leaf
 from mixprec.core.policy import (
@@ -46,7 +47,6 @@ from mixprec.core.policy import (
     global_policy,
 )
 from mixprec.fp8 import layers as fp8_layers
-from mixprec.fp8.config import FP8Config, as_fp8_config
 
 __all__ = [
     "FP32_INSIDE_OPS",
@@ -139,16 +139,15 @@ class autocast:
     """Run the ops in a region under the cast table, in a 16-bit compute dtype.
 
     Args:
-        dtype_or_policy: ``torch.bfloat16``/``torch.float16``, or any policy spelling; None
-            uses the global policy. A policy whose compute dtype is float32 disables the engine.
+        recipe: ``torch.bfloat16``/``torch.float16``, any policy spelling, or a
+            :class:`mixprec.Recipe` (its compute dtype and outputs, its ``kernels`` -- ``"auto"``
+            swaps in mixprec's kernels where they were measured faster, see
+            :mod:`mixprec.core.kernels` -- and its ``fp8``: the Linears of the first module
+            called in the region that the FP8 config chooses run their GEMMs in FP8 there,
+            :mod:`mixprec.fp8`). None uses the global policy. A policy whose compute dtype is
+            float32 disables the engine.
         enabled: False makes the region a no-op (control flow stays the same).
         cache_enabled: keep one 16-bit copy of each weight for the region (default True).
-        kernels: ``"auto"`` (default) swaps in mixprec's kernels where they were measured
-            faster -- today the decomposed attention for CPU bfloat16 training, see
-            :mod:`mixprec.core.kernels`; ``"torch"`` always runs torch's own kernels.
-        fp8: as for :func:`mixprec.initialize`: the Linears of the first module called in the
-            region (the model) that the config chooses run their GEMMs in FP8 inside the
-            region (:mod:`mixprec.fp8`).
 
     Forward only: call ``backward`` outside the region (autograd replays the recorded casts).
 
@@ -160,30 +159,23 @@ class autocast:
         torch.bfloat16
     """
 
+    @refuse_moved_keywords("autocast", {"kernels": "kernels", "fp8": "fp8"}, "{entry}({recipe})")
     def __init__(
-        self,
-        dtype_or_policy: PolicyLike | None = None,
-        *,
-        enabled: bool = True,
-        cache_enabled: bool = True,
-        kernels: str = "auto",
-        fp8: bool | str | FP8Config | None = None,
-    ):
-        if kernels not in _KERNELS:
-            raise ValueError(f"kernels={kernels!r} is not one of {_KERNELS}.")
-        policy = global_policy() if dtype_or_policy is None else as_policy(dtype_or_policy)
+        self, recipe: Any = None, *, enabled: bool = True, cache_enabled: bool = True
+    ) -> None:
+        region = getattr(recipe, "region_settings", None)  # a mixprec.Recipe
+        if region is not None:
+            policy, kernels, fp8 = region()
+        else:
+            policy = global_policy() if recipe is None else as_policy(recipe)
+            kernels, fp8 = "auto", None
         if policy.compute_dtype not in (*_LOW, torch.float32, torch.float64):
             raise ValueError(f"autocast needs a floating compute dtype, received {policy}.")
         self.policy = policy
         self.enabled = enabled
         self.cache_enabled = cache_enabled
         self.kernels = kernels
-        self.fp8 = as_fp8_config(fp8)
-        if self.fp8 is not None and not policy.is_lower:
-            raise ValueError(
-                f"autocast(fp8=...) runs FP8 Linears inside a 16-bit region; this region's "
-                f"policy is {policy}. Use torch.bfloat16 (or torch.float16)."
-            )
+        self.fp8 = fp8
         self._stack: list[tuple[Frame, Any]] = []
 
     def __enter__(self) -> autocast:

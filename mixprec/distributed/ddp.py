@@ -53,8 +53,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mixprec import _initialize as initialize
 from mixprec._initialize import _MARK, RECIPE_ATTR  # set by initialize on each model
-from mixprec._recipe_rules import refuse_moved_keywords
 from mixprec.core import engine, optimizer
+from mixprec.core._keywords import refuse_moved_keywords
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.distributed.verdicts import (
     _optimizers,

@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from mixprec._initialize import _MARK, MOVED, initialize
-from mixprec._recipe_rules import refuse_moved_keywords
+from mixprec.core._keywords import refuse_moved_keywords
 from mixprec.core.norms import is_norm
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.core.policy import Policy, PolicyLike, as_policy

@@ -70,6 +70,7 @@ def compare_with_eager(
     per differing op: ``{"op", "eager", "graph", "why"}``; an empty list means they agree.
     """
     from mixprec.core.engine import autocast
+    from mixprec.recipe import Recipe
 
     options = converted.options
     if options["fp32_inside"]:
@@ -77,7 +78,8 @@ def compare_with_eager(
             "compare_with_eager compares against mixprec.autocast, which has no "
             "fp32_inside switch: convert with fp32_inside=False to compare."
         )
-    with autocast(converted.policy.compute_dtype, kernels=options["kernels"]):
+    region = Recipe("O1", converted.policy.compute_dtype, kernels=options["kernels"])
+    with autocast(region):
         eager = op_dtypes(model, *inputs, **kwargs)
     graph = op_dtypes(converted, *inputs, **kwargs)
     report = converted.precision_report()

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from mixprec._recipe_rules import refuse_moved_keywords
+from mixprec.core._keywords import refuse_moved_keywords
 from mixprec.core.policy import Policy, PolicyLike, as_policy, global_policy
 from mixprec.graph import paint
 from mixprec.graph.caches import no_cache, strip_use_cache

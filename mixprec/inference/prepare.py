@@ -34,8 +34,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from mixprec._initialize import _MARK
-from mixprec._recipe_rules import refuse_moved_keywords
 from mixprec.core import engine
+from mixprec.core._keywords import refuse_moved_keywords
 from mixprec.core.cast_table import FP32, resolve_op, rule_for
 from mixprec.core.fp32_values import fp32_state_dict
 from mixprec.core.hardware import default_dtype

@@ -26,7 +26,7 @@ from torch import Tensor
 
 import mixprec
 from mixprec._initialize import MOVED
-from mixprec._recipe_rules import refuse_moved_keywords
+from mixprec.core._keywords import refuse_moved_keywords
 from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.recipe import Recipe, as_recipe
 

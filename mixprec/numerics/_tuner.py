@@ -22,6 +22,7 @@ from mixprec.core.policy import Policy
 from mixprec.fp8.config import FP8Config
 from mixprec.numerics.nonfinite_ops import iter_tensors
 from mixprec.numerics.tune_plan import RunError
+from mixprec.recipe import Recipe
 
 _SCALES = (2.0**15, 2.0**10, 2.0**5, 1.0)
 
@@ -261,7 +262,7 @@ class _Tuner:
         self._set(assignment)
         if self.metric is not None:
             try:
-                with autocast(self.dtype, fp8=fp8):
+                with autocast(Recipe("O1", self.dtype, fp8=fp8)):
                     value = self._metric()
             finally:
                 self._clear(assignment)
@@ -280,7 +281,7 @@ class _Tuner:
         used = 1.0
         for i, batch in enumerate(self.batches):
             self._zero()
-            with autocast(self.dtype, fp8=fp8):
+            with autocast(Recipe("O1", self.dtype, fp8=fp8)):
                 loss = self._forward(batch)
             if not math.isfinite(loss.item()):
                 return RunError(math.inf, math.inf, 1.0)

@@ -8,9 +8,10 @@ runs (the other tools need data). Integer targets get cross-entropy, float targe
 The model given is never trained: op stats and the range audit run one forward/backward on it
 (gradients are cleared after), the locator trains a deep copy for ``--steps`` steps through
 ``mixprec.initialize`` at O2, and ``--tune`` searches on another copy. With ``--fp8`` the plan
-of :func:`mixprec.fp8.fp8_plan` is printed first (each Linear's choice and why), op stats run under
-``autocast(fp8=...)`` on a copy (the scaled matmuls in the ``fp8`` column), a second range
-audit judges the FP8 layers at their recipe's scales, and the locator trains with ``fp8=``.
+of :func:`mixprec.fp8.fp8_plan` is printed first (each Linear's choice and why), op stats run
+under ``autocast(Recipe(..., fp8=...))`` on a copy (the scaled matmuls in the ``fp8`` column), a
+second range audit judges the FP8 layers at their recipe's scales, and the locator trains with
+the recipe's ``fp8``.
 Results go to the terminal, to ``OUT/report.json`` and to PNG histograms in ``OUT``.
 """
 
@@ -189,10 +190,11 @@ def _op_stats_section(
 ) -> None:
     from mixprec.core.engine import autocast
     from mixprec.numerics.opstats import op_stats
+    from mixprec.recipe import Recipe
 
     x, y = batch
     with op_stats() as stats:
-        with autocast(dtype, fp8=fp8):
+        with autocast(Recipe("O1", dtype, fp8=fp8)):
             loss = loss_fn(_forward(observed, x), y)
         loss.backward()
     name = doc["dtype"]
@@ -246,9 +248,10 @@ def _fp8_range_section(
 ) -> None:
     from mixprec.core.engine import autocast
     from mixprec.numerics.range_audit import range_audit
+    from mixprec.recipe import Recipe
 
     x, y = batch
-    with range_audit(observed) as fp8_audit, autocast(dtype, fp8=fp8):
+    with range_audit(observed) as fp8_audit, autocast(Recipe("O1", dtype, fp8=fp8)):
         loss = loss_fn(_forward(observed, x), y)
     loss.backward()
     print(f"\nFP8 layers ({fp8.recipe}): their casts, and their output against 16 bits")

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mixprec._recipe_rules import refuse_moved_keywords
+from mixprec.core._keywords import refuse_moved_keywords
 from mixprec.core.engine import set_policy
 from mixprec.core.policy import Policy, get_policy
 from mixprec.fp8.config import FP8Config
