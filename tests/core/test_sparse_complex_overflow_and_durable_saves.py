@@ -122,7 +122,8 @@ def test_fp16_o3_explicit_update_none_still_warns_for_rmsprop():
     assert opt.lean is None
 
 
-# -- sparse and complex gradients under overflow (training at every level: test_real_habits.py) ---
+# -- sparse and complex gradients under overflow ------------------------------------------------
+# (their training at every level: test_parameter_kinds_and_weight_loading.py)
 def _init(model, opt, level, dtype):
     return mixprec.initialize(model, opt, level, dtype)
 
