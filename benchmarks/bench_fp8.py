@@ -384,7 +384,7 @@ def markov(device: str, vocab: int, n: int, t: int, seed: int):
 def curves_part(device: str, steps: int, seeds: int, compile_it: bool) -> dict:
     if device == "cuda":
         cfg, batch, lr = GPTConfig(512, 256, 4, 16, 1024), 16, 1e-3
-    else:  # the model and data of tests/test_fp8_training.py
+    else:  # the model and data of tests/fp8/test_training.py
         cfg, batch, lr = GPTConfig(64, 32, 2, 4, 64), 16, 3e-3
     modes = {"bf16 O2": None, **{f"FP8 {r}": FP8Config(r, layers="all") for r in RECIPE_NAMES}}
     out: dict[str, Any] = {"config": vars(cfg) | {"batch": batch, "steps": steps}, "runs": []}

@@ -5,7 +5,7 @@ Design (``docs/design.md``, "A drop-in for torch.amp"):
 * **A subclass of torch's scaler.** Its constructor, methods, stage rules and error messages,
   ``state_dict``, pickles and the private attributes trainers read (``_scale``,
   ``_per_optimizer_states``, ``_unscale_grads_``...) are torch's own, so code written for
-  ``torch.amp.GradScaler`` runs unchanged (``tests/amp_conformance/`` checks it against torch's).
+  ``torch.amp.GradScaler`` runs unchanged (``tests/amp/conformance/`` checks it against torch's).
 * **The scale rule.** By default torch's kernel (``torch._amp_update_scale_``: on the device, no
   host sync), so the scale follows torch's bit for bit. ``hysteresis``, ``min_scale`` or
   ``max_scale`` switch to :class:`mixprec.core.loss_scale.LossScaler`'s rule, kept on the host:

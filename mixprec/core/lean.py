@@ -33,7 +33,7 @@ Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit upda
   (``exp_avg``, ``momentum_buffer``) in the parameter's 16-bit dtype and everything else --
   notably Adam's second moment -- in fp32: with ``beta2 = 0.999`` a bf16 ``exp_avg_sq`` cannot
   move by less than 2**-9 of itself per step, so ``v <- 0.999 v`` rounds back to ``v`` and the
-  second moment stops decaying (tests/test_lean.py measures it). A dtype applies to every
+  second moment stops decaying (tests/core/test_lean.py measures it). A dtype applies to every
   floating state tensor; a dict maps keys to dtypes (unlisted keys fp32).
 * **Reproducible randomness.** One ``torch.Generator`` per device, seeded with ``seed`` (the
   same on every rank, so data-parallel replicas round identically). Chunks are visited in a

@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_engine_dispatch import _Block, _Net
 from torch import nn
 
 import mixprec
 from mixprec.core import traced
+from tests.core.test_dispatch import _Block, _Net
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -1,6 +1,6 @@
-"""Multi-process scenarios for tests/test_distributed.py; run under torchrun (gloo, CPU).
+"""Multi-process scenarios for test_distributed.py beside it, run under torchrun (gloo, CPU).
 
-    torchrun --standalone --nproc_per_node=2 tests/dist_workers/scenarios.py --out DIR [names]
+    torchrun --standalone --nproc_per_node=2 tests/distributed/scenarios.py --out DIR [names]
 
 Every rank runs the named scenarios (default: all) in order and writes ``DIR/rank{r}.json``:
 ``{scenario: {...measurements...}}`` or ``{scenario: {"error": traceback}}``. The tests assert

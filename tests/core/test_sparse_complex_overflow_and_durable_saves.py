@@ -28,7 +28,7 @@ def _accuracy_calls():
 
 
 def test_tune_by_a_user_metric_keeps_the_planted_layer():
-    from tests.test_tune import Net, _data
+    from tests.numerics.test_tune import Net, _data
 
     accuracy, calls = _accuracy_calls()
     model = Net()
@@ -52,7 +52,7 @@ def test_tune_by_a_user_metric_keeps_the_planted_layer():
 def test_tune_explains_how_to_pass_an_accuracy_metric():
     # before: an accuracy passed as loss_fn died in backward with
     # "element 0 of tensors does not require grad"
-    from tests.test_tune import Net, _data
+    from tests.numerics.test_tune import Net, _data
 
     accuracy, _ = _accuracy_calls()
     with pytest.raises(ValueError, match="does not require grad.*pass it as metric=fn"):
@@ -65,7 +65,7 @@ def test_tune_explains_how_to_pass_an_accuracy_metric():
         mixprec.numerics.tune(Net(), _data(), metric=lambda out, y: "high", recipe=FP16)
 
 
-# -- plain DDP detection (the 2-rank runs are in tests/test_distributed.py) ------------------------
+# -- plain DDP detection (the 2-rank runs are in tests/distributed/test_distributed.py) ----------
 def _mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -122,7 +122,8 @@ def test_fp16_o3_explicit_update_none_still_warns_for_rmsprop():
     assert opt.lean is None
 
 
-# -- sparse and complex gradients under overflow (training at every level: test_real_habits.py) ---
+# -- sparse and complex gradients under overflow ------------------------------------------------
+# (their training at every level: test_parameter_kinds_and_weight_loading.py)
 def _init(model, opt, level, dtype):
     return mixprec.initialize(model, opt, level, dtype)
 

@@ -3,7 +3,7 @@ the test states torch's own behaviour) and against ``mixprec.amp`` (the drop-in 
 
 Its tests are written for mixprec from torch.amp's documented behaviour; they check the same
 behaviours as PyTorch's GradScaler and CPU autocast tests, on the CPU. Where mixprec.amp fixes
-one of torch's traps, the test is in tests/test_amp.py instead, marked there as failing on
+one of torch's traps, the test is in tests/amp/test_amp.py instead, marked there as failing on
 torch.amp."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """mixprec on torch.distributed: real 2-process runs (torchrun, gloo, CPU).
 
-One torchrun launch runs every scenario of ``tests/dist_workers/scenarios.py`` (process start-up
+One torchrun launch runs every scenario of ``tests/distributed/scenarios.py`` (process start-up
 dominates on this machine); each test asserts on what the ranks measured.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "dist_workers" / "scenarios.py"
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("scenarios.py")
 TIMEOUT_S = 240  # the whole launch; it takes ~40-70 s on the shared 2-core machine
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")

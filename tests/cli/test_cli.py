@@ -112,8 +112,8 @@ def test_benchmark_harness_times_every_mode(monkeypatch):
         lambda g: (torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)),
     )
     monkeypatch.setitem(benchmarking.WORKLOADS, "tiny", tiny)
-    # the torch.compile modes are covered by tests/test_convert.py (compiling every one of them
-    # here would only time inductor)
+    # the torch.compile modes are covered by tests/graph/test_convert.py (compiling every one of
+    # them here would only time inductor)
     modes = [m for m in benchmarking.MODES if "compile" not in m]
     results = benchmarking.run(["tiny"], modes, rounds=2, warmup=1, log=lambda s: None)
     assert [r.mode for r in results] == modes

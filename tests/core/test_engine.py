@@ -22,7 +22,7 @@ from mixprec.core.policy import set_global_policy
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 LOW = [BF16, F16]
 

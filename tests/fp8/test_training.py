@@ -168,7 +168,7 @@ def test_an_inf_made_upstream_is_traced_into_the_fp8_layers_it_reached():
 def test_compiled_training_has_no_graph_break_and_runs_the_eager_numbers():
     # aot_eager: dynamo and AOTAutograd trace the FP8 layers and the engine as inductor gets
     # them, and the traced aten ops run eagerly (inductor's own bitwise check is in
-    # test_fp8_linear.py, on the FP8 linear alone)
+    # test_linear.py, on the FP8 linear alone)
     from torch._dynamo.utils import counters
 
     eager_model, eager_opt = build(ALL)

@@ -253,7 +253,7 @@ def test_small_updates_the_default_tracks_fp32_and_update_none_stalls():
 
 
 def test_bench_o3_accuracy_smoke(tmp_path, capsys):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     try:
         import bench_o3_accuracy
     finally:

@@ -14,7 +14,7 @@ import torch
 from mixprec.core import hardware as hw
 from mixprec.core.hardware import DtypeSupport, HardwareReport, MixprecPerformanceWarning
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _cpu_report(*flags: str) -> HardwareReport:

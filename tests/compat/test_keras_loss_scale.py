@@ -13,7 +13,7 @@ import mixprec
 from mixprec.compat.keras import LossScaleOptimizer
 
 INF, NAN = float("inf"), float("nan")
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "keras_custom_loop.py"
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "keras_custom_loop.py"
 
 
 def _vars() -> tuple[torch.Tensor, LossScaleOptimizer]:

@@ -12,7 +12,7 @@ import torch
 from extras import has, install_hint
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from recipe_cases import CASES, capability_key, train
 
-REFERENCE = Path(__file__).parent / "data" / f"recipe_reference_{capability_key()}.pt"
+REFERENCE = Path(__file__).resolve().parents[1] / "data" / f"recipe_reference_{capability_key()}.pt"
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bench_fp8
 import bench_gpu
@@ -143,7 +143,7 @@ def test_gpu_check_quick_dry_run_writes_every_table(tmp_path):
     import os
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
     done = subprocess.run(
         ["bash", "tools/gpu_check.sh", "quick", "--dry-run"],

@@ -1,6 +1,6 @@
 """mixprec.amp: torch.amp's traps, fixed, and what mixprec adds to it (the conformance suite,
-torch.amp's own behaviour checked on both namespaces, is tests/amp_conformance/; the recipe loop
-is tests/test_amp_recipe.py).
+torch.amp's own behaviour checked on both namespaces, is tests/amp/conformance/; the recipe loop
+is tests/amp/test_pytorch_recipe_loop.py).
 
 Where a test shows a trap, it runs against torch.amp too, marked as an expected failure there:
 proof that the test can fail and that torch still has the trap."""
