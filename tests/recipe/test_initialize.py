@@ -182,7 +182,7 @@ def _o1_error(match: str, *recipe, exc=ValueError, **kw):
 
 
 def test_unknown_level():
-    _o1_error(r"Cannot read 'O4' as a recipe or a policy; recipe names: \['O0', 'O1'", "O4", BF16)
+    _o1_error(r"Cannot read 'O4' as a recipe or a policy: expected 'O0', 'O1'", "O4", BF16)
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
