@@ -47,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 
 from mixprec.core import cast_table, kernels
 from mixprec.core._frames import Frame, _frame_for_kernel, _state, top
-from mixprec.core.cast_table import FP32, LOWER, PROMOTE
+from mixprec.core.cast_table import FP32, FP32_INSIDE_OPS, LOWER, NATIVE_PROMOTE, PROMOTE
 from mixprec.core.torch_lists import TORCH_AUTOCAST, torch_rule
 
 __all__ = [
@@ -63,58 +63,6 @@ __all__ = [
 
 _LOW = (torch.float16, torch.bfloat16)
 
-# fp32-rule ops whose 16-bit kernels accumulate in float32 internally (CPU and CUDA): with
-# ``fp32_inside`` they keep 16-bit inputs and outputs -- the seed's "memory-bound ops stay
-# 16-bit in and out, compute in fp32 inside" -- instead of paying for two casts.
-# The ATen spellings are listed too: the graph pass (mixprec.graph.paint) reads this set.
-FP32_INSIDE_OPS = frozenset(
-    {
-        "layer_norm",
-        "group_norm",
-        "softmax",
-        "log_softmax",
-        "native_layer_norm",
-        "native_group_norm",
-        "_softmax",
-        "_log_softmax",
-    }
-)
-
-# promote-rule ops whose native kernels already compute in the widest input dtype (torch's type
-# promotion): they need no cast and no kernel. 0-dim tensors and Python numbers do not widen
-# them, as in torch.
-NATIVE_PROMOTE = frozenset(
-    {
-        "add",
-        "sub",
-        "rsub",
-        "mul",
-        "div",
-        "true_divide",
-        "atan2",
-        "maximum",
-        "minimum",
-        "fmax",
-        "fmin",
-        "addcmul",
-        "addcdiv",
-        "where",
-        "eq",
-        "ne",
-        "lt",
-        "le",
-        "gt",
-        "ge",
-        "equal",
-        "cat",
-        "concat",
-        "concatenate",
-        "stack",
-        "hstack",
-        "vstack",
-        "dstack",
-    }
-)
 
 # in-place ops that update weights (optimizers, EMA, manual SGD, load_state_dict, init)
 _INPLACE_UPDATES = (

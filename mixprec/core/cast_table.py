@@ -38,14 +38,19 @@ from typing import Any
 import torch
 
 __all__ = [
+    "CAST_OPS",
     "DEFAULT_TABLE",
+    "DROP_OPS",
     "FP32",
+    "FP32_INSIDE_OPS",
     "GRAPH_CLEAR",
     "GRAPH_INFER",
     "LOWER",
+    "NATIVE_PROMOTE",
     "PROMOTE",
     "PYTHON_FUNCTIONS",
     "RULES",
+    "SOURCE_OPS",
     "cast_rules",
     "current_table",
     "op_name",
@@ -589,3 +594,77 @@ def _resolver() -> Callable[[Any], tuple[str, bool]]:
 
 
 resolve_op = _resolver()
+
+
+# fp32-rule ops whose 16-bit kernels accumulate in float32 internally (CPU and CUDA): with
+# ``fp32_inside`` they keep 16-bit inputs and outputs -- the seed's "memory-bound ops stay
+# 16-bit in and out, compute in fp32 inside" -- instead of paying for two casts.
+# The ATen spellings are listed too: the graph pass reads this set as well.
+FP32_INSIDE_OPS = frozenset(
+    {
+        "layer_norm",
+        "group_norm",
+        "softmax",
+        "log_softmax",
+        "native_layer_norm",
+        "native_group_norm",
+        "_softmax",
+        "_log_softmax",
+    }
+)
+
+# promote-rule ops whose native kernels already compute in the widest input dtype (torch's type
+# promotion): they need no cast and no kernel. 0-dim tensors and Python numbers do not widen
+# them, as in torch.
+NATIVE_PROMOTE = frozenset(
+    {
+        "add",
+        "sub",
+        "rsub",
+        "mul",
+        "div",
+        "true_divide",
+        "atan2",
+        "maximum",
+        "minimum",
+        "fmax",
+        "fmin",
+        "addcmul",
+        "addcdiv",
+        "where",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "equal",
+        "cat",
+        "concat",
+        "concatenate",
+        "stack",
+        "hstack",
+        "vstack",
+        "dstack",
+    }
+)
+
+
+# -- structural op sets of the graph pass (mixprec.graph.paint, mixprec.graph.casts) --------
+# ops whose result has an input's storage dtype by construction (gather from a table): the cast
+# goes on the (small) output instead of the (large) weight
+SOURCE_OPS = frozenset({"embedding", "embedding_bag", "_embedding_bag"})
+CAST_OPS = frozenset(
+    {
+        "_to_copy",
+        "to",
+        "float",
+        "half",
+        "bfloat16",
+        "double",
+        "type",
+        "convert_element_type",
+        "_convert_element_type",
+    }
+)
+DROP_OPS = frozenset({"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"})

@@ -35,13 +35,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from mixprec.core.cast_table import PROMOTE, current_table
+from mixprec.core.cast_table import CAST_OPS, DROP_OPS, PROMOTE, SOURCE_OPS, current_table
 from mixprec.graph.paint import (
     ALLOW,
-    CAST_OPS,
     COLOURABLE,
-    DROP_OPS,
-    SOURCE_OPS,
     Colouring,
     meta_val,
     mutates,

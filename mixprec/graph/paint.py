@@ -40,15 +40,17 @@ from torch import fx
 from torch.fx.passes.shape_prop import TensorMetadata
 
 from mixprec.core.cast_table import (
+    CAST_OPS,
     FP32,
+    FP32_INSIDE_OPS,
     GRAPH_CLEAR,
     GRAPH_INFER,
     LOWER,
     PROMOTE,
+    SOURCE_OPS,
     current_table,
     op_name,
 )
-from mixprec.core.engine import FP32_INSIDE_OPS
 
 __all__ = [
     "ALLOW",
@@ -68,23 +70,6 @@ __all__ = [
 
 ALLOW, DENY, INFER, CLEAR = "allow", "deny", "infer", "clear"
 LISTS = (ALLOW, DENY, INFER, CLEAR)
-# ops whose result has an input's storage dtype by construction (gather from a table): the cast
-# goes on the (small) output instead of the (large) weight
-SOURCE_OPS = frozenset({"embedding", "embedding_bag", "_embedding_bag"})
-CAST_OPS = frozenset(
-    {
-        "_to_copy",
-        "to",
-        "float",
-        "half",
-        "bfloat16",
-        "double",
-        "type",
-        "convert_element_type",
-        "_convert_element_type",
-    }
-)
-DROP_OPS = frozenset({"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"})
 
 
 @dataclass(frozen=True)
