@@ -56,7 +56,7 @@ from mixprec.core._gradients import LossSlot
 from mixprec.core._keywords import refuse_moved_keywords
 from mixprec.core.fp32_values import install_load_refresh
 from mixprec.core.hardware import warn_if_slow
-from mixprec.core.loss_scale import LossScaler
+from mixprec.core.loss_scale import DYNAMIC_OPTIONS, LossScaler
 from mixprec.core.optimizer import MixedPrecisionOptimizer, StepGuard
 from mixprec.core.optimizer_view import OptimizerView, as_torch_optimizer
 from mixprec.core.policy import Policy, get_policy
@@ -78,6 +78,16 @@ LEVEL_SPELLINGS = "'O0', 'O1', 'O2' or 'O3' (the letter O, not zero; any case: '
 _MARK = "_mixprec_initialized"
 RECIPE_ATTR = "_mixprec_recipe"  # (recipe, the 16-bit dtype it runs in) on each model prepared
 
+_SAME_NAME = (
+    "loss_scale",
+    "num_losses",
+    "fp32_inside",
+    "kernels",
+    "fp8",
+    "activations",
+    "update",
+    "update_seed",
+)
 #: keywords initialize took before the Recipe -> the Recipe field that replaces each
 MOVED: dict[str, str] = {
     "level": "name",
@@ -87,20 +97,8 @@ MOVED: dict[str, str] = {
     "master_weights": "masters",
     "cast_model_outputs": "outputs",
     "state_dtype": "optimizer_states",
-    **{k: k for k in ("loss_scale", "num_losses", "fp32_inside", "kernels", "fp8", "activations")},
-    **{k: k for k in ("update", "update_seed")},
-    **{
-        k: f"loss_scale=mixprec.LossScaling({k}=...)"
-        for k in (
-            "init_scale",
-            "growth_factor",
-            "backoff_factor",
-            "growth_interval",
-            "hysteresis",
-            "min_scale",
-            "max_scale",
-        )
-    },
+    **{k: k for k in _SAME_NAME},
+    **{k: f"loss_scale=mixprec.LossScaling({k}=...)" for k in ("init_scale", *DYNAMIC_OPTIONS)},
 }
 
 
