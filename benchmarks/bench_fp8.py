@@ -312,7 +312,7 @@ warnings.simplefilter("ignore")
 torch.set_num_threads(1)
 sys.path.insert(0, sys.argv[2])
 import bench_fp8 as b
-from mixprec.core.memory import PeakMemory
+from mixprec._core.memory import PeakMemory
 cfg, batch = b.gpt_config("cpu")
 _, step = b._build_step("cpu", b.STEP_MODES[sys.argv[1]], cfg, batch, False)
 step()

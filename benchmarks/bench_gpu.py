@@ -320,7 +320,7 @@ def profile_modes(device: str, smoke: bool, modes: list[Mode], steps: int = 3) -
 
 def machine(device: str) -> str:
     if device != "cuda":
-        from mixprec.core.hardware import check
+        from mixprec._core.hardware import check
 
         return f"{check(device, verbose=False).name} (CPU smoke run)"
     try:

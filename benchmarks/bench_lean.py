@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 import mixprec
+from mixprec._core.memory import PeakMemory
 from mixprec.bench.workloads import WORKLOADS
-from mixprec.core.memory import PeakMemory
 
 R, BF16 = mixprec.Recipe, torch.bfloat16
 MODES: dict[str, mixprec.Recipe | None] = {

@@ -144,7 +144,7 @@ def _saved_mb(model: Any, region: Any, x: Any, storage: bool) -> float:
     """MB autograd keeps after one forward: what mixprec's storage hooks keep where the mode has
     them (``storage``), else what a saved-tensor hook around the forward sees (the storage
     hooks step aside inside a caller's own hooks, so the two cannot be combined)."""
-    from mixprec.core import activations
+    from mixprec._core import activations
 
     kept: dict[int, int] = {}
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -366,7 +366,7 @@ def main() -> None:
         return
     for m in (*args.modes, *args.train_modes):
         parse_mode(m)
-    from mixprec.core.hardware import check
+    from mixprec._core.hardware import check
 
     header = (
         f"{datetime.date.today()} · {check(verbose=False).name} · {torch.get_num_threads()} "

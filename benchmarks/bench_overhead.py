@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from mixprec._core.hardware import check
 from mixprec.bench.models import GPT, GPTConfig
 from mixprec.bench.runner import Trainer
 from mixprec.bench.steps import emit, step_workload
-from mixprec.core.hardware import check
 
 MODES = ("fp32", "torch-autocast", "mixprec-autocast", "O1", "O2", "O3", "graph")
 MODELS = {

@@ -120,7 +120,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
-    from mixprec.core.hardware import check
+    from mixprec._core.hardware import check
 
     header = (
         f"{datetime.date.today()} · {check(verbose=False).name} · {torch.get_num_threads()} "

@@ -18,8 +18,8 @@ import platform
 
 import torch
 
+from mixprec._core.hardware import check
 from mixprec.bench import steps as benchmarking
-from mixprec.core.hardware import check
 
 
 def main() -> None:

@@ -15,15 +15,15 @@ region or an initialized model first runs.
 import torch.distributed as _dist
 
 from mixprec import amp, graph, inference, numerics  # noqa: F401 - subpackages: mixprec.numerics.tune
+from mixprec._core.activations import ActivationConfig
+from mixprec._core.cast_table import register_op
+from mixprec._core.engine import autocast, set_policy
+from mixprec._core.fp32_values import fp32_state_dict
+from mixprec._core.hardware import check, default_dtype
+from mixprec._core.norms import register_norm
+from mixprec._core.optimizer import scale_loss
+from mixprec._core.policy import Policy, get_policy, global_policy, policy_scope, set_global_policy
 from mixprec._initialize import initialize
-from mixprec.core.activations import ActivationConfig
-from mixprec.core.cast_table import register_op
-from mixprec.core.engine import autocast, set_policy
-from mixprec.core.fp32_values import fp32_state_dict
-from mixprec.core.hardware import check, default_dtype
-from mixprec.core.norms import register_norm
-from mixprec.core.optimizer import scale_loss
-from mixprec.core.policy import Policy, get_policy, global_policy, policy_scope, set_global_policy
 from mixprec.fp8.config import FP8Config
 from mixprec.graph import convert
 from mixprec.inference import for_inference

@@ -15,9 +15,9 @@ levels (``docs/recipes.md``):
 
 Without masters (O3), ``update="nearest" | "kahan" | "stochastic"`` runs the optimizer's math in
 fp32 on temporaries and writes the 16-bit weights back with that rounding, with optimizer state
-stored per ``optimizer_states`` (:mod:`mixprec.core.lean`). ``update=None`` lets the optimizer
+stored per ``optimizer_states`` (:mod:`mixprec._core.lean`). ``update=None`` lets the optimizer
 step the 16-bit weights in 16-bit arithmetic. ``update="auto"`` (the default) is decided per
-optimizer (:mod:`mixprec.core.update_choice`):
+optimizer (:mod:`mixprec._core.update_choice`):
 
 * **bf16: ``"kahan"``.** bf16 keeps 8 significant bits: the optimizer's own bf16 step loses
   every update below half an ulp of its weight, and its bf16 second moment stops decaying
@@ -35,7 +35,7 @@ optimizer (:mod:`mixprec.core.update_choice`):
 A Kahan buffer starts from the residual of rounding the values the parameters held before the
 cast, as masters start from those values, so loading fp32 weights before or after
 ``initialize`` gives the same ``w + c``. A model that arrives already cast to 16 bits gets back
-what its recipe keeps in fp32, with one warning (:mod:`mixprec.core.storage`). The optimizer
+what its recipe keeps in fp32, with one warning (:mod:`mixprec._core.storage`). The optimizer
 passed in refuses a direct step that would bypass the returned one. A non-finite gradient skips
 the step at every level, with or without loss scaling. The model is modified in place (hooks,
 parameter storage) and returned.
@@ -51,18 +51,18 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from mixprec.core import engine
-from mixprec.core._gradients import LossSlot
-from mixprec.core._keywords import refuse_moved_keywords
-from mixprec.core.fp32_values import install_load_refresh
-from mixprec.core.hardware import warn_if_slow
-from mixprec.core.loss_scale import DYNAMIC_OPTIONS, LossScaler
-from mixprec.core.optimizer import MixedPrecisionOptimizer, StepGuard
-from mixprec.core.optimizer_view import OptimizerView, as_torch_optimizer
-from mixprec.core.policy import Policy, get_policy
-from mixprec.core.resume import resume_carried, take_state
-from mixprec.core.storage import ACCEPT_16BIT_ATTR, cast_storage, keep_frozen, restore_fp32
-from mixprec.core.update_choice import update_options
+from mixprec._core import engine
+from mixprec._core._gradients import LossSlot
+from mixprec._core._keywords import refuse_moved_keywords
+from mixprec._core.fp32_values import install_load_refresh
+from mixprec._core.hardware import warn_if_slow
+from mixprec._core.loss_scale import DYNAMIC_OPTIONS, LossScaler
+from mixprec._core.optimizer import MixedPrecisionOptimizer, StepGuard
+from mixprec._core.optimizer_view import OptimizerView, as_torch_optimizer
+from mixprec._core.policy import Policy, get_policy
+from mixprec._core.resume import resume_carried, take_state
+from mixprec._core.storage import ACCEPT_16BIT_ATTR, cast_storage, keep_frozen, restore_fp32
+from mixprec._core.update_choice import update_options
 from mixprec.fp8 import layers as fp8_layers
 from mixprec.recipe import Recipe, as_recipe
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from mixprec.core.activations import ActivationConfig
-from mixprec.core.loss_scale import LossScaling
-from mixprec.core.policy import _dtype
+from mixprec._core.activations import ActivationConfig
+from mixprec._core.loss_scale import LossScaling
+from mixprec._core.policy import _dtype
 from mixprec.fp8.config import FP8Config
 
 __all__ = ["parse", "render_table", "word"]

@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
+from mixprec._core.activations import as_activation_config
+from mixprec._core.loss_scale import LossScaling
+from mixprec._core.policy import Policy, _dtype, as_policy
 from mixprec._recipe_rules import check_fields
 from mixprec._recipe_text import parse, render_table, word
-from mixprec.core.activations import as_activation_config
-from mixprec.core.loss_scale import LossScaling
-from mixprec.core.policy import Policy, _dtype, as_policy
 from mixprec.fp8.config import as_fp8_config
 
 __all__ = ["DEFAULTS", "NAMES", "LossScaling", "Recipe", "as_recipe"]
@@ -218,7 +218,7 @@ class Recipe:
             return torch.float32
         if self.dtype is not None:
             return self.dtype
-        from mixprec.core.hardware import default_dtype
+        from mixprec._core.hardware import default_dtype
 
         return default_dtype(device)
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 import mixprec
+from mixprec._core.hardware import _read_cpu
 from mixprec.bench.models import GPT, GPTConfig
-from mixprec.core.hardware import _read_cpu
 
 BF16, FP16 = torch.bfloat16, torch.float16
 STEPS = 5

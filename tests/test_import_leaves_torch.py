@@ -232,7 +232,7 @@ def _use_mixprec() -> None:
     import warnings
 
     import mixprec
-    from mixprec.core.hardware import MixprecPerformanceWarning
+    from mixprec._core.hardware import MixprecPerformanceWarning
 
     warnings.simplefilter("ignore", MixprecPerformanceWarning)
     with mixprec.autocast(torch.bfloat16):
@@ -276,7 +276,7 @@ def _trigger(how: str) -> None:
     import warnings
 
     import mixprec
-    from mixprec.core.hardware import MixprecPerformanceWarning
+    from mixprec._core.hardware import MixprecPerformanceWarning
 
     warnings.simplefilter("ignore", MixprecPerformanceWarning)
     if how == "region":
@@ -286,9 +286,9 @@ def _trigger(how: str) -> None:
         model = mixprec.set_policy(_net(), "bfloat16")
         model(torch.randn(2, 16))
     elif how == "optimizer":
-        from mixprec.core._gradients import LossSlot
-        from mixprec.core.loss_scale import LossScaler
-        from mixprec.core.optimizer import MixedPrecisionOptimizer
+        from mixprec._core._gradients import LossSlot
+        from mixprec._core.loss_scale import LossScaler
+        from mixprec._core.optimizer import MixedPrecisionOptimizer
 
         model = _net().to(torch.bfloat16)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -95,14 +95,14 @@ def test_the_cycle_finder_finds_a_circle_and_accepts_a_tree():
 
 def test_the_import_graph_sees_lazy_and_relative_imports(tmp_path):
     pkg = tmp_path / "mixprec"
-    (pkg / "core").mkdir(parents=True)
+    (pkg / "_core").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "core" / "__init__.py").write_text("")
-    (pkg / "core" / "a.py").write_text("def f():\n    from mixprec.tools import b\n")
-    (pkg / "tools.py").write_text("from .core import a\n")
+    (pkg / "_core" / "__init__.py").write_text("")
+    (pkg / "_core" / "a.py").write_text("def f():\n    from mixprec.tools import b\n")
+    (pkg / "tools.py").write_text("from ._core import a\n")
     graph = import_graph(pkg)
-    assert graph["mixprec.core.a"] == {"mixprec.tools"}
-    assert graph["mixprec.tools"] == {"mixprec.core.a"}
+    assert graph["mixprec._core.a"] == {"mixprec.tools"}
+    assert graph["mixprec.tools"] == {"mixprec._core.a"}
     assert find_cycle(graph) is not None
 
 
@@ -112,13 +112,13 @@ def test_no_import_circle_inside_mixprec():
 
 
 # what a training step runs: the core and the FP8 package its engine calls
-_STEP = ("mixprec.core", "mixprec.fp8")
+_STEP = ("mixprec._core", "mixprec.fp8")
 
 
 def test_the_core_imports_nothing_above_it():
     graph = import_graph()
     core = [m for m in graph if m.startswith(_STEP)]
-    assert "mixprec.core.engine" in core and "mixprec.core.optimizer" in core
+    assert "mixprec._core.engine" in core and "mixprec._core.optimizer" in core
     assert "mixprec.fp8.layers" in core
     upward = {m: sorted(t for t in graph[m] if not t.startswith(_STEP)) for m in core}
     assert not any(upward.values()), {m: t for m, t in upward.items() if t}
@@ -128,10 +128,12 @@ def test_fp8_is_one_package_that_imports_only_the_cores_leaves():
     graph = import_graph()
     fp8 = [m for m in graph if m.startswith("mixprec.fp8")]
     outside = {t for m in fp8 for t in graph[m] if not t.startswith("mixprec.fp8")}
-    assert outside <= {"mixprec.core.hardware", "mixprec.core.policy", "mixprec.core._warnings"}, (
-        outside
-    )
-    assert not [m for m in graph if m.startswith("mixprec.core.float8")]
+    assert outside <= {
+        "mixprec._core.hardware",
+        "mixprec._core.policy",
+        "mixprec._core._warnings",
+    }, outside
+    assert not [m for m in graph if m.startswith("mixprec._core.float8")]
 
 
 def test_no_module_imports_the_package_root_that_the_root_imports():
@@ -166,7 +168,7 @@ def test_the_flat_module_paths_of_an_unreleased_layout_are_gone(old):
 def test_public_names_and_the_new_paths_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
-        importlib.import_module("mixprec.core.engine")
+        importlib.import_module("mixprec._core.engine")
         importlib.import_module("mixprec.numerics.range_audit")
         from mixprec.inference import for_inference  # noqa: F401
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from mixprec.core.hardware import MixprecPerformanceWarning
+from mixprec._core.hardware import MixprecPerformanceWarning
 
 pytest.importorskip("expecttest")  # torch's autocast test lists import it
 import plain_torch_scenarios as scenarios
@@ -69,7 +69,7 @@ def _use_mixprec() -> None:
         with mixprec.autocast(mixprec.Recipe("O1", BF16, fp8=fp8)):
             plain(torch.randn(4, 16)).float().sum().backward()
     assert not torch.nn.modules.module._global_forward_pre_hooks
-    assert mixprec.core.dispatch.registered()
+    assert mixprec._core.dispatch.registered()
 
 
 def _assert_same(ref, got, where: str) -> None:

@@ -30,11 +30,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
-from mixprec.core import cast_table, dispatch
-from mixprec.core.cast_table import FP32, PYTHON_FUNCTIONS, rule_for
-from mixprec.core.torch_lists import torch_rule
+from mixprec._core import cast_table, dispatch
+from mixprec._core.cast_table import FP32, PYTHON_FUNCTIONS, rule_for
+from mixprec._core.torch_lists import torch_rule
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OPS = ROOT / "docs" / "ops.md"
@@ -585,7 +585,7 @@ def test_the_cuda_statements_follow_torch_lists_and_torch_defaults():
 
 def test_attention_decomposes_on_cpu_only():
     q = torch.empty(2, 2, 4, 8, dtype=BF16, device="meta", requires_grad=True)
-    from mixprec.core.kernels import can_decompose_attention
+    from mixprec._core.kernels import can_decompose_attention
 
     assert not can_decompose_attention(q, q, q)
     cpu = torch.zeros(2, 2, 4, 8, dtype=BF16, requires_grad=True)

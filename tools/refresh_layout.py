@@ -21,7 +21,7 @@ def refresh(line: str) -> str:
     if m is None:
         return line
     lead, entries, gap, text = m.groups()
-    base = ROOT / "mixprec" / ("core" if len(lead) == 4 else "")
+    base = ROOT / "mixprec" / ("_core" if len(lead) == 4 else "")
 
     def count(e: re.Match[str]) -> str:
         path = base / e.group(1).rstrip("/")

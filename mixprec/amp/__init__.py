@@ -8,7 +8,7 @@ computes. What they add is opt-in or invisible to code that does not ask:
 
 * ``autocast(..., cast_rules="mixprec")``: mixprec's cast table on every device;
 * ``GradScaler(..., hysteresis=, min_scale=, max_scale=)``: the scale rule of
-  :class:`mixprec.core.loss_scale.LossScaler`; ``skipped_steps`` / ``step_skipped``;
+  :class:`mixprec._core.loss_scale.LossScaler`; ``skipped_steps`` / ``step_skipped``;
   ``locate_nonfinite=`` for a
   report naming the non-finite gradients of a skipped step;
 * with more than one rank, every rank skips the same steps and keeps the same scale (DDP, and

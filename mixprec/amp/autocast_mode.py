@@ -7,7 +7,7 @@ and so do ``torch.compile``, ``torch.export`` and activation checkpointing, whic
 ``{op: rule}`` mapping) runs the region under mixprec's cast table -- float32 softmax, norms,
 reductions and losses on CPU as on CUDA, promotion instead of an error for an fp16/bf16 mix,
 the user's ``mixprec.register_op`` rules -- by pushing a mixprec engine frame for this device
-type only (:mod:`mixprec.core.dispatch`).
+type only (:mod:`mixprec._core.dispatch`).
 
 Fixed here: ``is_autocast_available("foo")`` answers False instead of raising, and a region
 nested in one of another 16-bit dtype clears torch's weight-cast cache on entry and exit (torch
@@ -25,8 +25,8 @@ import torch
 from torch.amp.autocast_mode import autocast as _TorchAutocast
 from torch.amp.autocast_mode import custom_bwd, custom_fwd
 
-from mixprec.core import cast_table, dispatch
-from mixprec.core.dispatch import Frame
+from mixprec._core import cast_table, dispatch
+from mixprec._core.dispatch import Frame
 
 __all__ = ["autocast", "custom_bwd", "custom_fwd", "is_autocast_available"]
 

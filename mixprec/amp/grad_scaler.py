@@ -8,7 +8,7 @@ Design (``docs/design.md``, "A drop-in for torch.amp"):
   ``torch.amp.GradScaler`` runs unchanged (``tests/amp/conformance/`` checks it against torch's).
 * **The scale rule.** By default torch's kernel (``torch._amp_update_scale_``: on the device, no
   host sync), so the scale follows torch's bit for bit. ``hysteresis``, ``min_scale`` or
-  ``max_scale`` switch to :class:`mixprec.core.loss_scale.LossScaler`'s rule, kept on the host:
+  ``max_scale`` switch to :class:`mixprec._core.loss_scale.LossScaler`'s rule, kept on the host:
   ``update()``
   then reads the step's verdict once (the non-fused ``step()`` has read it already).
 * **Skips are counted** on the device (``skipped_steps``, ``step_skipped``); reading them syncs.
@@ -41,9 +41,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
+from mixprec._core.loss_scale import LossScaler
 from mixprec.amp import autocast_mode
 from mixprec.amp.skip_report import parameter_names, skip_report
-from mixprec.core.loss_scale import LossScaler
 
 __all__ = ["GradScaler", "OptState"]
 
@@ -102,7 +102,7 @@ class GradScaler(torch.amp.GradScaler):
     Args:
         hysteresis: back off only after this many consecutive non-finite steps (Megatron's
             rule; 1 is torch's). Any of ``hysteresis``, ``min_scale``, ``max_scale`` selects
-            :class:`mixprec.core.loss_scale.LossScaler`'s rule, which reads the verdict on the
+            :class:`mixprec._core.loss_scale.LossScaler`'s rule, which reads the verdict on the
             host at
             ``update()``.
         min_scale: a floor for the scale (torch has none: the scale can fall to 0).

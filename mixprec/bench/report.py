@@ -58,7 +58,7 @@ NOTE = (
 
 
 def meta(command: str, dtype: torch.dtype, seed: int, quick: bool) -> dict[str, Any]:
-    from mixprec.core.hardware import check
+    from mixprec._core.hardware import check
 
     report = check(verbose=False)
     return {

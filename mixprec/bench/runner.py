@@ -27,8 +27,8 @@ import torch
 from torch import Tensor, nn
 
 import mixprec
+from mixprec._core.memory import PeakMemory
 from mixprec.bench.workloads import BenchWorkload
-from mixprec.core.memory import PeakMemory
 
 __all__ = [
     "MODES",

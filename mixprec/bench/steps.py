@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mixprec._core.memory import PeakMemory
 from mixprec.bench.models import GPT, GPTConfig, SeedMLP
 from mixprec.bench.report import milliseconds
 from mixprec.bench.runner import MODES, Trainer, reference
 from mixprec.bench.workloads import BenchWorkload
-from mixprec.core.memory import PeakMemory
 
 __all__ = [
     "MODES",

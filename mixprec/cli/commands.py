@@ -46,8 +46,8 @@ def _print_table(headers: list[str], rows: list[list[str]], title: str) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from mixprec._core.hardware import check
     from mixprec.cli import demo
-    from mixprec.core.hardware import check
 
     report = check("cpu", verbose=False)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.dtype]
@@ -113,8 +113,8 @@ def _narrow(wl: object, width: int, quick: bool) -> object:
 def _bench(args: argparse.Namespace) -> int:
     import pathlib
 
+    from mixprec._core.hardware import check
     from mixprec.bench import report
-    from mixprec.core.hardware import check
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     command = "mixprec bench " + " ".join(args.argv)
@@ -165,7 +165,7 @@ def _slow_bench(hw: object, dtype: torch.dtype, time_budget: float | None, quick
     performance warning, said once here); returns the time budget per mode."""
     import warnings
 
-    from mixprec.core.hardware import MixprecPerformanceWarning
+    from mixprec._core.hardware import MixprecPerformanceWarning
 
     support = hw.dtypes.get(str(dtype)[6:])
     time_budget = time_budget or (QUICK_SLOW_BUDGET if quick else 60.0)
@@ -229,7 +229,7 @@ def _train_modes(
 
 
 def _check(args: argparse.Namespace) -> int:
-    from mixprec.core.hardware import check
+    from mixprec._core.hardware import check
 
     check(args.device, verbose=True)
     return 0

@@ -38,13 +38,13 @@ from typing import Any
 import torch
 
 import mixprec
+from mixprec._core.hardware import MixprecPerformanceWarning
 from mixprec.bench import runner
 from mixprec.bench.models import SeedMLP
 from mixprec.bench.report import milliseconds, speed_words
 from mixprec.bench.runner import ModeResult, quartiles, round_ratios
 from mixprec.bench.workloads import WORKLOADS, BenchWorkload
 from mixprec.cli.progress import make_progress
-from mixprec.core.hardware import MixprecPerformanceWarning
 
 __all__ = [
     "HEADERS",

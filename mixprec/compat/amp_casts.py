@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 import mixprec
-from mixprec.core import engine
-from mixprec.core.cast_table import rule_for
-from mixprec.core.dispatch import float_dtypes
+from mixprec._core import engine
+from mixprec._core.cast_table import rule_for
+from mixprec._core.dispatch import float_dtypes
 
 __all__ = [
     "REGISTERED",

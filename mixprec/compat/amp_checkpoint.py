@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mixprec.core.optimizer import MixedPrecisionOptimizer
+from mixprec._core.optimizer import MixedPrecisionOptimizer
 
 __all__ = ["install_fp32_state_dict"]
 

@@ -9,7 +9,7 @@ functions for the whole process and returned a handle that undid the patches in
 functions did, and nothing in torch is patched. Loss scaling is mixprec's own machinery:
 
 * ``handle.scale_loss(loss, optimizer)`` wraps the torch optimizer (once) in a
-  :class:`~mixprec.core.optimizer.MixedPrecisionOptimizer` without masters that shares the
+  :class:`~mixprec._core.optimizer.MixedPrecisionOptimizer` without masters that shares the
   handle's loss scaler. On exit the gradients are unscaled and checked in one fused pass, and
   the optimizer's next ``step()`` goes through the wrapper (a one-shot redirect of the
   instance's ``step``, as Apex's skip was): it reads the verdict with one host sync, updates
@@ -46,10 +46,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 import mixprec
-from mixprec.core import dispatch, engine
-from mixprec.core._gradients import LossSlot
-from mixprec.core.loss_scale import LossScaler
-from mixprec.core.optimizer import MixedPrecisionOptimizer
+from mixprec._core import dispatch, engine
+from mixprec._core._gradients import LossSlot
+from mixprec._core.loss_scale import LossScaler
+from mixprec._core.optimizer import MixedPrecisionOptimizer
 
 __all__ = ["AmpHandle", "NoOpHandle", "OptimWrapper", "apex_scaler", "step_without_casts"]
 

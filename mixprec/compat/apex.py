@@ -29,7 +29,7 @@ Where Apex has a known flaw and fixing it cannot break a caller, mixprec's behav
 * ``delay_unscale`` is accepted and unnecessary: every backward is unscaled with its own scale.
 * ``keep_batchnorm_fp32`` keeps every normalization layer fp32 (LayerNorm, GroupNorm too).
 * Optimizer wrappers such as ``LARC(SGD(...))`` are accepted as in Apex
-  (:mod:`mixprec.core.optimizer_view`); ``install()`` also provides ``apex.parallel.LARC``
+  (:mod:`mixprec._core.optimizer_view`); ``install()`` also provides ``apex.parallel.LARC``
   (:mod:`mixprec.compat.larc`).
 * ``amp.init()``, Apex's older handle API, runs on a mixprec region
   (:mod:`mixprec.compat.amp_handle`). ``_amp_state`` exposes what Apex's tests and tools read:
@@ -52,6 +52,12 @@ import torch
 from torch import Tensor, nn
 
 import mixprec
+from mixprec._core import engine
+from mixprec._core._gradients import LossSlot
+from mixprec._core.optimizer import MixedPrecisionOptimizer
+from mixprec._core.optimizer_view import as_torch_optimizer
+from mixprec._core.resume import take_state
+from mixprec._core.storage import ACCEPT_16BIT_ATTR
 from mixprec.compat import amp_casts, larc
 from mixprec.compat import fp16_optimizer as fp16_utils
 from mixprec.compat.amp_checkpoint import install_fp32_state_dict
@@ -65,12 +71,6 @@ from mixprec.compat.apex_options import (
 )
 from mixprec.compat.apex_state import AmpState
 from mixprec.compat.fp16_optimizer import FP16_Optimizer
-from mixprec.core import engine
-from mixprec.core._gradients import LossSlot
-from mixprec.core.optimizer import MixedPrecisionOptimizer
-from mixprec.core.optimizer_view import as_torch_optimizer
-from mixprec.core.resume import take_state
-from mixprec.core.storage import ACCEPT_16BIT_ATTR
 
 __all__ = ["AmpOptimizer", "FP16_Optimizer", "amp", "install", "uninstall"]
 
@@ -84,7 +84,7 @@ def _print(level: int, msg: str) -> None:
 
 
 class AmpOptimizer(MixedPrecisionOptimizer):
-    """What ``amp.initialize`` returns: a :class:`mixprec.core.optimizer.MixedPrecisionOptimizer`
+    """What ``amp.initialize`` returns: a :class:`mixprec._core.optimizer.MixedPrecisionOptimizer`
     (itself a
     ``torch.optim.Optimizer``, so LR schedulers accept it) with Apex's step-time behaviour.
 

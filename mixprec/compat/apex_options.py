@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec._core.hardware import default_dtype
+from mixprec._core.loss_scale import LossScaler
+from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec.compat.fp16_optimizer import FP16_Optimizer
-from mixprec.core.hardware import default_dtype
-from mixprec.core.loss_scale import LossScaler
-from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.recipe import LossScaling, Recipe
 
 __all__ = ["ApexOptions", "check_level", "hint_dtype", "refuse_wrapped", "resolve_options"]

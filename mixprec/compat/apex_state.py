@@ -12,8 +12,8 @@ import types
 import weakref
 from typing import Any
 
+from mixprec._core._gradients import LossSlot
 from mixprec.compat.amp_handle import AmpHandle
-from mixprec.core._gradients import LossSlot
 
 __all__ = ["AmpState"]
 

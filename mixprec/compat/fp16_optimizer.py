@@ -1,7 +1,7 @@
 """Apex's ``fp16_utils``: ``FP16_Optimizer`` and the model-conversion helpers, on mixprec.
 
 Design (``docs/design.md``, "Compatibility layers"): ``FP16_Optimizer`` is a thin shell around
-:class:`mixprec.core.optimizer.MixedPrecisionOptimizer` with ``master_weights=True`` and one loss
+:class:`mixprec._core.optimizer.MixedPrecisionOptimizer` with ``master_weights=True`` and one loss
 scaler, so it
 gets mixprec's fused unscale + finite check, bitwise-unchanged skipped steps and exact
 checkpoints. Apex's signature, defaults and method names are kept. Differences (none breaks a
@@ -34,10 +34,10 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from mixprec.core._gradients import LossSlot
-from mixprec.core.loss_scale import LossScaler
-from mixprec.core.optimizer import MixedPrecisionOptimizer, rounds_to
-from mixprec.core.resume import pack_state_dict
+from mixprec._core._gradients import LossSlot
+from mixprec._core.loss_scale import LossScaler
+from mixprec._core.optimizer import MixedPrecisionOptimizer, rounds_to
+from mixprec._core.resume import pack_state_dict
 
 __all__ = ["FP16Model", "FP16_Optimizer", "convert_network", "network_to_half", "to_python_float"]
 

@@ -5,7 +5,7 @@ Design (``docs/design.md``, "Compatibility layers"): the tf-keras API that the K
 guide teaches -- ``get_scaled_loss``, ``get_unscaled_gradients``, ``apply_gradients`` -- wrapped
 around any ``torch.optim.Optimizer``, so the guide's custom loop ports line by line
 (``tape.gradient`` becomes ``torch.autograd.grad``). Keras' dynamic rule is reproduced exactly
-on top of :class:`mixprec.core.loss_scale.LossScaler`: start at ``initial_scale`` (2**15), double
+on top of :class:`mixprec._core.loss_scale.LossScaler`: start at ``initial_scale`` (2**15), double
 after
 ``dynamic_growth_steps`` (2000) consecutive finite steps, halve on a non-finite one, never below
 1 (tf-keras' floor). ``apply_gradients`` checks every gradient with one fused kernel and one host
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from mixprec.core.loss_scale import LossScaler, unscale_and_check_
+from mixprec._core.loss_scale import LossScaler, unscale_and_check_
 
 __all__ = ["LossScaleOptimizer"]
 

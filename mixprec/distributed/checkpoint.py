@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from mixprec.core.fp32_values import fp32_state_dict
-from mixprec.core.optimizer import MixedPrecisionOptimizer
-from mixprec.core.resume import MIXPREC_KEY, pack_state_dict
+from mixprec._core.fp32_values import fp32_state_dict
+from mixprec._core.optimizer import MixedPrecisionOptimizer
+from mixprec._core.resume import MIXPREC_KEY, pack_state_dict
 
 __all__ = ["fp32_full_state_dict", "load_checkpoint", "save_checkpoint"]
 

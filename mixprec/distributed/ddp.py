@@ -52,10 +52,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mixprec import _initialize as initialize
+from mixprec._core import engine, optimizer
+from mixprec._core._keywords import refuse_moved_keywords
+from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec._initialize import _MARK, RECIPE_ATTR  # set by initialize on each model
-from mixprec.core import engine, optimizer
-from mixprec.core._keywords import refuse_moved_keywords
-from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.distributed.verdicts import (
     _optimizers,
     assert_in_sync,

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mixprec.core.optimizer import MixedPrecisionOptimizer
+from mixprec._core.optimizer import MixedPrecisionOptimizer
 
 __all__ = ["FlagReducer", "assert_in_sync", "sync_verdicts"]
 

@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mixprec.core._warnings import user_stacklevel
-from mixprec.core.hardware import MixprecPerformanceWarning, fp8_support
-from mixprec.core.policy import POLICY_ATTR
+from mixprec._core._warnings import user_stacklevel
+from mixprec._core.hardware import MixprecPerformanceWarning, fp8_support
+from mixprec._core.policy import POLICY_ATTR
 from mixprec.fp8.choice import (
     MIN_SPEEDUP,
     FP8Choice,

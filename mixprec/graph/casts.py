@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from mixprec.core.cast_table import CAST_OPS, DROP_OPS, PROMOTE, SOURCE_OPS, current_table
+from mixprec._core.cast_table import CAST_OPS, DROP_OPS, PROMOTE, SOURCE_OPS, current_table
 from mixprec.graph.paint import (
     ALLOW,
     COLOURABLE,

@@ -69,7 +69,7 @@ def compare_with_eager(
     ``converted`` is ``mixprec.convert(model, ...)`` (they share parameters). Returns one entry
     per differing op: ``{"op", "eager", "graph", "why"}``; an empty list means they agree.
     """
-    from mixprec.core.engine import autocast
+    from mixprec._core.engine import autocast
     from mixprec.recipe import Recipe
 
     options = converted.options

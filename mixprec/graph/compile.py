@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from mixprec.core._keywords import refuse_moved_keywords
+from mixprec._core._keywords import refuse_moved_keywords
 from mixprec.graph.caches import has_cache_switch
 from mixprec.graph.convert import GRAPH_ATTR
 

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from mixprec.core._keywords import refuse_moved_keywords
-from mixprec.core.policy import Policy, PolicyLike, as_policy, global_policy
+from mixprec._core._keywords import refuse_moved_keywords
+from mixprec._core.policy import Policy, PolicyLike, as_policy, global_policy
 from mixprec.graph import paint
 from mixprec.graph.caches import no_cache, strip_use_cache
 from mixprec.graph.report import PrecisionReport
@@ -215,7 +215,7 @@ def _default_policy(policy: PolicyLike | None) -> Policy:
     g = global_policy()
     if g.compute_dtype != torch.float32:
         return g
-    from mixprec.core.hardware import default_dtype
+    from mixprec._core.hardware import default_dtype
 
     return Policy("mixed_bfloat16" if default_dtype() == torch.bfloat16 else "mixed_float16")
 
@@ -273,7 +273,7 @@ def convert(
         raise TypeError(f"convert takes an nn.Module, received {type(model).__name__}.")
     if getattr(model, GRAPH_ATTR, False):
         raise ValueError("This model was already converted: convert the original model once.")
-    from mixprec.core import engine
+    from mixprec._core import engine
 
     if getattr(model, "_mixprec_level", None) or model.__dict__.get(engine.BOUNDARY_ATTR):
         raise ValueError(

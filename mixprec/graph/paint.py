@@ -2,10 +2,10 @@
 
 Design (TensorFlow's ``auto_mixed_precision``; ``docs/design.md``, "The graph pass"):
 
-* The four lists come from :mod:`mixprec.core.cast_table`, the same data the eager engine reads:
+* The four lists come from :mod:`mixprec._core.cast_table`, the same data the eager engine reads:
   ``lower`` ops are the **allow** list, ``fp32`` ops the **deny** list, ``promote`` ops and
-  :data:`~mixprec.core.cast_table.GRAPH_INFER` the **infer** list, and
-  :data:`~mixprec.core.cast_table.GRAPH_CLEAR` the **clear** list. With ``fp32_inside`` the ops
+  :data:`~mixprec._core.cast_table.GRAPH_INFER` the **infer** list, and
+  :data:`~mixprec._core.cast_table.GRAPH_CLEAR` the **clear** list. With ``fp32_inside`` the ops
   whose 16-bit kernels accumulate in float32 (layer norm, softmax) move from deny to infer, as in
   eager. An op in no list is a float32 boundary (grappler's rule for unknown ops).
 * A node is *processable* when its output is a float32 tensor (or a tuple of them, read through
@@ -25,7 +25,7 @@ Design (TensorFlow's ``auto_mixed_precision``; ``docs/design.md``, "The graph pa
 
 The graph is any ``torch.fx`` graph whose nodes carry dtype metadata (``meta["val"]`` from
 torch.export / dynamo, or ``meta["tensor_meta"]`` from ``ShapeProp``), at the ATen level or the
-torch level: ops are named by :func:`mixprec.core.cast_table.op_name` in both.
+torch level: ops are named by :func:`mixprec._core.cast_table.op_name` in both.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 from torch import fx
 from torch.fx.passes.shape_prop import TensorMetadata
 
-from mixprec.core.cast_table import (
+from mixprec._core.cast_table import (
     CAST_OPS,
     FP32,
     FP32_INSIDE_OPS,

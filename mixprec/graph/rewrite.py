@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from mixprec.core import kernels
+from mixprec._core import kernels
 from mixprec.graph import casts, paint
 
 __all__ = ["PassResult", "auto_attention", "rewrite"]
@@ -32,7 +32,7 @@ class PassResult:
 def auto_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
     """``scaled_dot_product_attention`` that takes mixprec's measured-faster path when it applies.
 
-    Same rule as the eager engine with ``kernels="auto"`` (see :mod:`mixprec.core.kernels`).
+    Same rule as the eager engine with ``kernels="auto"`` (see :mod:`mixprec._core.kernels`).
     """
     out = kernels.try_decomposed_attention(args, kwargs)
     if out is not None:

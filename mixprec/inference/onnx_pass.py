@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mixprec.core.cast_table import FP32, LOWER, rule_for
+from mixprec._core.cast_table import FP32, LOWER, rule_for
 
 # ONNX op type -> the cast-table name whose rule it follows (the rule itself is read from the
 # current table, so register_op / cast_rules changes apply to exports too).

@@ -33,14 +33,14 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from mixprec._core import engine
+from mixprec._core._keywords import refuse_moved_keywords
+from mixprec._core.cast_table import FP32, resolve_op, rule_for
+from mixprec._core.fp32_values import fp32_state_dict
+from mixprec._core.hardware import default_dtype
+from mixprec._core.norms import is_norm
+from mixprec._core.policy import Policy, as_policy, get_policy
 from mixprec._initialize import _MARK
-from mixprec.core import engine
-from mixprec.core._keywords import refuse_moved_keywords
-from mixprec.core.cast_table import FP32, resolve_op, rule_for
-from mixprec.core.fp32_values import fp32_state_dict
-from mixprec.core.hardware import default_dtype
-from mixprec.core.norms import is_norm
-from mixprec.core.policy import Policy, as_policy, get_policy
 from mixprec.inference.inputs import call_model
 
 __all__ = [

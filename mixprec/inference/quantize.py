@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mixprec.core.engine import set_policy
+from mixprec._core.engine import set_policy
 from mixprec.inference.inputs import call_model
 
 __all__ = ["INT8_MODES", "Int8WeightOnly", "cosine_error", "int8_candidates", "quantize_int8"]

@@ -3,7 +3,7 @@
 Design: ``Trainer`` builds its optimizer in ``create_optimizer`` and routes every backward
 through ``accelerator.backward``; those are the two seams used here. ``create_optimizer`` calls
 :func:`mixprec.initialize` on the model and the optimizer Trainer built, and keeps the returned
-:class:`mixprec.core.optimizer.MixedPrecisionOptimizer` (a ``torch.optim.Optimizer``, so Trainer's
+:class:`mixprec._core.optimizer.MixedPrecisionOptimizer` (a ``torch.optim.Optimizer``, so Trainer's
 LR scheduler
 and accelerate accept it). The backward is wrapped in :func:`mixprec.scale_loss`; gradient
 clipping and the logged grad norm use the unscaled fp32 masters. Leave ``fp16``/``bf16`` off in
@@ -22,7 +22,7 @@ import torch
 from transformers import Trainer
 
 import mixprec
-from mixprec.core.optimizer import MixedPrecisionOptimizer
+from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec.recipe import Recipe, as_recipe
 
 __all__ = ["MixprecTrainer"]

@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 
 import mixprec
+from mixprec._core._keywords import refuse_moved_keywords
+from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec._initialize import MOVED
-from mixprec.core._keywords import refuse_moved_keywords
-from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.recipe import Recipe, as_recipe
 
 try:  # the unified package first, then the standalone one

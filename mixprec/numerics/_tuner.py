@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec.core.engine import set_policy
-from mixprec.core.policy import Policy
+from mixprec._core.engine import set_policy
+from mixprec._core.policy import Policy
 from mixprec.fp8.config import FP8Config
 from mixprec.numerics.nonfinite_ops import iter_tensors
 from mixprec.numerics.tune_plan import RunError
@@ -255,7 +255,7 @@ class _Tuner:
 
     def evaluate(self, fp32: list[str], fp8: FP8Config | None = None) -> RunError:
         """The error against fp32 of a run with ``fp32`` kept in float32 (and ``fp8``)."""
-        from mixprec.core.engine import autocast
+        from mixprec._core.engine import autocast
 
         self.evaluations += 1
         assignment = self.plan(fp32)
@@ -275,7 +275,7 @@ class _Tuner:
 
     def _loss_run(self, fp8: FP8Config | None) -> RunError:
         """Loss and gradient errors, worst batch, of a run under the policies already set."""
-        from mixprec.core.engine import autocast
+        from mixprec._core.engine import autocast
 
         loss_err = grad_err = 0.0
         used = 1.0

@@ -123,7 +123,7 @@ def lint(
     Returns:
         A :class:`LintReport`; each finding says how to pad.
     """
-    from mixprec.core.policy import Policy
+    from mixprec._core.policy import Policy
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"lint expects an nn.Module, received {type(model).__name__}.")

@@ -121,7 +121,7 @@ class NonFiniteLocator:
 
     Args:
         model: the module whose forward is watched (its submodules name the culprit).
-        optimizer: optional; a :class:`mixprec.core.optimizer.MixedPrecisionOptimizer` or a
+        optimizer: optional; a :class:`mixprec._core.optimizer.MixedPrecisionOptimizer` or a
             ``mixprec.amp.GradScaler`` makes gradient overflows under loss scaling ``expected``
             and records whether the step was skipped.
         raise_on: ``None`` (record only), ``"error"`` or ``"any"``: raise

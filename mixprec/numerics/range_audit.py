@@ -193,7 +193,7 @@ class RangeAudit:
             parameters directly.
         loss_scale: the scale gradients are judged at; default the optimizer's current scale,
             else 1.0 (no scaling).
-        optimizer: a :class:`mixprec.core.optimizer.MixedPrecisionOptimizer` whose scaled backward
+        optimizer: a :class:`mixprec._core.optimizer.MixedPrecisionOptimizer` whose scaled backward
         is watched:
             observed gradients are divided by its scale for the histograms.
     """

@@ -188,7 +188,7 @@ def _op_stats_section(
     fp8: FP8Config | None,
     doc: dict,
 ) -> None:
-    from mixprec.core.engine import autocast
+    from mixprec._core.engine import autocast
     from mixprec.numerics.opstats import op_stats
     from mixprec.recipe import Recipe
 
@@ -246,7 +246,7 @@ def _fp8_range_section(
     fp8: FP8Config,
     doc: dict,
 ) -> None:
-    from mixprec.core.engine import autocast
+    from mixprec._core.engine import autocast
     from mixprec.numerics.range_audit import range_audit
     from mixprec.recipe import Recipe
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.core.engine import set_policy
-from mixprec.core.policy import Policy
+from mixprec._core.engine import set_policy
+from mixprec._core.policy import Policy
 from mixprec.fp8.choice import FP8Choice, FP8Plan
 from mixprec.fp8.config import FP8Config
 

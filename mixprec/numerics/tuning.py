@@ -50,9 +50,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mixprec.core._keywords import refuse_moved_keywords
-from mixprec.core.engine import set_policy
-from mixprec.core.policy import Policy, get_policy
+from mixprec._core._keywords import refuse_moved_keywords
+from mixprec._core.engine import set_policy
+from mixprec._core.policy import Policy, get_policy
 from mixprec.fp8.config import FP8Config
 from mixprec.fp8.gemm import layer_shape_ok
 from mixprec.fp8.layers import candidates, unprepare

@@ -25,7 +25,7 @@ def test_demo_runs_and_reports_every_mode(capsys):
 
 
 def _cpu(name, flags):
-    from mixprec.core import hardware
+    from mixprec._core import hardware
 
     flags = frozenset(flags)
     return hardware.HardwareReport("cpu", name, tuple(sorted(flags)), hardware._cpu_support(flags))
@@ -41,7 +41,7 @@ def _fast_bf16_cpu():
 
 def test_demo_on_a_cpu_without_fast_16bit_is_bounded_and_honest(monkeypatch, capsys):
     import mixprec
-    from mixprec.core import hardware
+    from mixprec._core import hardware
 
     report = _no_bf16_cpu()
     assert report.best_dtype == torch.float32

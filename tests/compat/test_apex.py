@@ -600,7 +600,7 @@ def test_register_functions_decorators_and_disable_casts():
     assert ns.custom(torch.ones(1), torch.ones(1)) == (torch.float32, torch.float32)
     assert probe.lin(torch.ones(1, h)).dtype == torch.float32
     amp.reset()
-    assert mixprec.core.cast_table.rule_for(torch.sigmoid) is None
+    assert mixprec._core.cast_table.rule_for(torch.sigmoid) is None
     assert ns.custom.__name__ == "<lambda>" and not hasattr(ns.custom, "__wrapped__")
 
 

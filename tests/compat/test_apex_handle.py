@@ -51,7 +51,7 @@ def test_init_casts_every_op_until_deactivated():
     handle._deactivate()
     handle._deactivate()  # a second call does nothing
     assert not handle.is_active() and lin(x).dtype == FP32
-    assert not mixprec.core.engine.is_active()
+    assert not mixprec._core.engine.is_active()
 
 
 def test_handles_nest_and_refuse_out_of_order_deactivation():
@@ -63,7 +63,7 @@ def test_handles_nest_and_refuse_out_of_order_deactivation():
     inner._deactivate()
     assert nn.Linear(4, 4)(torch.randn(2, 4)).dtype == FP16
     outer._deactivate()
-    assert not mixprec.core.engine.is_active()
+    assert not mixprec._core.engine.is_active()
 
 
 def test_disabled_init_is_a_no_op():

@@ -223,7 +223,7 @@ def test_o1_outputs_keep_the_model_dtype_and_the_loss_runs_in_fp32():
     assert o2(x).dtype == FP32  # O2/O3 outputs are fp32, as in Apex
     native = mixprec.initialize(nn.Linear(8, 2), None, "O1", FP16)
     assert native(x).dtype == FP32  # mixprec's own initialize keeps float32 outputs
-    assert not mixprec.core.engine.is_active()  # and opens no region beyond the forward
+    assert not mixprec._core.engine.is_active()  # and opens no region beyond the forward
 
 
 def test_amp_state_exposes_apex_fields():

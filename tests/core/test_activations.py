@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.core import activations
-from mixprec.core.activations import ActivationConfig, SavedTensorStorage
+from mixprec._core import activations
+from mixprec._core.activations import ActivationConfig, SavedTensorStorage
 from mixprec.fp8 import quantization
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
 BF16 = torch.bfloat16
 

@@ -1,4 +1,4 @@
-"""Tests for mixprec.core.cast_table as applied by the eager engine.
+"""Tests for mixprec._core.cast_table as applied by the eager engine.
 
 Every check compares the region's result *bitwise* (torch.equal) with a hand-written
 cast-then-run reference computed outside any region.
@@ -14,10 +14,18 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.core import cast_table
-from mixprec.core.cast_table import FP32, LOWER, PROMOTE, cast_rules, op_name, register_op, rule_for
+from mixprec._core import cast_table
+from mixprec._core.cast_table import (
+    FP32,
+    LOWER,
+    PROMOTE,
+    cast_rules,
+    op_name,
+    register_op,
+    rule_for,
+)
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
 LOW = [torch.bfloat16, torch.float16]
 F32, F64 = torch.float32, torch.float64

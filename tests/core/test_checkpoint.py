@@ -14,7 +14,7 @@ from training_helpers import assert_bitwise, assert_tree_bitwise, make_model, ms
 import mixprec
 from mixprec import fp32_state_dict, initialize
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

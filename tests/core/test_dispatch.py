@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from mixprec.core import dispatch, traced
-from mixprec.core.cast_table import DEFAULT_TABLE, cast_rules
-from mixprec.core.torch_lists import TORCH_AUTOCAST
+from mixprec._core import dispatch, traced
+from mixprec._core.cast_table import DEFAULT_TABLE, cast_rules
+from mixprec._core.torch_lists import TORCH_AUTOCAST
 
 BF16 = torch.bfloat16
 

@@ -1,4 +1,4 @@
-"""Tests for mixprec.core.engine and mixprec.core.kernels: regions, gradients, the cast cache,
+"""Tests for mixprec._core.engine and mixprec._core.kernels: regions, gradients, the cast cache,
 module policy boundaries, attention, a model-level run and the public import surface."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
+from mixprec._core import dispatch, engine, kernels
+from mixprec._core.engine import set_policy
+from mixprec._core.policy import set_global_policy
 from mixprec.bench.models import GPT, GPTConfig
-from mixprec.core import dispatch, engine, kernels
-from mixprec.core.engine import set_policy
-from mixprec.core.policy import set_global_policy
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
 REPO = Path(__file__).resolve().parents[2]
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -860,7 +860,7 @@ def test_public_names():
 
 def test_import_does_not_initialize_cuda():
     code = (
-        "import torch, mixprec, mixprec.core.engine, mixprec.core.kernels, mixprec.bench.models\n"
+        "import torch, mixprec, mixprec._core.engine, mixprec._core.kernels, mixprec.bench.models\n"
         "assert not torch.cuda.is_initialized(), 'CUDA initialized'\n"
         "from mixprec import *\n"
         "print('ok', len(mixprec.__all__))\n"

@@ -11,7 +11,7 @@ from torch import nn
 import mixprec
 from mixprec.numerics import footprint
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
 BF16 = torch.bfloat16
 

@@ -13,8 +13,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._functorch.aot_autograd import make_boxed_func
 
 import mixprec
-from mixprec.core import dispatch, traced
-from mixprec.core.hardware import MixprecPerformanceWarning
+from mixprec._core import dispatch, traced
+from mixprec._core.hardware import MixprecPerformanceWarning
 
 BF16 = torch.bfloat16
 FRAME_OPS = {"mixprec::enter_frame": "enter", "mixprec::exit_frame": "exit"}  # at first use

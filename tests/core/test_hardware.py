@@ -1,4 +1,4 @@
-"""Tests for mixprec.core.hardware: detection rules on faked inputs, this machine, warnings."""
+"""Tests for mixprec._core.hardware: detection rules on faked inputs, this machine, warnings."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixprec.core import hardware as hw
-from mixprec.core.hardware import DtypeSupport, HardwareReport, MixprecPerformanceWarning
+from mixprec._core import hardware as hw
+from mixprec._core.hardware import DtypeSupport, HardwareReport, MixprecPerformanceWarning
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -283,7 +283,7 @@ def test_import_does_not_initialize_cuda():
         "    raise RuntimeError('CUDA touched at import')\n"
         "torch.cuda._lazy_init = trap\n"
         "torch.cuda.init = trap\n"
-        "import mixprec.core.hardware\n"
+        "import mixprec._core.hardware\n"
         "assert not torch.cuda.is_initialized(), 'CUDA initialized'\n"
         "assert not calls, calls\n"
         "print('ok')\n"
@@ -296,7 +296,7 @@ def test_import_does_not_initialize_cuda():
 
 
 def test_an_isa_cap_below_bf16_makes_bf16_slow():
-    from mixprec.core.hardware import _cpu_support, _usable_flags
+    from mixprec._core.hardware import _cpu_support, _usable_flags
 
     flags = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
     assert _usable_flags(flags, "") == flags

@@ -21,7 +21,7 @@ import mixprec
 from mixprec import initialize
 from mixprec.numerics import stochastic_round
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 MODES = ("nearest", "kahan", "stochastic")
@@ -233,7 +233,7 @@ def test_bf16_second_moment_stops_decaying_which_is_why_auto_keeps_it_fp32():
     for state_dtype in ("auto", BF16):
         p = nn.Parameter(torch.ones(4, dtype=BF16))
         opt = torch.optim.Adam([p], lr=1e-3, betas=(0.9, 0.999))
-        lean = mixprec.core.lean.LeanUpdate(opt, "kahan", state_dtype=state_dtype)
+        lean = mixprec._core.lean.LeanUpdate(opt, "kahan", state_dtype=state_dtype)
         p.grad = torch.ones_like(p)
         lean.step()
         for _ in range(200):

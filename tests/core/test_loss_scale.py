@@ -1,4 +1,4 @@
-"""Tests for mixprec.core.loss_scale: scale trajectories, validation, state_dict, fused unscale."""
+"""Tests for mixprec._core.loss_scale: scale trajectories, validation, state_dict, fused unscale."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixprec.core import loss_scale as ls
-from mixprec.core.loss_scale import LossScaler, found_non_finite, unscale_and_check_
+from mixprec._core import loss_scale as ls
+from mixprec._core.loss_scale import LossScaler, found_non_finite, unscale_and_check_
 
 INF, NAN = float("inf"), float("nan")
 FIELDS = (

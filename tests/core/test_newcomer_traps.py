@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import mixprec
+from mixprec._core import engine, kernels
+from mixprec._core.hardware import MixprecPerformanceWarning
 from mixprec.bench.models import GPT, GPTConfig
 from mixprec.compat.apex import amp
-from mixprec.core import engine, kernels
-from mixprec.core.hardware import MixprecPerformanceWarning
 from mixprec.fp8.plan import fp8_plan
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -23,7 +23,7 @@ from training_helpers import assert_bitwise, batch, make_model, mse, train
 import mixprec
 from mixprec import initialize
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

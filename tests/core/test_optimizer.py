@@ -31,7 +31,7 @@ from training_helpers import (
 import mixprec
 from mixprec import LossScaling, initialize, scale_loss
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
 BF16, FP16 = torch.bfloat16, torch.float16
 
@@ -166,7 +166,7 @@ def test_bf16_defaults_to_no_scaling_fp16_to_dynamic():
 )
 def test_trajectory_through_optimizer_equals_bare_scaler(verdicts, hysteresis, growth_interval):
     """Whatever the clean/overflow sequence, the optimizer's scaler follows LossScaler's rule."""
-    from mixprec.core.loss_scale import LossScaler
+    from mixprec._core.loss_scale import LossScaler
 
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -905,7 +905,7 @@ def test_fresh_flat_master_grads_where_the_allocator_caches_are_bitwise_the_kept
     monkeypatch,
 ):
     """On CUDA no fp32 master-grad buffer is held through the forward; the values match."""
-    from mixprec.core.optimizer import MixedPrecisionOptimizer
+    from mixprec._core.optimizer import MixedPrecisionOptimizer
 
     runs = []
     for keep in (True, False):

@@ -14,9 +14,9 @@ from training_helpers import assert_bitwise, assert_tree_bitwise, make_model, ms
 
 import mixprec
 from mixprec import fp32_state_dict, initialize
-from mixprec.core.resume import split_state_dict
+from mixprec._core.resume import split_state_dict
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
 BF16, FP16 = torch.bfloat16, torch.float16
 LEVELS = [("O0", None), ("O1", FP16), ("O2", FP16), ("O3", FP16), ("O2", BF16)]

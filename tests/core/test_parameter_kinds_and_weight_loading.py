@@ -20,7 +20,7 @@ LEVELS = [
     ("O3", torch.bfloat16),
     ("O2", torch.float16),
 ]
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
 
 def _train(model, opts, batches, loss_fn):
@@ -151,7 +151,7 @@ def test_hand_written_rmsnorms_stay_fp32_at_o2_and_train(name):
 
 
 def test_the_norm_rule_and_register_norm():
-    from mixprec.core.norms import is_norm, register_norm
+    from mixprec._core.norms import is_norm, register_norm
 
     class ScaleNorm(nn.Module):  # hand-written, by the naming convention
         def __init__(self):
@@ -183,7 +183,7 @@ def test_the_norm_rule_and_register_norm():
         )
         assert model[1].g.dtype == torch.float32 and model[2].g.dtype == torch.bfloat16
     finally:
-        from mixprec.core import norms
+        from mixprec._core import norms
 
         norms._registered.pop(Scaler, None)
         norms._registered.pop(ScaleNorm, None)

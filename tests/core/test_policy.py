@@ -1,4 +1,4 @@
-"""Tests for mixprec.core.policy: every spelling, round trips, errors, value semantics, scoping."""
+"""Tests for mixprec._core.policy: every spelling, round trips, errors, value semantics, scoping."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mixprec
-from mixprec.core import engine
-from mixprec.core import policy as policy_mod
-from mixprec.core.engine import set_policy
-from mixprec.core.policy import Policy, get_policy, global_policy, policy_scope, set_global_policy
+from mixprec._core import engine
+from mixprec._core import policy as policy_mod
+from mixprec._core.engine import set_policy
+from mixprec._core.policy import Policy, get_policy, global_policy, policy_scope, set_global_policy
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 

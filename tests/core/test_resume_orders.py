@@ -21,9 +21,9 @@ from torch import nn
 from training_helpers import assert_bitwise, assert_tree_bitwise, make_model, mse, poisoned
 
 import mixprec
-from mixprec.core.resume import kahan_fp32, split_state_dict
+from mixprec._core.resume import kahan_fp32, split_state_dict
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 _g = torch.Generator().manual_seed(11)

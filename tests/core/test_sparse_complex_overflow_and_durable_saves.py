@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.core.loss_scale import unscale_and_check_
+from mixprec._core.loss_scale import unscale_and_check_
 
 BF16, FP16 = torch.bfloat16, torch.float16
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
 
 # -- tune with a user metric -----------------------------------------------------------------------

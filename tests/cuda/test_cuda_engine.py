@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec.core import traced
+from mixprec._core import traced
 from tests.core.test_dispatch import _Block, _Net
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32

@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
 from mixprec import FP8Config
+from mixprec._core import traced
 from mixprec.bench.models import GPT, GPTConfig
-from mixprec.core import traced
 from mixprec.fp8 import fp8_plan
 from mixprec.fp8 import layers as fp8_layers
 from mixprec.fp8.config import RECIPES

@@ -11,7 +11,7 @@ from torch import nn
 import mixprec
 from mixprec.bench.models import GPT, GPTConfig
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
 
 def test_check_reports_the_real_capability():

@@ -14,10 +14,10 @@ from torch import nn
 from training_helpers import assert_bitwise, assert_tree_bitwise, mse, poisoned
 
 import mixprec
-from mixprec.core import loss_scale
+from mixprec._core import loss_scale
 
 BF16, FP16 = torch.bfloat16, torch.float16
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -148,7 +148,7 @@ def test_resume_is_bit_exact_on_cuda(level, dtype):
 
 
 def test_fp8_activations_pack_as_on_a_cpu_and_train_on_cuda(monkeypatch):
-    from mixprec.core import activations
+    from mixprec._core import activations
     from mixprec.fp8 import quantization
 
     g = torch.Generator().manual_seed(3)

@@ -26,8 +26,8 @@ from torch import nn
 import mixprec
 import mixprec.distributed as mpd
 from mixprec import Recipe
+from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec.bench.models import GPT, GPTConfig
-from mixprec.core.optimizer import MixedPrecisionOptimizer
 from mixprec.fp8 import fp8_plan
 
 INF = float("inf")

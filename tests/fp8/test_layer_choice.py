@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
 from mixprec import FP8Config
+from mixprec._core import hardware
 from mixprec.bench.models import GPT, GPTConfig
-from mixprec.core import hardware
 from mixprec.fp8 import fp8_plan
 from mixprec.fp8 import layers as fp8_layers
 from mixprec.fp8.layers import FP8Forward, layers_of
@@ -338,7 +338,7 @@ def test_mixprec_check_reports_fp8():
 def test_auto_under_compile_judges_undecided_layers_by_shape_without_graph_breaks():
     from torch._dynamo.utils import counters
 
-    from mixprec.core import dispatch
+    from mixprec._core import dispatch
 
     model = mixprec.initialize(gpt(), None, mixprec.Recipe("O2", fp8=True))
     compiled = torch.compile(model, backend="aot_eager")

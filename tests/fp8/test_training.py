@@ -196,7 +196,7 @@ _MEMORY = textwrap.dedent(
     torch.set_num_threads(1)
     import mixprec
     from mixprec.bench.models import GPT, GPTConfig
-    from mixprec.core.memory import PeakMemory
+    from mixprec._core.memory import PeakMemory
 
     fp8, activations = json.loads(sys.argv[1])
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ from extras import need
 from torch import fx, nn
 
 import mixprec
-from mixprec.core.cast_table import LOWER, current_table
+from mixprec._core.cast_table import LOWER, current_table
 from mixprec.graph import convert
 from mixprec.graph.compile import backend
 from mixprec.graph.paint import node_op

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.core import engine
+from mixprec._core import engine
 from mixprec.inference.prepare import inference_info
 from mixprec.inference.quantize import Int8WeightOnly, cosine_error
 

@@ -11,7 +11,7 @@ from torch import nn
 import mixprec
 from tests.training_helpers import INF, assert_tree_bitwise, make_model, mse, poisoned
 
-warnings.filterwarnings("ignore", category=Warning, module="mixprec.core.hardware")
+warnings.filterwarnings("ignore", category=Warning, module="mixprec._core.hardware")
 
 
 class Blowup(nn.Module):

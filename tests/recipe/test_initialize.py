@@ -12,9 +12,9 @@ from torch import Tensor, nn
 
 import mixprec
 from mixprec import initialize, scale_loss
-from mixprec.core.optimizer import MixedPrecisionOptimizer
+from mixprec._core.optimizer import MixedPrecisionOptimizer
 
-pytestmark = pytest.mark.filterwarnings("ignore::mixprec.core.hardware.MixprecPerformanceWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -452,7 +452,7 @@ class LossScaling:
         self.scaler()  # the scaler's own checks (positive scale, factors, intervals)
 
     def scaler(self) -> LossScaler:
-        """A fresh :class:`~mixprec.core.loss_scale.LossScaler` with these settings."""
+        """A fresh :class:`~mixprec._core.loss_scale.LossScaler` with these settings."""
         if not self.dynamic:
             return LossScaler(float(self.init_scale), dynamic=False)
         settings = dataclasses.asdict(self)

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mixprec.core._warnings import user_stacklevel
-from mixprec.core.norms import is_norm
-from mixprec.core.policy import get_policy
+from mixprec._core._warnings import user_stacklevel
+from mixprec._core.norms import is_norm
+from mixprec._core.policy import get_policy
 
 __all__ = ["ACCEPT_16BIT_ATTR", "FROZEN_ATTR", "cast_storage", "keep_frozen", "restore_fp32"]
 

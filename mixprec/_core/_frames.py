@@ -1,7 +1,7 @@
 """The engine's per-thread region stack, and which frame a kernel run by backward belongs to.
 
-A mixprec region pushes a :class:`Frame` on this thread's stack (:mod:`mixprec.core.dispatch`);
-mixprec's autocast kernels (:mod:`mixprec.core._autocast_kernels`) read the top one. The stack is
+A mixprec region pushes a :class:`Frame` on this thread's stack (:mod:`mixprec._core.dispatch`);
+mixprec's autocast kernels (:mod:`mixprec._core._autocast_kernels`) read the top one. The stack is
 plain Python state of mixprec's, not torch's: it lives in its own module, below both the kernels
 that read it and the push and pop that change it, so that imports run one way.
 
@@ -42,7 +42,7 @@ class _State(threading.local):
         self.frames: list[Frame] = []
         self.base: list[tuple[str, bool, torch.dtype]] = []  # autocast under the outermost frame
         self.busy = False  # inside one of mixprec's kernels
-        self.compiling: Any = None  # a torch.compile compilation under way (mixprec.core.traced)
+        self.compiling: Any = None  # a torch.compile compilation under way (mixprec._core.traced)
 
 
 _state = _State()
@@ -101,8 +101,8 @@ def outside_regions() -> Iterator[None]:
             torch.set_autocast_enabled(d, on)
 
 
-# Under torch.compile the frame push and pop are graph nodes, set by mixprec.core.traced when
-# mixprec registers with dynamo (mixprec.core.dispatch.enable): (enter, exit).
+# Under torch.compile the frame push and pop are graph nodes, set by mixprec._core.traced when
+# mixprec registers with dynamo (mixprec._core.dispatch.enable): (enter, exit).
 _traced: list[Callable] = []
 
 

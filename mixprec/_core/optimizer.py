@@ -12,13 +12,13 @@ Design (``docs/design.md``, "Master weights and the optimizer"):
   loss scalers, and on a non-finite gradient skips the update entirely: parameters, masters and
   optimizer state stay bitwise unchanged, the gradients are dropped, ``step_skipped`` is True
   and ``skipped_steps`` counts up. That gradient machinery (verdicts, late gradients, gradient
-  accumulation) is :mod:`mixprec.core._gradients`; the checkpoint layout is
-  :mod:`mixprec.core._optimizer_state`. Both are mixins of the one class, so the optimizer is
+  accumulation) is :mod:`mixprec._core._gradients`; the checkpoint layout is
+  :mod:`mixprec._core._optimizer_state`. Both are mixins of the one class, so the optimizer is
   one object with one set of fields, split by concern into modules a reader takes one at a time.
 * One loss scaler per loss (``num_losses``), shared by every optimizer the loss touches; an
   overflow in one loss skips only the optimizers whose gradients it produced.
 * Without masters, ``update`` ("nearest" | "kahan" | "stochastic") hands the step to
-  :class:`mixprec.core.lean.LeanUpdate`: fp32 arithmetic on per-chunk temporaries, written back to
+  :class:`mixprec._core.lean.LeanUpdate`: fp32 arithmetic on per-chunk temporaries, written back to
   the 16-bit weights with that rounding. ``update=None`` keeps the inner optimizer
   stepping the 16-bit parameters itself. A skipped step never reaches the updater, so
   compensation buffers, 16-bit state and the rounding generators stay untouched.
@@ -36,11 +36,11 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from mixprec.core import dispatch
-from mixprec.core._gradients import SETTLE_HOOKS, GradientChecks, LossSlot
-from mixprec.core._optimizer_state import CheckpointState
-from mixprec.core.clipping import register_masters
-from mixprec.core.lean import LeanUpdate, StateDtype
+from mixprec._core import dispatch
+from mixprec._core._gradients import SETTLE_HOOKS, GradientChecks, LossSlot
+from mixprec._core._optimizer_state import CheckpointState
+from mixprec._core.clipping import register_masters
+from mixprec._core.lean import LeanUpdate, StateDtype
 
 __all__ = ["SETTLE_HOOKS", "MixedPrecisionOptimizer", "StepGuard", "rounds_to", "scale_loss"]
 
@@ -63,11 +63,12 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
     Hold an LR scheduler on skipped steps with ``if not opt.step_skipped: sched.step()``.
 
     ``update``, ``state_dtype``, ``update_seed``: the memory-lean 16-bit step (no masters); see
-    :mod:`mixprec.core.lean`. ``lean`` is the :class:`~mixprec.core.lean.LeanUpdate` (None without).
+    :mod:`mixprec._core.lean`. ``lean`` is the :class:`~mixprec._core.lean.LeanUpdate` (None
+    without).
 
     What happens to gradients between a backward and ``step()`` (widen, unscale, check, settle
-    the verdicts) is :class:`~mixprec.core._gradients.GradientChecks`; ``state_dict`` and
-    ``load_state_dict`` are :class:`~mixprec.core._optimizer_state.CheckpointState`.
+    the verdicts) is :class:`~mixprec._core._gradients.GradientChecks`; ``state_dict`` and
+    ``load_state_dict`` are :class:`~mixprec._core._optimizer_state.CheckpointState`.
     """
 
     def __init__(
@@ -224,7 +225,7 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
             )
         return self.slots[loss_id]
 
-    # -- gradients (the rest: mixprec.core._gradients) -----------------------------------------
+    # -- gradients (the rest: mixprec._core._gradients) -----------------------------------------
     def backward(self, loss: Tensor, loss_id: int = 0, **kwargs: Any) -> None:
         """``scale_loss(loss, self, loss_id)`` then ``backward()`` in one call."""
         with scale_loss(loss, self, loss_id=loss_id) as scaled:

@@ -1,11 +1,11 @@
-"""The checkpoint half of :class:`~mixprec.core.optimizer.MixedPrecisionOptimizer`.
+"""The checkpoint half of :class:`~mixprec._core.optimizer.MixedPrecisionOptimizer`.
 
 Design: ``state_dict()`` is torch's layout, so the torch optimizer the wrapper holds (or a
 plain one over the fp32 model) loads it as it is, and mixprec's own state (the masters' exact
 values, the loss scalers, the skip counters, an update mode's compensation and generators)
 travels inside it, under ``param_groups[0]["mixprec"]``, which
 ``torch.optim.Optimizer.load_state_dict`` keeps. Where that state lives and how either load
-order resumes is :mod:`mixprec.core.resume`; this mixin writes and reads it, checking the
+order resumes is :mod:`mixprec._core.resume`; this mixin writes and reads it, checking the
 layout and the counts of masters and scalers before anything is written.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mixprec.core.resume import (
+from mixprec._core.resume import (
     MIXPREC_KEY,
     drop_stale,
     pack_state_dict,
@@ -34,7 +34,7 @@ class CheckpointState:
         """torch's layout, so the torch optimizer this wraps (or a plain one over the fp32
         model) loads it as it is: the inner optimizer's ``state`` and ``param_groups`` (indices
         over the masters), with :meth:`mixprec_state_dict` under ``param_groups[0]["mixprec"]``,
-        which ``torch.optim.Optimizer.load_state_dict`` keeps (:mod:`mixprec.core.resume`)."""
+        which ``torch.optim.Optimizer.load_state_dict`` keeps (:mod:`mixprec._core.resume`)."""
         return pack_state_dict(self.optimizer.state_dict(), self.mixprec_state_dict())
 
     def mixprec_state_dict(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ Rules (the Apex / torch.autocast / grappler vocabulary; ``docs/design.md``, "The
 * ``"promote"`` -- ops with several floating inputs run in the widest of them (float32 beats
   16-bit; a float16/bfloat16 mix goes to float32 instead of raising).
 * anything unlisted runs as ``torch.autocast`` runs it on the device (mostly in the dtype of its
-  inputs; see :mod:`mixprec.core.torch_lists`). ``batch_norm`` is unlisted on purpose: its
+  inputs; see :mod:`mixprec._core.torch_lists`). ``batch_norm`` is unlisted on purpose: its
   kernels take a 16-bit activation with float32 statistics and compute in float32, and an
   ``"fp32"`` rule would cast 16-bit running statistics (O3) to copies that the kernel updates
   in place instead of the module's buffers.

@@ -4,14 +4,14 @@ Design (chosen by measurement, see ``benchmarks/NOTES.md``): a mixprec region *i
 ``torch.autocast`` region -- torch's C++ kernels lower matmuls and convolutions and keep its
 weight-cast cache, at C++ cost -- plus Python kernels registered with ``torch.library`` on the
 ``AutocastCPU``/``AutocastCUDA`` dispatch keys for exactly the ops whose cast-table rule differs
-from torch's rule on that device (:mod:`mixprec.core.torch_lists`): on CPU the fp32 ops torch leaves
-in 16-bit (softmax, norms, reductions, exp/log/pow...), a few matmul variants, the promote ops
-that need a cast, the attention kernel choice; on CUDA the fp32-inside norms and softmax and
-``binary_cross_entropy``. Every other op costs nothing extra. A function mode seeing every
-Python-level call cost ~6 us per call before doing any work and was dropped.
+from torch's rule on that device (:mod:`mixprec._core.torch_lists`): on CPU the fp32 ops torch
+leaves in 16-bit (softmax, norms, reductions, exp/log/pow...), a few matmul variants, the
+promote ops that need a cast, the attention kernel choice; on CUDA the fp32-inside norms and
+softmax and ``binary_cross_entropy``. Every other op costs nothing extra. A function mode
+seeing every Python-level call cost ~6 us per call before doing any work and was dropped.
 
 Nothing is registered when this module is imported: :func:`sync` registers the kernels when the
-first region is entered or the first module boundary installed (:mod:`mixprec.core.dispatch`),
+first region is entered or the first module boundary installed (:mod:`mixprec._core.dispatch`),
 and again when the cast table changes.
 
 A kernel applies mixprec's rule only while a mixprec frame is on top of this thread's stack.
@@ -23,14 +23,14 @@ TLS or the Python dispatcher brings a call back to the key, the kernel steps pas
 key excluded: the Python dispatcher recomputes the key from the TLS, not from the key set it is
 handed. Inside backward (activation-checkpoint recomputation, which re-enters torch.autocast
 with the forward's settings but not mixprec's frame, possibly on another thread) the frame of
-the region whose autograd node is being run applies (:mod:`mixprec.core._frames`), so
+the region whose autograd node is being run applies (:mod:`mixprec._core._frames`), so
 recomputed forwards match the original bit for bit, and a user's own checkpointed code gets
 torch's rules.
 
 Cache: torch's weight-cast cache is used (one cast per weight per region, not kept across
 regions). It does not see in-place updates, so mixprec clears it when a leaf that requires grad
 is updated in place inside a region (kernels on the common in-place update ops) and after every
-``torch.optim`` step taken inside one (a hook :mod:`mixprec.core.dispatch` registers at first
+``torch.optim`` step taken inside one (a hook :mod:`mixprec._core.dispatch` registers at first
 use). Updates through ``.data`` are invisible to it.
 """
 
@@ -45,10 +45,10 @@ import torch
 from torch._C import DispatchKey, DispatchKeySet
 from torch.overrides import TorchFunctionMode
 
-from mixprec.core import cast_table, kernels
-from mixprec.core._frames import Frame, _frame_for_kernel, _state, top
-from mixprec.core.cast_table import FP32, FP32_INSIDE_OPS, LOWER, NATIVE_PROMOTE, PROMOTE
-from mixprec.core.torch_lists import TORCH_AUTOCAST, torch_rule
+from mixprec._core import cast_table, kernels
+from mixprec._core._frames import Frame, _frame_for_kernel, _state, top
+from mixprec._core.cast_table import FP32, FP32_INSIDE_OPS, LOWER, NATIVE_PROMOTE, PROMOTE
+from mixprec._core.torch_lists import TORCH_AUTOCAST, torch_rule
 
 __all__ = [
     "FP32_INSIDE_OPS",

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from mixprec.core._warnings import user_stacklevel
+from mixprec._core._warnings import user_stacklevel
 
 __all__ = ["update_options"]
 

@@ -1,7 +1,7 @@
 """Engine frames under ``torch.compile``: what the compiler's traces see, and what they leave.
 
 A mixprec region pushes a frame on this thread's stack, which mixprec's kernels read
-(:mod:`mixprec.core.dispatch`). Under ``torch.compile`` the push and pop become graph nodes
+(:mod:`mixprec._core.dispatch`). Under ``torch.compile`` the push and pop become graph nodes
 (:func:`enter`, :func:`exit`, ``allow_in_graph``). They run while the compiler traces: dynamo on
 fake tensors, then each of AOTAutograd's passes over the graph. So every trace sees the frames
 that eager mode would, and the frame's casts are baked into the compiled code. A graph that holds
@@ -25,7 +25,7 @@ a split region what it is in eager mode:
   off. A graph holding whole regions records none.
 * **torch.autocast's state comes from ``with`` statements.** Under compile a module boundary
   enters ``torch.autocast`` regions with the frame's setting
-  (:func:`mixprec.core.engine._traced_region`); dynamo leaves them at a break and enters them
+  (:func:`mixprec._core.engine._traced_region`); dynamo leaves them at a break and enters them
   again around the code at the break and the graph after it. A ``mixprec.autocast`` region
   sets autocast's state itself, which does not outlive its graph: split, the rest of it runs
   without mixed precision, and a ``MixprecPerformanceWarning`` says so once.
@@ -43,10 +43,10 @@ from typing import Any
 
 import torch
 
-from mixprec.core import _autocast_kernels, _frames, cast_table
-from mixprec.core._autocast_kernels import FP32_INSIDE_OPS
-from mixprec.core._frames import Frame, _state
-from mixprec.core.hardware import MixprecPerformanceWarning
+from mixprec._core import _autocast_kernels, _frames, cast_table
+from mixprec._core._autocast_kernels import FP32_INSIDE_OPS
+from mixprec._core._frames import Frame, _state
+from mixprec._core.hardware import MixprecPerformanceWarning
 
 _MODES = (
     torch._C._TorchDispatchModeKey.FAKE,
@@ -223,7 +223,7 @@ def frames_in_graph() -> bool:
 
 def register_with_dynamo() -> bool:
     """Make the frame push/pop graph nodes for dynamo (idempotent); return
-    :func:`frames_in_graph`. Run by :func:`mixprec.core.dispatch.enable` at mixprec's first use,
+    :func:`frames_in_graph`. Run by :func:`mixprec._core.dispatch.enable` at mixprec's first use,
     once dynamo is loaded: neither ``import mixprec`` nor this imports dynamo (importing it took
     ~1.9 s of the ~2.1 s mixprec added to ``import torch``; EPYC, torch 2.13)."""
     if _frames._traced:

@@ -1,14 +1,14 @@
 """The eager mixed-precision engine: ``with mixprec.autocast(torch.bfloat16): ...``.
 
 Mechanism (chosen by measurement, see ``benchmarks/NOTES.md``): a region is a ``torch.autocast``
-region plus a mixprec frame on this thread's stack (:mod:`mixprec.core.dispatch`). torch's C++
+region plus a mixprec frame on this thread's stack (:mod:`mixprec._core.dispatch`). torch's C++
 autocast kernels lower matmuls and convolutions and cache one 16-bit copy of each weight per
 region; mixprec's own kernels, registered on the autocast dispatch keys for only the ops whose
 cast-table rule differs from torch's on that device, apply the rest: float32 for softmax, norms,
 reductions, exp/log/pow and losses on every device, promotion instead of an error for a
 float16/bfloat16 mix, 16-bit-in/out norms and softmax with ``fp32_inside``. The host cost is
 torch.autocast's plus a few microseconds per op that mixprec actually handles; ops the table
-does not list follow torch.autocast's rule for the device (:mod:`mixprec.core.torch_lists`).
+does not list follow torch.autocast's rule for the device (:mod:`mixprec._core.torch_lists`).
 
 Because the state lives where torch.autocast keeps its own, ``torch.utils.checkpoint``
 recomputes a region's forward with the same dtypes, and autograd replays the recorded casts:
@@ -34,11 +34,11 @@ import torch
 from torch import nn
 from torch.utils import _pytree
 
-from mixprec.core import dispatch
-from mixprec.core._keywords import refuse_moved_keywords
-from mixprec.core.activations import ActivationConfig, SavedTensorStorage
-from mixprec.core.dispatch import FP32_INSIDE_OPS, Frame, cast_leaf
-from mixprec.core.policy import (
+from mixprec._core import dispatch
+from mixprec._core._keywords import refuse_moved_keywords
+from mixprec._core.activations import ActivationConfig, SavedTensorStorage
+from mixprec._core.dispatch import FP32_INSIDE_OPS, Frame, cast_leaf
+from mixprec._core.policy import (
     POLICY_ATTR,
     Policy,
     PolicyLike,
@@ -72,7 +72,7 @@ class Boundary:
         fp32_inside: let :data:`FP32_INSIDE_OPS` keep 16-bit inputs and outputs.
         kernels: see :class:`autocast`.
         cast_outputs: cast floating outputs to ``policy.output_dtype`` on exit.
-        activations: how the subtree's saved tensors are stored (:mod:`mixprec.core.activations`).
+        activations: how the subtree's saved tensors are stored (:mod:`mixprec._core.activations`).
         engine: run the subtree in an engine frame for ``policy``; False for a module whose casts
             are already explicit (a :func:`mixprec.convert` graph), which only needs the rest.
     """
@@ -142,7 +142,7 @@ class autocast:
         recipe: ``torch.bfloat16``/``torch.float16``, any policy spelling, or a
             :class:`mixprec.Recipe` (its compute dtype and outputs, its ``kernels`` -- ``"auto"``
             swaps in mixprec's kernels where they were measured faster, see
-            :mod:`mixprec.core.kernels` -- and its ``fp8``: the Linears of the first module
+            :mod:`mixprec._core.kernels` -- and its ``fp8``: the Linears of the first module
             called in the region that the FP8 config chooses run their GEMMs in FP8 there,
             :mod:`mixprec.fp8`). None uses the global policy. A policy whose compute dtype is
             float32 disables the engine.
@@ -182,7 +182,7 @@ class autocast:
         if self.enabled:
             if self.policy.is_lower and not torch.compiler.is_compiling():
                 # (traced, it reads /proc/cpuinfo through a cached function: dynamo warns)
-                from mixprec.core.hardware import warn_if_slow
+                from mixprec._core.hardware import warn_if_slow
 
                 warn_if_slow(self.policy.compute_dtype)
             frame = _frame_for(self.policy, self.kernels)
@@ -279,7 +279,7 @@ def _traced_region(frame: Frame, forward: Any, args: tuple, kwargs: dict) -> Any
     sets: dynamo leaves those at a graph break and enters them again around the code at the
     break and the graph after it, where state set by hand would not outlive the first graph
     (AOTAutograd runs compiled graphs with autocast disabled). The frame itself is the
-    graph node of :mod:`mixprec.core.traced`, which keeps it across a break."""
+    graph node of :mod:`mixprec._core.traced`, which keeps it across a break."""
     dtype, on = frame.dtype or torch.bfloat16, frame.dtype is not None
     with torch.autocast("cpu", dtype=dtype, enabled=on):
         if "cuda" not in dispatch._devices():

@@ -15,7 +15,7 @@ Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit upda
     and the 16-bit compensation buffer keeps its top 8 (bf16) / 11 (fp16) bits: the weight
     behaves like a 16+8-bit number, at +2 bytes per parameter;
   - ``"stochastic"``: ``w = SR(w32)``, unbiased (``E[w] = w32``), no extra memory
-    (:mod:`mixprec.core._rounding`: bf16 by torchao's integer trick, fp16 between the two
+    (:mod:`mixprec._core._rounding`: bf16 by torchao's integer trick, fp16 between the two
     neighbours).
 
   The math is the optimizer's own, so any optimizer whose update is per parameter works (SGD
@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from mixprec.core._rounding import (
+from mixprec._core._rounding import (
     stochastic_round_bf16_,
     stochastic_round_to,
 )

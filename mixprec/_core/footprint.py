@@ -5,7 +5,7 @@ the tensors that exist -- model weights, the gradient each trainable weight hold
 backward (in its own dtype) plus any persistent fp32 gradient buffers, fp32 masters, Kahan
 compensation buffers and optimizer state (deduplicated by storage) -- and divides by the number
 of parameters. Optimizer state is created lazily by the first step, so pass ``step`` (a callable
-running one training step): it is run ``steps`` times under :class:`mixprec.core.memory.PeakMemory`
+running one training step): it is run ``steps`` times under :class:`mixprec._core.memory.PeakMemory`
 first, which also gives the measured peak of a training step. Activations are not per-parameter
 and show up only in that peak.
 """
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from mixprec.core.memory import PeakMemory
+from mixprec._core.memory import PeakMemory
 
 __all__ = ["CATEGORIES", "Footprint", "footprint"]
 
@@ -79,10 +79,10 @@ def footprint(
 
     Args:
         model: the model (after :func:`mixprec.initialize`, if used).
-        optimizer: its optimizer (a :class:`mixprec.core.optimizer.MixedPrecisionOptimizer` or a
+        optimizer: its optimizer (a :class:`mixprec._core.optimizer.MixedPrecisionOptimizer` or a
         plain one).
         step: optional callable running one full training step (forward, backward, step,
-            zero_grad); it is run ``steps`` times under :class:`~mixprec.core.memory.PeakMemory`
+            zero_grad); it is run ``steps`` times under :class:`~mixprec._core.memory.PeakMemory`
             before counting, so that lazily created optimizer state exists.
         steps: how many times to run ``step``.
 

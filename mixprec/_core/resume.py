@@ -207,7 +207,7 @@ def resume_carried(
     scale_given: bool,
 ) -> None:
     """Load the state ``initialize`` took from the optimizer it wraps (a plain load before it)
-    into ``opt``, the :class:`~mixprec.core.optimizer.MixedPrecisionOptimizer` built over it.
+    into ``opt``, the :class:`~mixprec._core.optimizer.MixedPrecisionOptimizer` built over it.
 
     ``values``: what the model held before the cast, by parameter id (masters already hold
     theirs). Saved masters and compensation are checked against the model (module docstring);

@@ -1,6 +1,6 @@
 """From backward to step: gradients moved into the fp32 masters, unscaled, checked, settled.
 
-Design: this is the half of :class:`~mixprec.core.optimizer.MixedPrecisionOptimizer` that
+Design: this is the half of :class:`~mixprec._core.optimizer.MixedPrecisionOptimizer` that
 acts on gradients between a backward and the next ``step()``, as a mixin of that class (its
 methods read the optimizer's own fields: no second object to keep in step with it).
 
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from mixprec.core.loss_scale import LossScaler, unscale_and_check_
+from mixprec._core.loss_scale import LossScaler, unscale_and_check_
 
 __all__ = ["SETTLE_HOOKS", "GradientChecks", "LossSlot", "read_flags"]
 
@@ -84,7 +84,7 @@ class LossSlot:
 
 
 class GradientChecks:
-    """The gradient half of :class:`~mixprec.core.optimizer.MixedPrecisionOptimizer`.
+    """The gradient half of :class:`~mixprec._core.optimizer.MixedPrecisionOptimizer`.
 
     Uses the optimizer's fields below and its ``master_params()``, ``_own_params()`` and
     ``slot(loss_id)``.

@@ -1,9 +1,9 @@
 """Regions on the engine's stack, and what mixprec registers with torch at its first use.
 
 :func:`push` and :func:`pop` enter and leave a mixprec region: a frame on this thread's stack
-(:mod:`mixprec.core._frames`), read by mixprec's autocast kernels
-(:mod:`mixprec.core._autocast_kernels`), plus torch.autocast's own state set for it. Under
-``torch.compile`` the push and pop are graph nodes (:mod:`mixprec.core.traced`).
+(:mod:`mixprec._core._frames`), read by mixprec's autocast kernels
+(:mod:`mixprec._core._autocast_kernels`), plus torch.autocast's own state set for it. Under
+``torch.compile`` the push and pop are graph nodes (:mod:`mixprec._core.traced`).
 
 Design: ``import mixprec`` changes nothing in torch. What regions need from torch is registered
 by :func:`enable`, once, when mixprec is first used: the first region entered (or traced by
@@ -13,7 +13,7 @@ changes weights in place, which torch's weight-cast cache does not see) and mixp
 nodes with dynamo -- right away if dynamo is loaded, else by a one-shot import hook that runs
 when it is (importing dynamo for this took ~1.9 s). The autocast kernels are registered by
 ``sync`` when the first region is entered or the first boundary installed, and the clipping
-wrapper by the first fp32 masters (:mod:`mixprec.core.clipping`). Registering at import made
+wrapper by the first fp32 masters (:mod:`mixprec._core.clipping`). Registering at import made
 every torch user of the process pay for mixprec, and changed torch's objects for code that
 never used it.
 
@@ -35,11 +35,11 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from mixprec.core import cast_table, traced
+from mixprec._core import cast_table, traced
 
 # _KEYS and _overloads: read through this module by the amp front end and tests
-from mixprec.core._autocast_kernels import _KEYS as _KEYS
-from mixprec.core._autocast_kernels import (
+from mixprec._core._autocast_kernels import _KEYS as _KEYS
+from mixprec._core._autocast_kernels import (
     FP32_INSIDE_OPS,
     NATIVE_PROMOTE,
     _ExportMode,
@@ -49,8 +49,8 @@ from mixprec.core._autocast_kernels import (
     registered,
     sync,
 )
-from mixprec.core._autocast_kernels import _overloads as _overloads
-from mixprec.core._frames import (
+from mixprec._core._autocast_kernels import _overloads as _overloads
+from mixprec._core._frames import (
     Frame,
     _enter,
     _open,
@@ -120,7 +120,7 @@ def push(
     )
     if not _state.frames:
         _state.base = saved.autocast
-    if tracing:  # a graph node: the compiler's tracing pushes it (mixprec.core.traced)
+    if tracing:  # a graph node: the compiler's tracing pushes it (mixprec._core.traced)
         _traced[0](frame.dtype, frame.kernels, bool(frame.fp32_inside))
     elif torch.compiler.is_exporting():
         # torch.export records ops above the autocast keys, where these kernels never run:

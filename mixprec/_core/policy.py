@@ -12,7 +12,7 @@ Design (Keras mixed-precision policies; ``docs/design.md``, "Policies"):
 * "Mixed" policies return float32 outputs (the Keras guide's advice, made the default): the last
   layer's softmax and the loss then see float32 without user code.
 * The global policy is process-wide (as in Keras); :func:`policy_scope` sets it for a block.
-  ``mixprec.set_policy`` (in :mod:`mixprec.core.engine`, which installs the module boundary
+  ``mixprec.set_policy`` (in :mod:`mixprec._core.engine`, which installs the module boundary
   that applies it) attaches a policy to one module, which then wins for its subtree; this module
   only stores and reads it (:func:`get_policy`), so policies depend on nothing above them.
 """

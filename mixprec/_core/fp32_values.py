@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mixprec.core.optimizer import MixedPrecisionOptimizer, rounds_to
-from mixprec.core.resume import kahan_fp32, merge_compensation
-from mixprec.core.storage import FROZEN_ATTR
+from mixprec._core.optimizer import MixedPrecisionOptimizer, rounds_to
+from mixprec._core.resume import kahan_fp32, merge_compensation
+from mixprec._core.storage import FROZEN_ATTR
 
 __all__ = ["LoadRefresh", "fp32_state_dict", "install_load_refresh"]
 
@@ -107,7 +107,7 @@ def fp32_state_dict(
     It loads into a plain fp32 copy of the model (``load_state_dict``): the model is saved in
     fp32 whatever it trained in. With ``update="kahan"`` a weight's fp32 value is ``w + c`` (the
     16-bit weight plus its compensation buffer), moved one fp32 ulp toward ``w`` where ``w + c``
-    lies exactly half-way between two 16-bit values (:func:`mixprec.core.resume.kahan_fp32`), so
+    lies exactly half-way between two 16-bit values (:func:`mixprec._core.resume.kahan_fp32`), so
     that loading it gives back ``w``; with the optimizer's state dict (loaded before or after
     ``initialize``) ``c`` comes back too, and a resume is bit for bit.
     """

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec.core._warnings import user_stacklevel
+from mixprec._core._warnings import user_stacklevel
 
 __all__ = [
     "DtypeSupport",
