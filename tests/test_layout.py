@@ -173,3 +173,19 @@ def test_public_names_and_the_new_paths_do_not_warn():
         from mixprec.inference import for_inference  # noqa: F401
 
         assert mixprec.numerics.tune is mixprec.numerics.tuning.tune
+
+
+def test_the_house_reads_in_an_hour():
+    """No function over 80 lines, no module over 500 but the cast table's data, 20 public
+    names at most (``tools/house_metrics.py`` prints the same counts)."""
+    import importlib.util
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("house_metrics", root / "tools/house_metrics.py")
+    metrics = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(metrics)
+    counts = metrics.measure()
+    assert counts["functions_over_80"] == []
+    assert [name for name, _ in counts["modules_over_500"]] == ["mixprec._core.cast_table"]
+    assert counts["import_cycles"] == []
+    assert counts["top_level_public"] <= 20
