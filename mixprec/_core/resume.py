@@ -52,7 +52,6 @@ __all__ = [
 
 #: The key of mixprec's own state, in ``param_groups[0]`` of an optimizer state dict.
 MIXPREC_KEY = "mixprec"
-_OLD_KEYS = ("optimizer", "masters", "scalers", "skipped_steps")
 
 
 def pack_state_dict(inner: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
@@ -71,26 +70,29 @@ def pack_state_dict(inner: dict[str, Any], own: dict[str, Any]) -> dict[str, Any
 
 def split_state_dict(state_dict: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """``(torch optimizer state dict, mixprec's own state or None)`` from the layout
-    :func:`pack_state_dict` writes, the older ones (``"mixprec"`` at the top; ``optimizer``,
-    ``masters``, ... at the top) or a plain torch state dict. The input is not modified."""
+    :func:`pack_state_dict` writes, or from a plain torch state dict. The input is not
+    modified."""
+    if isinstance(state_dict, dict) and MIXPREC_KEY in state_dict:
+        raise KeyError(
+            f"This optimizer state dict holds mixprec's state at the top level ({MIXPREC_KEY!r}), "
+            "a layout mixprec does not read: its state lives in param_groups[0]"
+            f"[{MIXPREC_KEY!r}]. Save it again with opt.state_dict() of the optimizer "
+            "initialize returned."
+        )
     if isinstance(state_dict, dict) and "state" in state_dict and "param_groups" in state_dict:
-        groups = state_dict["param_groups"]
-        own = state_dict.get(MIXPREC_KEY)
-        for g in groups:
+        own = None
+        for g in state_dict["param_groups"]:
             own = g.get(MIXPREC_KEY, own)
-        inner = {k: v for k, v in state_dict.items() if k != MIXPREC_KEY}
+        inner = dict(state_dict)
         inner["param_groups"] = [
             {k: v for k, v in g.items() if k != MIXPREC_KEY} if MIXPREC_KEY in g else g
-            for g in groups
+            for g in state_dict["param_groups"]
         ]
         return inner, own
-    if isinstance(state_dict, dict) and all(k in state_dict for k in _OLD_KEYS):
-        return state_dict["optimizer"], {k: v for k, v in state_dict.items() if k != "optimizer"}
     keys = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else None
     raise KeyError(
         "Not an optimizer state dict: expected torch's layout ('state', 'param_groups', with "
-        f"mixprec's state under param_groups[0][{MIXPREC_KEY!r}]) or mixprec's older layout "
-        f"{list(_OLD_KEYS)}; received "
+        f"mixprec's state under param_groups[0][{MIXPREC_KEY!r}]); received "
         + (f"keys {keys}." if keys is not None else f"a {type(state_dict).__name__}.")
     )
 
@@ -120,7 +122,7 @@ def _count(steps: float | None) -> str:
 
 def drop_stale(inner: dict[str, Any], own: dict[str, Any] | None) -> dict[str, Any] | None:
     """``own``, or None (with a warning) when ``inner``'s state was stepped after it was written."""
-    if own is None or "state_steps" not in own:  # older layouts carry no count
+    if own is None or "state_steps" not in own:  # built by a shim (Apex's FP16_Optimizer)
         return own
     now = state_steps(inner["state"])
     if now == own["state_steps"]:

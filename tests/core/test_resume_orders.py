@@ -313,10 +313,11 @@ def _checkpoint(config, form="model.state_dict"):
     return model, opt, saved({"model": weights or model.state_dict(), "opt": opt.state_dict()})
 
 
-def test_an_older_top_level_entry_dropped_by_a_plain_load_is_reported():
-    """mixprec's state under a top-level key (the layout older versions wrote) is dropped by
-    torch's load_state_dict: initialize says what it rebuilt and how to resume exactly."""
-    _, opt, ckpt = _checkpoint("O2-fp16")
+def test_a_top_level_entry_is_reported_by_a_plain_load_and_refused_by_the_wrapper():
+    """mixprec's state under a top-level key (not a layout mixprec writes) is dropped by torch's
+    load_state_dict: initialize says what it rebuilt; the returned optimizer refuses it rather
+    than dropping the masters and scalers silently."""
+    _, _, ckpt = _checkpoint("O2-fp16")
     inner, own = split_state_dict(ckpt["opt"])
     old = {**inner, "mixprec": own}
     model, plain_opt = plain(seed=7)
@@ -327,12 +328,9 @@ def test_an_older_top_level_entry_dropped_by_a_plain_load_is_reported():
     text = str(record[0].message)
     assert "fp32 masters start from the model's 16-bit weights" in text
     assert "loss scale starts at init_scale=65536" in text
-    assert "load the optimizer state after initialize" in text
-    # the fix it names: load after initialize, and the resume is exact
-    model, fixed = initialize(*plain(seed=7), "O2-fp16")
-    model.load_state_dict(ckpt["model"])
-    fixed.load_state_dict(old)
-    assert_tree_bitwise(fixed.state_dict(), opt.state_dict())
+    _, fresh = initialize(*plain(seed=7), "O2-fp16")
+    with pytest.raises(KeyError, match=r"at the top level.*param_groups\[0\]"):
+        fresh.load_state_dict(old)
 
 
 def test_a_torch_amp_checkpoint_warns_about_the_loss_scale_unless_given():
