@@ -18,6 +18,8 @@ from mixprec._core._warnings import user_stacklevel
 
 __all__ = ["update_options"]
 
+_FIELD = {"state_dtype": "optimizer_states"}  # the optimizer keyword -> the Recipe field
+
 
 def _sparse_grad_params(models: list[nn.Module]) -> set[int]:
     """ids of the weights that get sparse gradients: ``nn.Embedding(Bag)(sparse=True)``."""
@@ -78,7 +80,7 @@ def _warn_vanishing_eps(optimizers: list[Optimizer | None], dtype: torch.dtype) 
         warnings.warn(
             f"Optimizer {i} has eps={eps:g}, which rounds to 0 in {dtype} (smallest positive "
             f"value {tiny:.3g}); without fp32 master weights its update can divide 0 by 0. Use "
-            "update='kahan', master_weights=True (O2), or eps >= 1e-4.",
+            "a recipe with update='kahan', one with fp32 masters (O2), or eps >= 1e-4.",
             RuntimeWarning,
             stacklevel=user_stacklevel(),
         )
@@ -98,7 +100,8 @@ def update_options(
                 options[i] = {"update": None}
     if set(lean) - {"update"} and all(kw["update"] is None for kw in options):
         raise ValueError(
-            f"Recipe fields {sorted(set(lean) - {'update'})} apply to an update mode, and "
+            f"Recipe fields {sorted(_FIELD.get(k, k) for k in set(lean) - {'update'})} apply "
+            "to an update mode, and "
             "every optimizer here steps with its own 16-bit update (sparse gradients, or an "
             "fp16 optimizer without Adam's eps); set update='nearest', 'kahan' or "
             "'stochastic', or drop them."
