@@ -4,6 +4,7 @@ cannot work here with a clear message."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import bench_fp8
 import bench_gpu
 import bench_memory
 import bench_overhead
+import bench_state
 import torch
 
 
@@ -84,6 +86,16 @@ def test_bench_gpu_races_compiled_against_compiled_and_runs_activation_modes(tmp
     )  # fmt: skip
     text = capsys.readouterr().out
     assert "| mixprec O3 bf16, activations=fp8 |" in text and "vs torch.autocast bf16" in text
+
+
+@pytest.mark.parametrize("mode", ["fp32", "torch-autocast", "O2", "O3", "O3-update-none"])
+def test_bench_state_trains_each_mode_and_counts_bytes_per_parameter(mode):
+    """Tiny shapes: the numbers are the allocator's, the code path is the benchmark's."""
+    for name in bench_state.MODELS:
+        row = bench_state.child(name, mode, steps=2, scale=0.05)
+        assert row["params"] > 0 and math.isfinite(row["bytes_per_param"]) and row["step_ms"] > 0
+        assert math.isfinite(row["loss"])
+    assert f"| gpt | {mode} |" in bench_state.table([row])
 
 
 def test_bench_memory_measures_one_mode_in_its_process():

@@ -1,0 +1,179 @@
+"""Bytes per parameter of the training state: weights, masters, gradients, optimizer states.
+
+    python benchmarks/bench_state.py                            # both models, every mode
+    python benchmarks/bench_state.py --models mlp --modes O2 O3 --json out.json
+
+Each mode runs in a fresh Python process: imports, model, AdamW (lr 1e-3), ``--steps`` training
+steps. The figure is the process's resident-set high-water mark (``VmHWM``) after the steps,
+minus the resident set after the imports (the runtime), divided by the parameter count.
+Activations are kept small on purpose, so the figure is the training state:
+
+* ``mlp``: 48 x (Linear 1024 x 1024 + GELU), 50.4 M parameters, batch 2 (< 1 MB of activations);
+* ``gpt``: a GPT of 113 M parameters (16 layers, width 768, context 256), batch 1.
+
+The step column is the median step time in that process (the first step excluded). Modes:
+``fp32`` and ``torch-autocast`` (bf16) with torch's AdamW; the mixprec recipes ``O2``, ``O3``
+(bf16, its default Kahan update) and ``O3-update-none`` (the optimizer's own bf16 step); and
+``torchao-adamw8bit`` (bf16 weights, torchao's 8-bit AdamW) when torchao is installed. The
+header names the machine and torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+from bench_memory import _rss
+from bench_overhead import machine
+from torch import nn
+
+MODELS = ("mlp", "gpt")
+MODES = ("fp32", "torch-autocast", "O2", "O3", "O3-update-none", "torchao-adamw8bit")
+BF16 = torch.bfloat16
+
+
+def make_model(name: str, scale: float = 1.0) -> tuple[nn.Module, Any]:
+    """(model, batch maker) of ``name``; ``scale`` < 1 shrinks it (for a quick check)."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        width, depth = max(int(1024 * scale), 16), max(int(48 * scale), 2)
+        layers = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())]
+        model = nn.Sequential(*layers)
+        return model, lambda: (torch.randn(2, width), torch.randn(2, width))
+    from mixprec.bench.models import GPT, GPTConfig
+
+    width = max(int(768 * scale) // 12 * 12, 24)
+    cfg = GPTConfig(vocab_size=96, block_size=256, n_layer=max(int(16 * scale), 1), n_head=12,
+                    n_embd=width)  # fmt: skip
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (1, cfg.block_size + 1))
+    return model, lambda: (idx[:, :-1], idx[:, 1:])
+
+
+def _loss(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if name == "mlp":
+        return nn.functional.mse_loss(out.float(), target)
+    return nn.functional.cross_entropy(out.float().flatten(0, 1), target.flatten())
+
+
+def _prepare(mode: str, model: nn.Module) -> tuple[nn.Module, Any, Any]:
+    """(model, optimizer, region) of ``mode``; the optimizer has ``backward`` for mixprec."""
+    import mixprec
+
+    if mode == "torchao-adamw8bit":
+        from torchao.optim import AdamW8bit
+
+        model = model.to(BF16)
+        return model, AdamW8bit(model.parameters(), lr=1e-3), None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if mode in ("fp32", "torch-autocast"):
+        region = torch.autocast("cpu", BF16) if mode == "torch-autocast" else None
+        return model, opt, region
+    recipe = mixprec.Recipe("O3", BF16, update=None) if mode == "O3-update-none" else mode
+    model, opt = mixprec.initialize(model, opt, recipe, BF16)
+    return model, opt, None
+
+
+def child(name: str, mode: str, steps: int, scale: float) -> dict[str, Any]:
+    """One mode in this process: bytes per parameter of the added peak, and the step time."""
+    import torch._dynamo  # noqa: F401  every torch optimizer imports it when built
+
+    import mixprec  # noqa: F401  its import is runtime, not state
+
+    runtime = _rss("VmRSS")
+    model, batch = make_model(name, scale)
+    params = sum(p.numel() for p in model.parameters())
+    model, opt, region = _prepare(mode, model)
+    times = []
+    for _ in range(steps):
+        x, y = batch()
+        t0 = time.perf_counter()
+        if region is not None:
+            with region:
+                loss = _loss(name, model(x), y)
+        else:
+            loss = _loss(name, model(x), y)
+        (opt.backward(loss) if hasattr(opt, "backward") else loss.backward())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    added = _rss("VmHWM") - runtime
+    return dict(
+        model=name,
+        mode=mode,
+        params=params,
+        bytes_per_param=added / params,
+        step_ms=statistics.median(times[1:] or times) * 1e3,
+        loss=float(loss),
+    )
+
+
+def measure(models: list[str], modes: list[str], steps: int, scale: float) -> list[dict]:
+    rows = []
+    for name in models:
+        for mode in modes:
+            if mode == "torchao-adamw8bit" and not _has_torchao():
+                print(f"  {name} {mode}: skipped (torchao is not installed)", flush=True)
+                continue
+            cmd = [sys.executable, __file__, "--child", name, mode, "--steps", str(steps)]
+            out = subprocess.run(
+                [*cmd, "--scale", str(scale)], capture_output=True, text=True, check=False
+            )
+            if out.returncode:
+                raise RuntimeError(f"{name} {mode} failed:\n{out.stderr[-3000:]}")
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"  {name} {mode}: {rows[-1]['bytes_per_param']:.1f} B/param", flush=True)
+    return rows
+
+
+def _has_torchao() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| model | mode | parameters | bytes per parameter | step (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['model']} | {r['mode']} | {r['params'] / 1e6:.1f} M | "
+        f"{r['bytes_per_param']:.1f} | {r['step_ms']:.0f} |"
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--scale", type=float, default=1.0, help="shrink the models (< 1)")
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(*args.child, args.steps, args.scale)))
+        return
+    rows = measure(args.models, args.modes, args.steps, args.scale)
+    print(
+        f"\n{datetime.date.today()} · {machine('cpu')} · torch {torch.__version__} · bf16 · "
+        f"{args.steps} steps, a fresh process per mode\n"
+    )
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
