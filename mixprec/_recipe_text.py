@@ -25,9 +25,9 @@ from mixprec._core.loss_scale import LossScaling
 from mixprec._core.policy import _dtype
 from mixprec.fp8.config import FP8Config
 
-__all__ = ["parse", "render_table", "word"]
+__all__ = ["SHORT", "parse", "render_table", "word"]
 
-_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _CALL = re.compile(r"^([\w.+-]+)\((.*)\)$")
 _BOOLS = ("masters", "frozen_masters", "cast_inputs", "fp32_inside")
 _DTYPES = ("outputs", "reduce_dtype")
@@ -40,7 +40,7 @@ def word(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, torch.dtype):
-        return _SHORT.get(value, str(value).removeprefix("torch."))
+        return SHORT.get(value, str(value).removeprefix("torch."))
     if isinstance(value, FP8Config):
         if callable(value.layers):
             return "<FP8Config with a layer predicate: not expressible as text>"

@@ -29,13 +29,12 @@ from mixprec._core.activations import as_activation_config
 from mixprec._core.loss_scale import LossScaling
 from mixprec._core.policy import Policy, _dtype, as_policy
 from mixprec._recipe_rules import check_fields
-from mixprec._recipe_text import parse, render_table, word
+from mixprec._recipe_text import SHORT, parse, render_table, word
 from mixprec.fp8.config import as_fp8_config
 
-__all__ = ["DEFAULTS", "NAMES", "LossScaling", "Recipe", "as_recipe"]
+__all__ = ["DEFAULTS", "NAMES", "LossScaling", "Recipe", "as_recipe", "level_recipe"]
 
 _LOW = (torch.float16, torch.bfloat16)
-_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 #: The presets: for each name, the fields it sets (the others keep the dataclass defaults).
@@ -244,7 +243,7 @@ class Recipe:
     def __str__(self) -> str:
         base = Recipe(self.name, self.dtype)
         implied = self.dtype is None or self.dtype == NAMES[self.name][1]
-        words = [self.name] + ([] if implied else [_SHORT[self.dtype]])
+        words = [self.name] + ([] if implied else [SHORT[self.dtype]])
         words += [f"{k}={word(v)}" for k, v in _changed(self, base)]
         return " ".join(words)
 
@@ -294,6 +293,16 @@ def as_recipe(spec: Any, dtype: Any = None) -> Recipe:
         f"Expected a mixprec.Recipe, a recipe name ({', '.join(NAMES)}) or a Policy; received "
         f"{type(spec).__name__}."
     )
+
+
+def level_recipe(spec: Any) -> Recipe | None:
+    """``spec`` as a Recipe where it is one, or a line that starts with a level (``"O2"``,
+    ``"o3 bf16 update=none"``); None for anything else -- a policy spelling, which the tools
+    that take "a recipe or a policy" (``convert``, ``for_inference``, ``tune``) read as one."""
+    if isinstance(spec, Recipe):
+        return spec
+    words = spec.split() if isinstance(spec, str) else []
+    return Recipe(spec) if words and words[0].upper() in _LEVELS else None
 
 
 # -- construction helpers ----------------------------------------------------------------------

@@ -224,17 +224,15 @@ def graph_settings(spec: Any, kernels: str = "auto") -> tuple[Policy, dict[str, 
     """The pass's policy and the Recipe fields it applies (``fp32_inside``, ``kernels``) from a
     :class:`~mixprec.Recipe`, or from a policy spelling (None: the default policy) with
     ``fp32_inside=False`` and ``kernels``."""
-    from mixprec.recipe import NAMES, Recipe
+    from mixprec.recipe import level_recipe
 
-    first = spec.split()[0] if isinstance(spec, str) and spec.split() else None
-    if first is not None and (first in NAMES or first.upper() in NAMES):
-        spec = Recipe(spec)
-    if isinstance(spec, Recipe):
-        low = spec.resolved_dtype()
+    recipe = level_recipe(spec)
+    if recipe is not None:
+        low = recipe.resolved_dtype()
         policy = Policy(
-            param_dtype=torch.float32, compute_dtype=low, output_dtype=spec.outputs or low
+            param_dtype=torch.float32, compute_dtype=low, output_dtype=recipe.outputs or low
         )
-        return policy, {"fp32_inside": spec.fp32_inside, "kernels": spec.kernels}
+        return policy, {"fp32_inside": recipe.fp32_inside, "kernels": recipe.kernels}
     return _default_policy(spec), {"fp32_inside": False, "kernels": kernels}
 
 

@@ -303,15 +303,14 @@ def for_inference(
 def _inference_policy(model: nn.Module, spec: Any) -> Policy:
     """Weights stored in the compute dtype; outputs in the recipe's or policy's output dtype
     (float32 for a bare dtype)."""
-    from mixprec.recipe import NAMES, Recipe
+    from mixprec.recipe import level_recipe
 
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
-    if isinstance(spec, str) and spec.split() and spec.split()[0].upper() in NAMES:
-        spec = Recipe(spec)  # a level name; Lightning's names are read as policies below
-    if isinstance(spec, Recipe):
-        dtype = spec.resolved_dtype(device)
-        return Policy(param_dtype=dtype, compute_dtype=dtype, output_dtype=spec.outputs or dtype)
+    recipe = level_recipe(spec)  # Lightning's names are read as policies below
+    if recipe is not None:
+        dtype = recipe.resolved_dtype(device)
+        return Policy(param_dtype=dtype, compute_dtype=dtype, output_dtype=recipe.outputs or dtype)
     if spec is None:
         dtype = default_dtype(device)
         return Policy(param_dtype=dtype, compute_dtype=dtype)

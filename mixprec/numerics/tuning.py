@@ -59,7 +59,7 @@ from mixprec.fp8.layers import candidates, unprepare
 from mixprec.fp8.plan import fp8_plan
 from mixprec.numerics._tuner import _Tuner
 from mixprec.numerics.tune_plan import RunError, TunePlan
-from mixprec.recipe import NAMES, Recipe
+from mixprec.recipe import level_recipe
 
 __all__ = ["TunePlan", "tune"]
 
@@ -148,10 +148,9 @@ def tune(
 def _dtype_and_fp8(spec: Any) -> tuple[torch.dtype, FP8Config | None]:
     """The dtype to tune for and the FP8 config to choose layers for, from a dtype (or its
     name) or a Recipe."""
-    if isinstance(spec, str) and spec.split() and spec.split()[0].upper() in NAMES:
-        spec = Recipe(spec)
-    if isinstance(spec, Recipe):
-        return spec.resolved_dtype(), spec.fp8
+    recipe = level_recipe(spec)
+    if recipe is not None:
+        return recipe.resolved_dtype(), recipe.fp8
     if isinstance(spec, torch.dtype):
         return spec, None
     return Policy(compute_dtype=spec).compute_dtype, None
