@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from mixprec._core.state_codes import FORMATS
+
 __all__ = ["UPDATES", "check_fields"]
 
 UPDATES = ("auto", None, "nearest", "kahan", "stochastic")
@@ -53,17 +55,16 @@ def _check_values(r: Any) -> None:
 
 
 def _check_states(states: Any) -> None:
-    if states == "auto" or states in _STATE_DTYPES:
+    kinds = (*_STATE_DTYPES, *FORMATS)
+    if states == "auto" or states in kinds:
         return
-    if isinstance(states, tuple) and all(
-        isinstance(k, str) and v in _STATE_DTYPES for k, v in states
-    ):
+    if isinstance(states, tuple) and all(isinstance(k, str) and v in kinds for k, v in states):
         return
     _fail(
         "optimizer_states",
         states,
-        "expected 'auto', torch.float32 / bfloat16 / float16, or {state name: dtype} "
-        "(e.g. {'exp_avg': torch.bfloat16}).",
+        "expected 'auto', '8-bit' or '4-bit' (block-wise codes), torch.float32 / bfloat16 / "
+        "float16, or {state name: one of these} (e.g. {'exp_avg_sq': '8-bit'}).",
     )
 
 

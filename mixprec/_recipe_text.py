@@ -23,6 +23,7 @@ import torch
 from mixprec._core.activations import ActivationConfig
 from mixprec._core.loss_scale import LossScaling
 from mixprec._core.policy import _dtype
+from mixprec._core.state_codes import BLOCK, FORMATS
 from mixprec.fp8.config import FP8Config
 
 __all__ = ["SHORT", "parse", "render_table", "word"]
@@ -99,8 +100,8 @@ def _value(field: str, text: str) -> Any:
         return int(text)
     if field == "optimizer_states":
         if ":" in text:
-            return {k: _dtype(v, k) for k, v in (p.split(":") for p in text.split(","))}
-        return text if text == "auto" else _dtype(text, field)
+            return {k: _state_word(v, k) for k, v in (p.split(":") for p in text.split(","))}
+        return text if text == "auto" else _state_word(text, field)
     if field == "loss_scale":
         head, kw = _settings(text)
         if head not in ("auto", "dynamic"):
@@ -113,6 +114,10 @@ def _value(field: str, text: str) -> Any:
         head, kw = _settings(text)
         return ActivationConfig(storage=None if head == "recompute" else head, **kw)
     return text
+
+
+def _state_word(text: str, field: str) -> Any:
+    return text if text in FORMATS else _dtype(text, field)
 
 
 def parse(line: str, fields: set[str]) -> dict[str, Any]:
@@ -138,7 +143,10 @@ def parse(line: str, fields: set[str]) -> dict[str, Any]:
 # -- the table -----------------------------------------------------------------------------------
 
 
-def _bytes(dtype: torch.dtype) -> int:
+def _bytes(dtype: torch.dtype | str) -> float:
+    """Bytes per element of a dtype, or of a state format (its codes and block scales)."""
+    if isinstance(dtype, str):
+        return FORMATS[dtype][0] / 8 + 4 / BLOCK
     return dtype.itemsize
 
 
@@ -183,7 +191,7 @@ def _states(r: Any, own: bool, weight: torch.dtype, states: int) -> tuple[str, f
         first = weight if states else torch.float32
         rest = max(states - 1, 0)
         return f"1 x {word(first)} + {rest} x fp32", _bytes(first) + 4 * rest if states else 0
-    if isinstance(r.optimizer_states, torch.dtype):
+    if isinstance(r.optimizer_states, (torch.dtype, str)):
         return f"{states} x {word(r.optimizer_states)}", states * _bytes(r.optimizer_states)
     return word(r.optimizer_states), float(sum(_bytes(d) for _, d in r.optimizer_states))
 

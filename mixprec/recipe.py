@@ -52,6 +52,7 @@ NAMES: dict[str, tuple[str, torch.dtype | None, dict[str, Any]]] = {
     "bf16-mixed": ("O1", torch.bfloat16, {}),
     "16-mixed": ("O1", torch.float16, {}),
     "bf16-true": ("O3", torch.bfloat16, {"update": None}),
+    "lean": ("O3", None, {"update": "stochastic", "optimizer_states": "8-bit"}),
     "fp8-tensorwise": ("O2", None, {"fp8": "tensorwise"}),
     "fp8-rowwise": ("O2", None, {"fp8": "rowwise"}),
 }
@@ -113,8 +114,10 @@ class Recipe:
             weights: ``"kahan"`` (with a compensation buffer), ``"stochastic"``,
             ``"nearest"``, None (the optimizer's own 16-bit step) or ``"auto"`` (``"kahan"`` in
             bf16 and for Adam-family optimizers in fp16, None for sparse gradients).
-        optimizer_states: optimizer states' dtype under an update mode: ``"auto"`` (first
-            moments 16-bit, second moments fp32), a dtype, or ``{state name: dtype}``.
+        optimizer_states: how optimizer states are held under an update mode: ``"auto"``
+            (first moments 16-bit, second moments fp32), a dtype, ``"8-bit"`` or ``"4-bit"``
+            (block-wise codes with an fp32 scale per 256 elements; second moments as square
+            roots), or ``{state name: one of these}`` (unnamed states fp32).
         update_seed: the seed of ``update="stochastic"``'s rounding (None: 0).
         reduce_dtype: the dtype gradients are reduced in across ranks (DDP, FSDP):
             ``"auto"`` (the 16-bit compute dtype; float32 at O0), a dtype, or None (the

@@ -22,6 +22,7 @@ from mixprec._core.resume import (
     split_state_dict,
     state_steps,
 )
+from mixprec._core.state_codes import fp32_optimizer_state_dict
 
 __all__ = ["CheckpointState"]
 
@@ -35,7 +36,20 @@ class CheckpointState:
         model) loads it as it is: the inner optimizer's ``state`` and ``param_groups`` (indices
         over the masters), with :meth:`mixprec_state_dict` under ``param_groups[0]["mixprec"]``,
         which ``torch.optim.Optimizer.load_state_dict`` keeps (:mod:`mixprec._core.resume`)."""
-        return pack_state_dict(self.optimizer.state_dict(), self.mixprec_state_dict())
+        inner = self.optimizer.state_dict()
+        if self.lean is not None:
+            inner = self.lean.export_states(inner)
+        return pack_state_dict(inner, self.mixprec_state_dict())
+
+    def fp32_state_dict(self, state_dict: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The optimizer state a plain torch optimizer over the fp32 model loads: ``state_dict``
+        (default: this optimizer's :meth:`state_dict`) with 8- and 4-bit states decoded to
+        float32 and mixprec's own entry removed. With :func:`mixprec.fp32_state_dict`::
+
+            plain_model.load_state_dict(mixprec.fp32_state_dict(model, opt))
+            plain_opt.load_state_dict(opt.fp32_state_dict())
+        """
+        return fp32_optimizer_state_dict(self.state_dict() if state_dict is None else state_dict)
 
     def mixprec_state_dict(self) -> dict[str, Any]:
         """mixprec's own state: the masters' exact values, every loss scaler, the skip counters

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from mixprec._core.memory import PeakMemory
+from mixprec._core.state_codes import QuantizedState
 
 __all__ = ["CATEGORIES", "Footprint", "footprint"]
 
@@ -66,7 +67,14 @@ def _nbytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
 
 
 def _state_tensors(opt: Optimizer) -> list[Tensor]:
-    return [v for st in opt.state.values() for v in st.values() if isinstance(v, Tensor)]
+    out = []
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, QuantizedState):
+                out += [v.codes, v.scale]
+            elif isinstance(v, Tensor):
+                out.append(v)
+    return out
 
 
 def footprint(

@@ -55,6 +55,7 @@ from mixprec._core._rounding import (
     stochastic_round_bf16_,
     stochastic_round_to,
 )
+from mixprec._core.state_codes import FORMATS, QuantizedState, kind_of, quantizable
 
 __all__ = ["UPDATES", "LeanUpdate", "StateDtype"]
 
@@ -68,27 +69,26 @@ _FIRST_MOMENTS = ("exp_avg", "momentum_buffer")
 
 
 def _state_policy(state_dtype: StateDtype) -> Any:
-    """Validate ``state_dtype``; return a function ``(key, param dtype) -> storage dtype``."""
+    """Validate ``state_dtype``; return a function ``(key, param dtype) -> storage``: a dtype,
+    or a format of :mod:`mixprec._core.state_codes` (``"8-bit"``, ``"4-bit"``)."""
     allowed = (
-        "'auto' (first moments 16-bit, the rest fp32), torch.float32, torch.bfloat16, "
-        "torch.float16, or a dict {state key: dtype}"
+        "'auto' (first moments 16-bit, the rest fp32), '8-bit' or '4-bit' (block-wise codes), "
+        "torch.float32, torch.bfloat16, torch.float16, or a dict {state key: one of these}"
     )
-    floats = (torch.float32, *_LOW)
+    kinds = (torch.float32, *_LOW, *FORMATS)
     if state_dtype is None or state_dtype == "auto":
         return lambda key, low: low if key in _FIRST_MOMENTS else torch.float32
-    if isinstance(state_dtype, torch.dtype):
-        if state_dtype not in floats:
-            raise ValueError(f"state_dtype={state_dtype} is not allowed; use {allowed}.")
-        return lambda key, low: state_dtype
     if isinstance(state_dtype, dict):
-        bad = {k: v for k, v in state_dtype.items() if not isinstance(k, str) or v not in floats}
+        bad = {k: v for k, v in state_dtype.items() if not isinstance(k, str) or v not in kinds}
         if bad:
             raise ValueError(
                 f"state_dtype has invalid entries {bad}; keys are state names "
-                f"such as 'exp_avg', values one of {floats}."
+                f"such as 'exp_avg', values one of {kinds}."
             )
         table = dict(state_dtype)
         return lambda key, low: table.get(key, torch.float32)
+    if isinstance(state_dtype, (str, torch.dtype)) and state_dtype in kinds:
+        return lambda key, low: state_dtype
     raise ValueError(f"state_dtype={state_dtype!r} is not allowed; use {allowed}.")
 
 
@@ -280,13 +280,18 @@ class LeanUpdate:
         by_key: dict[str, list[tuple[dict, Tensor]]] = {}
         for st in out:
             for k, v in (st or {}).items():
-                if isinstance(v, Tensor) and v.dtype in _LOW:
+                if isinstance(v, QuantizedState) or (isinstance(v, Tensor) and v.dtype in _LOW):
                     by_key.setdefault(k, []).append((st, v))
         for k, items in by_key.items():
             sizes = [v.numel() for _, v in items]
             buf = self._buffer("state:" + k, sum(sizes), device)
             wide = [b.view(v.shape) for b, (_, v) in zip(buf.split(sizes), items)]
-            torch._foreach_copy_(wide, [v for _, v in items])
+            low = [(w, v) for w, (_, v) in zip(wide, items) if isinstance(v, Tensor)]
+            if low:
+                torch._foreach_copy_(*map(list, zip(*low)))
+            for w, (_, v) in zip(wide, items):
+                if isinstance(v, QuantizedState):
+                    v.dequantize(w)
             for (st, _), w in zip(items, wide):
                 st[k] = w
         return out
@@ -313,6 +318,11 @@ class LeanUpdate:
                 continue
             want = self._dtype_for(k, low)
             prev = old.get(k)
+            if isinstance(want, str):
+                if quantizable(v):
+                    out[k] = self._quantized(k, v, want, prev, scratch)
+                    continue
+                want = torch.float32  # too small for codes: kept exact
             if (
                 isinstance(prev, Tensor)
                 and prev.dtype == want
@@ -327,6 +337,21 @@ class LeanUpdate:
             else:
                 out[k] = v
         return out
+
+    @staticmethod
+    def _quantized(key: str, v: Tensor, fmt: str, prev: Any, scratch: set[int]) -> QuantizedState:
+        """``v`` stored in ``fmt``: into ``prev``'s codes when it has that layout (``v``, a
+        temporary of the step, is overwritten)."""
+        if not (v.untyped_storage().data_ptr() in scratch or v.dtype != torch.float32):
+            v = v.detach().to(torch.float32, copy=True)  # a tensor the caller may still read
+        if (
+            isinstance(prev, QuantizedState)
+            and prev.fmt == fmt
+            and prev.shape == v.shape
+            and prev.kind == kind_of(key)
+        ):
+            return prev.store_(v)
+        return QuantizedState.quantize(v, fmt, kind_of(key))
 
     def _write_back(
         self,
@@ -409,12 +434,25 @@ class LeanUpdate:
         for key, state in sd["generators"].items():
             self.generator(torch.device(key)).set_state(state)
 
+    def export_states(self, sd: dict[str, Any]) -> dict[str, Any]:
+        """``sd`` (the inner optimizer's state dict) with each quantized state as plain tensors
+        and strings (:meth:`QuantizedState.to_dict`), which ``torch.load(weights_only=True)``
+        reads; the optimizer's own per-parameter dicts are not modified."""
+        state = {
+            i: {k: v.to_dict() if isinstance(v, QuantizedState) else v for k, v in st.items()}
+            if any(isinstance(v, QuantizedState) for v in st.values())
+            else st
+            for i, st in sd["state"].items()
+        }
+        return {**sd, "state": state}
+
     def restore_state_dtypes(self, saved: dict[str, Any]) -> None:
         """Undo ``Optimizer.load_state_dict``'s cast of every state tensor to the parameter's
         dtype: put back the saved tensors (fp32 second moments stay fp32, bit for bit). A saved
         value its storage dtype (``state_dtype``) holds exactly is stored in it, as a step
         stores it (a 16-bit first moment that a plain optimizer widened to fp32 before
-        ``initialize``); a more precise one stays as saved until the next step narrows it."""
+        ``initialize``); a more precise one stays as saved until the next step narrows it.
+        Quantized states are rebuilt from the saved codes and scales."""
         ids = [i for g in saved["param_groups"] for i in g["params"]]
         for p, i in zip(self.params(), ids):
             st, src = self.optimizer.state.get(p), saved["state"].get(i)
@@ -422,7 +460,9 @@ class LeanUpdate:
                 continue
             for k, v in src.items():
                 have = st.get(k)
-                if isinstance(v, Tensor) and isinstance(have, Tensor):
+                if QuantizedState.is_dict(v):  # exact from the saved codes and fp32 scales
+                    st[k] = QuantizedState.from_dict(v, device=p.device)
+                elif isinstance(v, Tensor) and isinstance(have, Tensor):
                     want = self._restored_dtype(p, k, v)
                     if have.dtype != want:
                         st[k] = v.detach().to(device=have.device, dtype=want, copy=True)
@@ -431,6 +471,8 @@ class LeanUpdate:
         """The dtype to keep saved state ``key`` of ``p`` in (see restore_state_dtypes)."""
         if p.dtype in _LOW and saved.is_floating_point() and key != "step" and saved.dim() > 0:
             stored = self._dtype_for(key, p.dtype)
+            if isinstance(stored, str):  # codes (built at the next step), or fp32 if too small
+                return saved.dtype if quantizable(saved) else torch.float32
             if torch.equal(saved.to(stored).to(saved.dtype), saved):
                 return stored
         return saved.dtype

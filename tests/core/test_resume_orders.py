@@ -21,6 +21,7 @@ from torch import nn
 from training_helpers import assert_bitwise, assert_tree_bitwise, make_model, mse, poisoned
 
 import mixprec
+from mixprec._core import state_codes
 from mixprec._core.resume import kahan_fp32, split_state_dict
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
@@ -49,7 +50,22 @@ CONFIGS = {
     "O3-fp16-kahan": _recipe("O3", FP16),  # the default with AdamW
     "O3-fp16-stochastic": _recipe("O3", FP16, update="stochastic", update_seed=3),
     "O3-fp16-none": _recipe("O3", FP16, update=None),
+    # 8-bit states (this model's weights are small: quantized by the fixture below)
+    "lean-bf16": _recipe("lean", BF16, update_seed=3),
+    "lean-fp16": _recipe("lean", FP16),
+    "O3-bf16-4-bit": _recipe("O3", BF16, update="kahan", optimizer_states="4-bit"),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quantize_small_states():
+    """Codes for every state of 2 or more dimensions: the test model's are below the size
+    that is quantized by default."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(state_codes, "MIN_NUMEL", 1)
+        yield
+
+
 ORDERS = [
     "load-then-initialize",
     "initialize-then-load-model-first",

@@ -1,0 +1,211 @@
+"""Optimizer states in 8 and 4 bits: the codes, and training with them ("lean").
+
+The codes: relative error per format, exact zeros and block maxima, signs, blocks that never
+span two rows (so dim-0 shards quantize as the whole tensor does). Training: which states are
+coded, the footprint, a skipped step that leaves weights and codes bit-identical, the plain
+torch export, and the recipe's text and table.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from training_helpers import assert_bitwise, assert_tree_bitwise, poisoned
+
+import mixprec
+from mixprec._core.state_codes import MIN_NUMEL, QuantizedState, quantizable
+
+pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
+
+BF16, FP16 = torch.bfloat16, torch.float16
+# (format, kind) -> (largest relative error, for elements above this fraction of the block max)
+BOUNDS = {
+    ("8-bit", "signed"): (2.0**-4, 2.0**-12),
+    ("8-bit", "sqrt"): (2.0**-5, 2.0**-14),
+    ("4-bit", "signed"): (2.0**-2, 2.0**-3),
+    ("4-bit", "sqrt"): (2.0**-2, 2.0**-6),
+}
+
+
+def _sample(kind: str, shape=(48, 700)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g) * torch.logspace(-4, 0, shape[-1])
+    return x * x if kind == "sqrt" else x
+
+
+@pytest.mark.parametrize(("fmt", "kind"), list(BOUNDS))
+def test_relative_error_is_bounded_per_format(fmt, kind):
+    x = _sample(kind)
+    y = QuantizedState.quantize(x.clone(), fmt, kind).dequantize()
+    # the error on what Adam uses: the value (first moments) or its square root
+    ref, got = (x.abs(), y.abs()) if kind == "signed" else (x.sqrt(), y.sqrt())
+    bound, floor = BOUNDS[(fmt, kind)]
+    blocks = torch.nn.functional.pad(ref, (0, -ref.shape[1] % 256)).view(48, -1, 256)
+    block_max = blocks.amax(-1, keepdim=True).expand_as(blocks).reshape(48, -1)[:, :700]
+    big = ref >= floor * block_max
+    rel = ((got - ref).abs() / ref)[big]
+    assert big.float().mean() > 0.3 and rel.max() <= bound * 1.0001, float(rel.max())
+    if kind == "signed":
+        assert torch.equal(torch.sign(y[big]), torch.sign(x[big]))
+    else:  # never rounded to zero, never below zero
+        assert bool((y[x > 0] > 0).all()) and bool((y >= 0).all())
+
+
+@pytest.mark.parametrize("fmt", ["8-bit", "4-bit"])
+@pytest.mark.parametrize("kind", ["signed", "sqrt"])
+def test_zeros_and_block_maxima_are_exact(fmt, kind):
+    x = _sample(kind, (8, 512))
+    x[3] = 0.0  # a row of zeros: scale 0, values 0
+    x[5, 100:200] = 0.0
+    y = QuantizedState.quantize(x.clone(), fmt, kind).dequantize()
+    assert bool((y[3] == 0).all())  # the block's scale is 0
+    if kind == "signed":
+        assert bool((y[5, 100:200] == 0).all())
+    else:  # rounded up to the smallest code, never to 0: a square 2**-32 of the block's max
+        assert bool((y[5, 100:200] <= x[5, :256].max() * 2.0**-14).all())
+    bx, by = x.view(8, 2, 256).abs().amax(-1), y.view(8, 2, 256).abs().amax(-1)
+    torch.testing.assert_close(by, bx, rtol=2e-7, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["8-bit", "4-bit"])
+def test_blocks_never_span_rows_so_shards_quantize_alike(fmt):
+    """Dimension-0 halves (two ranks' FSDP2 shards) give the whole tensor's codes and scales."""
+    x = _sample("signed", (6, 300))  # rows of 300: a full block and a partial one
+    whole = QuantizedState.quantize(x.clone(), fmt, "signed")
+    top = QuantizedState.quantize(x[:4].clone(), fmt, "signed")
+    bottom = QuantizedState.quantize(x[4:].clone(), fmt, "signed")
+    assert torch.equal(whole.scale, torch.cat([top.scale, bottom.scale]))
+    assert torch.equal(whole.codes, torch.cat([top.codes, bottom.codes]))
+
+
+def test_small_and_one_dimensional_states_are_not_coded():
+    assert quantizable(torch.empty(64, 64)) and quantizable(torch.empty(8, 2, 16, 16))
+    assert not quantizable(torch.empty(MIN_NUMEL * 2))  # 1-D: a bias, a norm's scale
+    assert not quantizable(torch.empty(16, 16))
+
+
+def test_a_checkpoint_entry_is_tensors_and_ints_and_loads_back_exactly():
+    q = QuantizedState.quantize(_sample("sqrt", (4, 300)), "4-bit", "sqrt")
+    d = q.to_dict()
+    assert {type(v) for v in d.values()} <= {torch.Tensor, list, int}
+    back = QuantizedState.from_dict(d)
+    assert (back.fmt, back.kind, back.shape) == ("4-bit", "sqrt", q.shape)
+    assert torch.equal(back.dequantize(), q.dequantize())
+    assert back.codes.data_ptr() != q.codes.data_ptr()  # a copy: stepping one leaves the other
+
+
+# -- training --------------------------------------------------------------------------------
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.LayerNorm(128), nn.Linear(128, 8))
+
+
+def _batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
+
+
+def _step(model, opt, x, y, poison=None):
+    with poisoned(poison):
+        opt.backward((model(x).float() - y).pow(2).mean())
+    opt.step()
+    opt.zero_grad()
+
+
+def _lean(dtype=BF16, **fields):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return mixprec.initialize(model, opt, mixprec.Recipe("lean", dtype, **fields))
+
+
+def test_lean_codes_the_large_states_and_keeps_the_rest_fp32():
+    model, opt = _lean()
+    x, y = _batch()
+    losses = []
+    for _ in range(30):
+        losses.append(float((model(x).float() - y).pow(2).mean().detach()))
+        _step(model, opt, x, y)
+    assert losses[-1] < 0.5 * losses[0]
+    for p in model.parameters():
+        assert p.dtype == BF16
+        st = opt.state[p]
+        for key in ("exp_avg", "exp_avg_sq"):
+            if quantizable(p):
+                assert isinstance(st[key], QuantizedState) and st[key].fmt == "8-bit"
+            else:
+                assert st[key].dtype == torch.float32
+    assert opt.state[model[0].weight]["exp_avg_sq"].kind == "sqrt"
+    fp = mixprec.numerics.footprint(model, opt)
+    params = list(model.parameters())
+    # a code per element and an fp32 scale per block of a row (rows of 32 here: one block each)
+    coded = sum(p.numel() + 4 * p.shape[0] * -(-p[0].numel() // 256) for p in params
+                if quantizable(p))  # fmt: skip
+    rest = sum(p.numel() for p in params if not quantizable(p))
+    assert fp.bytes["optimizer_state"] == 2 * coded + 2 * 4 * rest + 4 * len(params)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_a_non_finite_gradient_leaves_weights_and_codes_bit_identical(dtype):
+    model, opt = _lean(dtype)
+    x, y = _batch()
+    for _ in range(3):
+        _step(model, opt, x, y)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    q = opt.state[model[0].weight]["exp_avg"]
+    codes, scale = q.codes.clone(), q.scale.clone()
+    gen = opt.lean.generator(model[0].weight.device).get_state()
+    _step(model, opt, x, y, poison=model[0].weight)
+    assert opt.step_skipped and opt.skipped_steps == 1
+    for k, v in model.state_dict().items():
+        assert_bitwise(v, before[k])
+    assert opt.state[model[0].weight]["exp_avg"] is q
+    assert torch.equal(q.codes, codes) and torch.equal(q.scale, scale)
+    assert torch.equal(opt.lean.generator(model[0].weight.device).get_state(), gen)
+
+
+def test_a_plain_torch_optimizer_loads_the_dequantized_states():
+    model, opt = _lean()
+    x, y = _batch()
+    for _ in range(3):
+        _step(model, opt, x, y)
+    sd = opt.state_dict()
+    plain_state = opt.fp32_state_dict(sd)
+    assert_tree_bitwise(plain_state, opt.fp32_state_dict())
+    assert "mixprec" not in plain_state["param_groups"][0]
+    assert isinstance(sd["state"][0]["exp_avg"], dict)  # the input is left as it was
+    plain = _model(seed=5)
+    plain.load_state_dict(mixprec.fp32_state_dict(model, opt))
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    plain_opt.load_state_dict(plain_state)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine = opt.state[p][key]
+            want = mine.dequantize() if isinstance(mine, QuantizedState) else mine
+            assert plain_opt.state[q][key].dtype == torch.float32
+            assert torch.equal(plain_opt.state[q][key], want)
+    before = plain[0].weight.detach().clone()
+    (plain(x) - y).pow(2).mean().backward()
+    plain_opt.step()
+    assert not torch.equal(plain[0].weight, before)
+
+
+def test_lean_recipe_text_table_and_rules():
+    r = mixprec.Recipe("lean", BF16)
+    assert (r.update, r.optimizer_states, r.masters, r.weights) == (
+        "stochastic",
+        "8-bit",
+        False,
+        "16-bit",
+    )
+    assert mixprec.Recipe(str(r)) == r
+    mixed = r.replace(optimizer_states={"exp_avg": "4-bit", "exp_avg_sq": "8-bit"})
+    assert mixprec.Recipe(str(mixed)) == mixed
+    assert "optimizer states      2 x 8-bit   2.0 B/param" in r.table()
+    assert "total                             6.0 B/param" in r.table()
+    with pytest.raises(ValueError, match="optimizer_states.*'8-bit' or '4-bit'"):
+        mixprec.Recipe("lean", optimizer_states="2-bit")
+    with pytest.raises(ValueError, match="applies to an update mode"):
+        mixprec.Recipe("O3", optimizer_states="8-bit", update=None)
