@@ -40,6 +40,19 @@ def _overflows(before: Tensor, after: Tensor) -> bool:
     )
 
 
+def _pre_cast_value(p: Tensor) -> Tensor:
+    """``p``'s value before the cast: its own storage when no other tensor shares it, else a
+    copy. Taking it over saves the copy: where only the Kahan buffers read it, a copy was freed
+    again at the end of ``initialize``, a hole of 4 bytes per parameter in the C heap that stayed
+    resident; where it becomes the master, it is the master's storage, as the copy would be."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: a copy where missing
+    data = p.data  # its own version counter: p's later in-place writes do not touch it
+    # held by p, by data and by the storage object the count is read through: 3 when alone
+    if use_count is not None and use_count(data.untyped_storage()._cdata) == 3:
+        return data
+    return data.clone()
+
+
 def cast_storage(
     module: nn.Module,
     dtype: torch.dtype,
@@ -49,8 +62,10 @@ def cast_storage(
 ) -> None:
     """Store parameters and floating buffers in ``dtype``; Parameter objects keep identity.
 
-    The parameters whose id is in ``keep`` leave their pre-cast value in ``kept`` (a copy, made
-    one parameter at a time, so the peak stays one parameter above the cast model plus masters).
+    The parameters whose id is in ``keep`` leave their pre-cast value in ``kept``: the pre-cast
+    tensor itself where nothing else holds its storage (then the cast adds only the 16-bit
+    copies), else a copy, so that what a caller still holds (a ``state_dict()`` taken before)
+    never aliases a master that the optimizer steps.
     """
     own = get_policy(module)
     if own is not None:
@@ -59,7 +74,7 @@ def cast_storage(
         for p in module.parameters(recurse=False):
             if p.is_floating_point() and p.dtype != torch.float64 and p.dtype != dtype:
                 if keep is not None and kept is not None and id(p) in keep and id(p) not in kept:
-                    kept[id(p)] = p.detach().clone()
+                    kept[id(p)] = _pre_cast_value(p)
                 p.data = p.data.to(dtype)
         for name, b in module.named_buffers(recurse=False):
             if b is not None and b.is_floating_point() and b.dtype != torch.float64:
