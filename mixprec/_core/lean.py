@@ -44,6 +44,8 @@ Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit upda
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from collections.abc import Iterable
 from typing import Any
 
@@ -90,6 +92,29 @@ def _state_policy(state_dtype: StateDtype) -> Any:
     if isinstance(state_dtype, (str, torch.dtype)) and state_dtype in kinds:
         return lambda key, low: state_dtype
     raise ValueError(f"state_dtype={state_dtype!r} is not allowed; use {allowed}.")
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl, Windows)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):
+        return None
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the system (nothing where there is no glibc).
+
+    A chunk that gets its first state frees fp32 temporaries (the optimizer's fresh fp32 first
+    moment, its scratch) between the state it keeps. glibc, whose mmap threshold has by then
+    risen to a parameter's size, keeps them as holes in its heap, which small allocations split
+    and the next chunks then only partly reuse: they stayed resident, ~2 bytes per parameter of
+    an AdamW model above its state. Called after such chunks only (a first step).
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 # --------------------------------------------------------------------------- the updater
@@ -181,7 +206,12 @@ class LeanUpdate:
                 if own:
                     result = self._inner_step(groups, gi, own)
                 for chunk in self._chunks([p for p in ready if p.dtype in _LOW]):
+                    fresh = chunk[0].device.type == "cpu" and not all(
+                        self.optimizer.state.get(p) for p in chunk
+                    )
                     result = self._step_chunk(groups, gi, chunk)
+                    if fresh:  # its fp32 state was made, narrowed and freed: see _trim_heap
+                        _trim_heap()
         finally:
             for g, plist in zip(groups, saved):
                 g["params"] = plist
