@@ -14,7 +14,10 @@ Per mode and workload the table gives the final metric (mean over seeds), its di
 fp32, the steps to the workload's target (first evaluation that reaches it; mean over the seeds
 that did) and the skipped steps. Modes: fp32, torch.autocast bf16, mixprec O1/O2/O3 bf16 and O3
 with FP8 activations (``ActivationConfig("fp8", min_numel=1024)``: the CNN's saved tensors are
-all below the default 65536 elements); ``--dtype fp16`` runs them in fp16 (torch.autocast with a
+all below the default 65536 elements); with ``--modes``, also ``lean`` (O3, stochastic rounding,
+8-bit optimizer states), ``lean`` with 4-bit states and O3 with 8-bit states (``--code-all-states``
+codes the states of tensors below 4096 elements too: all of the CNN's are); ``--dtype fp16`` runs
+them in fp16 (torch.autocast with a
 GradScaler), which on a CPU without AVX512_FP16 is about 100x slower.
 """
 
@@ -41,7 +44,17 @@ MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "O3": ("O3", {}),
     # min_numel 1024 instead of 65536: the CNN's saved tensors are all smaller than the default
     "O3, activations=fp8": ("O3", {"activations": ActivationConfig("fp8", min_numel=1024)}),
+    # the training state in fewer bytes: 8-bit states with stochastic rounding (the "lean"
+    # recipe, written out: it equals Recipe("lean", dtype)), 4-bit states, and 8-bit states
+    # under the Kahan update
+    "lean": ("O3", {"update": "stochastic", "optimizer_states": "8-bit", "gradients": "auto"}),
+    "lean, 4-bit states": (
+        "O3",
+        {"update": "stochastic", "optimizer_states": "4-bit", "gradients": "auto"},
+    ),
+    "O3, 8-bit states": ("O3", {"update": "kahan", "optimizer_states": "8-bit"}),
 }
+DEFAULT_MODES = list(MODES)[:6]
 
 
 def train(name: str, seed: int, modes: list[str], dtype: torch.dtype, steps: int | None,
@@ -109,7 +122,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", nargs="+", default=["mnist1d-cnn", "char-gpt"],
                    choices=list(WORKLOADS))  # fmt: skip
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=list(MODES))
+    p.add_argument("--code-all-states", action="store_true",
+                   help="8/4-bit states also below 4096 elements (all of the CNN's)")  # fmt: skip
     p.add_argument("--seeds", nargs="+", type=int, default=None,
                    help="default: 0 1 2 for mnist1d-cnn, 0 for char-gpt")  # fmt: skip
     p.add_argument("--steps", type=int, default=None, help="default: the workload's own")
@@ -119,6 +134,10 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.code_all_states:
+        from mixprec._core import state_codes
+
+        state_codes.MIN_NUMEL = 1
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     from mixprec._core.hardware import check
 

@@ -12,8 +12,10 @@ Activations are kept small on purpose, so the figure is the training state:
 * ``gpt``: a GPT of 113 M parameters (16 layers, width 768, context 256), batch 1.
 
 The step column is the median step time in that process (the first step excluded). Modes:
-``fp32`` and ``torch-autocast`` (bf16) with torch's AdamW; the mixprec recipes ``O2``, ``O3``
-(bf16, its default Kahan update) and ``O3-update-none`` (the optimizer's own bf16 step); and
+``fp32`` and ``torch-autocast`` (bf16) with torch's AdamW; the mixprec recipes of
+:data:`RECIPES` in bf16 (``O2``; ``O3`` with its default Kahan update; ``O3-update-none``, the
+optimizer's own bf16 step; ``O3-kahan-8bit``; ``lean``, ``lean`` with its gradients held until
+the step, and with 4-bit states); and
 ``torchao-adamw8bit`` (bf16 weights, torchao's 8-bit AdamW) when torchao is installed. The
 header names the machine and torch.
 """
@@ -35,7 +37,17 @@ from bench_overhead import machine
 from torch import nn
 
 MODELS = ("mlp", "gpt")
-MODES = ("fp32", "torch-autocast", "O2", "O3", "O3-update-none", "torchao-adamw8bit")
+#: mixprec modes: name -> recipe line (bf16 is given to initialize)
+RECIPES = {
+    "O2": "O2",
+    "O3": "O3",
+    "O3-update-none": "O3 update=none",
+    "O3-kahan-8bit": "O3 update=kahan optimizer_states=8-bit",
+    "lean": "lean",
+    "lean-held": "lean gradients=held",
+    "lean-4bit": "lean optimizer_states=4-bit",
+}
+MODES = ("fp32", "torch-autocast", *RECIPES, "torchao-adamw8bit")
 BF16 = torch.bfloat16
 
 
@@ -76,8 +88,7 @@ def _prepare(mode: str, model: nn.Module) -> tuple[nn.Module, Any, Any]:
     if mode in ("fp32", "torch-autocast"):
         region = torch.autocast("cpu", BF16) if mode == "torch-autocast" else None
         return model, opt, region
-    recipe = mixprec.Recipe("O3", BF16, update=None) if mode == "O3-update-none" else mode
-    model, opt = mixprec.initialize(model, opt, recipe, BF16)
+    model, opt = mixprec.initialize(model, opt, RECIPES[mode], BF16)
     return model, opt, None
 
 

@@ -23,6 +23,7 @@ _CHOICES = {
     "weights": ("16-bit", "fp32"),
     "keep_fp32": ("norms", "none"),
     "kernels": ("auto", "torch"),
+    "gradients": ("held", "released", "auto"),
 }
 _FLAGS = ("masters", "frozen_masters", "cast_inputs", "fp32_inside")
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -135,9 +136,30 @@ def _check_update(r: Any) -> None:
         )
 
 
+def _check_gradients(r: Any) -> None:
+    if r.gradients != "released":
+        return
+    if r.weights != "16-bit" or r.masters or r.update is None:
+        _fail(
+            "gradients",
+            "released",
+            "a released gradient is stepped in backward by an update mode (16-bit weights, no "
+            "masters, update not None). Use Recipe('lean'), or gradients='held'.",
+        )
+    if r.loss_scale not in ("auto", None) or r.num_losses > 1:
+        _fail(
+            "gradients",
+            "released",
+            "a loss-scaled step must be skippable as a whole, and several losses need their "
+            "gradients summed: both need the gradients held. Use gradients='auto' (held with "
+            "loss scaling) or 'held'.",
+        )
+
+
 def check_fields(r: Any) -> None:
     """Raise ValueError naming the field and the fix for the first rule ``r`` breaks."""
     _check_values(r)
     _check_dtype(r)
     _check_storage(r)
     _check_update(r)
+    _check_gradients(r)

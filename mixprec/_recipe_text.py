@@ -166,6 +166,8 @@ def _rows(r: Any, states: int, low: torch.dtype) -> list[tuple[str, str, float]]
     rows.append(("update", word(update), _bytes(low) if kahan else 0))
     if r.masters:  # computed in 16 bits in backward, then held in fp32 on the masters
         rows.append(("gradients", f"{word(weight)}, then fp32 on the masters", _bytes(weight) + 4))
+    elif r.releases_gradients(low):  # one parameter's at a time
+        rows.append(("gradients", f"{word(weight)}, released in backward", 0))
     else:
         rows.append(("gradients", word(weight), _bytes(weight)))
     own = r.update is None or r.masters or r.weights == "fp32"  # the optimizer's own step

@@ -52,7 +52,11 @@ NAMES: dict[str, tuple[str, torch.dtype | None, dict[str, Any]]] = {
     "bf16-mixed": ("O1", torch.bfloat16, {}),
     "16-mixed": ("O1", torch.float16, {}),
     "bf16-true": ("O3", torch.bfloat16, {"update": None}),
-    "lean": ("O3", None, {"update": "stochastic", "optimizer_states": "8-bit"}),
+    "lean": (
+        "O3",
+        None,
+        {"update": "stochastic", "optimizer_states": "8-bit", "gradients": "auto"},
+    ),
     "fp8-tensorwise": ("O2", None, {"fp8": "tensorwise"}),
     "fp8-rowwise": ("O2", None, {"fp8": "rowwise"}),
 }
@@ -65,6 +69,7 @@ DEFAULTS: dict[str, Any] = dict(
     update="auto",
     optimizer_states="auto",
     update_seed=None,
+    gradients="held",
     reduce_dtype="auto",
     activations=None,
     fp8=None,
@@ -119,6 +124,11 @@ class Recipe:
             (block-wise codes with an fp32 scale per 256 elements; second moments as square
             roots), or ``{state name: one of these}`` (unnamed states fp32).
         update_seed: the seed of ``update="stochastic"``'s rounding (None: 0).
+        gradients: ``"held"`` (until ``zero_grad``), ``"released"`` (each parameter is stepped
+            in backward as soon as its gradient is complete, and the gradient freed: no
+            gradient memory, but no clipping, no accumulation over several backward passes, and
+            a non-finite gradient leaves only its own parameter unchanged; update modes without
+            loss scaling) or ``"auto"`` (released where that holds, held with loss scaling).
         reduce_dtype: the dtype gradients are reduced in across ranks (DDP, FSDP):
             ``"auto"`` (the 16-bit compute dtype; float32 at O0), a dtype, or None (the
             wrapper's own default: DDP's fp32 all-reduce hook).
@@ -146,6 +156,7 @@ class Recipe:
     update: str | None = _PRESET  # type: ignore[assignment]
     optimizer_states: Any = _PRESET
     update_seed: int | None = _PRESET  # type: ignore[assignment]
+    gradients: str = _PRESET  # type: ignore[assignment]
     reduce_dtype: torch.dtype | None = _PRESET  # type: ignore[assignment]
     activations: Any = _PRESET
     fp8: Any = _PRESET
@@ -223,6 +234,13 @@ class Recipe:
         from mixprec._core.hardware import default_dtype
 
         return default_dtype(device)
+
+    def releases_gradients(self, dtype: torch.dtype) -> bool:
+        """Whether gradients are released in backward when the recipe runs in ``dtype``."""
+        if self.gradients == "auto":
+            modes = self.weights == "16-bit" and not self.masters and self.update is not None
+            return modes and self.scaling(dtype) is None
+        return self.gradients == "released"
 
     def scaling(self, dtype: torch.dtype) -> LossScaling | None:
         """The loss scaling applied when the recipe runs in ``dtype``."""

@@ -33,11 +33,33 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["register_masters"]
+__all__ = ["refuse_released", "register_masters", "register_released"]
 
 # id(model parameter) -> (weak ref to it, weak ref to its master); by id, since tensors compare
 # element-wise (no WeakKeyDictionary)
 _master_of: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+# id(parameter) -> weak ref to it, for parameters whose gradients are released in backward
+_released: dict[int, weakref.ref] = {}
+
+
+def register_released(params: list[Tensor]) -> None:
+    """Record parameters stepped in backward (``gradients="released"``): clipping them is
+    refused, since their gradients are gone before any clipping call could see them all."""
+    if params:
+        _install()
+    for p in params:
+        _released[id(p)] = weakref.ref(p)
+
+
+def refuse_released(params: list[Tensor]) -> None:
+    if any((hit := _released.get(id(p))) is not None and hit() is p for p in params):
+        raise RuntimeError(
+            "These parameters' gradients are released in backward (Recipe gradients="
+            "'released', as in 'lean' without loss scaling): each was stepped and freed as soon "
+            "as it was computed, so there is no gradient left to clip, and a norm over all of "
+            "them never exists at once. Use a recipe with gradients='held' to clip, e.g. "
+            "Recipe('lean', gradients='held')."
+        )
 
 
 def register_masters(pairs: list[tuple[Tensor, Tensor]]) -> None:
@@ -65,8 +87,9 @@ def _wrap(original: Any) -> Any:
 
     @functools.wraps(original)
     def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-        if _master_of:
+        if _master_of or _released:
             params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+            refuse_released(params)
             parameters = [_swap(p) for p in params]
         return original(parameters, *args, **kwargs)
 

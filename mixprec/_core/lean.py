@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -57,6 +58,7 @@ from mixprec._core._rounding import (
     stochastic_round_bf16_,
     stochastic_round_to,
 )
+from mixprec._core._warnings import user_stacklevel
 from mixprec._core.state_codes import FORMATS, QuantizedState, kind_of, quantizable
 
 __all__ = ["UPDATES", "LeanUpdate", "StateDtype"]
@@ -141,6 +143,7 @@ class LeanUpdate:
         state_dtype: StateDtype = "auto",
         seed: int = 0,
         chunk_elements: int | None = None,
+        release: bool = False,
     ):
         if update not in UPDATES:
             raise ValueError(
@@ -164,15 +167,21 @@ class LeanUpdate:
         self.compensation: dict[Tensor, Tensor] = {}
         self.generators: dict[str, torch.Generator] = {}
         self._scratch: dict[tuple[str, torch.device], Tensor] = {}
+        self.release = release
+        self.nonfinite = 0  # released parameters left unchanged for a non-finite gradient
+        self._released: set[int] = set()  # ids of the parameters stepped in this backward
         self.add_params(p for g in optimizer.param_groups for p in g["params"])
 
     def add_params(self, params: Iterable[Tensor]) -> None:
-        """Give new 16-bit parameters their (zero) compensation buffers in ``"kahan"`` mode."""
-        if self.update != "kahan":
-            return
+        """Give new 16-bit parameters their (zero) compensation buffers in ``"kahan"`` mode, and
+        their release hook when gradients are released in backward."""
         for p in params:
-            if p.dtype in _LOW and p not in self.compensation:
+            if p.dtype not in _LOW:
+                continue
+            if self.update == "kahan" and p not in self.compensation:
                 self.compensation[p] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            if self.release and p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._step_released)
 
     def params(self) -> list[Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -215,8 +224,69 @@ class LeanUpdate:
         finally:
             for g, plist in zip(groups, saved):
                 g["params"] = plist
+            if self._scratch and any(d.type == "cpu" for _, d in self._scratch):
+                self._scratch = {}
+                _trim_heap()  # the freed scratch would stay resident (see _trim_heap)
             self._scratch = {}
+            self._end_released()
         return result
+
+    # -- gradients released in backward ----------------------------------------------------
+    @torch.no_grad()
+    def _step_released(self, p: Tensor) -> None:
+        """Step ``p`` alone as soon as its gradient is complete, then free the gradient (a
+        ``register_post_accumulate_grad_hook``; see the module docstring)."""
+        if id(p) in self._released:
+            raise RuntimeError(
+                "A parameter received a second gradient before optimizer.step(): with "
+                "gradients='released' each parameter is stepped in backward, so gradients "
+                "cannot be accumulated over several backward passes. Use a recipe with "
+                "gradients='held' (e.g. Recipe('lean', gradients='held')) to accumulate."
+            )
+        if not self._released:  # the first of this backward: free the scratch at its end
+            torch.autograd.Variable._execution_engine.queue_callback(self._free_scratch)
+        self._released.add(id(p))
+        if p.grad is None:
+            return
+        if p.grad.is_sparse:
+            raise RuntimeError("update modes need dense gradients; use update=None.")
+        if not bool(torch.isfinite(p.grad).all()):
+            self.nonfinite += 1
+            p.grad = None
+            return
+        groups = self.optimizer.param_groups
+        index = next(i for i, g in enumerate(groups) if any(q is p for q in g["params"]))
+        saved = [g["params"] for g in groups]
+        fresh = p.device.type == "cpu" and not self.optimizer.state.get(p)
+        try:
+            self._step_chunk(groups, index, [p])
+        finally:
+            for g, plist in zip(groups, saved):
+                g["params"] = plist
+        p.grad = None
+        if fresh:
+            _trim_heap()
+
+    def _free_scratch(self) -> None:
+        """The end of a backward that stepped released gradients: its scratch is freed, and the
+        C heap trimmed (the holes it leaves would otherwise stay resident; see _trim_heap)."""
+        self._scratch = {}
+        _trim_heap()
+
+    def _end_released(self) -> None:
+        """Close a step whose gradients were released: say what a non-finite gradient left."""
+        self._released.clear()
+        if self.nonfinite:
+            count, self.nonfinite = self.nonfinite, 0
+            warnings.warn(
+                f"{count} parameter(s) received a non-finite gradient with gradients="
+                "'released': those parameters and their optimizer states were left unchanged, "
+                "but the others had already been stepped in backward (a step cannot be skipped "
+                "as a whole once gradients are released). Use gradients='held' to skip whole "
+                "steps.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
 
     def _buffer(self, name: str, numel: int, device: torch.device) -> Tensor:
         """The first ``numel`` elements of this step's fp32 scratch buffer ``name``."""
@@ -372,8 +442,8 @@ class LeanUpdate:
     def _quantized(key: str, v: Tensor, fmt: str, prev: Any, scratch: set[int]) -> QuantizedState:
         """``v`` stored in ``fmt``: into ``prev``'s codes when it has that layout (``v``, a
         temporary of the step, is overwritten)."""
-        if not (v.untyped_storage().data_ptr() in scratch or v.dtype != torch.float32):
-            v = v.detach().to(torch.float32, copy=True)  # a tensor the caller may still read
+        if v is prev or v.dtype != torch.float32:  # a state tensor kept (a loaded fp32 one)
+            v = v.detach().to(torch.float32, copy=True)
         if (
             isinstance(prev, QuantizedState)
             and prev.fmt == fmt

@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from mixprec._core import dispatch
 from mixprec._core._gradients import SETTLE_HOOKS, GradientChecks, LossSlot
 from mixprec._core._optimizer_state import CheckpointState
-from mixprec._core.clipping import register_masters
+from mixprec._core.clipping import refuse_released, register_masters, register_released
 from mixprec._core.lean import LeanUpdate, StateDtype
 
 __all__ = ["SETTLE_HOOKS", "MixedPrecisionOptimizer", "StepGuard", "rounds_to", "scale_loss"]
@@ -81,6 +81,7 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         update: str | None = None,
         state_dtype: StateDtype = None,
         update_seed: int = 0,
+        release: bool = False,
         fp32_values: dict[int, Tensor] | None = None,
     ):
         if not isinstance(optimizer, Optimizer):
@@ -138,8 +139,14 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         self.lean: LeanUpdate | None = None
         if update is not None:
             self.lean = LeanUpdate(
-                optimizer, update, state_dtype=state_dtype or "auto", seed=update_seed
+                optimizer,
+                update,
+                state_dtype=state_dtype or "auto",
+                seed=update_seed,
+                release=release,
             )
+            if release:
+                register_released(self.lean.params())
 
     # -- delegation: schedulers and user code see the inner optimizer's groups and state -------
     param_groups = property(
@@ -233,6 +240,7 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the *unscaled* master gradients to ``max_norm``; return their total norm."""
+        refuse_released(self.master_params())
         if self._has_raw_grads():
             self._check_late()
         grads = [p for p in self.master_params() if p.grad is not None]
@@ -251,6 +259,8 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         if found:
             self.skipped_steps += 1
             self._drop_grads()
+            if self.lean is not None:
+                self.lean._end_released()
             return None
         for hook in self._optimizer_step_pre_hooks.values():
             hook(self, (), {})

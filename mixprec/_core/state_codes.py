@@ -92,6 +92,7 @@ def _largest(mag: int, m: int, emin: int) -> float:
 
 _E4M3 = torch.float8_e4m3fn
 _E4M3_MAX = 448.0
+_TINY = 2.0**-100
 
 
 def _encode_(x: Tensor, mag: int, m: int, emin: int, signed: bool) -> Tensor:
@@ -164,10 +165,13 @@ class QuantizedState:
             v = v.clamp_(min=0).sqrt_()  # a square: rounding noise below 0 is 0
         lo, hi = torch.aminmax(v, dim=-1, keepdim=True)
         amax = torch.maximum(hi, lo.neg_())
+        # a block below 2**-100 is zero: its reciprocal scale would overflow to inf (a first
+        # moment decaying over many steps without gradient reaches fp32's subnormals)
+        amax.masked_fill_(amax < _TINY, 0.0)
         bits, mag, m, emin = _layout(self.fmt, self.kind)
         if self.fmt == "8-bit" and self.kind == "signed":  # torch's own E4M3 cast
             self.scale.copy_(amax.view(-1)).div_(_E4M3_MAX)
-            v.mul_(torch.where(amax > 0, _E4M3_MAX / amax, 0.0))
+            v.mul_(torch.where(amax > 0, _E4M3_MAX / amax, 0.0)).clamp_(-_E4M3_MAX, _E4M3_MAX)
             _unblocked(self.codes.view(_E4M3).view(self.shape), self.shape).copy_(
                 _unblocked(v, self.shape)
             )

@@ -18,7 +18,7 @@ from mixprec._core._warnings import user_stacklevel
 
 __all__ = ["update_options"]
 
-_FIELD = {"state_dtype": "optimizer_states"}  # the optimizer keyword -> the Recipe field
+_FIELD = {"state_dtype": "optimizer_states", "release": "gradients"}  # keyword -> Recipe field
 
 
 def _sparse_grad_params(models: list[nn.Module]) -> set[int]:
@@ -97,6 +97,13 @@ def update_options(
         if "update" not in kw:
             kw["update"] = _default_update(o, dtype, sparse)
             if kw["update"] is None:  # state_dtype / update_seed go where a mode runs
+                if kw.get("release"):
+                    raise ValueError(
+                        "Recipe(gradients='released'): gradients are released by an update "
+                        f"mode, but {type(o).__name__} here steps with its own 16-bit update "
+                        "(sparse gradients, or fp16 without Adam's eps). Set update="
+                        "'stochastic' or 'kahan', or gradients='held'."
+                    )
                 options[i] = {"update": None}
     if set(lean) - {"update"} and all(kw["update"] is None for kw in options):
         raise ValueError(

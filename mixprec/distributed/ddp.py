@@ -216,6 +216,17 @@ def _check_order(model: nn.Module) -> None:
         )
 
 
+def _refuse_released(model: nn.Module) -> None:
+    """DDP reduces gradients after they are accumulated; a released one is stepped first."""
+    recipe, low = model.__dict__.get(RECIPE_ATTR, (None, None))
+    if recipe is not None and recipe.releases_gradients(low):
+        raise ValueError(
+            f"Recipe {str(recipe)!r} releases gradients in backward: each parameter would be "
+            "stepped with its own rank's gradient before DDP reduces it. Initialize with "
+            "gradients='held' (e.g. Recipe('lean', gradients='held')) to train with DDP."
+        )
+
+
 def _reduce_dtype(model: nn.Module) -> torch.dtype | None:
     """The recipe's ``reduce_dtype``, with ``"auto"`` resolved for this model."""
     recipe, _ = model.__dict__.get(RECIPE_ATTR, (None, None))
@@ -276,6 +287,7 @@ def wrap_ddp(
     _check_order(model)
     opts = [] if optimizers is None else _optimizers(optimizers)
     inner = model.module if isinstance(model, DistributedDataParallel) else model
+    _refuse_released(inner)
     comm_dtype = _reduce_dtype(inner)
     if comm_dtype == torch.float16 and any(not o.slot(0).scaler.enabled for o in opts):
         warnings.warn(

@@ -69,6 +69,22 @@ def test_zeros_and_block_maxima_are_exact(fmt, kind):
 
 
 @pytest.mark.parametrize("fmt", ["8-bit", "4-bit"])
+@pytest.mark.parametrize("kind", ["signed", "sqrt"])
+def test_vanishing_blocks_stay_finite(fmt, kind):
+    """A first moment decaying without gradient reaches fp32's subnormals: its reciprocal
+    scale must not overflow into inf (and NaN codes)."""
+    x = _sample(kind, (4, 256))
+    x[1] *= 1e-37  # subnormal squares, tiny first moments
+    x[2] = 1e-44 if kind == "sqrt" else -1e-44
+    y = QuantizedState.quantize(x.clone(), fmt, kind).dequantize()
+    assert bool(torch.isfinite(y).all())
+    assert bool((y[2].abs() <= 2.0**-100).all())
+    torch.testing.assert_close(
+        y[0], QuantizedState.quantize(x[:1].clone(), fmt, kind).dequantize()[0]
+    )
+
+
+@pytest.mark.parametrize("fmt", ["8-bit", "4-bit"])
 def test_blocks_never_span_rows_so_shards_quantize_alike(fmt):
     """Dimension-0 halves (two ranks' FSDP2 shards) give the whole tensor's codes and scales."""
     x = _sample("signed", (6, 300))  # rows of 300: a full block and a partial one
@@ -147,9 +163,11 @@ def test_lean_codes_the_large_states_and_keeps_the_rest_fp32():
     assert fp.bytes["optimizer_state"] == 2 * coded + 2 * 4 * rest + 4 * len(params)
 
 
-@pytest.mark.parametrize("dtype", [BF16, FP16])
-def test_a_non_finite_gradient_leaves_weights_and_codes_bit_identical(dtype):
-    model, opt = _lean(dtype)
+@pytest.mark.parametrize(("dtype", "gradients"), [(BF16, "held"), (FP16, "auto")])
+def test_a_non_finite_gradient_leaves_weights_and_codes_bit_identical(dtype, gradients):
+    """Held gradients (fp16's loss scaling holds them under "auto"): the whole step is skipped."""
+    model, opt = _lean(dtype, gradients=gradients)
+    assert not opt.lean.release
     x, y = _batch()
     for _ in range(3):
         _step(model, opt, x, y)
@@ -164,6 +182,47 @@ def test_a_non_finite_gradient_leaves_weights_and_codes_bit_identical(dtype):
     assert opt.state[model[0].weight]["exp_avg"] is q
     assert torch.equal(q.codes, codes) and torch.equal(q.scale, scale)
     assert torch.equal(opt.lean.generator(model[0].weight.device).get_state(), gen)
+
+
+def test_released_gradients_step_in_backward_and_a_non_finite_one_leaves_its_parameter():
+    model, opt = _lean(BF16)  # "auto" without loss scaling: released
+    assert opt.lean.release
+    x, y = _batch()
+    before = [p.detach().clone() for p in model.parameters()]
+    (model(x).float() - y).pow(2).mean().backward()
+    assert all(p.grad is None for p in model.parameters())  # stepped and freed in backward
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    opt.step()
+    opt.zero_grad()
+    first = model[0].weight
+    q = opt.state[first]["exp_avg"]
+    kept, codes = first.detach().clone(), q.codes.clone()
+    others = [p.detach().clone() for p in list(model.parameters())[1:]]
+    with pytest.warns(UserWarning, match="1 parameter.*non-finite.*left unchanged"):
+        _step(model, opt, x, y, poison=first)
+    assert_bitwise(first.detach(), kept)
+    assert torch.equal(q.codes, codes)
+    assert all(not torch.equal(p, b) for p, b in zip(list(model.parameters())[1:], others))
+    assert bool(torch.isfinite(first).all())
+
+
+def test_released_gradients_refuse_clipping_and_accumulation():
+    model, opt = _lean(BF16)
+    x, y = _batch()
+    (model(x).float() - y).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match="released in backward.*gradients='held'"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match="released in backward"):
+        opt.clip_grad_norm_(1.0)
+    with pytest.raises(RuntimeError, match="second gradient before optimizer.step"):
+        (model(x).float() - y).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    (model(x).float() - y).pow(2).mean().backward()  # after the step: a new step
+    with pytest.raises(ValueError, match="gradients.*loss-scaled step"):
+        mixprec.Recipe("lean", FP16, gradients="released", loss_scale="dynamic")
+    with pytest.raises(ValueError, match="update mode"):
+        mixprec.Recipe("O2", gradients="released")
 
 
 def test_a_plain_torch_optimizer_loads_the_dequantized_states():
@@ -204,7 +263,11 @@ def test_lean_recipe_text_table_and_rules():
     mixed = r.replace(optimizer_states={"exp_avg": "4-bit", "exp_avg_sq": "8-bit"})
     assert mixprec.Recipe(str(mixed)) == mixed
     assert "optimizer states      2 x 8-bit   2.0 B/param" in r.table()
-    assert "total                             6.0 B/param" in r.table()
+    assert "gradients             bf16, released in backward" in r.table()
+    assert "total                             4.0 B/param" in r.table()
+    assert "total                             6.0 B/param" in r.replace(gradients="held").table()
+    held = mixprec.Recipe("lean", FP16).table()  # loss scaling holds the gradients
+    assert "gradients             fp16        2.0 B/param" in held
     with pytest.raises(ValueError, match="optimizer_states.*'8-bit' or '4-bit'"):
         mixprec.Recipe("lean", optimizer_states="2-bit")
     with pytest.raises(ValueError, match="applies to an update mode"):
