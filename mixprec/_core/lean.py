@@ -44,9 +44,6 @@ Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit upda
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -58,7 +55,8 @@ from mixprec._core._rounding import (
     stochastic_round_bf16_,
     stochastic_round_to,
 )
-from mixprec._core._warnings import user_stacklevel
+from mixprec._core.memory import trim_heap
+from mixprec._core.release import ReleasedGradients
 from mixprec._core.state_codes import FORMATS, QuantizedState, kind_of, quantizable
 
 __all__ = ["UPDATES", "LeanUpdate", "StateDtype"]
@@ -96,33 +94,10 @@ def _state_policy(state_dtype: StateDtype) -> Any:
     raise ValueError(f"state_dtype={state_dtype!r} is not allowed; use {allowed}.")
 
 
-@functools.cache
-def _malloc_trim() -> Any:
-    """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl, Windows)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError, TypeError):
-        return None
-
-
-def _trim_heap() -> None:
-    """Give the C heap's free pages back to the system (nothing where there is no glibc).
-
-    A chunk that gets its first state frees fp32 temporaries (the optimizer's fresh fp32 first
-    moment, its scratch) between the state it keeps. glibc, whose mmap threshold has by then
-    risen to a parameter's size, keeps them as holes in its heap, which small allocations split
-    and the next chunks then only partly reuse: they stayed resident, ~2 bytes per parameter of
-    an AdamW model above its state. Called after such chunks only (a first step).
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
 # --------------------------------------------------------------------------- the updater
 
 
-class LeanUpdate:
+class LeanUpdate(ReleasedGradients):
     """Steps ``optimizer``'s 16-bit parameters in fp32 chunk by chunk; see the module docstring.
 
     Args:
@@ -220,73 +195,16 @@ class LeanUpdate:
                     )
                     result = self._step_chunk(groups, gi, chunk)
                     if fresh:  # its fp32 state was made, narrowed and freed: see _trim_heap
-                        _trim_heap()
+                        trim_heap()
         finally:
             for g, plist in zip(groups, saved):
                 g["params"] = plist
             if self._scratch and any(d.type == "cpu" for _, d in self._scratch):
                 self._scratch = {}
-                _trim_heap()  # the freed scratch would stay resident (see _trim_heap)
+                trim_heap()  # the freed scratch would stay resident (see _trim_heap)
             self._scratch = {}
             self._end_released()
         return result
-
-    # -- gradients released in backward ----------------------------------------------------
-    @torch.no_grad()
-    def _step_released(self, p: Tensor) -> None:
-        """Step ``p`` alone as soon as its gradient is complete, then free the gradient (a
-        ``register_post_accumulate_grad_hook``; see the module docstring)."""
-        if id(p) in self._released:
-            raise RuntimeError(
-                "A parameter received a second gradient before optimizer.step(): with "
-                "gradients='released' each parameter is stepped in backward, so gradients "
-                "cannot be accumulated over several backward passes. Use a recipe with "
-                "gradients='held' (e.g. Recipe('lean', gradients='held')) to accumulate."
-            )
-        if not self._released:  # the first of this backward: free the scratch at its end
-            torch.autograd.Variable._execution_engine.queue_callback(self._free_scratch)
-        self._released.add(id(p))
-        if p.grad is None:
-            return
-        if p.grad.is_sparse:
-            raise RuntimeError("update modes need dense gradients; use update=None.")
-        if not bool(torch.isfinite(p.grad).all()):
-            self.nonfinite += 1
-            p.grad = None
-            return
-        groups = self.optimizer.param_groups
-        index = next(i for i, g in enumerate(groups) if any(q is p for q in g["params"]))
-        saved = [g["params"] for g in groups]
-        fresh = p.device.type == "cpu" and not self.optimizer.state.get(p)
-        try:
-            self._step_chunk(groups, index, [p])
-        finally:
-            for g, plist in zip(groups, saved):
-                g["params"] = plist
-        p.grad = None
-        if fresh:
-            _trim_heap()
-
-    def _free_scratch(self) -> None:
-        """The end of a backward that stepped released gradients: its scratch is freed, and the
-        C heap trimmed (the holes it leaves would otherwise stay resident; see _trim_heap)."""
-        self._scratch = {}
-        _trim_heap()
-
-    def _end_released(self) -> None:
-        """Close a step whose gradients were released: say what a non-finite gradient left."""
-        self._released.clear()
-        if self.nonfinite:
-            count, self.nonfinite = self.nonfinite, 0
-            warnings.warn(
-                f"{count} parameter(s) received a non-finite gradient with gradients="
-                "'released': those parameters and their optimizer states were left unchanged, "
-                "but the others had already been stepped in backward (a step cannot be skipped "
-                "as a whole once gradients are released). Use gradients='held' to skip whole "
-                "steps.",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
 
     def _buffer(self, name: str, numel: int, device: torch.device) -> Tensor:
         """The first ``numel`` elements of this step's fp32 scratch buffer ``name``."""

@@ -51,6 +51,11 @@ NAMED = {
         dtype=BF16, compute="16-bit", weights="16-bit", masters=False, cast_inputs=True,
         fp32_inside=True, keep_fp32="none", update=None, fp8=None,
     ),
+    "lean": dict(
+        dtype=None, compute="16-bit", weights="16-bit", masters=False, cast_inputs=True,
+        fp32_inside=True, keep_fp32="none", update="stochastic", fp8=None,
+        optimizer_states="8-bit", gradients="auto",
+    ),
     "fp8-tensorwise": dict(
         dtype=None, compute="16-bit", weights="16-bit", masters=True, cast_inputs=True,
         fp32_inside=True, keep_fp32="norms", update="auto", fp8=FP8Config("tensorwise"),
@@ -65,6 +70,7 @@ UNCHANGED = dict(
     frozen_masters=False,
     optimizer_states="auto",
     update_seed=None,
+    gradients="held",
     reduce_dtype="auto",
     activations=None,
     loss_scale="auto",

@@ -1,0 +1,99 @@
+"""Gradients released in backward: each 16-bit parameter stepped as soon as its gradient is
+complete, and the gradient freed (``Recipe(gradients="released")``, "lean" without loss scaling).
+
+Design (the "optimizer in backward" of PyTorch's tutorials and of GaLore/LOMO, on mixprec's
+update modes): a ``register_post_accumulate_grad_hook`` on every 16-bit parameter runs the update
+mode's chunk step on that parameter alone, then frees its gradient, so the gradients never exist
+all at once: the training state loses their 2 bytes per parameter. What this costs, and why each
+is refused loudly rather than done wrong:
+
+* **No whole-step skip.** A step is skipped as a whole only if every gradient is checked before
+  any weight moves; here the earlier parameters are already stepped when a later gradient turns
+  out non-finite. A non-finite gradient leaves its own parameter and state unchanged, and the
+  step warns with the count. Loss scaling needs whole-step skips, so it holds the gradients
+  (``gradients="auto"`` does so by itself; ``"released"`` with a loss scale is refused).
+* **No clipping, no accumulation, no DDP.** A global norm needs every gradient at once;
+  accumulation needs gradients to outlive a backward (a second gradient before ``step()`` is
+  refused before it is applied); DDP reduces gradients after they are accumulated, which is
+  after the step here. Each raises with the fix: ``gradients="held"``.
+
+The fp32 scratch of the chunk steps lives for one backward (freed, and the C heap trimmed, by an
+autograd callback at its end); ``optimizer.step()`` then steps what still holds a gradient (fp32
+parameters) and closes the step.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from mixprec._core._warnings import user_stacklevel
+from mixprec._core.memory import trim_heap
+
+__all__ = ["ReleasedGradients"]
+
+
+class ReleasedGradients:
+    """The release half of :class:`~mixprec._core.lean.LeanUpdate` (a mixin: it reads the
+    updater's ``optimizer``, ``_scratch``, ``_step_chunk``, ``release``, ``nonfinite`` and
+    ``_released``)."""
+
+    optimizer: torch.optim.Optimizer
+
+    @torch.no_grad()
+    def _step_released(self, p: Tensor) -> None:
+        """Step ``p`` alone as soon as its gradient is complete, then free the gradient (a
+        ``register_post_accumulate_grad_hook``; see the module docstring)."""
+        if id(p) in self._released:
+            raise RuntimeError(
+                "A parameter received a second gradient before optimizer.step(): with "
+                "gradients='released' each parameter is stepped in backward, so gradients "
+                "cannot be accumulated over several backward passes. Use a recipe with "
+                "gradients='held' (e.g. Recipe('lean', gradients='held')) to accumulate."
+            )
+        if not self._released:  # the first of this backward: free the scratch at its end
+            torch.autograd.Variable._execution_engine.queue_callback(self._free_scratch)
+        self._released.add(id(p))
+        if p.grad is None:
+            return
+        if p.grad.is_sparse:
+            raise RuntimeError("update modes need dense gradients; use update=None.")
+        if not bool(torch.isfinite(p.grad).all()):
+            self.nonfinite += 1
+            p.grad = None
+            return
+        groups = self.optimizer.param_groups
+        index = next(i for i, g in enumerate(groups) if any(q is p for q in g["params"]))
+        saved = [g["params"] for g in groups]
+        fresh = p.device.type == "cpu" and not self.optimizer.state.get(p)
+        try:
+            self._step_chunk(groups, index, [p])
+        finally:
+            for g, plist in zip(groups, saved):
+                g["params"] = plist
+        p.grad = None
+        if fresh:
+            trim_heap()
+
+    def _free_scratch(self) -> None:
+        """The end of a backward that stepped released gradients: its scratch is freed, and the
+        C heap trimmed (the holes it leaves would otherwise stay resident; see _trim_heap)."""
+        self._scratch = {}
+        trim_heap()
+
+    def _end_released(self) -> None:
+        """Close a step whose gradients were released: say what a non-finite gradient left."""
+        self._released.clear()
+        if self.nonfinite:
+            count, self.nonfinite = self.nonfinite, 0
+            warnings.warn(
+                f"{count} parameter(s) received a non-finite gradient with gradients="
+                "'released': those parameters and their optimizer states were left unchanged, "
+                "but the others had already been stepped in backward (a step cannot be skipped "
+                "as a whole once gradients are released). Use gradients='held' to skip whole "
+                "steps.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
