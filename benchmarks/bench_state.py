@@ -11,7 +11,8 @@ Activations are kept small on purpose, so the figure is the training state:
 * ``mlp``: 48 x (Linear 1024 x 1024 + GELU), 50.4 M parameters, batch 2 (< 1 MB of activations);
 * ``gpt``: a GPT of 113 M parameters (16 layers, width 768, context 256), batch 1.
 
-The step column is the median step time in that process (the first step excluded). Modes:
+The step column is the median step time in that process (the first step excluded); for ratios
+of step times, ``--race ROUNDS`` runs ``--modes`` in one process, one step each per round. Modes:
 ``fp32`` and ``torch-autocast`` (bf16) with torch's AdamW; the mixprec recipes of
 :data:`RECIPES` in bf16 (``O2``; ``O3`` with its default Kahan update; ``O3-update-none``, the
 optimizer's own bf16 step; ``O3-kahan-8bit``; ``lean``, ``lean`` with its gradients held until
@@ -23,6 +24,7 @@ header names the machine and torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import statistics
@@ -46,6 +48,7 @@ RECIPES = {
     "lean": "lean",
     "lean-held": "lean gradients=held",
     "lean-4bit": "lean optimizer_states=4-bit",
+    "lean-4bit-nearest": "lean optimizer_states=4-bit update=nearest",
 }
 MODES = ("fp32", "torch-autocast", *RECIPES, "torchao-adamw8bit")
 BF16 = torch.bfloat16
@@ -126,6 +129,34 @@ def child(name: str, mode: str, steps: int, scale: float) -> dict[str, Any]:
     )
 
 
+def race(name: str, modes: list[str], rounds: int, scale: float) -> dict[str, float]:
+    """Step times of ``modes`` in this process, interleaved: each round times one step of every
+    mode (the same batch), so the ratios compare modes that saw the same machine at the same
+    moment. Returns the median step (ms) per mode and the median per-round ratio to the first."""
+    runs = {}
+    for mode in modes:
+        model, batch = make_model(name, scale)
+        runs[mode] = (*_prepare(mode, model), batch)
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(rounds + 1):  # the first round (state creation) is not counted
+        for mode, (model, opt, region, batch) in runs.items():
+            torch.manual_seed(0)
+            x, y = batch()
+            t0 = time.perf_counter()
+            with region if region is not None else contextlib.nullcontext():
+                loss = _loss(name, model(x), y)
+            (opt.backward(loss) if hasattr(opt, "backward") else loss.backward())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times[mode].append(time.perf_counter() - t0)
+    first = modes[0]
+    out = {f"{m} ms": statistics.median(times[m][1:]) * 1e3 for m in modes}
+    for m in modes[1:]:
+        ratios = [a / b for a, b in zip(times[m][1:], times[first][1:])]
+        out[f"{m} / {first}"] = statistics.median(ratios)
+    return out
+
+
 def measure(models: list[str], modes: list[str], steps: int, scale: float) -> list[dict]:
     rows = []
     for name in models:
@@ -170,10 +201,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--scale", type=float, default=1.0, help="shrink the models (< 1)")
     p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument("--race", type=int, metavar="ROUNDS",
+                   help="instead: step times of --modes, one process, rounds")  # fmt: skip
     p.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(*args.child, args.steps, args.scale)))
+        return
+    if args.race:
+        for name in args.models:
+            res = race(name, args.modes, args.race, args.scale)
+            print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items()), flush=True)
         return
     rows = measure(args.models, args.modes, args.steps, args.scale)
     print(

@@ -60,26 +60,26 @@ class ReleasedGradients:
             return
         if p.grad.is_sparse:
             raise RuntimeError("update modes need dense gradients; use update=None.")
-        if not bool(torch.isfinite(p.grad).all()):
+        if not bool(torch.isfinite(p.grad.abs().amax())):  # amax keeps NaN; 2 passes, not 4
             self.nonfinite += 1
             p.grad = None
             return
         groups = self.optimizer.param_groups
         index = next(i for i, g in enumerate(groups) if any(q is p for q in g["params"]))
         saved = [g["params"] for g in groups]
-        fresh = p.device.type == "cpu" and not self.optimizer.state.get(p)
+        on_cpu = p.device.type == "cpu"
         try:
             self._step_chunk(groups, index, [p])
         finally:
             for g, plist in zip(groups, saved):
                 g["params"] = plist
         p.grad = None
-        if fresh:
-            trim_heap()
+        if on_cpu:  # each step's temporaries land in new holes of the C heap, which would grow
+            trim_heap()  # resident through the backward (~0.3 ms a call)
 
     def _free_scratch(self) -> None:
         """The end of a backward that stepped released gradients: its scratch is freed, and the
-        C heap trimmed (the holes it leaves would otherwise stay resident; see _trim_heap)."""
+        C heap trimmed (the holes it leaves would otherwise stay resident; see trim_heap)."""
         self._scratch = {}
         trim_heap()
 
