@@ -272,3 +272,35 @@ def test_lean_recipe_text_table_and_rules():
         mixprec.Recipe("lean", optimizer_states="2-bit")
     with pytest.raises(ValueError, match="applies to an update mode"):
         mixprec.Recipe("O3", optimizer_states="8-bit", update=None)
+
+
+@pytest.mark.parametrize("gradients", ["auto", "held"])
+def test_lean_trains_a_compiled_model(gradients):
+    """torch.compile of the model (aot_eager: the graph as the compiler sees it, without a C++
+    toolchain): gradients still reach the release hooks, or are held for the step."""
+    model, opt = _lean(gradients=gradients)
+    compiled = torch.compile(model, backend="aot_eager")
+    x, y = _batch()
+    losses = []
+    for _ in range(15):
+        loss = (compiled(x).float() - y).pow(2).mean()
+        opt.backward(loss)
+        assert all((p.grad is None) == opt.lean.release for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.7 * losses[0]
+    assert isinstance(opt.state[model[0].weight]["exp_avg"], QuantizedState)
+
+
+def test_accumulated_gradients_are_held_and_stepped_once():
+    """gradients='held': two backward passes add up, the step sees their sum once."""
+    model, opt = _lean(gradients="held")
+    x, y = _batch()
+    for half in (slice(0, 8), slice(8, 16)):
+        opt.backward((model(x[half]).float() - y[half]).pow(2).mean() / 2)
+    summed = model[0].weight.grad.clone()
+    assert opt.state[model[0].weight] == {}  # nothing stepped yet
+    opt.step()
+    assert int(opt.state[model[0].weight]["step"]) == 1
+    assert summed.abs().sum() > 0
