@@ -35,18 +35,15 @@ Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit upda
   move by less than 2**-9 of itself per step, so ``v <- 0.999 v`` rounds back to ``v`` and the
   second moment stops decaying (tests/core/test_lean.py measures it). A dtype applies to every
   floating state tensor; a dict maps keys to dtypes (unlisted keys fp32).
-* **Reproducible randomness, whatever the layout.** The random bits of element ``i`` of a
-  parameter are a hash of (``seed``, the step count, the parameter's position in the
-  optimizer, ``i`` counted in the whole parameter) (:func:`mixprec._core._rounding.keyed_round_`),
-  so chunking, the order parameters are stepped in (released gradients) and sharding (FSDP2
-  steps each rank's dim-0 shard of a DTensor parameter through its local tensor) round alike.
-  Skipped steps do not count. The step count and compensation buffers are in
+* **Reproducible randomness, whatever the layout.** Element ``i``'s random bits hash (``seed``,
+  step count, the parameter's position, ``i`` in the whole parameter) (``_rounding``), so
+  chunks, released gradients and FSDP2's dim-0 shards (stepped through their local tensors)
+  round alike; skipped steps do not count. The step count and compensation buffers are in
   :meth:`LeanUpdate.state_dict`, which makes a resume bit-exact.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -54,8 +51,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from mixprec._core._rounding import keyed_round_, round_keys, shard_offset
-from mixprec._core._warnings import user_stacklevel
+from mixprec._core._rounding import keyed_round_, round_keys, saved_steps, shard_offset
 from mixprec._core.memory import trim_heap
 from mixprec._core.release import ReleasedGradients
 from mixprec._core.state_codes import FORMATS, QuantizedState, kind_of, quantizable
@@ -457,7 +453,7 @@ class LeanUpdate(ReleasedGradients):
             if mine is not None:
                 mine.copy_(saved)
         self.seed = int(sd.get("seed", self.seed))
-        self.steps = _saved_steps(sd, self.update)
+        self.steps = saved_steps(sd, self.update)
 
     def export_states(self, sd: dict[str, Any]) -> dict[str, Any]:
         """``sd`` (the inner optimizer's state dict) with each quantized state as plain tensors
@@ -501,23 +497,3 @@ class LeanUpdate(ReleasedGradients):
             if torch.equal(saved.to(stored).to(saved.dtype), saved):
                 return stored
         return saved.dtype
-
-
-def _saved_steps(sd: dict[str, Any], update: str) -> int:
-    """The step count of a saved state; a checkpoint of a version that rounded with a
-    ``torch.Generator`` continues on its own stream of keys, and says so."""
-    if "steps" in sd:
-        return int(sd["steps"])
-    if sd.get("generators") and update == "stochastic":
-        warnings.warn(
-            "This checkpoint was saved by a mixprec version whose stochastic rounding drew "
-            "from a torch.Generator; rounding is now keyed by the step count, which the "
-            "checkpoint lacks. Weights, states and compensation are restored exactly; the "
-            "rounding continues on a stream of its own (step count 2**32 on), so the run "
-            "differs from an uninterrupted run of the old version. Save again to resume "
-            "bit for bit from here on.",
-            UserWarning,
-            stacklevel=user_stacklevel(),
-        )
-        return 2**32
-    return 0
