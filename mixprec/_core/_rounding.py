@@ -8,19 +8,41 @@ Design: the rounding that ``update="stochastic"`` writes 16-bit weights back wit
   the result is exactly a bf16 value, so the copy to bf16 is lossless.
 * **fp16 (any dtype): the two neighbours.** Pick the far neighbour with probability
   ``|error| / gap`` (subnormals included), so the expectation is ``x``.
-* **Random bits are drawn 48 at a time** (``random_(0, 2**48)`` on int64 gives three uniform
-  16-bit lanes): a third of the draws of one per element. The bits depend only on the
-  generator's state and the number of elements, so a restored generator rounds as before.
+* **Two sources of random bits.** :func:`stochastic_round` (public) draws from a
+  ``torch.Generator``, 48 bits at a time (``random_(0, 2**48)`` on int64 gives three uniform
+  16-bit lanes): a third of the draws of one per element. The weight updates
+  (:func:`keyed_round_`) use a **counter-based hash** instead: the bits of element ``i`` are
+  ``hash(key, i)``, with the key made of (seed, step, parameter) and ``i`` the element's index
+  in the *whole* parameter. A stream that advances with every element drawn would round a
+  parameter differently when it is sharded, chunked or stepped in another order (one shard per
+  rank under FSDP, one parameter at a time when gradients are released); a hash of the global
+  index rounds every element the same way whatever the layout, and a resume needs only the
+  step count. The hash is the ``lowbias32`` integer finalizer (two multiply-xorshift rounds,
+  in wrapping int32 arithmetic, logical shifts by masking) with a second key xor-ed between
+  the rounds, so keys do not merely shift one sequence; its top 16 bits (bf16) or 24 bits
+  (fp16) are the random bits. About a dozen int32 passes, in place on two scratch buffers.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["stochastic_round", "stochastic_round_bf16_", "stochastic_round_to"]
+from mixprec._core._warnings import user_stacklevel
+
+__all__ = [
+    "keyed_round_",
+    "round_keys",
+    "saved_steps",
+    "shard_offset",
+    "stochastic_round",
+    "stochastic_round_bf16_",
+    "stochastic_round_to",
+]
 
 _LOW = (torch.float16, torch.bfloat16)
 _BITS_PER_DRAW = 48  # random_(0, 2**48) on int64: three uniform 16-bit lanes per draw
@@ -52,17 +74,123 @@ def stochastic_round_bf16_(x: Tensor, generator: torch.Generator | None) -> Tens
     return x
 
 
-def stochastic_round_to(x: Tensor, dtype: torch.dtype, generator: torch.Generator | None) -> Tensor:
-    """Stochastic rounding of fp32 ``x`` to ``dtype`` via its two neighbours (any float dtype)."""
+def stochastic_round_to(
+    x: Tensor, dtype: torch.dtype, generator: torch.Generator | None, u: Tensor | None = None
+) -> Tensor:
+    """Stochastic rounding of fp32 ``x`` to ``dtype`` via its two neighbours (any float dtype);
+    ``u``: the uniform [0, 1) draws to use (default: drawn from ``generator``)."""
     near = x.to(dtype)
     err = x - near.float()
     toward = torch.where(err > 0, torch.inf, -torch.inf).to(dtype)
     other = torch.nextafter(near, toward)
     gap = other.float() - near.float()
-    u = torch.rand(x.shape, generator=generator, device=x.device)
+    if u is None:
+        u = torch.rand(x.shape, generator=generator, device=x.device)
     # |err| <= gap / 2, so take the far neighbour with probability |err| / gap: E[out] = x.
     take = (err != 0) & torch.isfinite(gap) & (u * gap.abs() < err.abs())
     return torch.where(take, other, near)
+
+
+_M64 = 2**64 - 1
+_M1, _M2 = 0x7FEB352D, 0x846CA68B - 2**32  # lowbias32's multipliers (as signed int32)
+
+
+def _int32(v: int) -> int:
+    """``v`` mod 2**32 as a signed int32 scalar (torch refuses out-of-range int scalars)."""
+    return ((v + 2**31) & 0xFFFFFFFF) - 2**31
+
+
+def _splitmix64(v: int) -> int:
+    v = (v + 0x9E3779B97F4A7C15) & _M64
+    v = ((v ^ (v >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    v = ((v ^ (v >> 27)) * 0x94D049BB133111EB) & _M64
+    return v ^ (v >> 31)
+
+
+def round_keys(seed: int, step: int, ordinal: int) -> tuple[int, int]:
+    """The two 32-bit keys of parameter ``ordinal``'s rounding at ``step``: the first is added
+    to each element's global index, the second (the same for every parameter of a step) is
+    xor-ed between the hash rounds."""
+    base = _splitmix64(_splitmix64(seed & _M64) ^ (step & _M64))
+    return _splitmix64(base ^ _splitmix64(ordinal + 1)) & 0xFFFFFFFF, base & 0xFFFFFFFF
+
+
+def shard_offset(p: Tensor) -> int:
+    """Where the local tensor of ``p`` starts in the whole parameter, in elements: 0 for a plain
+    tensor, the first row's offset for a DTensor sharded along dim 0 (FSDP2), whose local rows
+    are then one contiguous run of the whole tensor's elements."""
+    placements = getattr(p, "placements", None)
+    if placements is None:
+        return 0
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(not isinstance(pl, Replicate) and pl != Shard(0) for pl in placements):
+        raise ValueError(
+            f"Stochastic rounding of a DTensor parameter needs it sharded along dim 0 "
+            f"(FSDP2's default) or replicated; received placements {tuple(placements)}. "
+            "Shard parameters along dim 0 (fully_shard without shard_placement_fn)."
+        )
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
+    row = 1
+    for size in p.shape[1:]:
+        row *= size
+    return int(offset[0]) * row if offset else 0
+
+
+def _shift_xor_(h: Tensor, tmp: Tensor, k: int) -> None:
+    """``h ^= h >>> k`` (logical shift) on int32, through ``tmp``."""
+    torch.bitwise_right_shift(h, k, out=tmp)
+    h.bitwise_xor_(tmp.bitwise_and_((1 << (32 - k)) - 1))
+
+
+def keyed_bits_(
+    h: Tensor, tmp: Tensor, segments: list[tuple[int, int, int]], mix: int, bits: int
+) -> Tensor:
+    """Fill int32 ``h`` with ``bits`` (<= 24) uniform random bits per element, in [0, 2**bits).
+
+    ``segments``: ``(length, global offset, key)`` per parameter, in ``h``'s order; element
+    ``j`` of a segment gets ``hash(global offset + j + key, mix)``. ``tmp``: int32 scratch of
+    ``h``'s size. Returns ``h``.
+    """
+    torch.arange(h.numel(), out=h)
+    parts, starts, adds = [], 0, []
+    for length, offset, key in segments:
+        parts.append(h[starts : starts + length])
+        adds.append(_int32(offset + key - starts))
+        starts += length
+    torch._foreach_add_(parts, adds)
+    _shift_xor_(h, tmp, 16)
+    h.mul_(_M1)
+    _shift_xor_(h, tmp, 15)
+    h.bitwise_xor_(_int32(mix))
+    h.mul_(_M2)
+    # the top bits of the last product are its best mixed: no final xorshift needed
+    torch.bitwise_right_shift(h, 32 - bits, out=tmp)
+    return h.copy_(tmp.bitwise_and_((1 << bits) - 1))
+
+
+def keyed_round_(
+    flat: Tensor,
+    dtype: torch.dtype,
+    segments: list[tuple[int, int, int]],
+    mix: int,
+    scratch: tuple[Tensor, Tensor],
+) -> Tensor:
+    """Stochastic rounding of contiguous fp32 ``flat`` to ``dtype`` with counter-based bits
+    (see the module docstring and :func:`keyed_bits_`). ``scratch``: two 4-byte buffers of at
+    least ``flat``'s size (any dtype; viewed as int32). bf16: rounded in place (``flat`` then
+    holds bf16 values exactly) and returned; fp16: returned as a new ``dtype`` tensor."""
+    n = flat.numel()
+    h, tmp = (b.view(torch.int32)[:n] for b in scratch)
+    if dtype == torch.bfloat16:
+        keyed_bits_(h, tmp, segments, mix, 16)
+        bits = flat.view(torch.int32)
+        bits.add_(h).bitwise_and_(-65536)
+        return flat
+    u = tmp.view(torch.float32)
+    torch.mul(keyed_bits_(h, tmp, segments, mix, 24), 2.0**-24, out=u)  # exact in fp32
+    return stochastic_round_to(flat, dtype, None, u)
 
 
 def stochastic_round(
@@ -89,3 +217,23 @@ def stochastic_round(
             x.detach().clone(memory_format=torch.contiguous_format), generator
         ).to(dtype)
     return stochastic_round_to(x, dtype, generator)
+
+
+def saved_steps(sd: dict[str, Any], update: str) -> int:
+    """The step count of a saved state; a checkpoint of a version that rounded with a
+    ``torch.Generator`` continues on its own stream of keys, and says so."""
+    if "steps" in sd:
+        return int(sd["steps"])
+    if sd.get("generators") and update == "stochastic":
+        warnings.warn(
+            "This checkpoint was saved by a mixprec version whose stochastic rounding drew "
+            "from a torch.Generator; rounding is now keyed by the step count, which the "
+            "checkpoint lacks. Weights, states and compensation are restored exactly; the "
+            "rounding continues on a stream of its own (step count 2**32 on), so the run "
+            "differs from an uninterrupted run of the old version. Save again to resume "
+            "bit for bit from here on.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+        return 2**32
+    return 0

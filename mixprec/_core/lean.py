@@ -35,10 +35,10 @@ Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit upda
   move by less than 2**-9 of itself per step, so ``v <- 0.999 v`` rounds back to ``v`` and the
   second moment stops decaying (tests/core/test_lean.py measures it). A dtype applies to every
   floating state tensor; a dict maps keys to dtypes (unlisted keys fp32).
-* **Reproducible randomness.** One ``torch.Generator`` per device, seeded with ``seed`` (the
-  same on every rank, so data-parallel replicas round identically). Chunks are visited in a
-  fixed order, so the random stream is a function of the seed and the number of steps taken;
-  skipped steps draw nothing. Generator states and compensation buffers are in
+* **Reproducible randomness, whatever the layout.** Element ``i``'s random bits hash (``seed``,
+  step count, the parameter's position, ``i`` in the whole parameter) (``_rounding``), so
+  chunks, released gradients and FSDP2's dim-0 shards (stepped through their local tensors)
+  round alike; skipped steps do not count. The step count and compensation buffers are in
   :meth:`LeanUpdate.state_dict`, which makes a resume bit-exact.
 """
 
@@ -51,10 +51,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from mixprec._core._rounding import (
-    stochastic_round_bf16_,
-    stochastic_round_to,
-)
+from mixprec._core._rounding import keyed_round_, round_keys, saved_steps, shard_offset
 from mixprec._core.memory import trim_heap
 from mixprec._core.release import ReleasedGradients
 from mixprec._core.state_codes import FORMATS, QuantizedState, kind_of, quantizable
@@ -65,6 +62,11 @@ UPDATES = ("nearest", "kahan", "stochastic")
 StateDtype = str | torch.dtype | dict | None
 _LOW = (torch.float16, torch.bfloat16)
 _FIRST_MOMENTS = ("exp_avg", "momentum_buffer")
+
+
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's shard on this rank (FSDP2 parameters and gradients); any other tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 # --------------------------------------------------------------------------- state dtypes
@@ -105,7 +107,7 @@ class LeanUpdate(ReleasedGradients):
             parameters (no fp32 masters). fp32 parameters in it are stepped as they are.
         update: ``"nearest"``, ``"kahan"`` or ``"stochastic"``.
         state_dtype: see the module docstring (default ``"auto"``).
-        seed: seed of the per-device generators used by ``"stochastic"``.
+        seed: seed of the rounding of ``"stochastic"``.
         chunk_elements: parameters per fp32 temporary chunk (whole parameters only); None picks
             2**20 on CPU and 2**24 elsewhere.
     """
@@ -140,7 +142,8 @@ class LeanUpdate(ReleasedGradients):
         self.seed = seed
         self.chunk_elements = chunk_elements
         self.compensation: dict[Tensor, Tensor] = {}
-        self.generators: dict[str, torch.Generator] = {}
+        self.steps = 0  # steps taken (not skipped): a key of the stochastic rounding
+        self._ordinal: dict[int, int] = {}  # id(param) -> its position, a rounding key
         self._scratch: dict[tuple[str, torch.device], Tensor] = {}
         self.release = release
         self.nonfinite = 0  # released parameters left unchanged for a non-finite gradient
@@ -151,22 +154,18 @@ class LeanUpdate(ReleasedGradients):
         """Give new 16-bit parameters their (zero) compensation buffers in ``"kahan"`` mode, and
         their release hook when gradients are released in backward."""
         for p in params:
+            self._ordinal.setdefault(id(p), len(self._ordinal))
             if p.dtype not in _LOW:
                 continue
             if self.update == "kahan" and p not in self.compensation:
-                self.compensation[p] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                self.compensation[p] = torch.zeros_like(
+                    _local(p), memory_format=torch.contiguous_format
+                )
             if self.release and p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._step_released)
 
     def params(self) -> list[Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
-
-    def generator(self, device: torch.device) -> torch.Generator:
-        key = str(device)
-        gen = self.generators.get(key)
-        if gen is None:
-            gen = self.generators[key] = torch.Generator(device=device).manual_seed(self.seed)
-        return gen
 
     # -- the step --------------------------------------------------------------------------
     @torch.no_grad()
@@ -196,6 +195,7 @@ class LeanUpdate(ReleasedGradients):
                     result = self._step_chunk(groups, gi, chunk)
                     if fresh:  # its fp32 state was made, narrowed and freed: see _trim_heap
                         trim_heap()
+            self.steps += 1
         finally:
             for g, plist in zip(groups, saved):
                 g["params"] = plist
@@ -247,18 +247,19 @@ class LeanUpdate(ReleasedGradients):
 
     def _step_chunk(self, groups: list[dict], index: int, chunk: list[Tensor]) -> Any:
         device, low = chunk[0].device, chunk[0].dtype
-        numels = [p.numel() for p in chunk]
+        locs = [_local(p) for p in chunk]  # the weights this rank steps (its shard under FSDP)
+        numels = [p.numel() for p in locs]
         flat = self._buffer("weights", sum(numels), device)
-        w32 = [v.view(p.shape) for v, p in zip(flat.split(numels), chunk)]
+        w32 = [v.view(p.shape) for v, p in zip(flat.split(numels), locs)]
         gflat = self._buffer("grads", sum(numels), device)
-        g32 = [v.view(p.shape) for v, p in zip(gflat.split(numels), chunk)]
-        torch._foreach_copy_(w32, chunk)
+        g32 = [v.view(p.shape) for v, p in zip(gflat.split(numels), locs)]
+        torch._foreach_copy_(w32, locs)
         comps = [self.compensation[p] for p in chunk] if self.update == "kahan" else []
         if comps:  # widen into the grads' scratch, then one flat fp32 add (a mixed-dtype
             # foreach add falls back to a per-tensor loop with a conversion copy each)
             torch._foreach_copy_(g32, comps)
             flat.add_(gflat)
-        torch._foreach_copy_(g32, [p.grad for p in chunk])
+        torch._foreach_copy_(g32, [_local(p.grad) for p in chunk])
         for t, g in zip(w32, g32):
             t.grad = g
         state = self.optimizer.state
@@ -289,7 +290,7 @@ class LeanUpdate(ReleasedGradients):
                 state[p] = self._narrow_state(new, st or {}, low, scratch, copies)
         if copies[0]:
             torch._foreach_copy_(*copies)  # one launch set, not one copy per tensor and key
-        self._write_back(chunk, w32, flat, comps, low, device, g32, gflat)
+        self._write_back(chunk, locs, w32, flat, comps, low, g32, gflat)
         return result
 
     def _widen_states(self, states: list[dict | None], device: torch.device) -> list[dict | None]:
@@ -373,23 +374,27 @@ class LeanUpdate(ReleasedGradients):
 
     def _write_back(
         self,
+        params: list[Tensor],
         chunk: list[Tensor],
         w32: list[Tensor],
         flat: Tensor,
         comps: list[Tensor],
         low: torch.dtype,
-        device: torch.device,
         tmp32: list[Tensor],
         tmp_flat: Tensor,
     ) -> None:
+        """Round ``w32`` into ``chunk`` (the local tensors of ``params``)."""
         if self.update == "stochastic":
-            gen = self.generator(device)
-            if low == torch.bfloat16:
-                # now exactly representable: the copy below is lossless
-                stochastic_round_bf16_(flat, gen)
+            segments = []
+            for p, t in zip(params, chunk):  # (length, global offset, key) of each parameter
+                key, mix = round_keys(self.seed, self.steps, self._ordinal[id(p)])
+                segments.append((t.numel(), shard_offset(p), key))
+            # the grads' scratch is free again: it and one more buffer hold the random bits
+            bits = (tmp_flat, self._buffer("bits", flat.numel(), flat.device))
+            rounded = keyed_round_(flat, low, segments, mix, bits)
+            if low == torch.bfloat16:  # rounded in place to bf16 values: the copy is lossless
                 torch._foreach_copy_(chunk, w32)
             else:
-                rounded = stochastic_round_to(flat, low, gen)
                 torch._foreach_copy_(
                     chunk,
                     [
@@ -406,7 +411,7 @@ class LeanUpdate(ReleasedGradients):
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Compensation buffers (in parameter order) and generator states."""
+        """Compensation buffers (in parameter order) and the step count."""
         return {
             "update": self.update,
             "seed": self.seed,
@@ -414,16 +419,16 @@ class LeanUpdate(ReleasedGradients):
                 None if (c := self.compensation.get(p)) is None else c.detach().clone()
                 for p in self.params()
             ],
-            "generators": {k: g.get_state() for k, g in self.generators.items()},
+            "steps": self.steps,
         }
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict[str, Any] | None) -> None:
-        """Restore compensation and generators; None (an older checkpoint) resets them."""
+        """Restore compensation and the step count; None (an older checkpoint) resets them."""
         if sd is None:
             for c in self.compensation.values():
                 c.zero_()
-            self.generators.clear()
+            self.steps = 0
             return
         if sd.get("update") != self.update:
             raise ValueError(
@@ -448,9 +453,7 @@ class LeanUpdate(ReleasedGradients):
             if mine is not None:
                 mine.copy_(saved)
         self.seed = int(sd.get("seed", self.seed))
-        self.generators.clear()
-        for key, state in sd["generators"].items():
-            self.generator(torch.device(key)).set_state(state)
+        self.steps = saved_steps(sd, self.update)
 
     def export_states(self, sd: dict[str, Any]) -> dict[str, Any]:
         """``sd`` (the inner optimizer's state dict) with each quantized state as plain tensors

@@ -17,6 +17,16 @@ Design (``docs/design.md``, "Distributed training"):
   them from 16-bit copies. O3's memory saving (no masters) does not exist under FSDP.
 * Each rank checks only its own shard, so an overflow is typically seen by one rank: the
   verdicts are reduced across the mesh (:func:`mixprec.distributed.sync_verdicts`).
+* **Update modes shard the 16-bit weights themselves** (a recipe naming ``update``, e.g.
+  ``"lean"`` or ``Recipe("O3", update="kahan")``): there are no masters to keep, so the model is
+  cast as ``initialize`` casts it *before* it is sharded, FSDP all-gathers the 16-bit shards as
+  they are (``param_dtype`` None) and reduce-scatters gradients in the recipe's
+  ``reduce_dtype``, and the update mode steps each rank's shard through its local tensor, with
+  optimizer states (8-bit codes included: their blocks run along rows, so a dim-0 shard
+  quantizes as the whole tensor does) per shard. Stochastic rounding is keyed by each element's
+  index in the whole parameter, so the shards round as one tensor would. Gradients are held:
+  FSDP writes the reduce-scattered gradient after autograd's hooks have run, so they cannot be
+  released in backward (``gradients="auto"`` holds them; ``"released"`` is refused).
 
 | level | ``param_dtype`` | ``reduce_dtype`` (default) | norm units | mixprec level |
 |---|---|---|---|---|
@@ -24,6 +34,7 @@ Design (``docs/design.md``, "Distributed training"):
 | O1 | fp32 | fp32 | - | O1 |
 | O2 | 16-bit | 16-bit | fp32 | O1 (+ fp32_inside) |
 | O3 | 16-bit | 16-bit | 16-bit | O1 (+ fp32_inside) |
+| update modes (``"lean"``) | None (16-bit shards) | 16-bit | as the recipe keeps | the recipe |
 
 Order: build the model, :func:`initialize_fsdp` (it shards, then builds the optimizer on the
 sharded parameters through ``optimizer_fn``, then initializes mixprec).
@@ -36,18 +47,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from mixprec._core._keywords import refuse_moved_keywords
+from mixprec._core._rounding import shard_offset
 from mixprec._core.norms import is_norm
 from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec._core.policy import Policy, PolicyLike, as_policy
-from mixprec._core.storage import restore_fp32
-from mixprec._initialize import _MARK, MOVED, initialize
+from mixprec._core.storage import cast_storage, restore_fp32
+from mixprec._initialize import _MARK, MOVED, initialize, recipe_props
 from mixprec.distributed.verdicts import require_process_group, sync_verdicts
 from mixprec.recipe import Recipe, as_recipe
 
@@ -174,39 +186,99 @@ def initialize_fsdp(
     common: dict[str, Any] = dict(mesh=mesh)
     if reshard_after_forward is not None:
         common["reshard_after_forward"] = reshard_after_forward
-    _shard(model, recipe, low, units, common)
+    modes = _update_mode(recipe)
+    fp32_values = _cast_16bit(model, recipe, low) if modes else {}
+    _shard(model, recipe, low, units, common, modes)
     optimizer = optimizer_fn(model.parameters())
     if not isinstance(optimizer, Optimizer):
         raise TypeError(
             f"optimizer_fn returned {type(optimizer).__name__}, expected a torch.optim.Optimizer."
         )
     model.__dict__["_mixprec_fsdp"] = True  # sharded here, to match: initialize accepts it
-    model, opt = initialize(model, optimizer, _inner_recipe(recipe), low)
+    inner = recipe.replace(gradients="held") if modes else _inner_recipe(recipe)
+    model, opt = initialize(model, optimizer, inner, low)
+    if opt.lean is not None and opt.lean.compensation:
+        _start_compensation(model, opt, fp32_values)
     sync_verdicts(opt, mesh.get_group())
     return model, opt
 
 
+def _update_mode(recipe: Recipe) -> bool:
+    """Whether the recipe names an update mode: 16-bit shards stepped without masters."""
+    return recipe.update not in ("auto", None)
+
+
 def _fsdp_recipe(recipe: Recipe) -> Recipe:
     """The recipe, refused where FSDP cannot do what it says."""
-    if recipe.update not in ("auto", None) or recipe.optimizer_states != "auto":
+    if not _update_mode(recipe):
+        if recipe.optimizer_states != "auto":
+            raise ValueError(
+                f"Recipe {str(recipe)!r}: optimizer_states apply to an update mode (16-bit "
+                "weights without masters); name one, e.g. update='kahan' or the 'lean' recipe, "
+                "or drop optimizer_states (the fp32 shards are then the master weights)."
+            )
+        return recipe
+    if recipe.gradients == "released":
         raise ValueError(
-            f"Recipe {str(recipe)!r}: update modes and optimizer_states write 16-bit weights "
-            "without masters; under FSDP the fp32 shards are the master weights. Drop them."
+            f"Recipe {str(recipe)!r}: gradients='released' steps each parameter in backward, "
+            "but FSDP2 writes the reduce-scattered gradient shards after autograd's hooks have "
+            "run. Use gradients='held' (or 'auto', which holds them under FSDP)."
         )
     return recipe
 
 
+def _cast_16bit(model: nn.Module, recipe: Recipe, low: torch.dtype) -> dict[str, Tensor]:
+    """Cast the unsharded model as ``initialize`` casts it for the recipe (norms fp32 where it
+    keeps them); returns the pre-cast fp32 values by parameter name where ``"kahan"`` starts
+    its compensation from them."""
+    props = recipe_props(recipe, low)
+    restore_fp32(model, recipe.level, low, props)
+    keep = {id(p) for p in model.parameters()} if recipe.update == "kahan" else set()
+    kept: dict[int, Tensor] = {}
+    cast_storage(model, low, bool(props["keep_norm_fp32"]), keep, kept)
+    return {name: kept[id(p)] for name, p in model.named_parameters() if id(p) in kept}
+
+
+@torch.no_grad()
+def _start_compensation(
+    model: nn.Module, opt: MixedPrecisionOptimizer, fp32_values: dict[str, Tensor]
+) -> None:
+    """Kahan compensation of each shard starts from the residual of its pre-cast fp32 rows, as
+    ``initialize`` starts it for an unsharded model."""
+    for name, p in model.named_parameters():
+        comp, value = opt.lean.compensation.get(p), fp32_values.get(name)
+        if comp is None or value is None:
+            continue
+        start = shard_offset(p)
+        rows = value.reshape(-1)[start : start + comp.numel()].view(comp.shape)
+        local = p.to_local() if hasattr(p, "to_local") else p
+        comp.copy_((rows.float() - local.float()).to(comp.dtype))
+
+
 def _shard(
-    model: nn.Module, recipe: Recipe, low: torch.dtype, units: Any, common: dict[str, Any]
+    model: nn.Module,
+    recipe: Recipe,
+    low: torch.dtype,
+    units: Any,
+    common: dict[str, Any],
+    modes: bool = False,
 ) -> None:
     """fully_shard the norm units (fp32, where the recipe keeps norms fp32), the chosen units
-    innermost first, then the root, with the recipe's parameter and reduce dtypes."""
+    innermost first, then the root, with the recipe's parameter and reduce dtypes; with an
+    update mode (``modes``) the parameters are already 16-bit and are gathered as they are."""
     low_params = recipe.weights == "16-bit"
     reduce = None if recipe.reduce_dtype in ("auto", None) else recipe.reduce_dtype
     policy = fsdp_mp_policy(Policy(compute_dtype=low if low_params else _F32), reduce_dtype=reduce)
-    # FSDP's fp32 shards are the master weights at every level: a model that arrives cast to
-    # 16 bits gets fp32 parameters back before it is sharded, with initialize's one warning
-    restore_fp32(model, recipe.level, low, {"cast_params": False, "keep_norm_fp32": False})
+    if modes:  # the 16-bit shards are the weights: all-gathered as stored
+        policy = MixedPrecisionPolicy(
+            param_dtype=None,
+            reduce_dtype=reduce or low,
+            output_dtype=policy.output_dtype,
+            cast_forward_inputs=True,
+        )
+    else:  # FSDP's fp32 shards are the master weights: a model that arrives cast to 16 bits
+        # gets fp32 parameters back before it is sharded, with initialize's one warning
+        restore_fp32(model, recipe.level, low, {"cast_params": False, "keep_norm_fp32": False})
     if low_params and recipe.keep_fp32 == "norms":
         norm_policy = MixedPrecisionPolicy(reduce_dtype=_F32, cast_forward_inputs=False)
         for m in [m for m in model.modules() if is_norm(m) and m is not model]:

@@ -174,14 +174,14 @@ def test_a_non_finite_gradient_leaves_weights_and_codes_bit_identical(dtype, gra
     before = {k: v.clone() for k, v in model.state_dict().items()}
     q = opt.state[model[0].weight]["exp_avg"]
     codes, scale = q.codes.clone(), q.scale.clone()
-    gen = opt.lean.generator(model[0].weight.device).get_state()
+    steps = opt.lean.steps
     _step(model, opt, x, y, poison=model[0].weight)
     assert opt.step_skipped and opt.skipped_steps == 1
     for k, v in model.state_dict().items():
         assert_bitwise(v, before[k])
     assert opt.state[model[0].weight]["exp_avg"] is q
     assert torch.equal(q.codes, codes) and torch.equal(q.scale, scale)
-    assert torch.equal(opt.lean.generator(model[0].weight.device).get_state(), gen)
+    assert opt.lean.steps == steps  # the skipped step is not counted: same rounding keys
 
 
 def test_released_gradients_step_in_backward_and_a_non_finite_one_leaves_its_parameter():

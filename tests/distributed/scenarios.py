@@ -679,6 +679,108 @@ def scenario_fp8_auto_agrees() -> dict:
         fp8_layers.decide = original
 
 
+# -- FSDP2 with update modes: 16-bit shards, no masters -----------------------------------------
+def wide_mlp(seed: int) -> nn.Module:
+    """Weights of >= 4096 elements (8-bit optimizer codes) and small ones (kept fp32)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 8)
+    )
+
+
+def wide_batch(step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(n, 64, generator=g), torch.randn(n, 8, generator=g)
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def _train_updates(recipe: Recipe, steps: int, how: str) -> dict:
+    """``steps`` steps on the global batch: ``how`` = "fsdp" (2 ranks, rows [rank::2] each),
+    "single" (one process, the whole batch) or "micro" (one process, the ranks' rows as two
+    micro-batches of half the loss each: the gradient arithmetic of 2-rank data parallelism)."""
+    model = wide_mlp(0)
+    if how == "fsdp":
+        model, opt = mpd.initialize_fsdp(model, _adamw, recipe)
+    else:
+        model, opt = mixprec.initialize(model, _adamw(model.parameters()), recipe)
+    for step in range(steps):
+        x, y = wide_batch(step)
+        if how == "fsdp":
+            opt.backward(mse(model, local(x), local(y)))
+        elif how == "single":
+            opt.backward(mse(model, x, y))
+        else:
+            for r in range(WORLD):
+                opt.backward(mse(model, x[r::WORLD], y[r::WORLD]) * (1.0 / WORLD))
+        opt.step()
+        opt.zero_grad()
+    params = dict(model.named_parameters())
+    out = {
+        "weights": {
+            k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
+            for k, p in params.items()
+        },
+        "dtypes": sorted({str(p.dtype) for p in params.values()}),
+        "released": bool(opt.lean is not None and opt.lean.release),
+        "skipped": opt.skipped_steps,
+    }
+    if how == "fsdp":
+        first = params["0.weight"]
+        out["param_type"] = type(first).__name__
+        out["local_rows"] = first.to_local().shape[0]
+        out["state_kinds"] = sorted(
+            {f"{k}:{type(v).__name__}" for st in opt.state.values() for k, v in st.items()}
+        )
+    return out
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a["weights"][k] - b["weights"][k]).abs().max().item() for k in a["weights"])
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return all(bitwise_equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
+
+
+def scenario_fsdp_update_modes() -> dict:
+    """FSDP2 with 16-bit shards stepped by an update mode against one process, same data."""
+    steps, out = 6, {}
+    cases = {
+        "lean": Recipe("lean", BF16),
+        "lean_fp32_reduce": Recipe("lean", BF16, reduce_dtype=torch.float32),
+        "kahan": Recipe("O3", BF16, update="kahan"),
+    }
+    for name, recipe in cases.items():
+        fsdp = _train_updates(recipe, steps, "fsdp")
+        held = recipe.replace(gradients="held")
+        micro = _train_updates(held, steps, "micro")
+        single = _train_updates(held, steps, "single")
+        res = {
+            "fsdp_vs_micro_equal": _equal(fsdp, micro),
+            "fsdp_vs_micro_max_diff": _max_diff(fsdp, micro),
+            "fsdp_vs_single_max_diff": _max_diff(fsdp, single),
+            "moved": _max_diff(fsdp, _train_updates(held, 0, "single")),
+            **{k: v for k, v in fsdp.items() if k != "weights"},
+        }
+        if recipe.update == "stochastic":  # released in backward where one process allows it
+            released = _train_updates(recipe, steps, "single")
+            res["single_released"] = released["released"]
+            res["single_released_equal_held"] = _equal(released, single)
+        out[name] = res
+    # context: fp32 training differs between the whole batch and two micro-batches as well
+    fp32 = [_train_updates(Recipe("O0"), steps, how) for how in ("single", "micro")]
+    out["fp32_single_vs_micro_max_diff"] = _max_diff(*fp32)
+    try:
+        mpd.initialize_fsdp(wide_mlp(0), _adamw, Recipe("lean", BF16, gradients="released"))
+        out["released_refused"] = ""
+    except ValueError as e:
+        out["released_refused"] = str(e)
+    return out
+
+
 SCENARIOS = {
     name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")
 }
