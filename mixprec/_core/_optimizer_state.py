@@ -2,7 +2,7 @@
 
 Design: ``state_dict()`` is torch's layout, so the torch optimizer the wrapper holds (or a
 plain one over the fp32 model) loads it as it is, and mixprec's own state (the masters' exact
-values, the loss scalers, the skip counters, an update mode's compensation and generators)
+values, the loss scalers, the skip counters, an update mode's compensation and rounding step count)
 travels inside it, under ``param_groups[0]["mixprec"]``, which
 ``torch.optim.Optimizer.load_state_dict`` keeps. Where that state lives and how either load
 order resumes is :mod:`mixprec._core.resume`; this mixin writes and reads it, checking the
@@ -53,7 +53,7 @@ class CheckpointState:
 
     def mixprec_state_dict(self) -> dict[str, Any]:
         """mixprec's own state: the masters' exact values, every loss scaler, the skip counters
-        and, with an update mode, its state (compensation, generators)."""
+        and, with an update mode, its state (compensation, rounding step count)."""
         own: dict[str, Any] = {
             "masters": [m.detach().clone() for _, m in self._pairs],
             "scalers": [s.scaler.state_dict() for s in self.slots],

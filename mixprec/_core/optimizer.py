@@ -21,7 +21,7 @@ Design (``docs/design.md``, "Master weights and the optimizer"):
   :class:`mixprec._core.lean.LeanUpdate`: fp32 arithmetic on per-chunk temporaries, written back to
   the 16-bit weights with that rounding. ``update=None`` keeps the inner optimizer
   stepping the 16-bit parameters itself. A skipped step never reaches the updater, so
-  compensation buffers, 16-bit state and the rounding generators stay untouched.
+  compensation buffers, 16-bit and 8-bit state and the rounding step count stay untouched.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Design (``docs/design.md``, "Master weights and the optimizer"):
 
 * **Where the state lives.** :meth:`MixedPrecisionOptimizer.state_dict` is torch's layout (the
   inner optimizer's ``state`` and ``param_groups``) with mixprec's own state -- the exact fp32
-  masters, Kahan compensation and generator states, every loss scaler, the skip counters --
+  masters, Kahan compensation and the rounding step count, every loss scaler, the skip counters --
   under the key ``"mixprec"`` of ``param_groups[0]``. torch's ``Optimizer.load_state_dict``
   keeps the keys of a saved parameter group as they are (no cast, no check), so the plain
   optimizer a script builds and loads *before* :func:`mixprec.initialize` (nanoGPT's resume,

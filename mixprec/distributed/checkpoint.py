@@ -53,6 +53,20 @@ def _sharded(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def _refuse_sharded_update_mode(model: nn.Module, optimizer: Any, call: str) -> None:
+    """A sharded model stepped by an update mode keeps per-shard states (and 8-bit codes) that
+    torch.distributed.checkpoint would take for whole tensors: refused, not saved wrong."""
+    lean = getattr(optimizer, "lean", None)
+    if lean is not None and _sharded(model):
+        raise NotImplementedError(
+            f"{call} of an FSDP2 model stepped by update={lean.update!r} (16-bit shards without "
+            "masters, as in Recipe('lean')) is not supported yet: its optimizer states are "
+            "per-shard tensors and 8-bit codes that torch.distributed.checkpoint cannot place. "
+            "Where the run needs checkpoints, shard it with a recipe that keeps masters "
+            "(initialize_fsdp(model, optimizer_fn, 'O2', dtype))."
+        )
+
+
 def _check_optimizer(optimizer: Any) -> None:
     if not isinstance(optimizer, MixedPrecisionOptimizer):
         raise TypeError(
@@ -95,6 +109,7 @@ def save_checkpoint(
     directory for sharded (FSDP2) models (every rank writes its shards).
     """
     _check_optimizer(optimizer)
+    _refuse_sharded_update_mode(model, optimizer, "save_checkpoint")
     path = Path(path)
     if _sharded(model):
         import torch.distributed.checkpoint as dcp
@@ -144,6 +159,7 @@ def load_checkpoint(
     ``initialize_fsdp`` with the same units), then load; call on every rank.
     """
     _check_optimizer(optimizer)
+    _refuse_sharded_update_mode(model, optimizer, "load_checkpoint")
     path = Path(path)
     if _sharded(model):
         if not path.is_dir():

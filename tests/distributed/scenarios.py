@@ -778,6 +778,14 @@ def scenario_fsdp_update_modes() -> dict:
         out["released_refused"] = ""
     except ValueError as e:
         out["released_refused"] = str(e)
+    model, opt = mpd.initialize_fsdp(wide_mlp(0), _adamw, Recipe("lean", BF16))
+    path = str(Path(os.environ["MIXPREC_DIST_TMP"]) / "fsdp_lean_ckpt")
+    for call in (mpd.save_checkpoint, mpd.load_checkpoint):
+        try:
+            call(path, model, opt)
+            out[f"{call.__name__}_refused"] = ""
+        except NotImplementedError as e:
+            out[f"{call.__name__}_refused"] = str(e)
     return out
 
 

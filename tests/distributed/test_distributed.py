@@ -197,6 +197,14 @@ def test_fsdp2_refuses_released_gradients(ranks):
         assert "gradients='held'" in res["released_refused"]
 
 
+def test_fsdp2_checkpoints_of_update_modes_are_refused_not_saved_wrong(ranks):
+    """Per-shard states and 8-bit codes are not what torch.distributed.checkpoint places."""
+    for res in result(ranks, "fsdp_update_modes"):
+        for call in ("save_checkpoint", "load_checkpoint"):
+            assert "update='stochastic'" in res[f"{call}_refused"], call
+            assert "'O2'" in res[f"{call}_refused"]
+
+
 def test_fsdp2_trains_gpt_to_the_same_loss_as_ddp(ranks):
     for res in result(ranks, "fsdp_gpt"):
         ddp, fsdp = res["ddp"], res["fsdp"]
