@@ -54,7 +54,7 @@ from torch.optim import Optimizer
 from mixprec._core._rounding import keyed_round_, round_keys, saved_steps, shard_offset
 from mixprec._core.memory import trim_heap
 from mixprec._core.release import ReleasedGradients
-from mixprec._core.state_codes import FORMATS, QuantizedState, kind_of, quantizable
+from mixprec._core.state_codes import FORMATS, QuantizedState, quantizable, store_state
 
 __all__ = ["UPDATES", "LeanUpdate", "StateDtype"]
 
@@ -216,6 +216,13 @@ class LeanUpdate(ReleasedGradients):
             )
         return buf[:numel]
 
+    def _free_buffer(self, numel: int, device: torch.device) -> Tensor:
+        """A scratch buffer of at least ``numel`` elements that the chunk no longer reads."""
+        for (name, dev), buf in self._scratch.items():
+            if name.startswith("state:") and dev == device and buf.numel() >= numel:
+                return buf[:numel]
+        return self._buffer("bits", numel, device)
+
     def _inner_step(self, groups: list[dict], index: int, params: list[Tensor]) -> Any:
         for j, g in enumerate(groups):
             g["params"] = params if j == index else []
@@ -339,7 +346,7 @@ class LeanUpdate(ReleasedGradients):
             prev = old.get(k)
             if isinstance(want, str):
                 if quantizable(v):
-                    out[k] = self._quantized(k, v, want, prev, scratch)
+                    out[k] = store_state(k, v, want, prev)
                     continue
                 want = torch.float32  # too small for codes: kept exact
             if (
@@ -356,21 +363,6 @@ class LeanUpdate(ReleasedGradients):
             else:
                 out[k] = v
         return out
-
-    @staticmethod
-    def _quantized(key: str, v: Tensor, fmt: str, prev: Any, scratch: set[int]) -> QuantizedState:
-        """``v`` stored in ``fmt``: into ``prev``'s codes when it has that layout (``v``, a
-        temporary of the step, is overwritten)."""
-        if v is prev or v.dtype != torch.float32:  # a state tensor kept (a loaded fp32 one)
-            v = v.detach().to(torch.float32, copy=True)
-        if (
-            isinstance(prev, QuantizedState)
-            and prev.fmt == fmt
-            and prev.shape == v.shape
-            and prev.kind == kind_of(key)
-        ):
-            return prev.store_(v)
-        return QuantizedState.quantize(v, fmt, kind_of(key))
 
     def _write_back(
         self,
@@ -389,8 +381,9 @@ class LeanUpdate(ReleasedGradients):
             for p, t in zip(params, chunk):  # (length, global offset, key) of each parameter
                 key, mix = round_keys(self.seed, self.steps, self._ordinal[id(p)])
                 segments.append((t.numel(), shard_offset(p), key))
-            # the grads' scratch is free again: it and one more buffer hold the random bits
-            bits = (tmp_flat, self._buffer("bits", flat.numel(), flat.device))
+            # the grads' scratch is free again, and so is a state's once the states are stored:
+            # they hold the random bits (a buffer of its own only where no state was widened)
+            bits = (tmp_flat, self._free_buffer(flat.numel(), flat.device))
             rounded = keyed_round_(flat, low, segments, mix, bits)
             if low == torch.bfloat16:  # rounded in place to bf16 values: the copy is lossless
                 torch._foreach_copy_(chunk, w32)
