@@ -789,6 +789,41 @@ def scenario_fsdp_update_modes() -> dict:
     return out
 
 
+def scenario_ddp_lean() -> dict:
+    """DDP with "lean": gradients held (released ones would be stepped before DDP reduces
+    them, so that is refused); the replicas' weights and 8-bit states stay identical."""
+    out: dict = {}
+    model = wide_mlp(0)
+    model, opt = mixprec.initialize(model, _adamw(model.parameters()), Recipe("lean", BF16))
+    try:
+        mpd.wrap_ddp(model, opt)
+        out["released_refused"] = ""
+    except ValueError as e:
+        out["released_refused"] = str(e)
+    model = wide_mlp(0)
+    model, opt = mixprec.initialize(
+        model, _adamw(model.parameters()), Recipe("lean", BF16, gradients="held")
+    )
+    ddp = mpd.wrap_ddp(model, opt)
+    first = flat([p.detach().float() for p in model.parameters()])
+    for step in range(4):
+        x, y = wide_batch(step)
+        opt.backward(mse(ddp, local(x), local(y)))
+        opt.step()
+        opt.zero_grad()
+    weights = flat([p.detach().float() for p in model.parameters()])
+    codes = [
+        v.codes for st in opt.optimizer.state.values() for v in st.values() if hasattr(v, "codes")
+    ]
+    out["moved"] = (weights - first).abs().max().item()
+    out["ranks_equal"] = all(bitwise_equal(weights, o) for o in gathered(weights))
+    out["coded_states"] = len(codes)
+    out["codes_equal"] = all(
+        bitwise_equal(c.float(), o) for c in codes for o in gathered(c.float())
+    )
+    return out
+
+
 SCENARIOS = {
     name[len("scenario_") :]: fn for name, fn in globals().items() if name.startswith("scenario_")
 }

@@ -293,3 +293,10 @@ def test_hook_and_policy_validation():
     assert mpd.fsdp_mp_policy("float32").param_dtype is None
     with pytest.raises(RuntimeError, match="init_process_group"):
         mpd.wrap_ddp(torch.nn.Linear(2, 2))
+
+
+def test_ddp_with_lean_holds_gradients_and_keeps_replicas_identical(ranks):
+    for res in result(ranks, "ddp_lean"):
+        assert "gradients='held'" in res["released_refused"]  # released: refused with the fix
+        assert res["moved"] > 1e-3 and res["ranks_equal"]
+        assert res["coded_states"] >= 2 and res["codes_equal"]  # 8-bit states, alike on ranks
