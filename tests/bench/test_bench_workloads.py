@@ -83,8 +83,8 @@ def test_bad_max_chars():
 # -------------------------------------------------------------------------------- workloads
 
 
-def test_registry_has_exactly_three_consistent_workloads():
-    assert set(WORKLOADS) == {"seed-mlp", "mnist1d-cnn", "char-gpt"}
+def test_registry_has_exactly_four_consistent_workloads():
+    assert set(WORKLOADS) == {"seed-mlp", "mnist1d-cnn", "char-gpt", "char-gpt-small"}
     for name, w in WORKLOADS.items():
         assert w.name == name and w.description
         assert w.higher_is_better == (w.metric == "accuracy")
@@ -92,6 +92,8 @@ def test_registry_has_exactly_three_consistent_workloads():
         assert 0 < w.quick_steps < w.steps and 0 < w.eval_every <= w.steps
     assert WORKLOADS["seed-mlp"].reached(0.7) and not WORKLOADS["seed-mlp"].reached(0.1)
     assert WORKLOADS["char-gpt"].reached(0.5) and not WORKLOADS["char-gpt"].reached(4.0)
+    small = WORKLOADS["char-gpt-small"].make_model(None)
+    assert sum(p.numel() for p in small.parameters()) < 10**6  # a long run that fits a CPU
 
 
 def test_samples_per_batch():
