@@ -304,3 +304,37 @@ def test_accumulated_gradients_are_held_and_stepped_once():
     opt.step()
     assert int(opt.state[model[0].weight]["step"]) == 1
     assert summed.abs().sum() > 0
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9),
+    "adam": lambda groups: torch.optim.Adam(groups, lr=1e-2),
+    "adamw-foreach": lambda groups: torch.optim.AdamW(groups, lr=1e-2, foreach=True),
+    "adamw-fused": lambda groups: torch.optim.AdamW(groups, lr=1e-2, fused=True),
+}
+
+
+@pytest.mark.parametrize("gradients", ["auto", "held"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_lean_with_optimizers_param_groups_and_a_scheduler(name, gradients):
+    model = _model()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = OPTIMIZERS[name]([{"params": decay, "weight_decay": 0.1}, {"params": rest}])
+    model, opt = mixprec.initialize(model, opt, mixprec.Recipe("lean", BF16, gradients=gradients))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+    x, y = _batch()
+    losses = []
+    for _ in range(25):
+        losses.append(float((model(x).float() - y).pow(2).mean().detach()))
+        _step(model, opt, x, y)
+        sched.step()
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert (
+        opt.param_groups[0]["lr"]
+        == opt.param_groups[1]["lr"]
+        < OPTIMIZERS[name]([torch.zeros(1, requires_grad=True)]).defaults["lr"]
+    )
+    first = "momentum_buffer" if name.startswith("sgd") else "exp_avg"
+    assert isinstance(opt.state[model[0].weight][first], QuantizedState)
+    assert opt.state[model[0].weight][first].kind == "signed"
