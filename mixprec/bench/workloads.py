@@ -281,6 +281,19 @@ _MNIST: dict[str, Any] = {
     "metric": "accuracy",
     "higher_is_better": True,
 }
+#: what the character GPTs share: the corpus, its batches, the loss and the validation loss
+_CORPUS: dict[str, Any] = {
+    "metric": "val_loss",
+    "higher_is_better": False,
+    "batch_size": 16,
+    "prepare": prepare_corpus,
+    "make_optimizer": adamw_gpt,
+    "batches": corpus_batches,
+    "loss": cross_entropy,
+    "evaluate": corpus_val_loss,
+    "samples_per_batch": _tokens,
+    "example_batch": corpus_example_batch,
+}
 
 WORKLOADS: dict[str, BenchWorkload] = {
     w.name: w
@@ -317,43 +330,25 @@ WORKLOADS: dict[str, BenchWorkload] = {
         BenchWorkload(
             name="char-gpt",
             description="nanoGPT-style GPT (4x384, ctx 256) on a stdlib-source character corpus",
-            metric="val_loss",
-            higher_is_better=False,
             # Target: one fp32 run (seed 0, full corpus) had val loss 3.62 @5, 3.08 @60, 2.95 @120,
             # 2.77 @180, 2.68 @240 steps; 2.70 is crossed at ~step 230, ~60% of the 400 steps.
             target=2.70,
-            batch_size=16,
             steps=400,
             quick_steps=8,
             eval_every=20,
-            prepare=prepare_corpus,
             make_model=make_gpt,
-            make_optimizer=adamw_gpt,
-            batches=corpus_batches,
-            loss=cross_entropy,
-            evaluate=corpus_val_loss,
-            samples_per_batch=_tokens,
-            example_batch=corpus_example_batch,
+            **_CORPUS,
         ),
         BenchWorkload(
             name="char-gpt-small",
             description="nanoGPT-style GPT (2x128, ctx 256) on the same corpus, for long runs",
-            metric="val_loss",
-            higher_is_better=False,
             # Target: char-gpt's 2.70, which this narrower model reaches later
             target=2.70,
-            batch_size=16,
             steps=2000,
             quick_steps=8,
             eval_every=100,
-            prepare=prepare_corpus,
             make_model=make_small_gpt,
-            make_optimizer=adamw_gpt,
-            batches=corpus_batches,
-            loss=cross_entropy,
-            evaluate=corpus_val_loss,
-            samples_per_batch=_tokens,
-            example_batch=corpus_example_batch,
+            **_CORPUS,
         ),
     )
 }
