@@ -67,15 +67,16 @@ class ReleasedGradients:
         groups = self.optimizer.param_groups
         index = next(i for i, g in enumerate(groups) if any(q is p for q in g["params"]))
         saved = [g["params"] for g in groups]
-        on_cpu = p.device.type == "cpu"
+        fresh = p.device.type == "cpu" and not self.optimizer.state.get(p)
         try:
             self._step_chunk(groups, index, [p])
         finally:
             for g, plist in zip(groups, saved):
                 g["params"] = plist
         p.grad = None
-        if on_cpu:  # each step's temporaries land in new holes of the C heap, which would grow
-            trim_heap()  # resident through the backward (~0.3 ms a call)
+        if fresh:  # its first state was made, narrowed and freed: holes that stay resident
+            trim_heap()  # (see trim_heap); later steps reuse their own holes, and trimming
+            # each one would hand pages back that the next parameter faults in again
 
     def _free_scratch(self) -> None:
         """The end of a backward that stepped released gradients: its scratch is freed, and the
