@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mixprec._core.fp32_values import fp32_state_dict
 from mixprec._core.optimizer import MixedPrecisionOptimizer
-from mixprec._core.resume import MIXPREC_KEY, pack_state_dict
+from mixprec._core.resume import MIXPREC_KEY, kahan_fp32, pack_state_dict
 
 __all__ = ["fp32_full_state_dict", "load_checkpoint", "save_checkpoint"]
 
@@ -199,6 +199,24 @@ def load_checkpoint(
     optimizer.load_state_dict(state["optimizer"])
 
 
+def _kahan_full_values(model: nn.Module, optimizer: Any) -> dict[str, Tensor]:
+    """The exact fp32 values ``w + c`` of 16-bit shards under a Kahan update, all-gathered by
+    name (a collective): without them the export would be the rounded weights."""
+    from torch.distributed.tensor import DTensor
+
+    comps = getattr(getattr(optimizer, "lean", None), "compensation", {})
+    out = {}
+    for name, p in model.named_parameters():
+        comp = comps.get(p)
+        if comp is None or not isinstance(p, DTensor):
+            continue
+        value = kahan_fp32(p.to_local(), comp)
+        out[name] = DTensor.from_local(
+            value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+        ).full_tensor()
+    return out
+
+
 def fp32_full_state_dict(
     model: nn.Module, optimizer: MixedPrecisionOptimizer | None = None
 ) -> dict[str, Tensor]:
@@ -216,6 +234,7 @@ def fp32_full_state_dict(
 
         # cpu_offload=True would keep the result on rank 0 only; every rank gets it here.
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        full.update(_kahan_full_values(model, optimizer))
         return {
             k: (v.float() if v.is_floating_point() and v.dtype != torch.float64 else v)
             .detach()

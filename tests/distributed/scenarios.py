@@ -718,7 +718,13 @@ def _train_updates(recipe: Recipe, steps: int, how: str) -> dict:
         opt.step()
         opt.zero_grad()
     params = dict(model.named_parameters())
+    export = (
+        mpd.fp32_full_state_dict(model, opt)
+        if how == "fsdp"
+        else mixprec.fp32_state_dict(model, opt)
+    )
     out = {
+        "fp32_export": {k: v.detach().float().cpu() for k, v in export.items()},
         "weights": {
             k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
             for k, p in params.items()
@@ -763,7 +769,15 @@ def scenario_fsdp_update_modes() -> dict:
             "fsdp_vs_micro_max_diff": _max_diff(fsdp, micro),
             "fsdp_vs_single_max_diff": _max_diff(fsdp, single),
             "moved": _max_diff(fsdp, _train_updates(held, 0, "single")),
-            **{k: v for k, v in fsdp.items() if k != "weights"},
+            # the fp32 export (w + c under Kahan) of the shards, gathered, is one process's
+            "export_equal": sorted(fsdp["fp32_export"]) == sorted(micro["fp32_export"])
+            and all(
+                bitwise_equal(v, micro["fp32_export"][k]) for k, v in fsdp["fp32_export"].items()
+            ),
+            "export_is_not_the_weights": any(
+                not bitwise_equal(v, fsdp["weights"][k]) for k, v in fsdp["fp32_export"].items()
+            ),
+            **{k: v for k, v in fsdp.items() if k not in ("weights", "fp32_export")},
         }
         if recipe.update == "stochastic":  # released in backward where one process allows it
             released = _train_updates(recipe, steps, "single")

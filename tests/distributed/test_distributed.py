@@ -179,6 +179,9 @@ def test_fsdp2_update_modes_equal_one_process_bit_for_bit(ranks, case):
         assert r["param_type"] == "DTensor" and r["dtypes"] == ["torch.bfloat16"]  # no masters
         assert r["local_rows"] == 64  # each rank holds half of Linear(64, 128)'s rows
         assert r["fsdp_vs_micro_equal"] and r["fsdp_vs_micro_max_diff"] == 0.0
+        assert r["export_equal"]  # mpd.fp32_full_state_dict = one process's fp32_state_dict
+        # under Kahan the export carries w + c, not the 16-bit weights
+        assert r["export_is_not_the_weights"] == (case == "kahan")
         assert r["moved"] > 0.01  # it trained
         assert r["released"] is False and r["skipped"] == 0  # FSDP holds the gradients
         assert r["fsdp_vs_single_max_diff"] < 3 * 1e-2  # a few lr: Adam's sign-like start
