@@ -193,16 +193,13 @@ class LeanUpdate(ReleasedGradients):
                         self.optimizer.state.get(p) for p in chunk
                     )
                     result = self._step_chunk(groups, gi, chunk)
-                    if fresh:  # its fp32 state was made, narrowed and freed: see _trim_heap
+                    if fresh:  # its fp32 state was made, narrowed and freed: see trim_heap
                         trim_heap()
             self.steps += 1
         finally:
             for g, plist in zip(groups, saved):
                 g["params"] = plist
-            if self._scratch and any(d.type == "cpu" for _, d in self._scratch):
-                self._scratch = {}
-                trim_heap()  # the freed scratch would stay resident (see _trim_heap)
-            self._scratch = {}
+            self._free_scratch()
             self._end_released()
         return result
 
@@ -215,6 +212,14 @@ class LeanUpdate(ReleasedGradients):
                 size, dtype=torch.float32, device=device
             )
         return buf[:numel]
+
+    def _free_scratch(self) -> None:
+        """Free this step's (or backward's) scratch; on a CPU trim the C heap too, where the
+        freed buffers would otherwise stay resident (see trim_heap)."""
+        on_cpu = any(device.type == "cpu" for _, device in self._scratch)
+        self._scratch = {}
+        if on_cpu:
+            trim_heap()
 
     def _free_buffer(self, numel: int, device: torch.device) -> Tensor:
         """A scratch buffer of at least ``numel`` elements that the chunk no longer reads."""

@@ -37,7 +37,7 @@ __all__ = ["ReleasedGradients"]
 
 class ReleasedGradients:
     """The release half of :class:`~mixprec._core.lean.LeanUpdate` (a mixin: it reads the
-    updater's ``optimizer``, ``_scratch``, ``_step_chunk``, ``release``, ``nonfinite`` and
+    updater's ``optimizer``, ``_step_chunk``, ``_free_scratch``, ``nonfinite`` and
     ``_released``)."""
 
     optimizer: torch.optim.Optimizer
@@ -77,12 +77,6 @@ class ReleasedGradients:
         if fresh:  # its first state was made, narrowed and freed: holes that stay resident
             trim_heap()  # (see trim_heap); later steps reuse their own holes, and trimming
             # each one would hand pages back that the next parameter faults in again
-
-    def _free_scratch(self) -> None:
-        """The end of a backward that stepped released gradients: its scratch is freed, and the
-        C heap trimmed (the holes it leaves would otherwise stay resident; see trim_heap)."""
-        self._scratch = {}
-        trim_heap()
 
     def _end_released(self) -> None:
         """Close a step whose gradients were released: say what a non-finite gradient left."""
