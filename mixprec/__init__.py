@@ -14,7 +14,7 @@ region or an initialized model first runs.
 
 import torch.distributed as _dist
 
-from mixprec import amp, graph, inference, numerics  # noqa: F401 - subpackages: mixprec.numerics.tune
+from mixprec import amp, graph, inference, numerics, warnings  # noqa: F401 - mixprec.numerics.tune
 from mixprec._core.activations import ActivationConfig
 from mixprec._core.cast_table import register_op
 from mixprec._core.engine import autocast, set_policy

@@ -20,6 +20,7 @@ back: the preset's name, the dtype, then each field that differs from the preset
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -375,11 +376,12 @@ def _loss_scaling(spec: Any) -> Any:
         return spec
     if spec == "dynamic":
         return LossScaling()
-    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+    number = isinstance(spec, (int, float)) and not isinstance(spec, bool)
+    if number and math.isfinite(spec) and spec > 0:
         return LossScaling(dynamic=False, init_scale=float(spec))
     raise ValueError(
-        f"Recipe(loss_scale={spec!r}): expected 'auto', 'dynamic', a number > 0 (a static "
-        "scale), None (off) or mixprec.LossScaling(...)."
+        f"Recipe(loss_scale={spec!r}): expected 'auto', 'dynamic', a finite number > 0 (a "
+        "static scale, e.g. loss_scale=128.0), None (off) or mixprec.LossScaling(...)."
     )
 
 

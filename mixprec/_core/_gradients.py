@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from mixprec._core._warnings import MixprecNumericsWarning
 from mixprec._core.loss_scale import LossScaler, unscale_and_check_
 
 __all__ = ["SETTLE_HOOKS", "GradientChecks", "LossSlot", "read_flags"]
@@ -134,7 +135,7 @@ class GradientChecks:
             f"the loss scale is {scaler.scale:g}: 16-bit gradients of a small loss underflow "
             "to zero unscaled. Call opt.backward(loss) (or `with mixprec.scale_loss(loss, "
             "opt) as scaled: scaled.backward()`) instead of loss.backward().",
-            UserWarning,
+            MixprecNumericsWarning,
             stacklevel=5,  # the caller of step() (through torch.no_grad's wrapper)
         )
 

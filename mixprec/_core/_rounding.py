@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mixprec._core._warnings import user_stacklevel
+from mixprec._core._warnings import MixprecWarning, user_stacklevel
 
 __all__ = [
     "keyed_round_",
@@ -232,7 +232,7 @@ def saved_steps(sd: dict[str, Any], update: str) -> int:
             "rounding continues on a stream of its own (step count 2**32 on), so the run "
             "differs from an uninterrupted run of the old version. Save again to resume "
             "bit for bit from here on.",
-            UserWarning,
+            MixprecWarning,
             stacklevel=user_stacklevel(),
         )
         return 2**32

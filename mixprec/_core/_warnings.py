@@ -1,6 +1,13 @@
-"""Where a mixprec warning points: the user's line, however deep inside mixprec it was raised.
+"""mixprec's warning classes, and where a warning points: the user's line, however deep inside
+mixprec it was raised.
 
-Design: a fixed ``stacklevel`` breaks whenever a call path gains a frame (a decorator, a split
+Every warning mixprec emits is a :class:`MixprecWarning` (a ``UserWarning``), so one filter
+takes them all; :class:`MixprecNumericsWarning` (values at risk: an ``eps`` that rounds to 0, a
+non-finite gradient) is a ``RuntimeWarning`` too, and :class:`MixprecPerformanceWarning` says a
+setting will run slower than it should. They are public in :mod:`mixprec.warnings`. The one
+exception is :mod:`mixprec.amp`, which warns as ``torch.amp`` does, with torch's classes.
+
+Stack levels: a fixed ``stacklevel`` breaks whenever a call path gains a frame (a decorator, a split
 function), and then points the warning at mixprec's own code, which the user cannot act on.
 The first frame outside mixprec and torch is the user's call, whatever the path.
 """
@@ -12,10 +19,28 @@ import sys
 
 import torch
 
-__all__ = ["user_stacklevel"]
+__all__ = [
+    "MixprecNumericsWarning",
+    "MixprecPerformanceWarning",
+    "MixprecWarning",
+    "user_stacklevel",
+]
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _INTERNAL = (os.path.dirname(torch.__file__) + os.sep, _PACKAGE + os.sep)
+
+
+class MixprecWarning(UserWarning):
+    """Base class of every warning mixprec emits."""
+
+
+class MixprecNumericsWarning(MixprecWarning, RuntimeWarning):
+    """Values at risk: a setting that can round to 0, overflow, or leave a step non-finite."""
+
+
+class MixprecPerformanceWarning(MixprecWarning):
+    """A setting runs slower than it should here (a 16-bit dtype on a device without fast
+    16-bit math, a path without its fused kernel)."""
 
 
 def user_stacklevel() -> int:

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mixprec._core._warnings import MixprecWarning
+
 __all__ = ["refuse_released", "register_masters", "register_released"]
 
 # id(model parameter) -> (weak ref to it, weak ref to its master); by id, since tensors compare
@@ -121,6 +123,6 @@ def _warn_if_bound(originals: tuple[Any, ...]) -> None:
             "gradients (they live on the masters) and clips nothing. Call "
             "opt.clip_grad_norm_(max_norm), or torch.nn.utils.clip_grad_norm_(...) by its "
             "full name, which reaches the masters.",
-            UserWarning,
+            MixprecWarning,
             stacklevel=2,
         )

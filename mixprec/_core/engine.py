@@ -36,6 +36,7 @@ from torch.utils import _pytree
 
 from mixprec._core import dispatch
 from mixprec._core._keywords import refuse_moved_keywords
+from mixprec._core._warnings import MixprecWarning
 from mixprec._core.activations import ActivationConfig, SavedTensorStorage
 from mixprec._core.dispatch import FP32_INSIDE_OPS, Frame, cast_leaf
 from mixprec._core.policy import (
@@ -353,7 +354,7 @@ def _with_storage(
             "activations= is not applied to this forward: it runs inside other saved-tensor "
             "hooks (torch.utils.checkpoint around the model, save_on_cpu, ...), which decide "
             "how its tensors are saved.",
-            UserWarning,
+            MixprecWarning,
             stacklevel=5,
         )
         return _run(spec, forward, args, kwargs)

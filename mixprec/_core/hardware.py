@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec._core._warnings import user_stacklevel
+from mixprec._core._warnings import MixprecPerformanceWarning, user_stacklevel
 
 __all__ = [
     "DtypeSupport",
@@ -89,10 +89,6 @@ _CUDA_FP16_TENSOR_CORES: tuple[int, int] = (7, 0)
 _CUDA_BF16_TENSOR_CORES: tuple[int, int] = (8, 0)
 _CUDA_FP8_TENSOR_CORES: tuple[int, int] = (8, 9)
 _DEVICE_HELP = "None, a torch.device, or a device string like 'cpu', 'cuda', 'cuda:1', 'mps'"
-
-
-class MixprecPerformanceWarning(UserWarning):
-    """A 16-bit dtype was requested on a device where it is not expected to beat float32."""
 
 
 @dataclass(frozen=True)

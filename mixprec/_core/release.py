@@ -29,7 +29,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from mixprec._core._warnings import user_stacklevel
+from mixprec._core._warnings import MixprecNumericsWarning, user_stacklevel
 from mixprec._core.memory import trim_heap
 
 __all__ = ["ReleasedGradients"]
@@ -89,6 +89,6 @@ class ReleasedGradients:
                 "but the others had already been stepped in backward (a step cannot be skipped "
                 "as a whole once gradients are released). Use gradients='held' to skip whole "
                 "steps.",
-                UserWarning,
+                MixprecNumericsWarning,
                 stacklevel=user_stacklevel(),
             )

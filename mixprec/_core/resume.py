@@ -38,6 +38,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from mixprec._core._warnings import MixprecWarning
+
 __all__ = [
     "MIXPREC_KEY",
     "drop_stale",
@@ -134,7 +136,7 @@ def drop_stale(inner: dict[str, Any], own: dict[str, Any] | None) -> dict[str, A
         "compensation and loss scalers "
         "describe older weights and are ignored; the masters follow the model's weights. "
         "Resume from a checkpoint saved by the optimizer mixprec.initialize returned.",
-        UserWarning,
+        MixprecWarning,
         stacklevel=4,  # the caller of initialize or of opt.load_state_dict (under no_grad)
     )
     return None
@@ -239,7 +241,7 @@ def resume_carried(
             "optimizer state came from different checkpoints, or the optimizer was stepped "
             "without mixprec after loading. Load both from one checkpoint (the model's "
             "state_dict() or mixprec.fp32_state_dict(model, opt), and opt.state_dict()).",
-            UserWarning,
+            MixprecWarning,
             stacklevel=3,
         )
     opt.load_state_dict(pack_state_dict(inner, own))
@@ -268,6 +270,6 @@ def _warn_no_entry(opt: Any, values: dict[int, Tensor], given: bool) -> None:
         f"torch's load_state_dict drops it), so {'; '.join(lost)}. To resume a mixprec "
         "checkpoint exactly, load the optimizer state after initialize, into the optimizer it "
         "returns; for a torch.amp checkpoint pass init_scale=ckpt['scaler']['scale'].",
-        UserWarning,
+        MixprecWarning,
         stacklevel=4,
     )

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mixprec._core._warnings import user_stacklevel
+from mixprec._core._warnings import MixprecNumericsWarning, MixprecWarning, user_stacklevel
 from mixprec._core.norms import is_norm
 from mixprec._core.policy import get_policy
 
@@ -85,7 +85,7 @@ def cast_storage(
                         f"range (|x| up to {b.abs().max().item():.3g}, nonzero values that "
                         f"would flush to 0 or overflow); it stays "
                         f"{b.dtype}.",
-                        RuntimeWarning,
+                        MixprecNumericsWarning,
                         stacklevel=user_stacklevel(),
                     )
                     continue
@@ -153,7 +153,7 @@ def _warn_16bit(
                 f"in {dtype}, so its {other[0]} weights are converted, rounding them a second "
                 f"time ({_SECOND_ROUNDING[dtype]}). Pass dtype={other[0]} to keep them as they "
                 "are, or build or load the model in float32 and let initialize cast it.",
-                UserWarning,
+                MixprecWarning,
                 stacklevel=user_stacklevel(),
             )
         return
@@ -163,7 +163,7 @@ def _warn_16bit(
         f"values, not from the float32 values they were cast from. Build or load the model in "
         f"float32 and let initialize cast it: drop the model.half() / "
         f"model.to({next(iter(found))}) before initialize.",
-        UserWarning,
+        MixprecWarning,
         stacklevel=user_stacklevel(),
     )
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from mixprec._core._warnings import user_stacklevel
+from mixprec._core._warnings import MixprecNumericsWarning, user_stacklevel
 
 __all__ = ["update_options"]
 
@@ -81,7 +81,7 @@ def _warn_vanishing_eps(optimizers: list[Optimizer | None], dtype: torch.dtype) 
             f"Optimizer {i} has eps={eps:g}, which rounds to 0 in {dtype} (smallest positive "
             f"value {tiny:.3g}); without fp32 master weights its update can divide 0 by 0. Use "
             "a recipe with update='kahan', one with fp32 masters (O2), or eps >= 1e-4.",
-            RuntimeWarning,
+            MixprecNumericsWarning,
             stacklevel=user_stacklevel(),
         )
 

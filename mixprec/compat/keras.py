@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from mixprec._core._warnings import MixprecWarning
 from mixprec._core.loss_scale import LossScaler, unscale_and_check_
 
 __all__ = ["LossScaleOptimizer"]
@@ -184,7 +185,7 @@ class LossScaleOptimizer:
                 "You forgot to call LossScaleOptimizer.get_scaled_loss() and "
                 "LossScaleOptimizer.get_unscaled_gradients() before calling "
                 "LossScaleOptimizer.apply_gradients(): the loss is not being scaled.",
-                UserWarning,
+                MixprecWarning,
                 stacklevel=2,
             )
         self._scaled = self._unscaled = False

@@ -54,6 +54,7 @@ from torch.nn.parallel import DistributedDataParallel
 from mixprec import _initialize as initialize
 from mixprec._core import engine, optimizer
 from mixprec._core._keywords import refuse_moved_keywords
+from mixprec._core._warnings import MixprecNumericsWarning
 from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec._initialize import _MARK, RECIPE_ATTR  # set by initialize on each model
 from mixprec.distributed.verdicts import (
@@ -294,7 +295,7 @@ def wrap_ddp(
             "fp16 gradient all-reduce without loss scaling: gradients below 6e-8 "
             "(and their share after the division by the world size) flush to zero. "
             "Use a recipe with reduce_dtype=torch.bfloat16, or loss_scale='dynamic'.",
-            RuntimeWarning,
+            MixprecNumericsWarning,
             stacklevel=2,
         )
     if isinstance(model, DistributedDataParallel):

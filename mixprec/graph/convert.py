@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from mixprec._core._keywords import refuse_moved_keywords
+from mixprec._core._warnings import MixprecWarning
 from mixprec._core.policy import Policy, PolicyLike, as_policy, global_policy
 from mixprec.graph import paint
 from mixprec.graph.caches import no_cache, strip_use_cache
@@ -170,6 +171,7 @@ class ConvertedModule(nn.Module):
                     "batch size, so each new input shape is captured again. Make the "
                     "batch dimension symbolic-friendly or pass dynamic_batch=False to "
                     "silence this.",
+                    MixprecWarning,
                     stacklevel=3,
                 )
                 self.dynamic_batch = False

@@ -16,6 +16,7 @@ from torch import nn
 import mixprec
 from mixprec import ActivationConfig, FP8Config, LossScaling, Recipe
 from mixprec._initialize import MOVED
+from mixprec.recipe import as_recipe
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -220,6 +221,19 @@ def test_each_rule_names_the_field(args, fields, field):
     with pytest.raises(ValueError, match=rf"^Recipe\({field}=") as info:
         Recipe(*args, **fields)
     assert len(str(info.value)) > len(f"Recipe({field}=...): ")  # and says why, or the fix
+
+
+@pytest.mark.parametrize("scale", [-1, 0, 0.0, float("inf"), float("nan")])
+def test_a_static_loss_scale_out_of_range_is_refused_in_the_fields_words(scale):
+    """The user wrote ``loss_scale``: the message names it and what it accepts, not the
+    ``init_scale`` of the scaler built from it."""
+    with pytest.raises(ValueError, match=r"^Recipe\(loss_scale=") as info:
+        Recipe("O2", FP16, loss_scale=scale)
+    message = str(info.value)
+    assert "'dynamic'" in message and "> 0" in message and "LossScaling(" in message
+    assert "init_scale" not in message
+    with pytest.raises(ValueError, match=r"^Recipe\(loss_scale="):
+        as_recipe(f"O2 fp16 loss_scale={scale}")
 
 
 def test_loss_scaling_checks_its_own_settings():
