@@ -17,6 +17,12 @@ methods read the optimizer's own fields: no second object to keep in step with i
   scaler's skip counts agree.
 * **Accumulation keeps each micro-batch's scale.** Gradients already unscaled are stashed
   before the next backward and added back after it.
+* **Under ``DDP.no_sync()`` the scaled gradients stay in ``.grad``.** DDP accumulates the
+  micro-batches there and all-reduces the sum at the next synchronized backward; moving them
+  into the masters would leave only the last micro-batch to be averaged. So a backward whose
+  forward ran without gradient sync is deferred (:meth:`GradientChecks.defer_backward`), and the
+  synchronized one unscales and checks them all, as ``torch.amp`` does. The loss scale cannot
+  change within a step, so the sum has one scale.
 """
 
 from __future__ import annotations
@@ -97,6 +103,10 @@ class GradientChecks:
     _pairs: list[tuple[Tensor, Tensor]]  # (16-bit model parameter, fp32 master)
     _found: dict[torch.device, Tensor]  # verdicts of scaled backwards, per device
     _late: dict[torch.device, Tensor]  # verdicts of gradients checked outside them
+    #: set by the distributed layer's forward hook: the backward of the forward that ran last
+    #: will not all-reduce (``DDP.no_sync()``), so its gradients stay in ``.grad``
+    unsynced_backward: bool = False
+    _deferred: int | None = None  # the loss id of scaled gradients left in .grad (no_sync)
     _touched: set[int]  # loss ids recorded since the last step
     _stash: dict[Tensor, Tensor]  # unscaled gradients set aside during a backward
     _grad_buffers: dict[int, Tensor]  # id(master) -> persistent fp32 gradient (CPU)
@@ -252,12 +262,26 @@ class GradientChecks:
         Returns this optimizer's verdict flag for the backward (None: it produced no gradients).
         """
         slot = self.slot(loss_id)
+        self._deferred = None  # deferred micro-batches are in .grad: unscaled with this one
         flag = self._unscale(slot.scaler.scale)
         self._restore_stash()
         if flag is not None:
             slot.pending.append(flag)
             self._touched.add(loss_id)
         return flag
+
+    def defer_backward(self, loss_id: int) -> None:
+        """After a backward whose forward ran under ``DDP.no_sync()``: leave its scaled
+        gradients in ``.grad`` for DDP to accumulate; the next synchronized backward of the same
+        loss (or ``step()``) unscales and checks them with its own."""
+        if self._deferred not in (None, loss_id):
+            raise ValueError(
+                f"Losses {self._deferred} and {loss_id} were both backpropagated under "
+                "DDP.no_sync() in one step: their gradients accumulate in .grad unscaled, and "
+                "each loss has its own scale. Accumulate one loss per step under no_sync, or "
+                "sum the losses before backward."
+            )
+        self._deferred = loss_id
 
     def share_verdict(self, flag: Tensor) -> None:
         """Also skip the next step on ``flag``: another optimizer's verdict for the same loss."""
@@ -271,6 +295,8 @@ class GradientChecks:
 
     def prepare_backward(self) -> None:
         """Called before ``backward``: take in raw grads, stash unscaled grads for accumulation."""
+        if self._deferred is not None:
+            return  # scaled grads of DDP.no_sync() micro-batches accumulate in .grad
         if self._has_raw_grads():
             self._check_late()  # grads of a plain loss.backward(): checked, not to be unscaled
         self._stash_grads()
@@ -298,6 +324,8 @@ class GradientChecks:
 
     def _settle(self) -> bool:
         """Process raw grads, read every verdict with one host sync, update the scalers."""
+        if self._deferred is not None:  # no synchronized backward closed the step
+            self.record_backward(self._deferred)
         if self._has_raw_grads():
             self._check_late()  # plain loss.backward() (alone or after scaled ones), or a
             # gradient changed after its check: not unscaled

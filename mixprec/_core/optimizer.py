@@ -300,6 +300,7 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._stash.clear()
+        self._deferred = None
         self._found.clear()  # the verdicts were about the gradients dropped here
         self._late.clear()
         params: Iterable[Tensor] = [*self.master_params(), *(p for p, _ in self._pairs)]
@@ -400,6 +401,7 @@ def scale_loss(
             "touches in one call (lists of models and optimizers)."
         )
     slot = opts[0].slot(loss_id)
+    unsynced = all(o.unsynced_backward for o in opts)  # DDP.no_sync(): see _gradients
     for o in opts:
         o.prepare_backward()
     try:
@@ -410,6 +412,10 @@ def scale_loss(
         for o in opts:  # the backward failed: give back the grads stashed for accumulation
             o._restore_stash()
         raise
+    if unsynced:
+        for o in opts:
+            o.defer_backward(loss_id)
+        return
     flags = [o.record_backward(loss_id) for o in opts]
     # One loss, one verdict: a non-finite gradient anywhere in this loss's gradients skips every
     # optimizer it produced gradients for (Apex semantics), not only the one holding it.

@@ -331,11 +331,13 @@ class _DDPWatch:
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel._active_ddp_module
-        if ddp is None:
-            return
         for ref in self.refs:
             opt = ref()
-            if opt is not None and opt.reduce_flags is None and opt._plain_ddp is None:
+            if opt is None:
+                continue
+            # DDP decides at forward whether this backward all-reduces (no_sync)
+            opt.unsynced_backward = ddp is not None and not ddp.require_backward_grad_sync
+            if ddp is not None and opt.reduce_flags is None and opt._plain_ddp is None:
                 opt._plain_ddp = weakref.ref(ddp)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -346,8 +348,10 @@ def watch_ddp(model: nn.Module, optimizers: Sequence[MixedPrecisionOptimizer]) -
     """Let ``optimizers`` notice a plain ``DistributedDataParallel`` running ``model``.
 
     A forward pre-hook on ``model`` records the running DDP on every optimizer whose verdicts
-    are not reduced yet; their next ``step()`` then calls :func:`adopt_ddp`. The hook costs an
-    attribute read per forward and issues no collective.
+    are not reduced yet; their next ``step()`` then calls :func:`adopt_ddp`. It also notes whether
+    DDP will all-reduce this forward's backward (not under ``no_sync()``), so a scaled backward
+    leaves the gradients of an unsynchronized micro-batch in ``.grad`` for DDP to accumulate.
+    The hook costs a few attribute reads and writes per forward and issues no collective.
     """
     if optimizers and dist.is_available():
         model.register_forward_pre_hook(_DDPWatch(optimizers))

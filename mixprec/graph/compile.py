@@ -41,8 +41,10 @@ def backend(
 
     Args:
         recipe: as in :func:`mixprec.convert`: a Recipe, or a policy (default: the global policy
-            if mixed, else the fast 16-bit dtype here; with a policy, mixprec's kernels are off:
-            inductor has its own attention lowering).
+            if mixed, else the fast 16-bit dtype here). ``kernels`` is the recipe's, ``"auto"``
+            with a policy, as in ``convert``: inductor runs attention as an extern kernel, so
+            the decomposed attention that ``"auto"`` picks where it is measured faster stays
+            faster compiled (``docs/graph.md``).
         compiler: ``"inductor"`` (fuses the casts); ``"aot_eager"`` (AOTAutograd traces
             forward and backward, no code generation) or ``"eager"`` (the rewritten graph as
             is) to debug the pass under dynamo.
@@ -55,7 +57,7 @@ def backend(
         raise ValueError(
             f"compiler must be 'inductor', 'aot_eager' or 'eager', received {compiler!r}."
         )
-    pol, settings = graph_settings(recipe, kernels="torch")
+    pol, settings = graph_settings(recipe)
     options = {**settings, "ops": dict(ops or {}), "fp32_modules": tuple(fp32_modules)}
     results: list[Any] = []
 

@@ -222,10 +222,11 @@ def _default_policy(policy: PolicyLike | None) -> Policy:
     return Policy("mixed_bfloat16" if default_dtype() == torch.bfloat16 else "mixed_float16")
 
 
-def graph_settings(spec: Any, kernels: str = "auto") -> tuple[Policy, dict[str, Any]]:
+def graph_settings(spec: Any) -> tuple[Policy, dict[str, Any]]:
     """The pass's policy and the Recipe fields it applies (``fp32_inside``, ``kernels``) from a
-    :class:`~mixprec.Recipe`, or from a policy spelling (None: the default policy) with
-    ``fp32_inside=False`` and ``kernels``."""
+    :class:`~mixprec.Recipe`, or from a policy spelling (None: the default policy) with a
+    Recipe's defaults, ``fp32_inside=False`` and ``kernels="auto"``: ``convert``, ``compile``
+    and ``backend`` read a policy alike."""
     from mixprec.recipe import level_recipe
 
     recipe = level_recipe(spec)
@@ -235,7 +236,7 @@ def graph_settings(spec: Any, kernels: str = "auto") -> tuple[Policy, dict[str, 
             param_dtype=torch.float32, compute_dtype=low, output_dtype=recipe.outputs or low
         )
         return policy, {"fp32_inside": recipe.fp32_inside, "kernels": recipe.kernels}
-    return _default_policy(spec), {"fp32_inside": False, "kernels": kernels}
+    return _default_policy(spec), {"fp32_inside": False, "kernels": "auto"}
 
 
 _GRAPH_MOVED = {"fp32_inside": "fp32_inside", "kernels": "kernels", "policy": "name"}

@@ -289,6 +289,51 @@ def scenario_ddp_equals_single() -> dict:
     return out
 
 
+def _accumulate(model, opt, micro: list, scaled: bool, ddp=None) -> None:
+    """One step over ``micro`` batches, each loss divided by their number; under ``ddp`` all
+    but the last backward run in ``ddp.no_sync()``."""
+    for i, (x, y) in enumerate(micro):
+        last = i == len(micro) - 1
+        sync = contextlib.nullcontext() if ddp is None or last else ddp.no_sync()
+        with sync:
+            loss = mse(ddp or model, x, y) / len(micro)
+            opt.backward(loss) if scaled else loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def scenario_no_sync() -> dict:
+    """``DDP.no_sync()`` accumulation: 4 micro-batches per rank, the first 3 without the
+    all-reduce, ``loss.backward()`` (bf16) or ``opt.backward(loss)`` (fp16, loss-scaled), against
+    one process accumulating the 4 global micro-batches (each rank's rows together)."""
+    out = {}
+    for level in ("O1", "O2", "O3"):
+        for dtype, scaled in ((BF16, False), (BF16, True), (torch.float16, True)):
+            fp16 = dtype == torch.float16
+            recipe = Recipe(level, dtype, loss_scale=1024.0 if fp16 else "auto")
+            runs = []
+            for distributed in (True, False):
+                model = mlp(0)
+                opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+                model, opt = mixprec.initialize(model, opt, recipe)
+                start = flat(opt.master_params())
+                ddp = mpd.wrap_ddp(model, opt) if distributed else None
+                for step in range(3):
+                    micro = [batch(4 * step + j) for j in range(4)]
+                    if distributed:
+                        micro = [(local(x), local(y)) for x, y in micro]
+                    _accumulate(model, opt, micro, scaled, ddp)
+                runs.append(flat(opt.master_params()))
+            dist_w, ref_w = runs
+            out[f"{level}-{dtype}-{'opt.backward' if scaled else 'loss.backward'}"] = {
+                "update_norm": (ref_w - start).norm().item(),
+                "diff_norm": (dist_w - ref_w).norm().item(),
+                "ranks_equal": all(bitwise_equal(dist_w, o) for o in gathered(dist_w)),
+                "skipped": opt.skipped_steps,
+            }
+    return out
+
+
 def scenario_order_errors() -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -164,6 +164,21 @@ def test_ddp_bf16_matches_single_process_within_bf16_tolerance(ranks):
         assert r["diff_norm"] < 0.02 * r["update_norm"]  # a wrong average is off by ~50-100%
 
 
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize(
+    "how",
+    ["torch.bfloat16-loss.backward", "torch.bfloat16-opt.backward", "torch.float16-opt.backward"],
+)
+def test_no_sync_accumulation_matches_one_process_accumulating_every_micro_batch(ranks, level, how):
+    """The earlier micro-batches' gradients reach the last, synchronized backward: averaging
+    only the last one would be off by about half the update (fp16: loss-scaled backwards)."""
+    for res in result(ranks, "no_sync"):
+        r = res[f"{level}-{how}"]
+        assert r["ranks_equal"] and r["skipped"] == 0
+        assert r["update_norm"] > 0.1
+        assert r["diff_norm"] < 0.02 * r["update_norm"], r
+
+
 # -- FSDP2 -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", ["lean", "lean_fp32_reduce", "kahan"])
 def test_fsdp2_update_modes_equal_one_process_bit_for_bit(ranks, case):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -360,3 +361,31 @@ def test_compiled_training_with_mixprec_attention_under_aot_autograd():
     assert losses[-1] < losses[0]
     with pytest.raises(ValueError, match="'inductor', 'aot_eager' or 'eager'"):
         mixprec.graph.backend(compiler="tvm")
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 4, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(1)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [None, "mixed_bfloat16", mixprec.Recipe("O1", torch.bfloat16)],
+    ids=["default", "policy", "recipe"],
+)
+def test_the_compiler_path_picks_kernels_as_convert_does_whatever_names_the_precision(spec):
+    """``kernels`` has one default: a policy (or nothing) reads as a Recipe's ``"auto"``, so
+    attention takes mixprec's measured rule under ``graph.backend`` as under ``convert``."""
+    from mixprec.graph.rewrite import auto_attention
+
+    with mixprec.policy_scope("mixed_bfloat16") if spec is None else contextlib.nullcontext():
+        be = mixprec.graph.backend(spec, compiler="eager")
+        torch.compile(_Attention(), backend=be)(torch.randn(2, 4, 16))
+    targets = [n.target for n in be.results[0].graph.nodes]
+    assert auto_attention in targets
+    assert F.scaled_dot_product_attention not in targets
