@@ -126,8 +126,8 @@ def _batch(seed: int = 1):
     return torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
 
 
-def _step(model, opt, x, y, poison=None):
-    with poisoned(poison):
+def _step(model, opt, x, y, poison=None, bad=float("inf")):
+    with poisoned(poison, bad):
         opt.backward((model(x).float() - y).pow(2).mean())
     opt.step()
     opt.zero_grad()
@@ -186,7 +186,10 @@ def test_a_non_finite_gradient_leaves_weights_and_codes_bit_identical(dtype, gra
     assert opt.lean.steps == steps  # the skipped step is not counted: same rounding keys
 
 
-def test_released_gradients_step_in_backward_and_a_non_finite_one_leaves_its_parameter():
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_released_gradients_step_in_backward_and_a_non_finite_one_leaves_its_parameter(bad):
+    """Each kind of non-finite value: a check that loses a sign (max instead of max of |g|)
+    lets -inf through, and the weight becomes NaN with no warning."""
     model, opt = _lean(BF16)  # "auto" without loss scaling: released
     assert opt.lean.release
     x, y = _batch()
@@ -201,7 +204,7 @@ def test_released_gradients_step_in_backward_and_a_non_finite_one_leaves_its_par
     kept, codes = first.detach().clone(), q.codes.clone()
     others = [p.detach().clone() for p in list(model.parameters())[1:]]
     with pytest.warns(UserWarning, match="1 parameter.*non-finite.*left unchanged"):
-        _step(model, opt, x, y, poison=first)
+        _step(model, opt, x, y, poison=first, bad=bad)
     assert_bitwise(first.detach(), kept)
     assert torch.equal(q.codes, codes)
     assert all(not torch.equal(p, b) for p, b in zip(list(model.parameters())[1:], others))
