@@ -343,3 +343,44 @@ def test_lean_with_optimizers_param_groups_and_a_scheduler(name, gradients):
     first = "momentum_buffer" if name.startswith("sgd") else "exp_avg"
     assert isinstance(opt.state[model[0].weight][first], QuantizedState)
     assert opt.state[model[0].weight][first].kind == "signed"
+
+
+SECOND_MOMENT_OPTIMIZERS = {
+    "rmsprop": (lambda params: torch.optim.RMSprop(params, lr=1e-3), ("square_avg",)),
+    "adagrad": (lambda params: torch.optim.Adagrad(params, lr=1e-2), ("sum",)),
+    "adadelta": (lambda params: torch.optim.Adadelta(params, lr=1.0), ("square_avg", "acc_delta")),
+}
+
+
+@pytest.mark.parametrize("name", list(SECOND_MOMENT_OPTIMIZERS))
+def test_second_moments_of_other_optimizers_keep_their_small_values(name):
+    """RMSprop's, Adagrad's and Adadelta's squares span Adam's range: each decodes within the
+    square-root code's error of the fp32 step's value and never to 0 where that is positive
+    (coded like a signed first moment, the smallest squares of a block became 0, and
+    ``g / (sqrt(0) + eps)`` a huge step)."""
+    make, keys = SECOND_MOMENT_OPTIMIZERS[name]
+    model = _model()
+    recipe = mixprec.Recipe("lean", BF16, gradients="held")  # held: the gradient can be read
+    model, opt = mixprec.initialize(model, make(model.parameters()), recipe)
+    x, y = _batch()
+    opt.backward((model(x).float() - y).pow(2).mean())
+    w = model[0].weight
+    assert quantizable(w)
+    ref_w = w.detach().float().clone().requires_grad_()  # the fp32 step on the same values
+    ref_w.grad = w.grad.float()
+    ref = make([ref_w])
+    ref.step()
+    opt.step()
+    for key in keys:
+        want, got = ref.state[ref_w][key], opt.state[w][key]
+        assert isinstance(got, QuantizedState)
+        got = got.dequantize()
+        positive = want > 0
+        assert positive.float().mean() > 0.99
+        assert bool((got[positive] > 0).all()), int((got[positive] == 0).sum())
+        # the square root (what these optimizers divide by) within 8-bit's 2**-5, for the
+        # elements above 2**-14 of their row's largest (rows of 32: one block each)
+        root, ref_root = got.sqrt(), want.sqrt()
+        big = ref_root >= 2.0**-14 * ref_root.amax(dim=1, keepdim=True)
+        rel = ((root - ref_root).abs() / ref_root)[big]
+        assert big.float().mean() > 0.99 and rel.max() <= 2.0**-5 * 1.0001, float(rel.max())
