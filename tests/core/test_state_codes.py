@@ -8,6 +8,8 @@ torch export, and the recipe's text and table.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -111,6 +113,19 @@ def test_a_checkpoint_entry_is_tensors_and_ints_and_loads_back_exactly():
     assert (back.fmt, back.kind, back.shape) == ("4-bit", "sqrt", q.shape)
     assert torch.equal(back.dequantize(), q.dequantize())
     assert back.codes.data_ptr() != q.codes.data_ptr()  # a copy: stepping one leaves the other
+
+
+@pytest.mark.parametrize("fmt", ["8-bit", "4-bit"])
+def test_a_deep_copy_owns_its_codes(fmt):
+    """``copy.deepcopy`` of a state (a snapshot of an optimizer's state) is independent:
+    storing new values into the original leaves the copy's values as they were."""
+    q = QuantizedState.quantize(_sample("signed", (4, 300)), fmt, "signed")
+    snap = copy.deepcopy({"exp_avg": q})["exp_avg"]
+    before = q.dequantize()
+    q.store_(_sample("signed", (4, 300)).flip(1))
+    assert not torch.equal(q.dequantize(), before)
+    assert (snap.fmt, snap.kind, snap.shape) == (q.fmt, q.kind, q.shape)
+    assert torch.equal(snap.dequantize(), before)
 
 
 # -- training --------------------------------------------------------------------------------
