@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import types
 import warnings
 
 import pytest
@@ -403,6 +404,61 @@ def test_released_and_held_gradients_round_alike():
         runs.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*runs):
         assert_bitwise(a, b)
+
+
+def _retained_bytes(opt, model) -> int:
+    """Bytes of the tensors reachable from ``opt`` (through containers and object attributes)
+    that are none of what a training state keeps: weights, optimizer state, compensation."""
+    kept = {t.untyped_storage().data_ptr() for t in model.parameters()}
+    kept |= {c.untyped_storage().data_ptr() for c in opt.lean.compensation.values()}
+    for st in opt.state.values():
+        for v in st.values():
+            parts = (v.codes, v.scale) if hasattr(v, "codes") else (v,)
+            kept |= {t.untyped_storage().data_ptr() for t in parts if isinstance(t, torch.Tensor)}
+    found: dict[int, int] = {}
+    seen, todo = set(), [opt]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            found[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(obj, dict):
+            todo += [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo += list(obj)
+        elif isinstance(obj, types.MethodType):
+            todo.append(obj.__self__)
+        elif hasattr(obj, "__dict__"):
+            todo.append(vars(obj))
+    return sum(n for ptr, n in found.items() if ptr not in kept)
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        mixprec.Recipe("lean", BF16),  # released gradients: scratch of the backward's steps
+        mixprec.Recipe("lean", BF16, gradients="held"),
+        mixprec.Recipe("O3", FP16, update="kahan", loss_scale=None),
+    ],
+    ids=["lean-released", "lean-held", "kahan-fp16"],
+)
+def test_no_fp32_scratch_outlives_a_step(recipe):
+    """The fp32 temporaries of the update (several MB: a chunk is 2**20 elements on a CPU) exist
+    during a step only: between steps the optimizer holds nothing beyond the training state
+    (a few scalars: loss-scale flags and counters)."""
+    model = make_model(0)
+    model, opt = initialize(model, adamw(model.parameters()), recipe)
+    assert _retained_bytes(opt, model) < 4096
+    x, y = batch()
+    for _ in range(2):
+        opt.backward(mse(model, x, y))
+        assert _retained_bytes(opt, model) < 4096  # released: freed at the backward's end
+        opt.step()
+        opt.zero_grad()
+        assert _retained_bytes(opt, model) < 4096
 
 
 def test_a_checkpoint_with_generator_states_loads_with_a_warning():
