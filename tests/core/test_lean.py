@@ -20,6 +20,7 @@ from training_helpers import assert_bitwise, batch, make_model, mse, poisoned, t
 
 import mixprec
 from mixprec import initialize
+from mixprec._core import state_codes
 from mixprec.numerics import stochastic_round
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
@@ -459,6 +460,42 @@ def test_no_fp32_scratch_outlives_a_step(recipe):
         opt.step()
         opt.zero_grad()
         assert _retained_bytes(opt, model) < 4096
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        mixprec.Recipe("O3", BF16, update="kahan"),
+        mixprec.Recipe("O3", BF16, update="stochastic", update_seed=3),
+        mixprec.Recipe("lean", BF16),  # released gradients, 8-bit states
+    ],
+    ids=["kahan", "stochastic", "lean"],
+)
+def test_a_deep_copy_of_model_and_optimizer_trains_on_alike(recipe):
+    """``copy.deepcopy((model, opt))`` forks a run: the copy owns its weights, states, codes
+    and rounding keys, so it steps exactly as the original does, and the original's steps
+    leave it as it was."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(state_codes, "MIN_NUMEL", 1)  # this model's weights get 8-bit codes too
+        model = make_model(0)
+        model, opt = initialize(model, adamw(model.parameters()), recipe)
+        train(model, opt, 2)
+        twin, twin_opt = copy.deepcopy((model, opt))
+        at_copy = [p.detach().clone() for p in twin.parameters()]
+        train(model, opt, 2, seed=4)
+        for p, before in zip(twin.parameters(), at_copy):
+            assert_bitwise(p.detach(), before)
+        train(twin, twin_opt, 2, seed=4)
+    if opt.lean.release:  # the copy steps in backward too, and refuses clipping
+        twin_opt.backward(mse(twin, *batch()))
+        assert all(p.grad is None for p in twin.parameters())
+        with pytest.raises(RuntimeError, match="released in backward"):
+            torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
+        twin_opt.step()
+        twin_opt.zero_grad()
+        train(model, opt, 1)
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert_bitwise(a.detach(), b.detach())
 
 
 def test_a_checkpoint_with_generator_states_loads_with_a_warning():
