@@ -24,12 +24,14 @@ parameters) and closes the step.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import torch
 from torch import Tensor
 
 from mixprec._core._warnings import MixprecNumericsWarning, user_stacklevel
+from mixprec._core.clipping import register_released
 from mixprec._core.memory import trim_heap
 
 __all__ = ["ReleasedGradients"]
@@ -37,10 +39,38 @@ __all__ = ["ReleasedGradients"]
 
 class ReleasedGradients:
     """The release half of :class:`~mixprec._core.lean.LeanUpdate` (a mixin: it reads the
-    updater's ``optimizer``, ``_step_chunk``, ``_free_scratch``, ``nonfinite`` and
-    ``_released``)."""
+    updater's ``optimizer``, ``_step_chunk``, ``_free_scratch``, ``nonfinite``, ``_released``,
+    ``release`` and ``_ordinal``)."""
 
     optimizer: torch.optim.Optimizer
+    release: bool
+    _ordinal: dict[int, int]  # id(param) -> its position, a key of the stochastic rounding
+
+    def __deepcopy__(self, memo: dict) -> ReleasedGradients:
+        """``copy.deepcopy((model, opt))``: the copy's parameters are new objects, so the
+        rounding keys (by parameter identity) are re-keyed to them, and the release hooks,
+        which a copied parameter does not carry, are registered on them."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        rest = {k: v for k, v in self.__dict__.items() if k != "_ordinal"}
+        new.__dict__.update(copy.deepcopy(rest, memo))  # the optimizer, its parameters too
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        new._ordinal = {
+            id(copy.deepcopy(p, memo)): self._ordinal[id(p)]
+            for p in params
+            if id(p) in self._ordinal
+        }
+        if new.release:
+            released = [
+                p
+                for g in new.optimizer.param_groups
+                for p in g["params"]
+                if p.dtype in (torch.float16, torch.bfloat16) and p.requires_grad
+            ]
+            for p in released:
+                p.register_post_accumulate_grad_hook(new._step_released)
+            register_released(released)
+        return new
 
     @torch.no_grad()
     def _step_released(self, p: Tensor) -> None:

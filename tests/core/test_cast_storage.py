@@ -69,5 +69,9 @@ def test_kahan_buffers_start_from_the_fp32_values_either_way(hold):
     for p, value in zip(model.parameters(), fp32):
         comp = opt.lean.compensation[p]
         assert torch.equal(comp, (value - p.float()).to(BF16))
-    if held is not None:
-        assert all(v.dtype == torch.float32 for v in held.values())
+    if held is not None:  # what was taken before initialize keeps its fp32 values, stepped
+        opt.backward(model(torch.randn(4, 8)).float().square().mean())
+        opt.step()
+        assert any(not torch.equal(p.float(), v) for p, v in zip(model.parameters(), fp32))
+        for (name, v), value in zip(held.items(), fp32, strict=True):
+            assert v.dtype == torch.float32 and torch.equal(v, value), name

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import types
 import warnings
 
 import pytest
@@ -19,6 +20,7 @@ from training_helpers import assert_bitwise, batch, make_model, mse, poisoned, t
 
 import mixprec
 from mixprec import initialize
+from mixprec._core import state_codes
 from mixprec.numerics import stochastic_round
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
@@ -143,6 +145,34 @@ def test_stochastic_rounding_is_unbiased(dtype):
     trunc = torch.where(x > 0, lo, hi).expand(n, -1)
     z_trunc, _, _ = _z_scores(x, trunc, dtype)
     assert z_trunc.pow(2).mean().item() > 100
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+def test_the_update_rounds_without_bias(dtype):
+    """The keyed rounding of the update itself (not the public stochastic_round): one SGD step
+    moves 2**17 weights in [1, 2) by a known fraction (0, 0.5) of their ulp, exact in fp32; the
+    mean rounding error is 0 ulp within 7 standard deviations (0.5 / sqrt(2**17) ulp each). An
+    fp16 rounding whose uniforms cover half of [0, 1) (23 random bits read as 24) was +0.25."""
+    ulp = 2.0**-7 if dtype == BF16 else 2.0**-10
+    g = torch.Generator().manual_seed(0)
+    start = 1 + torch.randint(0, int(1 / ulp), (256, 512), generator=g) * ulp  # exact in dtype
+    frac = torch.randint(1, 128, (256, 512), generator=g) / 256  # in (0, 0.5): nearest is down
+    model = nn.Linear(512, 256, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(start)
+    recipe = mixprec.Recipe("O3", dtype, update="stochastic", loss_scale=None)
+    model, opt = initialize(model, torch.optim.SGD(model.parameters(), lr=1.0), recipe)
+    w = model.weight
+    assert torch.equal(w.float(), start)
+    w.grad = (-frac * ulp).to(dtype)  # exact: 7 significant bits
+    opt.step()
+    err = (w.detach().double() - (start + frac * ulp).double()) / ulp
+    up = w.detach().float() > start
+    assert bool(((err - (1 - frac)).abs() < 1e-9)[up].all())  # one of the two neighbours
+    assert bool(((err + frac).abs() < 1e-9)[~up].all())
+    assert abs(err.mean().item()) < 7 * 0.5 / math.sqrt(err.numel()), err.mean().item()
+    # and each weight rounds up with probability frac (that rounding: twice as often)
+    assert abs(up.double().mean().item() - frac.double().mean().item()) < 0.01
 
 
 def test_stochastic_rounding_is_seeded_and_validated():
@@ -277,13 +307,17 @@ def test_skipped_step_leaves_weights_compensation_state_and_rng_untouched(update
 
 @pytest.mark.parametrize("update", MODES)
 def test_resume_from_state_dict_is_bit_exact(update, tmp_path):
-    model, opt = build(update, adamw)
+    """The resumed optimizer is built with another init and another rounding seed: the
+    checkpoint's seed is the one that continues the run (a seed not restored passed while
+    both sides used the same one)."""
+    model, opt = build(update, adamw, update_seed=5)
     train(model, opt, 3)
     path = tmp_path / "ckpt.pt"
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
     train(model, opt, 4, seed=10)
 
-    resumed, ropt = build(update, adamw, seed=7)  # different init: everything must come back
+    # different init and rounding seed: everything must come back
+    resumed, ropt = build(update, adamw, seed=7, update_seed=6)
     ckpt = torch.load(path, weights_only=True)
     resumed.load_state_dict(ckpt["model"])
     ropt.load_state_dict(ckpt["opt"])
@@ -371,6 +405,97 @@ def test_released_and_held_gradients_round_alike():
         runs.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*runs):
         assert_bitwise(a, b)
+
+
+def _retained_bytes(opt, model) -> int:
+    """Bytes of the tensors reachable from ``opt`` (through containers and object attributes)
+    that are none of what a training state keeps: weights, optimizer state, compensation."""
+    kept = {t.untyped_storage().data_ptr() for t in model.parameters()}
+    kept |= {c.untyped_storage().data_ptr() for c in opt.lean.compensation.values()}
+    for st in opt.state.values():
+        for v in st.values():
+            parts = (v.codes, v.scale) if hasattr(v, "codes") else (v,)
+            kept |= {t.untyped_storage().data_ptr() for t in parts if isinstance(t, torch.Tensor)}
+    found: dict[int, int] = {}
+    seen, todo = set(), [opt]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            found[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(obj, dict):
+            todo += [*obj.keys(), *obj.values()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo += list(obj)
+        elif isinstance(obj, types.MethodType):
+            todo.append(obj.__self__)
+        elif hasattr(obj, "__dict__"):
+            todo.append(vars(obj))
+    return sum(n for ptr, n in found.items() if ptr not in kept)
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        mixprec.Recipe("lean", BF16),  # released gradients: scratch of the backward's steps
+        mixprec.Recipe("lean", BF16, gradients="held"),
+        mixprec.Recipe("O3", FP16, update="kahan", loss_scale=None),
+    ],
+    ids=["lean-released", "lean-held", "kahan-fp16"],
+)
+def test_no_fp32_scratch_outlives_a_step(recipe):
+    """The fp32 temporaries of the update (several MB: a chunk is 2**20 elements on a CPU) exist
+    during a step only: between steps the optimizer holds nothing beyond the training state
+    (a few scalars: loss-scale flags and counters)."""
+    model = make_model(0)
+    model, opt = initialize(model, adamw(model.parameters()), recipe)
+    assert _retained_bytes(opt, model) < 4096
+    x, y = batch()
+    for _ in range(2):
+        opt.backward(mse(model, x, y))
+        assert _retained_bytes(opt, model) < 4096  # released: freed at the backward's end
+        opt.step()
+        opt.zero_grad()
+        assert _retained_bytes(opt, model) < 4096
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        mixprec.Recipe("O3", BF16, update="kahan"),
+        mixprec.Recipe("O3", BF16, update="stochastic", update_seed=3),
+        mixprec.Recipe("lean", BF16),  # released gradients, 8-bit states
+    ],
+    ids=["kahan", "stochastic", "lean"],
+)
+def test_a_deep_copy_of_model_and_optimizer_trains_on_alike(recipe):
+    """``copy.deepcopy((model, opt))`` forks a run: the copy owns its weights, states, codes
+    and rounding keys, so it steps exactly as the original does, and the original's steps
+    leave it as it was."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(state_codes, "MIN_NUMEL", 1)  # this model's weights get 8-bit codes too
+        model = make_model(0)
+        model, opt = initialize(model, adamw(model.parameters()), recipe)
+        train(model, opt, 2)
+        twin, twin_opt = copy.deepcopy((model, opt))
+        at_copy = [p.detach().clone() for p in twin.parameters()]
+        train(model, opt, 2, seed=4)
+        for p, before in zip(twin.parameters(), at_copy):
+            assert_bitwise(p.detach(), before)
+        train(twin, twin_opt, 2, seed=4)
+    if opt.lean.release:  # the copy steps in backward too, and refuses clipping
+        twin_opt.backward(mse(twin, *batch()))
+        assert all(p.grad is None for p in twin.parameters())
+        with pytest.raises(RuntimeError, match="released in backward"):
+            torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
+        twin_opt.step()
+        twin_opt.zero_grad()
+        train(model, opt, 1)
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert_bitwise(a.detach(), b.detach())
 
 
 def test_a_checkpoint_with_generator_states_loads_with_a_warning():
