@@ -62,11 +62,11 @@ from mixprec._core.optimizer_view import OptimizerView, as_torch_optimizer
 from mixprec._core.policy import Policy, get_policy
 from mixprec._core.resume import resume_carried, take_state
 from mixprec._core.storage import ACCEPT_16BIT_ATTR, cast_storage, keep_frozen, restore_fp32
-from mixprec._core.update_choice import update_options
+from mixprec._core.update_choice import UpdatePlan, update_plans
 from mixprec.fp8 import layers as fp8_layers
 from mixprec.recipe import Recipe, as_recipe
 
-__all__ = ["MODEL_HOOKS", "RECIPE_ATTR", "initialize", "level_name", "recipe_props"]
+__all__ = ["MODEL_HOOKS", "RECIPE_ATTR", "initialize", "level_name"]
 
 #: ``hook(model, optimizers)``, run for each model :func:`initialize` returns, with the wrapped
 #: optimizers that step its parameters. The distributed layer adds one that notices a later
@@ -108,38 +108,6 @@ def level_name(level: Any) -> str:
     if name not in _LEVELS:
         raise ValueError(f"Unknown level {level!r}; expected {LEVEL_SPELLINGS}.")
     return name
-
-
-def recipe_props(recipe: Recipe, dtype: torch.dtype) -> dict[str, Any]:
-    """The recipe as the flat properties the steps below read."""
-    lean: dict[str, Any] = {}
-    if recipe.update != "auto":
-        lean["update"] = recipe.update
-    if recipe.optimizer_states != "auto":
-        states = recipe.optimizer_states
-        lean["state_dtype"] = dict(states) if isinstance(states, tuple) else states
-    if recipe.update_seed is not None:
-        lean["update_seed"] = recipe.update_seed
-    if recipe.releases_gradients(dtype):
-        lean["release"] = True
-    scaling = recipe.scaling(dtype)
-    scaler = functools.partial(LossScaler.from_spec, None) if scaling is None else scaling.scaler
-    return dict(
-        cast_params=recipe.weights == "16-bit",
-        engine=recipe.compute == "16-bit",
-        keep_norm_fp32=recipe.keep_fp32 == "norms",
-        master_weights=recipe.masters,
-        cast_inputs=recipe.cast_inputs,
-        fp32_inside=recipe.fp32_inside,
-        keep_frozen_fp32=recipe.frozen_masters,
-        fp8=recipe.fp8,
-        activations=recipe.activations,
-        kernels=recipe.kernels,
-        cast_model_outputs=recipe.outputs,
-        lean=lean,
-        scalers=[scaler() for _ in range(recipe.num_losses)],  # one per loss, updated by it
-        scale_given=scaling is not None and scaling.init_scale != 2.0**16,
-    )
 
 
 @refuse_moved_keywords("initialize", MOVED)
@@ -185,24 +153,19 @@ def initialize(
     device = _device_of(model_list)
     recipe = as_recipe(recipe, dtype)
     low = recipe.resolved_dtype(device)
-    props = recipe_props(recipe, low)
-    level = recipe.level
-    if level != "O0":
+    if recipe.level != "O0":
         warn_if_slow(low, device)
-    if props["cast_params"] and not props["master_weights"]:
-        lean_kwargs = update_options(props["lean"], opt_list, model_list, low)
-    else:
-        lean_kwargs = [dict(props["lean"]) for _ in opt_list]
+    plans = update_plans(recipe, opt_list, model_list, low)  # one per optimizer
     for m in model_list:
         accepted = m.__dict__.pop(ACCEPT_16BIT_ATTR, False)  # Apex's allow_incoming_model_not_fp32
-        if m.__dict__.get("_mixprec_fsdp") or (accepted and not props["cast_params"]):
+        if m.__dict__.get("_mixprec_fsdp") or (accepted and recipe.weights == "fp32"):
             continue  # sharded: FSDP's shards are the fp32 state; O1 as given, as in Apex
-        restore_fp32(m, level, low, props, warn=not accepted)
-    fp32_values = _prepare_models(model_list, opt_list, lean_kwargs, props, level, low, device)
+        restore_fp32(m, recipe, low, warn=not accepted)
+    fp32_values = _prepare_models(model_list, opt_list, plans, recipe, low, device)
     for m in model_list:
         m.__dict__[RECIPE_ATTR] = (recipe, low)
-    wrapped = _wrap_optimizers(opt_list, lean_kwargs, props, fp32_values)
-    _install_guards(model_list, opt_list, wrapped, level)
+    wrapped = _wrap_optimizers(opt_list, plans, recipe, low, fp32_values)
+    _install_guards(model_list, opt_list, wrapped, recipe.level)
     out_models = model_list if many_models else model_list[0]
     if optimizers is None:
         return out_models
@@ -289,9 +252,8 @@ def _device_of(model_list: list[nn.Module]) -> torch.device:
 def _prepare_models(
     model_list: list[nn.Module],
     opt_list: list[Optimizer],
-    lean_kwargs: list[dict[str, Any]],
-    props: dict[str, Any],
-    level: str,
+    plans: list[UpdatePlan],
+    recipe: Recipe,
     dtype: torch.dtype,
     device: torch.device,
 ) -> dict[int, Tensor]:
@@ -300,73 +262,70 @@ def _prepare_models(
     rounding: load pretrained fp32 weights, then initialize)."""
     to_keep = {
         id(p)
-        for o, kw in zip(opt_list, lean_kwargs)
-        if props["master_weights"] or kw.get("update") == "kahan"
+        for o, plan in zip(opt_list, plans)
+        if plan.masters or plan.update == "kahan"
         for g in o.param_groups
         for p in g["params"]
     }
     fp32_values: dict[int, Tensor] = {}
     for m in model_list:
-        if props["cast_params"]:
-            if props["keep_frozen_fp32"]:
+        if recipe.weights == "16-bit":
+            if recipe.frozen_masters:
                 keep_frozen(m)
-            cast_storage(m, dtype, bool(props["keep_norm_fp32"]), to_keep, fp32_values)
-        elif level == "O0":
-            cast_storage(m, torch.float32, False)
-        _install_boundary(m, props, dtype)
-        if props["fp8"] is not None:  # chosen Linears run their GEMMs in FP8 (mixprec.fp8)
+            cast_storage(m, dtype, recipe.keep_fp32, to_keep, fp32_values)
+        elif recipe.level == "O0":
+            cast_storage(m, torch.float32, "none")
+        _install_boundary(m, recipe, dtype)
+        if recipe.fp8 is not None:  # chosen Linears run their GEMMs in FP8 (mixprec.fp8)
             fp8_layers.check_device(device)
-            fp8_layers.prepare(m, props["fp8"], device)
-        m.__dict__[_MARK] = level
+            fp8_layers.prepare(m, recipe.fp8, device)
+        m.__dict__[_MARK] = recipe.level
     return fp32_values
 
 
-def _install_boundary(m: nn.Module, props: dict[str, Any], dtype: torch.dtype) -> None:
+def _install_boundary(m: nn.Module, recipe: Recipe, dtype: torch.dtype) -> None:
     graph = m.__dict__.get("_mixprec_graph", False)  # mixprec.convert: casts are in its graph
-    if graph and props["activations"] is not None:  # the graph needs only the storage hooks
+    if graph and recipe.activations is not None:  # the graph needs only the storage hooks
         m.__dict__[engine.BOUNDARY_ATTR] = engine.Boundary(
             Policy(compute_dtype=dtype),
             cast_inputs=False,
             cast_outputs=False,
-            activations=props["activations"],
+            activations=recipe.activations,
             engine=False,
         )
         engine.install_boundary(m)
-    if (props["engine"] or props["cast_model_outputs"] is not None) and not graph:
-        outputs = props["cast_model_outputs"]
-        root = get_policy(m) or Policy(
-            param_dtype=dtype if props["cast_params"] else torch.float32,
-            compute_dtype=dtype if props["engine"] else torch.float32,
-            output_dtype=outputs or torch.float32,
-        )
+    if (recipe.compute == "16-bit" or recipe.outputs is not None) and not graph:
         m.__dict__[engine.BOUNDARY_ATTR] = engine.Boundary(
-            root,
-            cast_inputs=props["cast_inputs"],
-            fp32_inside=props["fp32_inside"],
-            kernels=props["kernels"],
-            cast_outputs=outputs is not None,
-            activations=props["activations"],
+            get_policy(m) or recipe.policy(dtype),  # a set_policy'd root keeps its own
+            cast_inputs=recipe.cast_inputs,
+            fp32_inside=recipe.fp32_inside,
+            kernels=recipe.kernels,
+            cast_outputs=recipe.outputs is not None,
+            activations=recipe.activations,
         )
         engine.install_boundary(m)
 
 
 def _wrap_optimizers(
     opt_list: list[Optimizer],
-    lean_kwargs: list[dict[str, Any]],
-    props: dict[str, Any],
+    plans: list[UpdatePlan],
+    recipe: Recipe,
+    dtype: torch.dtype,
     fp32_values: dict[int, Tensor],
 ) -> list[MixedPrecisionOptimizer]:
-    """One wrapper per optimizer, sharing the loss slots; state loaded into the plain
-    optimizer before initialize (Apex's and nanoGPT's restore order, a resumed torch.amp run)
-    is lifted out and loaded again onto what the wrapper steps, checked against the model."""
-    slots = [LossSlot(s) for s in props["scalers"]]
+    """One wrapper per optimizer, with its plan, sharing the loss slots (one per loss, a scaler
+    each as ``recipe.scaling(dtype)`` says); state loaded into the plain optimizer before
+    initialize (Apex's and nanoGPT's restore order, a resumed torch.amp run) is lifted out and
+    loaded again onto what the wrapper steps, checked against the model."""
+    scaling = recipe.scaling(dtype)
+    scaler = functools.partial(LossScaler.from_spec, None) if scaling is None else scaling.scaler
+    slots = [LossSlot(scaler()) for _ in range(recipe.num_losses)]
+    scale_given = scaling is not None and scaling.init_scale != 2.0**16
     carried = [take_state(o) for o in opt_list]
     try:
         wrapped = [
-            MixedPrecisionOptimizer(
-                o, slots, master_weights=props["master_weights"], fp32_values=fp32_values, **kw
-            )
-            for o, kw in zip(opt_list, lean_kwargs)
+            MixedPrecisionOptimizer(o, slots, plan, fp32_values=fp32_values)
+            for o, plan in zip(opt_list, plans)
         ]
         for w in wrapped:
             for p, comp in w.lean.compensation.items() if w.lean is not None else ():
@@ -375,7 +334,7 @@ def _wrap_optimizers(
                     comp.copy_((given.float() - p.detach().float()).to(comp.dtype))
         for w, sd in zip(wrapped, carried):
             if sd is not None:  # state loaded (or stepped) before initialize: onto the masters
-                resume_carried(w, sd, fp32_values, props["scale_given"])
+                resume_carried(w, sd, fp32_values, scale_given)
     except BaseException:
         for o, sd in zip(opt_list, carried):
             if sd is not None and not o.state:

@@ -17,7 +17,7 @@ Design (``docs/design.md``, "Master weights and the optimizer"):
   one object with one set of fields, split by concern into modules a reader takes one at a time.
 * One loss scaler per loss (``num_losses``), shared by every optimizer the loss touches; an
   overflow in one loss skips only the optimizers whose gradients it produced.
-* Without masters, ``update`` ("nearest" | "kahan" | "stochastic") hands the step to
+* Without masters, the plan's ``update`` ("nearest" | "kahan" | "stochastic") hands the step to
   :class:`mixprec._core.lean.LeanUpdate`: fp32 arithmetic on per-chunk temporaries, written back to
   the 16-bit weights with that rounding. ``update=None`` keeps the inner optimizer
   stepping the 16-bit parameters itself. A skipped step never reaches the updater, so
@@ -40,11 +40,13 @@ from mixprec._core import dispatch
 from mixprec._core._gradients import SETTLE_HOOKS, GradientChecks, LossSlot
 from mixprec._core._optimizer_state import CheckpointState
 from mixprec._core.clipping import refuse_released, register_masters, register_released
-from mixprec._core.lean import LeanUpdate, StateDtype
+from mixprec._core.lean import LeanUpdate
+from mixprec._core.update_choice import UpdatePlan
 
 __all__ = ["SETTLE_HOOKS", "MixedPrecisionOptimizer", "StepGuard", "rounds_to", "scale_loss"]
 
 _LOW = (torch.float16, torch.bfloat16)
+_MASTERS = UpdatePlan()  # fp32 masters for the 16-bit weights, the optimizer's own step
 
 
 def rounds_to(master: Tensor, value: Tensor) -> bool:
@@ -62,9 +64,10 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
 
     Hold an LR scheduler on skipped steps with ``if not opt.step_skipped: sched.step()``.
 
-    ``update``, ``state_dtype``, ``update_seed``: the memory-lean 16-bit step (no masters); see
-    :mod:`mixprec._core.lean`. ``lean`` is the :class:`~mixprec._core.lean.LeanUpdate` (None
-    without).
+    ``plan``: how the step writes the weights, an :class:`~mixprec._core.update_choice.UpdatePlan`
+    in the Recipe's words (default: fp32 masters). Without masters, its ``update`` mode runs the
+    memory-lean 16-bit step; see :mod:`mixprec._core.lean`. ``lean`` is the
+    :class:`~mixprec._core.lean.LeanUpdate` (None without).
 
     What happens to gradients between a backward and ``step()`` (widen, unscale, check, settle
     the verdicts) is :class:`~mixprec._core._gradients.GradientChecks`; ``state_dict`` and
@@ -75,13 +78,9 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         self,
         optimizer: Optimizer,
         slots: list[LossSlot],
+        plan: UpdatePlan = _MASTERS,
         *,
-        master_weights: bool = True,
         master_dtype: torch.dtype = torch.float32,
-        update: str | None = None,
-        state_dtype: StateDtype = None,
-        update_seed: int = 0,
-        release: bool = False,
         fp32_values: dict[int, Tensor] | None = None,
     ):
         if not isinstance(optimizer, Optimizer):
@@ -89,19 +88,13 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
                 "MixedPrecisionOptimizer wraps a torch.optim.Optimizer, received "
                 f"{type(optimizer).__name__}."
             )
-        if update is not None and master_weights:
-            raise ValueError(
-                f"update={update!r} replaces fp32 master weights: it needs "
-                "master_weights=False (the O3 default)."
-            )
-        if update is None and (state_dtype is not None or update_seed != 0):
-            raise ValueError(
-                "state_dtype and update_seed apply to an update mode; pass "
-                "update='nearest', 'kahan' or 'stochastic' as well."
+        if not isinstance(plan, UpdatePlan):
+            raise TypeError(
+                f"MixedPrecisionOptimizer's plan is an UpdatePlan, received {type(plan).__name__}."
             )
         self.optimizer = optimizer
         self.slots = slots
-        self.master_weights = master_weights
+        self.plan = plan
         self.master_dtype = master_dtype
         self.step_skipped = False
         self.skipped_steps = 0
@@ -137,15 +130,15 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         register_masters(self._pairs)  # torch's clip_grad_norm_ on model params reaches these
         self._versions = [p._version for p, _ in self._pairs]
         self.lean: LeanUpdate | None = None
-        if update is not None:
+        if plan.update is not None:
             self.lean = LeanUpdate(
                 optimizer,
-                update,
-                state_dtype=state_dtype or "auto",
-                seed=update_seed,
-                release=release,
+                plan.update,
+                state_dtype=plan.states,
+                seed=plan.update_seed,
+                release=plan.released,
             )
-            if release:
+            if plan.released:
                 register_released(self.lean.params())
 
     # -- delegation: schedulers and user code see the inner optimizer's groups and state -------
@@ -170,7 +163,7 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         )
 
     def _master_for(self, p: Tensor) -> Tensor:
-        if not (self.master_weights and p.dtype in _LOW):
+        if not (self.plan.masters and p.dtype in _LOW):
             return p
         master = self._model_to_master.get(p)
         if master is None:

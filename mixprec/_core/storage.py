@@ -4,7 +4,9 @@ Design: ``initialize`` casts parameters and floating buffers in place (Parameter
 their identity, so optimizers and hooks still hold them), one module at a time, keeping the
 pre-cast value of each parameter a master or a Kahan buffer starts from. A model that arrives
 already in 16 bits gets back, with one warning, what its recipe keeps in float32: its fp32
-values then start from the rounded ones, which no cast can undo.
+values then start from the rounded ones, which no cast can undo. Both read the
+:class:`~mixprec.Recipe`'s own fields (``weights``, ``keep_fp32``, ``masters``; the recipe is
+typed ``Any`` here: the core imports nothing above it), not a translation of them.
 """
 
 from __future__ import annotations
@@ -56,11 +58,12 @@ def _pre_cast_value(p: Tensor) -> Tensor:
 def cast_storage(
     module: nn.Module,
     dtype: torch.dtype,
-    keep_norm: bool,
+    keep_fp32: str,
     keep: set[int] | None = None,
     kept: dict[int, Tensor] | None = None,
 ) -> None:
-    """Store parameters and floating buffers in ``dtype``; Parameter objects keep identity.
+    """Store parameters and floating buffers in ``dtype``; Parameter objects keep identity;
+    the modules ``keep_fp32`` names (the recipe's ``"norms"``: normalization layers) are skipped.
 
     The parameters whose id is in ``keep`` leave their pre-cast value in ``kept``: the pre-cast
     tensor itself where nothing else holds its storage (then the cast adds only the 16-bit
@@ -70,7 +73,7 @@ def cast_storage(
     own = get_policy(module)
     if own is not None:
         dtype = own.param_dtype
-    if not (keep_norm and is_norm(module)):
+    if not (keep_fp32 == "norms" and is_norm(module)):
         for p in module.parameters(recurse=False):
             if p.is_floating_point() and p.dtype != torch.float64 and p.dtype != dtype:
                 if keep is not None and kept is not None and id(p) in keep and id(p) not in kept:
@@ -91,11 +94,21 @@ def cast_storage(
                     continue
                 module._buffers[name] = cast
     for child in module.children():
-        cast_storage(child, dtype, keep_norm, keep, kept)
+        cast_storage(child, dtype, keep_fp32, keep, kept)
+
+
+def _stays_fp32(recipe: Any, weights: str, module: nn.Module) -> bool:
+    """Whether ``module``'s own parameters are float32 under ``recipe`` with ``weights``."""
+    return weights == "fp32" or (recipe.keep_fp32 == "norms" and is_norm(module))
 
 
 def restore_fp32(
-    model: nn.Module, level: str, dtype: torch.dtype, props: dict[str, Any], warn: bool = True
+    model: nn.Module,
+    recipe: Any,
+    dtype: torch.dtype,
+    warn: bool = True,
+    *,
+    weights: str | None = None,
 ) -> None:
     """A model that arrives already cast to 16 bits (``model.half()``, ``.to(torch.bfloat16)``)
     gets back what the level keeps in float32 -- every parameter at O0/O1, the norm layers at O2
@@ -103,12 +116,16 @@ def restore_fp32(
     masters start from the rounded 16-bit values, which no cast can undo. At O3 (16-bit
     everywhere, no masters) a model in the *other* 16-bit dtype is converted by the cast that
     follows, rounding it a second time: warned too. A model in the level's own dtype at O3 is
-    what O3 stores anyway."""
+    what O3 stores anyway.
+
+    ``recipe`` is the :class:`~mixprec.Recipe` applied; ``weights`` overrides its ``weights``
+    where a wrapper stores them otherwise (FSDP's fp32 shards: ``"fp32"``)."""
+    weights = recipe.weights if weights is None else weights
     found: dict[torch.dtype, int] = {}
     seen: set[int] = set()
     total = widened = 0
     for module in model.modules():
-        fp32 = not props["cast_params"] or (props["keep_norm_fp32"] and is_norm(module))
+        fp32 = _stays_fp32(recipe, weights, module)
         for p in module.parameters(recurse=False):
             if id(p) in seen or not p.is_floating_point():
                 continue
@@ -122,27 +139,28 @@ def restore_fp32(
     if not found:
         return
     for module in model.modules():  # the buffers beside the parameters the level keeps fp32
-        if not props["cast_params"] or (props["keep_norm_fp32"] and is_norm(module)):
+        if _stays_fp32(recipe, weights, module):
             for name, b in module.named_buffers(recurse=False):
                 if b is not None and b.dtype in _LOW:
                     module._buffers[name] = b.to(torch.float32)
     if warn:
-        _warn_16bit(found, total, widened, level, dtype, props)
+        _warn_16bit(found, total, widened, dtype, recipe, weights)
 
 
 def _warn_16bit(
     found: dict[torch.dtype, int],
     total: int,
     widened: int,
-    level: str,
     dtype: torch.dtype,
-    props: dict[str, Any],
+    recipe: Any,
+    weights: str,
 ) -> None:
     """The one warning of :func:`restore_fp32`: what arrived, what the level keeps, the fix."""
+    level = recipe.level
     names = " and ".join(f"{d} ({n} of {total} parameters)" for d, n in found.items())
-    if not props["cast_params"]:
+    if weights == "fp32":
         keeps, starts = "every parameter", "the float32 weights"
-    elif props["master_weights"]:
+    elif recipe.masters:
         keeps = "norm layers and master weights" if widened else "master weights"
         starts = "the float32 master weights"
     else:

@@ -1,12 +1,21 @@
-"""Which update each optimizer gets when 16-bit weights have no fp32 masters.
+"""How each optimizer's step writes the weights: one :class:`UpdatePlan` per optimizer.
 
-Design: a recipe's ``update="auto"`` is decided per optimizer, because the right choice depends
-on the optimizer (Adam's eps and second moment) and on the gradients it sees (sparse ones need
-the optimizer's own step). The reasons are in :mod:`mixprec._initialize`'s docstring.
+Design: the machinery below ``initialize`` reads the :class:`~mixprec.Recipe` itself where one
+field decides (``recipe.weights``, ``recipe.keep_fp32``, ``recipe.outputs``...), and where the
+decision is per optimizer it reads an :class:`UpdatePlan`: a small frozen value named in the
+Recipe's words (``masters``, ``update``, ``optimizer_states``, ``update_seed``,
+``gradients``), one per optimizer, built here by :func:`update_plans` and taken whole by
+:class:`~mixprec._core.optimizer.MixedPrecisionOptimizer`. There is no second vocabulary
+between the Recipe and the step. A recipe's ``update="auto"`` is decided per optimizer,
+because the right choice depends on the optimizer (Adam's eps and second moment) and on the
+gradients it sees (sparse ones need the optimizer's own step). The reasons are in
+:mod:`mixprec._initialize`'s docstring. The core imports nothing above it, so the recipe is
+read by its fields (typed ``Any`` here), not imported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -16,9 +25,56 @@ from torch.optim import Optimizer
 
 from mixprec._core._warnings import MixprecNumericsWarning, user_stacklevel
 
-__all__ = ["update_options"]
+__all__ = ["UpdatePlan", "update_plans"]
 
-_FIELD = {"state_dtype": "optimizer_states", "release": "gradients"}  # keyword -> Recipe field
+
+@dataclasses.dataclass(frozen=True)
+class UpdatePlan:
+    """How one optimizer's step writes the model's weights, in the Recipe's words.
+
+    Args:
+        masters: step fp32 master copies of the 16-bit weights (the Recipe's ``masters``).
+        update: without masters, how the fp32 result is written into 16-bit weights:
+            ``"nearest"``, ``"kahan"``, ``"stochastic"``, or None (the optimizer's own step).
+        optimizer_states: how states are held under an update mode (the Recipe's values:
+            ``"auto"``, a dtype, ``"8-bit"``, ``"4-bit"``, or ``{state name: one of these}``
+            or its sorted item tuple).
+        update_seed: the seed of ``"stochastic"`` rounding.
+        gradients: ``"held"`` or ``"released"`` (stepped in backward and freed).
+    """
+
+    masters: bool = True
+    update: str | None = None
+    optimizer_states: Any = "auto"
+    update_seed: int = 0
+    gradients: str = "held"
+
+    def __post_init__(self) -> None:
+        if self.update is not None and self.masters:
+            raise ValueError(
+                f"update={self.update!r} replaces fp32 master weights: it needs "
+                "masters=False (the O3 default)."
+            )
+        if self.update is None and (
+            self.optimizer_states != "auto" or self.update_seed != 0 or self.released
+        ):
+            raise ValueError(
+                "optimizer_states, update_seed and released gradients apply to an update "
+                "mode; set update='nearest', 'kahan' or 'stochastic' as well."
+            )
+        if self.gradients not in ("held", "released"):
+            raise ValueError(f"gradients={self.gradients!r}: expected 'held' or 'released'.")
+
+    @property
+    def released(self) -> bool:
+        """Whether each gradient is stepped in backward and freed."""
+        return self.gradients == "released"
+
+    @property
+    def states(self) -> Any:
+        """``optimizer_states`` as the updater reads it: a map where the recipe has items."""
+        states = self.optimizer_states
+        return dict(states) if isinstance(states, tuple) else states
 
 
 def _sparse_grad_params(models: list[nn.Module]) -> set[int]:
@@ -86,35 +142,62 @@ def _warn_vanishing_eps(optimizers: list[Optimizer | None], dtype: torch.dtype) 
         )
 
 
-def update_options(
-    lean: dict[str, Any], optimizers: list[Optimizer], models: list[nn.Module], dtype: torch.dtype
-) -> list[dict[str, Any]]:
-    """The update-mode keywords of each optimizer's wrapper, ``lean`` (the recipe's given
-    ``update``, ``state_dtype``, ``update_seed``) completed by the per-optimizer default."""
-    options = [dict(lean) for _ in optimizers]
+def update_plans(
+    recipe: Any, optimizers: list[Optimizer], models: list[nn.Module], dtype: torch.dtype
+) -> list[UpdatePlan]:
+    """One :class:`UpdatePlan` per optimizer for ``recipe`` (a :class:`mixprec.Recipe`) run in
+    ``dtype``: the recipe's ``update``, ``optimizer_states``, ``update_seed`` and ``gradients``,
+    with ``update="auto"`` decided per optimizer where 16-bit weights have no masters."""
+    if recipe.weights != "16-bit" or recipe.masters:  # the recipe's rules: no update mode here
+        return [UpdatePlan(masters=recipe.masters) for _ in optimizers]
+    released = recipe.releases_gradients(dtype)
+    given = dict(
+        optimizer_states=recipe.optimizer_states,
+        update_seed=recipe.update_seed or 0,
+        gradients="released" if released else "held",
+    )
+    fields = [  # the update-mode fields the recipe sets, by name
+        name
+        for name, on in (
+            ("gradients", released),
+            ("optimizer_states", recipe.optimizer_states != "auto"),
+            ("update_seed", recipe.update_seed is not None),
+        )
+        if on
+    ]
+    if recipe.update != "auto":
+        plans = [_plan(recipe.update, given) for _ in optimizers]
+        return _checked(plans, optimizers, fields, dtype)
     sparse = _sparse_grad_params(models)
-    for i, (o, kw) in enumerate(zip(optimizers, options)):
-        if "update" not in kw:
-            kw["update"] = _default_update(o, dtype, sparse)
-            if kw["update"] is None:  # state_dtype / update_seed go where a mode runs
-                if kw.get("release"):
-                    raise ValueError(
-                        "Recipe(gradients='released'): gradients are released by an update "
-                        f"mode, but {type(o).__name__} here steps with its own 16-bit update "
-                        "(sparse gradients, or fp16 without Adam's eps). Set update="
-                        "'stochastic' or 'kahan', or gradients='held'."
-                    )
-                options[i] = {"update": None}
-    if set(lean) - {"update"} and all(kw["update"] is None for kw in options):
+    plans = []
+    for o in optimizers:
+        update = _default_update(o, dtype, sparse)
+        if update is None and released:
+            raise ValueError(
+                "Recipe(gradients='released'): gradients are released by an update "
+                f"mode, but {type(o).__name__} here steps with its own 16-bit update "
+                "(sparse gradients, or fp16 without Adam's eps). Set update="
+                "'stochastic' or 'kahan', or gradients='held'."
+            )
+        plans.append(_plan(update, given))  # states and seed go where a mode runs
+    return _checked(plans, optimizers, fields, dtype)
+
+
+def _plan(update: str | None, given: dict[str, Any]) -> UpdatePlan:
+    return UpdatePlan(masters=False, update=update, **(given if update is not None else {}))
+
+
+def _checked(
+    plans: list[UpdatePlan], optimizers: list[Optimizer], fields: list[str], dtype: torch.dtype
+) -> list[UpdatePlan]:
+    """``plans``, refused where the recipe's update-mode ``fields`` apply to no optimizer;
+    warned where an optimizer's own 16-bit arithmetic loses its eps."""
+    if fields and all(p.update is None for p in plans):
         raise ValueError(
-            f"Recipe fields {sorted(_FIELD.get(k, k) for k in set(lean) - {'update'})} apply "
-            "to an update mode, and "
-            "every optimizer here steps with its own 16-bit update (sparse gradients, or an "
-            "fp16 optimizer without Adam's eps); set update='nearest', 'kahan' or "
-            "'stochastic', or drop them."
+            f"Recipe fields {fields} apply to an update mode, and every optimizer here steps "
+            "with its own 16-bit update (sparse gradients, or an fp16 optimizer without Adam's "
+            "eps); set update='nearest', 'kahan' or 'stochastic', or drop them."
         )
     # an update mode does its arithmetic in fp32; 16-bit arithmetic may lose eps
-    _warn_vanishing_eps(
-        [o if kw["update"] is None else None for o, kw in zip(optimizers, options)], dtype
-    )
-    return options
+    _warn_vanishing_eps([o if p.update is None else None for o, p in zip(optimizers, plans)], dtype)
+    return plans

@@ -50,6 +50,7 @@ from mixprec._core import dispatch, engine
 from mixprec._core._gradients import LossSlot
 from mixprec._core.loss_scale import LossScaler
 from mixprec._core.optimizer import MixedPrecisionOptimizer
+from mixprec._core.update_choice import UpdatePlan
 
 __all__ = ["AmpHandle", "NoOpHandle", "OptimWrapper", "apex_scaler", "step_without_casts"]
 
@@ -164,7 +165,7 @@ class AmpHandle:
             )
         mixed = self._wrapped.get(optimizer)
         if mixed is None:
-            mixed = MixedPrecisionOptimizer(optimizer, [slot], master_weights=False)
+            mixed = MixedPrecisionOptimizer(optimizer, [slot], UpdatePlan(masters=False))
             self._wrapped[optimizer] = mixed
         return mixed
 
@@ -254,7 +255,7 @@ class OptimWrapper:
         self._num_loss = num_loss
         self._loss_idx = 0
         slots = [LossSlot(apex_scaler("dynamic")) for _ in range(num_loss)]
-        self._mixed = MixedPrecisionOptimizer(optimizer, slots, master_weights=False)
+        self._mixed = MixedPrecisionOptimizer(optimizer, slots, UpdatePlan(masters=False))
 
     @contextlib.contextmanager
     def scale_loss(self, loss: Tensor) -> Iterator[Tensor]:

@@ -58,6 +58,7 @@ from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec._core.optimizer_view import as_torch_optimizer
 from mixprec._core.resume import take_state
 from mixprec._core.storage import ACCEPT_16BIT_ATTR
+from mixprec._core.update_choice import UpdatePlan
 from mixprec.compat import amp_casts, larc
 from mixprec.compat import fp16_optimizer as fp16_utils
 from mixprec.compat.amp_checkpoint import install_fp32_state_dict
@@ -187,7 +188,8 @@ def _wrap(
         if opts.leave_model:
             slots = [LossSlot(opts.scaler()) for _ in range(opts.num_losses)]
             wrapped = [
-                MixedPrecisionOptimizer(o, slots, master_weights=opts.masters) for o in torch_opts
+                MixedPrecisionOptimizer(o, slots, UpdatePlan(masters=opts.masters))
+                for o in torch_opts
             ]
             for w, sd in zip(wrapped, carried):
                 if sd is not None:

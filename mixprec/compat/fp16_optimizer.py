@@ -1,11 +1,10 @@
 """Apex's ``fp16_utils``: ``FP16_Optimizer`` and the model-conversion helpers, on mixprec.
 
 Design (``docs/design.md``, "Compatibility layers"): ``FP16_Optimizer`` is a thin shell around
-:class:`mixprec._core.optimizer.MixedPrecisionOptimizer` with ``master_weights=True`` and one loss
-scaler, so it
-gets mixprec's fused unscale + finite check, bitwise-unchanged skipped steps and exact
-checkpoints. Apex's signature, defaults and method names are kept. Differences (none breaks a
-caller):
+:class:`mixprec._core.optimizer.MixedPrecisionOptimizer` with fp32 masters
+(``UpdatePlan(masters=True)``) and one loss scaler, so it gets mixprec's fused unscale +
+finite check, bitwise-unchanged skipped steps and exact checkpoints. Apex's signature,
+defaults and method names are kept. Differences (none breaks a caller):
 
 * The overflow verdict is read once per step, in ``step()`` (Apex syncs in every ``backward``).
   ``overflow`` is the last step's verdict; ``clip_master_grads`` returns -1 on a non-finite norm
@@ -38,6 +37,7 @@ from mixprec._core._gradients import LossSlot
 from mixprec._core.loss_scale import LossScaler
 from mixprec._core.optimizer import MixedPrecisionOptimizer, rounds_to
 from mixprec._core.resume import pack_state_dict
+from mixprec._core.update_choice import UpdatePlan
 
 __all__ = ["FP16Model", "FP16_Optimizer", "convert_network", "network_to_half", "to_python_float"]
 
@@ -105,7 +105,7 @@ class FP16_Optimizer:
         self.mixed = MixedPrecisionOptimizer(
             init_optimizer,
             [self._slot],
-            master_weights=True,
+            UpdatePlan(masters=True),
             fp32_values=_take_fp32(init_optimizer),
         )
         self.optimizer = init_optimizer

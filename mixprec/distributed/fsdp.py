@@ -59,7 +59,7 @@ from mixprec._core.norms import is_norm
 from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec._core.policy import Policy, PolicyLike, as_policy
 from mixprec._core.storage import cast_storage, restore_fp32
-from mixprec._initialize import _MARK, MOVED, initialize, recipe_props
+from mixprec._initialize import _MARK, MOVED, initialize
 from mixprec.distributed.verdicts import require_process_group, sync_verdicts
 from mixprec.recipe import Recipe, as_recipe
 
@@ -231,11 +231,10 @@ def _cast_16bit(model: nn.Module, recipe: Recipe, low: torch.dtype) -> dict[str,
     """Cast the unsharded model as ``initialize`` casts it for the recipe (norms fp32 where it
     keeps them); returns the pre-cast fp32 values by parameter name where ``"kahan"`` starts
     its compensation from them."""
-    props = recipe_props(recipe, low)
-    restore_fp32(model, recipe.level, low, props)
+    restore_fp32(model, recipe, low)
     keep = {id(p) for p in model.parameters()} if recipe.update == "kahan" else set()
     kept: dict[int, Tensor] = {}
-    cast_storage(model, low, bool(props["keep_norm_fp32"]), keep, kept)
+    cast_storage(model, low, recipe.keep_fp32, keep, kept)
     return {name: kept[id(p)] for name, p in model.named_parameters() if id(p) in kept}
 
 
@@ -278,7 +277,7 @@ def _shard(
         )
     else:  # FSDP's fp32 shards are the master weights: a model that arrives cast to 16 bits
         # gets fp32 parameters back before it is sharded, with initialize's one warning
-        restore_fp32(model, recipe.level, low, {"cast_params": False, "keep_norm_fp32": False})
+        restore_fp32(model, recipe, low, weights="fp32")
     if low_params and recipe.keep_fp32 == "norms":
         norm_policy = MixedPrecisionPolicy(reduce_dtype=_F32, cast_forward_inputs=False)
         for m in [m for m in model.modules() if is_norm(m) and m is not model]:

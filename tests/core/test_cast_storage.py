@@ -28,7 +28,7 @@ def test_a_parameter_nothing_else_holds_gives_its_own_tensor():
     model = _linear()
     before = {id(p): (p.data_ptr(), p.detach().clone()) for p in model.parameters()}
     kept: dict[int, torch.Tensor] = {}
-    cast_storage(model, BF16, False, set(before), kept)
+    cast_storage(model, BF16, "none", set(before), kept)
     for key, (ptr, value) in before.items():
         assert kept[key].dtype == torch.float32
         assert kept[key].data_ptr() == ptr  # taken over, not copied
@@ -40,7 +40,7 @@ def test_a_parameter_shared_with_a_state_dict_is_copied():
     model = _linear()
     sd = model.state_dict()  # shares the parameters' storage
     kept: dict[int, torch.Tensor] = {}
-    cast_storage(model, BF16, False, {id(p) for p in model.parameters()}, kept)
+    cast_storage(model, BF16, "none", {id(p) for p in model.parameters()}, kept)
     for name, p in model.named_parameters():
         assert kept[id(p)].data_ptr() != sd[name].data_ptr()
         assert torch.equal(kept[id(p)], sd[name])

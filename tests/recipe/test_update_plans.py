@@ -1,0 +1,128 @@
+"""One vocabulary under the Recipe: the steps read the Recipe's fields, and each optimizer gets
+an ``UpdatePlan`` named in the Recipe's words, never a dict of the pre-Recipe keywords."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec._core.optimizer import MixedPrecisionOptimizer
+from mixprec._core.storage import restore_fp32
+from mixprec._core.update_choice import UpdatePlan, update_plans
+
+BF16, FP16 = torch.bfloat16, torch.float16
+PKG = pathlib.Path(mixprec.__file__).resolve().parent
+#: the names of the dict the Recipe used to be flattened into
+OLD = {
+    "cast_params",
+    "master_weights",
+    "keep_norm_fp32",
+    "keep_frozen_fp32",
+    "cast_model_outputs",
+    "lean_kwargs",
+}
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+
+
+def test_each_optimizer_gets_a_plan_in_the_recipes_words():
+    model = nn.ModuleDict({"a": nn.Linear(4, 4), "e": nn.Embedding(5, 4, sparse=True)})
+    adam = torch.optim.AdamW(model["a"].parameters(), lr=1e-3)
+    sparse = torch.optim.SGD(model["e"].parameters(), lr=1e-3)
+    plans = update_plans(mixprec.Recipe("O3", FP16), [adam, sparse], [model], FP16)
+    assert plans == [UpdatePlan(masters=False, update="kahan"), UpdatePlan(masters=False)]
+    lean = mixprec.Recipe("lean", BF16, update_seed=3)
+    (plan,) = update_plans(lean, [adam], [model], BF16)
+    assert plan == UpdatePlan(
+        masters=False,
+        update="stochastic",
+        optimizer_states="8-bit",
+        update_seed=3,
+        gradients="released",
+    )
+    assert update_plans(mixprec.Recipe("O2", BF16), [adam], [model], BF16) == [UpdatePlan()]
+
+
+def test_initialize_hands_each_wrapper_its_plan():
+    model = _model()
+    _, opt = mixprec.initialize(
+        model, torch.optim.AdamW(model.parameters()), mixprec.Recipe("O3", BF16, update="nearest")
+    )
+    assert opt.plan == UpdatePlan(masters=False, update="nearest")
+    assert opt.lean is not None and not opt.lean.compensation  # nearest: no Kahan buffers
+
+
+def test_a_plan_refuses_what_the_recipe_refuses():
+    with pytest.raises(ValueError, match="replaces fp32 master weights"):
+        UpdatePlan(masters=True, update="kahan")
+    with pytest.raises(ValueError, match="apply to an update mode"):
+        UpdatePlan(masters=False, optimizer_states="8-bit")
+
+
+def test_the_wrapper_takes_a_plan_not_a_dict_of_keywords():
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="plan is an UpdatePlan"):
+        MixedPrecisionOptimizer(opt, [], {"master_weights": False})  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        MixedPrecisionOptimizer(opt, [], master_weights=False)  # type: ignore[call-arg]
+
+
+def test_restore_fp32_reads_the_recipe():
+    """A model that arrives in 16 bits gets back what the recipe keeps in fp32: the norms at
+    O2; every parameter where the weights are stored in fp32 (FSDP's shards)."""
+    model = _model().to(BF16)
+    with pytest.warns(UserWarning, match="keeps norm layers and master weights in float32"):
+        restore_fp32(model, mixprec.Recipe("O2", BF16), BF16)
+    assert [p.dtype for p in model.parameters()] == [BF16] * 2 + [torch.float32] * 2 + [BF16] * 2
+    model = _model().to(BF16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        restore_fp32(model, mixprec.Recipe("O2", BF16), BF16, weights="fp32")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def _old_names_used(path: pathlib.Path) -> list[str]:
+    """Where ``path`` keys, subscripts or passes one of the old names; a map from an old name to
+    a string (a table of moved keywords, which names the Recipe field) is allowed."""
+    tree = ast.parse(path.read_text(), str(path))
+    renames = {
+        id(k)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Dict)
+        for k, v in zip(node.keys, node.values)
+        if isinstance(v, ast.Constant) and isinstance(v.value, str)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value in OLD and id(node) not in renames:
+            found.append(f"{path.name}:{node.lineno} {node.value!r}")
+        elif isinstance(node, ast.keyword) and node.arg in OLD:
+            found.append(f"{path.name}:{node.lineno} {node.arg}=")
+        elif isinstance(node, ast.arg) and node.arg in OLD:
+            found.append(f"{path.name}:{node.lineno} parameter {node.arg}")
+    return found
+
+
+def test_no_dict_of_the_old_names_between_the_recipe_and_the_machinery():
+    assert not hasattr(mixprec._initialize, "recipe_props")
+    files = [PKG / "_initialize.py", *(PKG / "_core").rglob("*.py")]
+    files += (PKG / "distributed").rglob("*.py")
+    found = [hit for f in files for hit in _old_names_used(f)]
+    assert not found, found
+
+
+def test_the_scan_sees_an_old_dict(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text(
+        'MOVED = {"master_weights": "masters"}\n'
+        'props = dict(cast_params=True)\nprops["keep_norm_fp32"]\n'
+    )
+    assert _old_names_used(src) == ["m.py:2 cast_params=", "m.py:3 'keep_norm_fp32'"]
