@@ -120,8 +120,8 @@ def recipe_props(recipe: Recipe, dtype: torch.dtype) -> dict[str, Any]:
         lean["state_dtype"] = dict(states) if isinstance(states, tuple) else states
     if recipe.update_seed is not None:
         lean["update_seed"] = recipe.update_seed
-    if recipe.releases_gradients(dtype):
-        lean["release"] = True
+    if recipe.releases_gradients(dtype):  # "auto": the first step decides (_core/release.py)
+        lean["release"] = recipe.gradients == "released" or "auto"
     scaling = recipe.scaling(dtype)
     scaler = functools.partial(LossScaler.from_spec, None) if scaling is None else scaling.scaler
     return dict(

@@ -81,7 +81,7 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         update: str | None = None,
         state_dtype: StateDtype = None,
         update_seed: int = 0,
-        release: bool = False,
+        release: bool | str = False,
         fp32_values: dict[int, Tensor] | None = None,
     ):
         if not isinstance(optimizer, Optimizer):
@@ -146,7 +146,7 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
                 release=release,
             )
             if release:
-                register_released(self.lean.params())
+                register_released(self.lean.params(), self.lean)
 
     # -- delegation: schedulers and user code see the inner optimizer's groups and state -------
     param_groups = property(
@@ -302,6 +302,8 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         self._stash.clear()
         self._found.clear()  # the verdicts were about the gradients dropped here
         self._late.clear()
+        if self.lean is not None:
+            self.lean._zero_released()
         params: Iterable[Tensor] = [*self.master_params(), *(p for p, _ in self._pairs)]
         for p in params:
             if p.grad is None:

@@ -97,7 +97,7 @@ def update_options(
         if "update" not in kw:
             kw["update"] = _default_update(o, dtype, sparse)
             if kw["update"] is None:  # state_dtype / update_seed go where a mode runs
-                if kw.get("release"):
+                if kw.get("release") is True:  # "auto" holds them here
                     raise ValueError(
                         "Recipe(gradients='released'): gradients are released by an update "
                         f"mode, but {type(o).__name__} here steps with its own 16-bit update "
