@@ -3,7 +3,7 @@
 ``MixprecTrainer`` (``max_grad_norm=1.0`` by default) and Lightning's plugin
 (``gradient_clip_val``, ``accumulate_grad_batches``). Where the loop needs every gradient at
 once the gradients are held -- the held path, bit for bit -- and the choice is said in a
-warning; where it does not they are released after the first step (issue 40)."""
+warning; where it does not they are released after the first step."""
 
 from __future__ import annotations
 
