@@ -52,6 +52,8 @@ RECIPES = {
     "lean-released": "lean gradients=released",
     "lean-clip": "lean",  # "auto" in a loop that clips every step: held from the first step
     "lean-accum": "lean",  # "auto" accumulating 2 micro-batches per step: held likewise
+    "lean-accum-plain": "lean",  # the same with loss.backward(), as nanoGPT calls it
+    "lean-held-accum": "lean gradients=held",  # accumulating, held as asked
     "lean-4bit": "lean optimizer_states=4-bit",
     "lean-4bit-nearest": "lean optimizer_states=4-bit update=nearest",
 }
@@ -59,7 +61,9 @@ MODES = ("fp32", "torch-autocast", *RECIPES, "torchao-adamw8bit")
 #: modes whose loop clips the gradients by global norm (1.0) before every step
 CLIPS = ("lean-clip",)
 #: micro-batches (backward passes) per step; 1 where not named
-MICRO = {"lean-accum": 2}
+MICRO = {"lean-accum": 2, "lean-accum-plain": 2, "lean-held-accum": 2}
+#: modes whose loop calls loss.backward() rather than opt.backward(loss)
+PLAIN = ("lean-accum-plain",)
 BF16 = torch.bfloat16
 
 
@@ -109,6 +113,13 @@ def _prepare(mode: str, model: nn.Module) -> tuple[nn.Module, Any, Any]:
     return model, opt, None
 
 
+def _backward(mode: str, opt: Any, loss: torch.Tensor) -> None:
+    if hasattr(opt, "backward") and mode not in PLAIN:
+        opt.backward(loss)
+    else:
+        loss.backward()
+
+
 def child(name: str, mode: str, steps: int, scale: float) -> dict[str, Any]:
     """One mode in this process: bytes per parameter of the added peak, and the step time."""
     import torch._dynamo  # every torch optimizer imports it when built
@@ -130,7 +141,7 @@ def child(name: str, mode: str, steps: int, scale: float) -> dict[str, Any]:
                     loss = _loss(name, model(x), y)
             else:
                 loss = _loss(name, model(x), y)
-            (opt.backward(loss) if hasattr(opt, "backward") else loss.backward())
+            _backward(mode, opt, loss)
         if mode in CLIPS:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -165,7 +176,7 @@ def race(name: str, modes: list[str], rounds: int, scale: float) -> dict[str, fl
             for _ in range(MICRO.get(mode, 1)):
                 with region if region is not None else contextlib.nullcontext():
                     loss = _loss(name, model(x), y)
-                (opt.backward(loss) if hasattr(opt, "backward") else loss.backward())
+                _backward(mode, opt, loss)
             if mode in CLIPS:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
