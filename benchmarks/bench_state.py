@@ -16,7 +16,9 @@ of step times, ``--race ROUNDS`` runs ``--modes`` in one process, one step each 
 ``fp32`` and ``torch-autocast`` (bf16) with torch's AdamW; the mixprec recipes of
 :data:`RECIPES` in bf16 (``O2``; ``O3`` with its default Kahan update; ``O3-update-none``, the
 optimizer's own bf16 step; ``O3-kahan-8bit``; ``lean``, ``lean`` with its gradients held until
-the step, and with 4-bit states); and
+the step or released from the first step on, ``lean-clip``: ``lean`` in a loop that clips by
+global norm before every step, which holds them, ``lean-accum``: two backward passes per step,
+likewise, and ``lean`` with 4-bit states); and
 ``torchao-adamw8bit`` (bf16 weights, torchao's 8-bit AdamW) when torchao is installed. The
 header names the machine and torch.
 """
@@ -47,10 +49,21 @@ RECIPES = {
     "O3-kahan-8bit": "O3 update=kahan optimizer_states=8-bit",
     "lean": "lean",
     "lean-held": "lean gradients=held",
+    "lean-released": "lean gradients=released",
+    "lean-clip": "lean",  # "auto" in a loop that clips every step: held from the first step
+    "lean-accum": "lean",  # "auto" accumulating 2 micro-batches per step: held likewise
+    "lean-accum-plain": "lean",  # the same with loss.backward(), as nanoGPT calls it
+    "lean-held-accum": "lean gradients=held",  # accumulating, held as asked
     "lean-4bit": "lean optimizer_states=4-bit",
     "lean-4bit-nearest": "lean optimizer_states=4-bit update=nearest",
 }
 MODES = ("fp32", "torch-autocast", *RECIPES, "torchao-adamw8bit")
+#: modes whose loop clips the gradients by global norm (1.0) before every step
+CLIPS = ("lean-clip",)
+#: micro-batches (backward passes) per step; 1 where not named
+MICRO = {"lean-accum": 2, "lean-accum-plain": 2, "lean-held-accum": 2}
+#: modes whose loop calls loss.backward() rather than opt.backward(loss)
+PLAIN = ("lean-accum-plain",)
 BF16 = torch.bfloat16
 
 
@@ -100,9 +113,16 @@ def _prepare(mode: str, model: nn.Module) -> tuple[nn.Module, Any, Any]:
     return model, opt, None
 
 
+def _backward(mode: str, opt: Any, loss: torch.Tensor) -> None:
+    if hasattr(opt, "backward") and mode not in PLAIN:
+        opt.backward(loss)
+    else:
+        loss.backward()
+
+
 def child(name: str, mode: str, steps: int, scale: float) -> dict[str, Any]:
     """One mode in this process: bytes per parameter of the added peak, and the step time."""
-    import torch._dynamo  # noqa: F401  every torch optimizer imports it when built
+    import torch._dynamo  # every torch optimizer imports it when built
 
     import mixprec  # noqa: F401  its import is runtime, not state
 
@@ -115,12 +135,15 @@ def child(name: str, mode: str, steps: int, scale: float) -> dict[str, Any]:
         x, y = batch()
         x = _inputs(mode, x)
         t0 = time.perf_counter()
-        if region is not None:
-            with region:
+        for _ in range(MICRO.get(mode, 1)):
+            if region is not None:
+                with region:
+                    loss = _loss(name, model(x), y)
+            else:
                 loss = _loss(name, model(x), y)
-        else:
-            loss = _loss(name, model(x), y)
-        (opt.backward(loss) if hasattr(opt, "backward") else loss.backward())
+            _backward(mode, opt, loss)
+        if mode in CLIPS:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
@@ -150,9 +173,12 @@ def race(name: str, modes: list[str], rounds: int, scale: float) -> dict[str, fl
             x, y = batch()
             x = _inputs(mode, x)
             t0 = time.perf_counter()
-            with region if region is not None else contextlib.nullcontext():
-                loss = _loss(name, model(x), y)
-            (opt.backward(loss) if hasattr(opt, "backward") else loss.backward())
+            for _ in range(MICRO.get(mode, 1)):
+                with region if region is not None else contextlib.nullcontext():
+                    loss = _loss(name, model(x), y)
+                _backward(mode, opt, loss)
+            if mode in CLIPS:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             times[mode].append(time.perf_counter() - t0)

@@ -167,7 +167,8 @@ def _rows(r: Any, states: int, low: torch.dtype) -> list[tuple[str, str, float]]
     if r.masters:  # computed in 16 bits in backward, then held in fp32 on the masters
         rows.append(("gradients", f"{word(weight)}, then fp32 on the masters", _bytes(weight) + 4))
     elif r.releases_gradients(low):  # one parameter's at a time
-        rows.append(("gradients", f"{word(weight)}, released in backward", 0))
+        held = "; held (+2 B) where the loop clips or accumulates" if r.gradients == "auto" else ""
+        rows.append(("gradients", f"{word(weight)}, released in backward{held}", 0))
     else:
         rows.append(("gradients", word(weight), _bytes(weight)))
     own = r.update is None or r.masters or r.weights == "fp32"  # the optimizer's own step

@@ -40,28 +40,32 @@ __all__ = ["refuse_released", "register_masters", "register_released"]
 # id(model parameter) -> (weak ref to it, weak ref to its master); by id, since tensors compare
 # element-wise (no WeakKeyDictionary)
 _master_of: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-# id(parameter) -> weak ref to it, for parameters whose gradients are released in backward
-_released: dict[int, weakref.ref] = {}
+# id(parameter) -> (weak ref to it, weak ref to the LeanUpdate that may release its gradient)
+_released: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
-def register_released(params: list[Tensor]) -> None:
-    """Record parameters stepped in backward (``gradients="released"``): clipping them is
-    refused, since their gradients are gone before any clipping call could see them all."""
+def register_released(params: list[Tensor], owner: Any) -> None:
+    """Record parameters whose gradients ``owner`` (a :class:`~mixprec._core.lean.LeanUpdate`)
+    releases in backward, now (``gradients="released"``) or once its first step has shown that
+    the loop allows it (``"auto"``): a clip of them asks the owner (``_clip_refusal``)."""
     if params:
         _install()
     for p in params:
-        _released[id(p)] = weakref.ref(p)
+        _released[id(p)] = (weakref.ref(p), weakref.ref(owner))
 
 
 def refuse_released(params: list[Tensor]) -> None:
-    if any((hit := _released.get(id(p))) is not None and hit() is p for p in params):
-        raise RuntimeError(
-            "These parameters' gradients are released in backward (Recipe gradients="
-            "'released', as in 'lean' without loss scaling): each was stepped and freed as soon "
-            "as it was computed, so there is no gradient left to clip, and a norm over all of "
-            "them never exists at once. Use a recipe with gradients='held' to clip, e.g. "
-            "Recipe('lean', gradients='held')."
-        )
+    """Raise where a gradient in ``params`` is released (gone before any clip could see them
+    all); under ``"auto"``'s first step a clip keeps them held instead."""
+    owners = {}
+    for p in params:
+        hit = _released.get(id(p))
+        if hit is not None and hit[0]() is p and (owner := hit[1]()) is not None:
+            owners[id(owner)] = owner
+    for owner in owners.values():
+        why = owner._clip_refusal()
+        if why:
+            raise RuntimeError(why)
 
 
 def register_masters(pairs: list[tuple[Tensor, Tensor]]) -> None:

@@ -120,7 +120,7 @@ class LeanUpdate(ReleasedGradients):
         state_dtype: StateDtype = "auto",
         seed: int = 0,
         chunk_elements: int | None = None,
-        release: bool = False,
+        release: bool | str = False,
     ):
         if update not in UPDATES:
             raise ValueError(
@@ -145,9 +145,7 @@ class LeanUpdate(ReleasedGradients):
         self.steps = 0  # steps taken (not skipped): a key of the stochastic rounding
         self._ordinal: dict[int, int] = {}  # id(param) -> its position, a rounding key
         self._scratch: dict[tuple[str, torch.device], Tensor] = {}
-        self.release = release
-        self.nonfinite = 0  # released parameters left unchanged for a non-finite gradient
-        self._released: set[int] = set()  # ids of the parameters stepped in this backward
+        self._init_release(release)  # False, True or "auto" (mixprec._core.release)
         self.add_params(p for g in optimizer.param_groups for p in g["params"])
 
     def add_params(self, params: Iterable[Tensor]) -> None:
@@ -161,7 +159,7 @@ class LeanUpdate(ReleasedGradients):
                 self.compensation[p] = torch.zeros_like(
                     _local(p), memory_format=torch.contiguous_format
                 )
-            if self.release and p.requires_grad:
+            if self.hooks and p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._step_released)
 
     def params(self) -> list[Tensor]:
@@ -177,6 +175,7 @@ class LeanUpdate(ReleasedGradients):
         # fp32 scratch reused by every chunk of this step: one allocation per buffer and step
         # (fresh CPU allocations of this size cost page faults on every step; freed at the end)
         self._scratch = {}
+        drop = self._settle_release()  # "auto"'s first step, releasing: free grads as used
         try:
             for gi, plist in enumerate(saved):
                 ready = [p for p in plist if p.grad is not None]
@@ -193,6 +192,8 @@ class LeanUpdate(ReleasedGradients):
                         self.optimizer.state.get(p) for p in chunk
                     )
                     result = self._step_chunk(groups, gi, chunk)
+                    for p in chunk if drop else ():
+                        p.grad = None
                     if fresh:  # its fp32 state was made, narrowed and freed: see trim_heap
                         trim_heap()
             self.steps += 1

@@ -136,10 +136,10 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
                 plan.update,
                 state_dtype=plan.states,
                 seed=plan.update_seed,
-                release=plan.released,
+                release=plan.release,
             )
-            if plan.released:
-                register_released(self.lean.params())
+            if plan.gradients != "held":  # released, or "auto" until its first step
+                register_released(self.lean.params(), self.lean)
 
     # -- delegation: schedulers and user code see the inner optimizer's groups and state -------
     param_groups = property(
@@ -296,6 +296,8 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         self._deferred = None
         self._found.clear()  # the verdicts were about the gradients dropped here
         self._late.clear()
+        if self.lean is not None:
+            self.lean._zero_released()
         params: Iterable[Tensor] = [*self.master_params(), *(p for p, _ in self._pairs)]
         for p in params:
             if p.grad is None:

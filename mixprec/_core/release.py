@@ -17,6 +17,18 @@ is refused loudly rather than done wrong:
   refused before it is applied); DDP reduces gradients after they are accumulated, which is
   after the step here. Each raises with the fix: ``gradients="held"``.
 
+``gradients="auto"`` (the "lean" recipe without loss scaling) releases only where the loop
+allows it, decided by the loop itself rather than guessed at ``initialize``: its first step
+holds the gradients and watches. A clip (``torch.nn.utils.clip_grad_norm_`` /
+``clip_grad_value_`` on these parameters, ``opt.clip_grad_norm_``) or a second gradient before
+``step()`` (accumulation) keeps them held for good -- the held path, bit for bit, said once in
+a warning; a first step with neither releases them from the next backward on. That first step
+frees each gradient as soon as its chunk is stepped, so its peak stays the released one: the
+optimizer states it creates take the place of the gradients it consumes. A clip or an
+accumulation after the release raises, as under ``"released"``. Integrations that know their
+loop up front (``MixprecTrainer`` clipping by default, Lightning's ``gradient_clip_val``,
+accumulation) ask for ``"held"`` themselves and say so.
+
 The fp32 scratch of the chunk steps lives for one backward (freed, and the C heap trimmed, by an
 autograd callback at its end); ``optimizer.step()`` then steps what still holds a gradient (fp32
 parameters) and closes the step.
@@ -30,11 +42,31 @@ import warnings
 import torch
 from torch import Tensor
 
-from mixprec._core._warnings import MixprecNumericsWarning, user_stacklevel
+from mixprec._core._warnings import MixprecNumericsWarning, MixprecWarning, user_stacklevel
 from mixprec._core.clipping import register_released
 from mixprec._core.memory import trim_heap
 
-__all__ = ["ReleasedGradients"]
+__all__ = ["RELEASED", "ReleasedGradients"]
+
+#: why a clip of released gradients is refused (``gradients="released"``)
+RELEASED = (
+    "These parameters' gradients are released in backward (Recipe gradients='released'): each "
+    "was stepped and freed as soon as it was computed, so there is no gradient left to clip, "
+    "and a norm over all of them never exists at once. Use gradients='auto' (the 'lean' "
+    "default: held where the loop clips) or gradients='held' to clip, e.g. "
+    "Recipe('lean', gradients='held')."
+)
+_AUTO_RELEASED = (
+    "These parameters' gradients are released in backward: Recipe gradients='auto' released "
+    "them after a first step that neither clipped nor accumulated, and each is now stepped and "
+    "freed as soon as it is computed, so there is nothing left to {what}. A loop that clips or "
+    "accumulates from its first step keeps them held; one that starts later must say so: use "
+    "gradients='held', e.g. Recipe('lean', gradients='held')."
+)
+_NEEDS = {
+    "clipping": "this training loop clips them (a global norm needs every gradient at once)",
+    "accumulation": "this training loop accumulates them over several backward passes",
+}
 
 
 class ReleasedGradients:
@@ -72,16 +104,46 @@ class ReleasedGradients:
             register_released(released)
         return new
 
+    def _init_release(self, release: bool | str) -> None:
+        """``release``: False (held), True (``gradients="released"``) or ``"auto"`` (held or
+        released as the first step shows; see the module docstring)."""
+        if release not in (False, True, "auto"):
+            raise ValueError(f"release must be False, True or 'auto', received {release!r}.")
+        self.release_mode = "auto" if release == "auto" else "released" if release else "held"
+        self.release = release is True  # whether gradients are released in backward now
+        self.deciding = release == "auto"  # "auto" before the end of its first step
+        self.held_for: str | None = None  # what "auto"'s first step did that needs them held
+        self.nonfinite = 0  # released parameters left unchanged for a non-finite gradient
+        self._released: set[int] = set()  # ids of the parameters with a gradient in this step
+
+    @property
+    def hooks(self) -> bool:
+        """Whether 16-bit parameters get the release hook (released now, or maybe later)."""
+        return self.release_mode != "held"
+
     @torch.no_grad()
     def _step_released(self, p: Tensor) -> None:
         """Step ``p`` alone as soon as its gradient is complete, then free the gradient (a
-        ``register_post_accumulate_grad_hook``; see the module docstring)."""
+        ``register_post_accumulate_grad_hook``; see the module docstring). While "auto"
+        decides, only watch: a second gradient before the step is an accumulation."""
+        if not self.release:
+            if self.deciding:
+                if id(p) in self._released:
+                    self.held_for = self.held_for or "accumulation"
+                self._released.add(id(p))
+            return
         if id(p) in self._released:
+            if self.release_mode == "auto":
+                raise RuntimeError(
+                    "A parameter received a second gradient before optimizer.step(). "
+                    + _AUTO_RELEASED.format(what="accumulate into")
+                )
             raise RuntimeError(
                 "A parameter received a second gradient before optimizer.step(): with "
                 "gradients='released' each parameter is stepped in backward, so gradients "
                 "cannot be accumulated over several backward passes. Use a recipe with "
-                "gradients='held' (e.g. Recipe('lean', gradients='held')) to accumulate."
+                "gradients='auto' or 'held' (e.g. Recipe('lean', gradients='held')) to "
+                "accumulate."
             )
         if not self._released:  # the first of this backward: free the scratch at its end
             torch.autograd.Variable._execution_engine.queue_callback(self._free_scratch)
@@ -108,8 +170,45 @@ class ReleasedGradients:
             trim_heap()  # (see trim_heap); later steps reuse their own holes, and trimming
             # each one would hand pages back that the next parameter faults in again
 
+    def _clip_refusal(self) -> str | None:
+        """Why a clip of these parameters' gradients cannot be done, or None: they are held
+        (during "auto"'s first step, the clip keeps them held)."""
+        if not self.release:
+            if self.deciding:
+                self.held_for = self.held_for or "clipping"
+            return None
+        return _AUTO_RELEASED.format(what="clip") if self.release_mode == "auto" else RELEASED
+
+    def _settle_release(self) -> bool:
+        """End "auto"'s first step (one with a backward): hold the gradients for good if it
+        clipped or accumulated (and say so once), else release them from the next backward.
+        Returns whether this step is that first one and releases: it frees each 16-bit
+        gradient as soon as its chunk is stepped, which keeps its peak the released one."""
+        if not self.deciding or not self._released:
+            return False
+        self.deciding = False
+        if self.held_for is None:
+            self.release = True
+            return True
+        warnings.warn(
+            f"Recipe gradients='auto' holds the gradients until zero_grad (16 bits, 2 bytes per "
+            f"parameter): {_NEEDS[self.held_for]}. Pass gradients='held' to say so; "
+            "gradients='released' saves those bytes in a loop that neither clips nor "
+            "accumulates.",
+            MixprecWarning,
+            stacklevel=user_stacklevel(),
+        )
+        return False
+
+    def _zero_released(self) -> None:
+        """``zero_grad`` while "auto" decides: the next backward starts a new step, not an
+        accumulation."""
+        if self.deciding:
+            self._released.clear()
+
     def _end_released(self) -> None:
         """Close a step whose gradients were released: say what a non-finite gradient left."""
+        self._settle_release()  # a skipped first step of "auto" decides as well
         self._released.clear()
         if self.nonfinite:
             count, self.nonfinite = self.nonfinite, 0

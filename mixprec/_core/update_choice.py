@@ -40,7 +40,9 @@ class UpdatePlan:
             ``"auto"``, a dtype, ``"8-bit"``, ``"4-bit"``, or ``{state name: one of these}``
             or its sorted item tuple).
         update_seed: the seed of ``"stochastic"`` rounding.
-        gradients: ``"held"`` or ``"released"`` (stepped in backward and freed).
+        gradients: ``"held"``, ``"released"`` (stepped in backward and freed) or ``"auto"``
+            (the first step decides: a clip or an accumulation keeps them held, a step without
+            either releases them from then on; :mod:`mixprec._core.release`).
     """
 
     masters: bool = True
@@ -56,19 +58,26 @@ class UpdatePlan:
                 "masters=False (the O3 default)."
             )
         if self.update is None and (
-            self.optimizer_states != "auto" or self.update_seed != 0 or self.released
+            self.optimizer_states != "auto" or self.update_seed != 0 or self.gradients != "held"
         ):
             raise ValueError(
                 "optimizer_states, update_seed and released gradients apply to an update "
                 "mode; set update='nearest', 'kahan' or 'stochastic' as well."
             )
-        if self.gradients not in ("held", "released"):
-            raise ValueError(f"gradients={self.gradients!r}: expected 'held' or 'released'.")
+        if self.gradients not in ("held", "released", "auto"):
+            raise ValueError(
+                f"gradients={self.gradients!r}: expected 'held', 'released' or 'auto'."
+            )
 
     @property
     def released(self) -> bool:
-        """Whether each gradient is stepped in backward and freed."""
+        """Whether each gradient is stepped in backward and freed, whatever the loop does."""
         return self.gradients == "released"
+
+    @property
+    def release(self) -> bool | str:
+        """``gradients`` as the updater takes it: True, False, or ``"auto"``."""
+        return "auto" if self.gradients == "auto" else self.released
 
     @property
     def states(self) -> Any:
@@ -154,7 +163,9 @@ def update_plans(
     given = dict(
         optimizer_states=recipe.optimizer_states,
         update_seed=recipe.update_seed or 0,
-        gradients="released" if released else "held",
+        gradients=("released" if recipe.gradients == "released" else "auto")
+        if released
+        else "held",
     )
     fields = [  # the update-mode fields the recipe sets, by name
         name
@@ -172,7 +183,7 @@ def update_plans(
     plans = []
     for o in optimizers:
         update = _default_update(o, dtype, sparse)
-        if update is None and released:
+        if update is None and recipe.gradients == "released":  # "auto" holds them here
             raise ValueError(
                 "Recipe(gradients='released'): gradients are released by an update "
                 f"mode, but {type(o).__name__} here steps with its own 16-bit update "

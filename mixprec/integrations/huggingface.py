@@ -9,6 +9,12 @@ and accelerate accept it). The backward is wrapped in :func:`mixprec.scale_loss`
 clipping and the logged grad norm use the unscaled fp32 masters. Leave ``fp16``/``bf16`` off in
 ``TrainingArguments``: mixprec does the mixed precision, and the two would stack.
 
+With ``gradients="auto"`` (the "lean" recipe in bf16) the gradients are held where Trainer
+needs them whole -- clipping (``max_grad_norm > 0``, Trainer's default 1.0) or accumulation
+(``gradient_accumulation_steps > 1``) -- and the choice is said in a warning
+(:mod:`mixprec.integrations._loop`); without either they are released, and the logged
+``grad_norm`` is NaN (nothing is left to measure).
+
 Limits: a skipped step (fp16 overflow) still advances Trainer's LR scheduler (accelerate's
 skip flag comes from its own GradScaler); DeepSpeed/FSDP are not supported.
 """
@@ -23,6 +29,7 @@ from transformers import Trainer
 
 import mixprec
 from mixprec._core.optimizer import MixedPrecisionOptimizer
+from mixprec.integrations._loop import hold_for_loop
 from mixprec.recipe import Recipe, as_recipe
 
 __all__ = ["MixprecTrainer"]
@@ -78,7 +85,14 @@ class MixprecTrainer(Trainer):
         )
         if self.mixprec_optimizer is None:
             target = self.model if model is None else model
-            _, wrapped = mixprec.initialize(target, optimizer, self.mixprec_recipe)
+            needs = []
+            if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+                needs.append(f"clips (max_grad_norm={self.args.max_grad_norm})")
+            if self.args.gradient_accumulation_steps > 1:
+                steps = self.args.gradient_accumulation_steps
+                needs.append(f"accumulates (gradient_accumulation_steps={steps})")
+            recipe = hold_for_loop(self.mixprec_recipe, needs, "MixprecTrainer", self.args.device)
+            _, wrapped = mixprec.initialize(target, optimizer, recipe)
             self.optimizer = self.mixprec_optimizer = wrapped
         return self.optimizer
 
@@ -87,5 +101,8 @@ class MixprecTrainer(Trainer):
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> float:
         if grad_norm is None:
+            lean = self.mixprec_optimizer.lean
+            if lean is not None and lean.release_mode != "held":  # released: nothing to measure
+                return math.nan
             grad_norm = self.mixprec_optimizer.clip_grad_norm_(math.inf)
         return float(grad_norm)

@@ -12,6 +12,10 @@ torch.autocast + GradScaler. This plugin swaps in mixprec at the four seams Ligh
 * ``optimizer_step`` -- run the closure, then the mixprec step (skipped on inf/NaN). Clipping
   needs nothing: Lightning clips ``optimizer.param_groups``, the already-unscaled fp32 masters.
 
+With ``gradients="auto"`` (the "lean" recipe in bf16), ``connect`` holds the gradients where the
+Trainer needs them whole -- ``gradient_clip_val`` or ``accumulate_grad_batches > 1`` -- and says
+so in a warning (:mod:`mixprec.integrations._loop`); without either they are released.
+
 Works with ``lightning`` (``lightning.pytorch``) or ``pytorch_lightning``, whichever is installed.
 """
 
@@ -28,6 +32,7 @@ import mixprec
 from mixprec._core._keywords import refuse_moved_keywords
 from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec._initialize import MOVED
+from mixprec.integrations._loop import hold_for_loop
 from mixprec.recipe import Recipe, as_recipe
 
 try:  # the unified package first, then the standalone one
@@ -61,10 +66,21 @@ class MixprecPrecision(_Precision):
 
     # -- setup -------------------------------------------------------------------------------
     def connect(self, model: Any, optimizers: list[Any], lr_schedulers: list[Any]) -> Any:
+        recipe = self.recipe
+        trainer = getattr(model, "_trainer", None)
+        if trainer is not None and optimizers:
+            needs = []
+            if trainer.gradient_clip_val:
+                needs.append(f"clips (gradient_clip_val={trainer.gradient_clip_val})")
+            if trainer.accumulate_grad_batches > 1:
+                batches = trainer.accumulate_grad_batches
+                needs.append(f"accumulates (accumulate_grad_batches={batches})")
+            device = next((p.device for p in model.parameters()), None)
+            recipe = hold_for_loop(recipe, needs, "MixprecPrecision", device)
         if optimizers:
-            model, wrapped = mixprec.initialize(model, list(optimizers), self.recipe)
+            model, wrapped = mixprec.initialize(model, list(optimizers), recipe)
         else:
-            model, wrapped = mixprec.initialize(model, None, self.recipe), []
+            model, wrapped = mixprec.initialize(model, None, recipe), []
         self.optimizers = list(wrapped)
         params = [p for p in model.parameters() if p.is_floating_point()]
         self.dtype = (

@@ -205,7 +205,7 @@ def test_a_non_finite_gradient_leaves_weights_and_codes_bit_identical(dtype, gra
 def test_released_gradients_step_in_backward_and_a_non_finite_one_leaves_its_parameter(bad):
     """Each kind of non-finite value: a check that loses a sign (max instead of max of |g|)
     lets -inf through, and the weight becomes NaN with no warning."""
-    model, opt = _lean(BF16)  # "auto" without loss scaling: released
+    model, opt = _lean(BF16, gradients="released")
     assert opt.lean.release
     x, y = _batch()
     before = [p.detach().clone() for p in model.parameters()]
@@ -227,7 +227,7 @@ def test_released_gradients_step_in_backward_and_a_non_finite_one_leaves_its_par
 
 
 def test_released_gradients_refuse_clipping_and_accumulation():
-    model, opt = _lean(BF16)
+    model, opt = _lean(BF16, gradients="released")
     x, y = _batch()
     (model(x).float() - y).pow(2).mean().backward()
     with pytest.raises(RuntimeError, match="released in backward.*gradients='held'"):
@@ -243,6 +243,55 @@ def test_released_gradients_refuse_clipping_and_accumulation():
         mixprec.Recipe("lean", FP16, gradients="released", loss_scale="dynamic")
     with pytest.raises(ValueError, match="update mode"):
         mixprec.Recipe("O2", gradients="released")
+
+
+def test_auto_releases_after_a_first_step_without_clipping_bit_for_bit_as_held():
+    """'lean' ("auto", bf16) in a loop that neither clips nor accumulates: the first step holds
+    the gradients (and frees each once its chunk is stepped), the next ones release them in
+    backward; the weights and states are the held run's, bit for bit."""
+    x, y = _batch()
+    held, held_opt = _lean(gradients="held")
+    model, opt = _lean()
+    assert opt.lean.release_mode == "auto" and not opt.lean.release  # the first step watches
+    for step in range(4):
+        _step(held, held_opt, x, y)
+        opt.backward((model(x).float() - y).pow(2).mean())
+        assert all((p.grad is None) == (step > 0) for p in model.parameters())
+        opt.step()
+        assert all(p.grad is None for p in model.parameters())  # the first step freed them too
+        opt.zero_grad()
+        assert opt.lean.release
+        for p, q in zip(model.parameters(), held.parameters()):
+            assert_bitwise(p.detach(), q.detach())
+    assert_tree_bitwise(opt.fp32_state_dict(), held_opt.fp32_state_dict())
+    with pytest.raises(RuntimeError, match="'auto' released them after a first step.*held"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a clip that starts later
+
+
+def _loop_step(model, opt, x, y, how):
+    for _ in range(2 if how == "accumulate" else 1):
+        opt.backward((model(x).float() - y).pow(2).mean())
+    if how == "clip":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    elif how == "opt.clip":
+        opt.clip_grad_norm_(0.1)
+    assert all(p.grad is not None for p in model.parameters())
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("how", ["clip", "opt.clip", "accumulate"])
+def test_auto_holds_once_the_first_step_clips_or_accumulates_and_says_so(how):
+    model, opt = _lean()
+    x, y = _batch()
+    with pytest.warns(UserWarning, match="gradients='auto' holds the gradients"):
+        _loop_step(model, opt, x, y, how)
+    for _ in range(2):
+        _loop_step(model, opt, x, y, how)  # held for good
+    assert not opt.lean.release
+    assert opt.lean.held_for == ("accumulation" if how == "accumulate" else "clipping")
+    with pytest.raises(ValueError, match="release must be"):
+        opt.lean._init_release("sometimes")
 
 
 def test_a_plain_torch_optimizer_loads_the_dequantized_states():

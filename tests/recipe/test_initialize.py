@@ -239,7 +239,7 @@ def test_scaler_settings_in_bf16_turn_scaling_on():
 
 def test_bad_loss_scale_spec():
     _o1_error(
-        r"Recipe\(loss_scale='dyn'\): expected 'auto', 'dynamic', a number",
+        r"Recipe\(loss_scale='dyn'\): expected 'auto', 'dynamic', a finite number",
         lambda: mixprec.Recipe("O2", FP16, loss_scale="dyn"),
     )
 

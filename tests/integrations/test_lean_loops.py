@@ -1,0 +1,263 @@
+"""The "lean" recipe (``gradients="auto"``, bf16) in the loops users have: nanoGPT's train.py
+(clipping at 1.0 and accumulation over micro-batches), Hugging Face's Trainer through
+``MixprecTrainer`` (``max_grad_norm=1.0`` by default) and Lightning's plugin
+(``gradient_clip_val``, ``accumulate_grad_batches``). Where the loop needs every gradient at
+once the gradients are held -- the held path, bit for bit -- and the choice is said in a
+warning; where it does not they are released after the first step."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from extras import has, install_hint
+from torch import nn
+from training_helpers import assert_bitwise
+
+import mixprec
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+BF16 = torch.bfloat16
+HOLDS = "holds the gradients|runs with gradients='held'"
+
+
+class GPT(nn.Module):
+    """nanoGPT's shape in miniature: tied embeddings / lm_head, a residual MLP, LayerNorms; the
+    token embedding (64 x 64) and the MLP are large enough for 8-bit state codes."""
+
+    def __init__(self, vocab: int = 64, n_embd: int = 64, block: int = 8):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, n_embd)
+        self.wpe = nn.Embedding(block, n_embd)
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.fc = nn.Linear(n_embd, 2 * n_embd)
+        self.proj = nn.Linear(2 * n_embd, n_embd)
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = x + self.proj(F.gelu(self.fc(self.ln_1(x))))
+        logits = self.lm_head(self.ln_f(x))
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """nanoGPT's: weight decay on 2-D parameters only, fused AdamW on CUDA."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        extra = {"fused": True} if device_type == "cuda" else {}
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)
+
+
+def nanogpt(recipe, grad_accum=2, grad_clip=1.0, iters=6):
+    """nanoGPT's train.py loop on CPU, with only mixprec's initialize line added: bf16 (the
+    GradScaler disabled), ``loss / grad_accum`` over micro-batches, ``clip_grad_norm_`` when
+    ``grad_clip``, the LR set on every group each iteration, ``zero_grad(set_to_none=True)``."""
+    torch.manual_seed(0)
+    model = GPT()
+    optimizer = model.configure_optimizers(0.1, 3e-3, (0.9, 0.95), "cpu")
+    model, optimizer = mixprec.initialize(model, optimizer, recipe, BF16)  # the line added
+    scaler = torch.amp.GradScaler("cpu", enabled=False)  # enabled only for float16
+    ctx = contextlib.nullcontext()  # nanoGPT's ctx on CPU
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 64, (grad_accum, 4, 9), generator=g)  # (X, Y) per micro-step, fitted
+    losses, norms = [], []
+    for it in range(iters):
+        lr = 1e-2 * min(1.0, (it + 1) / 3)  # warmup
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = lr
+        total = 0.0
+        for micro_step in range(grad_accum):
+            X, Y = data[micro_step, :, :-1], data[micro_step, :, 1:]
+            with ctx:
+                _, loss = model(X, Y)
+                loss = loss / grad_accum
+            scaler.scale(loss).backward()
+            total += loss.item()
+        if grad_clip != 0.0:
+            scaler.unscale_(optimizer)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)))
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    return model, optimizer, losses, norms
+
+
+def _weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(("grad_accum", "grad_clip"), [(2, 1.0), (1, 1.0), (2, 0.0), (1, 0.0)])
+def test_nanogpt_loop_runs_lean_as_held_bit_for_bit(grad_accum, grad_clip):
+    """Clip every step, accumulate over micro-batches, both, neither: "lean" trains, and its
+    trajectory is the explicitly held one, bit for bit. A loop that clips or accumulates holds
+    the gradients (said once); one that does neither releases them after the first step."""
+    needs = grad_clip != 0.0 or grad_accum > 1
+    with pytest.warns(UserWarning, match=HOLDS) if needs else contextlib.nullcontext():
+        model, opt, losses, norms = nanogpt("lean", grad_accum, grad_clip)
+    held, _, held_losses, held_norms = nanogpt(
+        mixprec.Recipe("lean", gradients="held"), grad_accum, grad_clip
+    )
+    assert opt.lean.release == (not needs) and opt.lean.release_mode == "auto"
+    assert all(p.dtype == BF16 for p in model.parameters())
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    assert losses == held_losses and norms == held_norms
+    for p, q in zip(_weights(model), _weights(held)):
+        assert_bitwise(p, q)
+    if grad_clip:
+        assert max(norms) > grad_clip  # the clip had work to do
+        _, _, unclipped, _ = nanogpt(mixprec.Recipe("lean", gradients="held"), grad_accum, 0.0)
+        assert unclipped != losses  # and it changed the trajectory
+
+
+def test_nanogpt_loop_with_released_gradients_still_refuses_the_clip():
+    """An explicit gradients='released' is kept: the clip raises, naming the fix."""
+    with pytest.raises(RuntimeError, match="released in backward.*gradients='held'"):
+        nanogpt(mixprec.Recipe("lean", gradients="released"), grad_accum=1)
+
+
+# -- Hugging Face Trainer ----------------------------------------------------------------------
+
+
+def _hf(recipe, **args):
+    transformers = pytest.importorskip("transformers", reason=install_hint("transformers"))
+    from mixprec.integrations.huggingface import MixprecTrainer
+
+    hf_trainer = pytest.importorskip("hf_trainer_example")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=32, num_labels=2,
+    )  # fmt: skip
+    model = transformers.BertForSequenceClassification(cfg)
+    targs = transformers.TrainingArguments(
+        output_dir=args.pop("output_dir"), max_steps=4, per_device_train_batch_size=32,
+        learning_rate=3e-3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+        disable_tqdm=True, **args,
+    )  # fmt: skip
+    trainer = MixprecTrainer(
+        model=model, args=targs, train_dataset=hf_trainer.ToyTask(), mixprec_recipe=recipe,
+        mixprec_dtype=BF16,
+    )  # fmt: skip
+    trainer.train()
+    history = trainer.state.log_history
+    losses = [h["loss"] for h in history if "loss" in h]
+    norms = [h["grad_norm"] for h in history if "grad_norm" in h]
+    return trainer, losses, norms
+
+
+@pytest.fixture
+def hf_example(monkeypatch):
+    if not (has("transformers") and has("accelerate")):
+        pytest.skip(install_hint("transformers"))
+    examples = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(
+        "hf_trainer_example", os.path.join(examples, "hf_trainer.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "hf_trainer_example", module)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_mixprec_trainer_runs_lean_with_its_default_clipping(hf_example, tmp_path):
+    """Trainer's default max_grad_norm=1.0 with mixprec_recipe="lean": the gradients are held
+    (said up front), the run is the explicitly held one bit for bit, and the logged norm is the
+    pre-clip one. With max_grad_norm=0 they are released and no norm is logged (NaN)."""
+    with pytest.warns(UserWarning, match="MixprecTrainer.*max_grad_norm=1.0"):
+        trainer, losses, norms = _hf("lean", output_dir=str(tmp_path / "a"))
+    held, held_losses, held_norms = _hf(
+        mixprec.Recipe("lean", gradients="held"), output_dir=str(tmp_path / "b")
+    )
+    opt = trainer.mixprec_optimizer
+    assert opt.lean.release_mode == "held" and not opt.lean.release
+    layer = trainer.model.bert.encoder.layer[0].attention.self.query.weight
+    assert layer.dtype == BF16
+    assert all(math.isfinite(v) for v in losses) and min(losses[1:]) < losses[0]
+    assert losses == held_losses and norms == held_norms and len(norms) == 4
+    assert all(0 < n < math.inf for n in norms)
+    for p, q in zip(trainer.model.parameters(), held.model.parameters()):
+        assert_bitwise(p.detach(), q.detach())
+    released, free_losses, free_norms = _hf(
+        "lean", output_dir=str(tmp_path / "c"), max_grad_norm=0.0
+    )
+    assert released.mixprec_optimizer.lean.release
+    assert all(math.isnan(n) for n in free_norms) and all(map(math.isfinite, free_losses))
+
+
+# -- Lightning ---------------------------------------------------------------------------------
+
+
+def _lightning(recipe, **trainer_args):
+    if not has("lightning", "pytorch_lightning"):
+        pytest.skip(install_hint("pytorch_lightning"))
+    try:
+        import lightning.pytorch as pl
+    except ImportError:
+        import pytorch_lightning as pl
+    from mixprec.integrations.lightning import MixprecPrecision
+
+    class Classifier(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(20, 128), nn.GELU(), nn.Linear(128, 64),
+                                     nn.LayerNorm(64), nn.Linear(64, 4))  # fmt: skip
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    model = Classifier()
+    plugin = MixprecPrecision(recipe, BF16)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=6, plugins=[plugin], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        **trainer_args,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(384, 20, generator=g)
+    data = torch.utils.data.TensorDataset(x, x[:, :4].argmax(-1))
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=32))
+    return model, plugin.optimizers[0]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning:lightning")
+@pytest.mark.filterwarnings("ignore::UserWarning:pytorch_lightning")
+def test_lightning_plugin_runs_lean_with_clipping_and_accumulation():
+    """gradient_clip_val=1.0 and accumulate_grad_batches=2 with "lean": held (said up front),
+    bit for bit the explicitly held run; Lightning's default (no clipping) releases them."""
+    loop = {"gradient_clip_val": 1.0, "accumulate_grad_batches": 2}
+    with pytest.warns(UserWarning, match="MixprecPrecision.*gradient_clip_val=1.0.*accumulate"):
+        model, opt = _lightning("lean", **loop)
+    held, _ = _lightning(mixprec.Recipe("lean", gradients="held"), **loop)
+    assert opt.lean.release_mode == "held"
+    assert all(p.dtype == BF16 for p in model.parameters())  # O3: norms in bf16 as well
+    assert len(model.losses) == 12 and all(map(math.isfinite, model.losses))
+    assert sum(model.losses[-3:]) < sum(model.losses[:3])
+    assert model.losses == held.losses
+    for p, q in zip(model.parameters(), held.parameters()):
+        assert_bitwise(p.detach(), q.detach())
+    unclipped, _ = _lightning(mixprec.Recipe("lean", gradients="held"), accumulate_grad_batches=2)
+    assert unclipped.losses != model.losses  # the clip changed the trajectory
+    plain, plain_opt = _lightning("lean")  # Lightning's default: no clipping, no accumulation
+    assert plain_opt.lean.release and all(map(math.isfinite, plain.losses))
