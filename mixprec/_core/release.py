@@ -92,7 +92,7 @@ class ReleasedGradients:
             for p in params
             if id(p) in self._ordinal
         }
-        if new.release:
+        if new.hooks:  # released, or "auto" (its hooks watch until the first step decides)
             released = [
                 p
                 for g in new.optimizer.param_groups
@@ -101,7 +101,7 @@ class ReleasedGradients:
             ]
             for p in released:
                 p.register_post_accumulate_grad_hook(new._step_released)
-            register_released(released)
+            register_released(released, new)
         return new
 
     def _init_release(self, release: bool | str) -> None:

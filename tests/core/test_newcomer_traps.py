@@ -19,6 +19,7 @@ from mixprec._core.hardware import MixprecPerformanceWarning
 from mixprec.bench.models import GPT, GPTConfig
 from mixprec.compat.apex import amp
 from mixprec.fp8.plan import fp8_plan
+from mixprec.warnings import MixprecWarning
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
@@ -52,7 +53,7 @@ def initialize_recording(*args, **kwargs):
         warnings.simplefilter("always")
         out = mixprec.initialize(*args, **kwargs)
     said = [w for w in caught if "initialize received a model" in str(w.message)]
-    assert all(w.category is UserWarning and w.filename == __file__ for w in said)
+    assert all(w.category is MixprecWarning and w.filename == __file__ for w in said)
     return out, [str(w.message) for w in said]
 
 
