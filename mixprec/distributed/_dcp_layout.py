@@ -1,6 +1,6 @@
 """The torch.distributed.checkpoint layout of an FSDP2 model and its mixprec optimizer.
 
-Design (issue 41; ``docs/distributed.md``, "Checkpoints"):
+Design (``docs/distributed.md``, "Checkpoints"):
 
 * **Everything per shard is a DTensor sharded like its parameter.** Under an update mode
   (``"lean"``, ``Recipe("O3", update="kahan")``, ...) the 16-bit weights are FSDP2's dim-0
@@ -17,15 +17,13 @@ Design (issue 41; ``docs/distributed.md``, "Checkpoints"):
   parameter reads its own rows' codes and scales. A state coded on some ranks and not on
   others (a shard under :data:`MIN_NUMEL` elements) is saved decoded, in fp32, on every rank;
   the next step reads the same values either way.
-* **Replicated values once.** Scalar states (``step``), the hyper-parameters, the loss
-  scalers and skip counters, the rounding step count and a description of the recipe are one
-  ``torch.save`` blob (``mixprec_meta``), which DCP writes once.
-* **Checked before anything is written.** ``load`` reads DCP's index first: a data file
-  shorter than the index says (a save cut off mid-write) or a missing index, another recipe or
-  dtype (the blob's description), another set of parameters or shapes (another depth) are
-  refused with what differs; then everything is read into fresh tensors, and only a complete
-  read is copied into the model and optimizer (memory: one more copy of this rank's shard
-  while loading).
+* **Replicated values once.** Scalar states (``step``, the same on every rank) are plain
+  tensors, which DCP writes once; the hyper-parameters, the loss scalers and skip counters,
+  the rounding step count, the layout above and a description of the recipe are one
+  ``torch.save`` blob (``mixprec_meta``), written once.
+* **Checked before anything is written** (:mod:`mixprec.distributed._dcp_checks`); then
+  everything is read into fresh tensors, and only a complete read is copied into the model and
+  optimizer (memory: one more copy of this rank's shard while loading).
 * **World size.** The layout is keyed by name and sharded by rows, so it can be resharded;
   until a run checks that it resumes correctly on another number of ranks, an update-mode
   checkpoint loads on the world size that saved it, and another one is refused.
@@ -33,9 +31,6 @@ Design (issue 41; ``docs/distributed.md``, "Checkpoints"):
 
 from __future__ import annotations
 
-import io
-import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,191 +38,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from mixprec._core.state_codes import BLOCK, FORMATS, QuantizedState, quantizable
+from mixprec.distributed._dcp_checks import META_KEY, blob, describe
 
-META_KEY = "mixprec_meta"
-FORMAT = "mixprec-dcp/1"
-RECIPE_ATTR = "_mixprec_fsdp_recipe"  # (recipe, 16-bit dtype), set by initialize_fsdp
-#: recipe fields that decide what a checkpoint holds: loading across them is refused
-STATE_FIELDS = (
-    "name",
-    "compute",
-    "weights",
-    "masters",
-    "keep_fp32",
-    "update",
-    "optimizer_states",
-    "update_seed",
-    "fp8",
-    "num_losses",
-)
 _LOW = (torch.float16, torch.bfloat16)
-
-
-# --------------------------------------------------------------------------- description
-def describe(model: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """What the checkpoint of ``model`` holds, compared on load."""
-    recipe, low = model.__dict__.get(RECIPE_ATTR, (None, None))
-    lean = getattr(optimizer, "lean", None)
-    return {
-        "format": FORMAT,
-        "layout": "16-bit shards" if lean is not None else "fp32 master shards",
-        "recipe": None if recipe is None else str(recipe),
-        "fields": {} if recipe is None else {f: _word(getattr(recipe, f)) for f in STATE_FIELDS},
-        "dtype": None if low is None else str(low),
-        "update": None if lean is None else lean.update,
-        "state_dtype": None if lean is None else _word(lean.state_dtype),
-        "world_size": _world_size(model),
-    }
-
-
-def _world_size(model: nn.Module) -> int:
-    """The number of ranks the parameters are sharded over (their mesh's size)."""
-    for p in model.parameters():
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is not None:
-            return int(mesh.size())
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _word(v: Any) -> str:
-    return repr(v) if isinstance(v, str) else str(v)
-
-
-def check_description(saved: dict[str, Any], here: dict[str, Any], path: Path) -> None:
-    """Refuse another format, recipe, dtype, update mode or (16-bit shards) world size."""
-    if saved.get("format") != FORMAT:
-        raise ValueError(
-            f"{path} holds a {saved.get('format')!r} checkpoint; this version reads {FORMAT!r}."
-        )
-    diffs = []
-    fields_s, fields_h = saved.get("fields") or {}, here.get("fields") or {}
-    # with both recipes known their fields name what differs; else what the optimizer shows
-    keys = ["layout", "dtype"] + ([] if fields_s and fields_h else ["update", "state_dtype"])
-    for key in keys:
-        if saved.get(key) != here.get(key) and None not in (saved.get(key), here.get(key)):
-            diffs.append(f"{key}: saved {saved.get(key)}, here {here.get(key)}")
-    for f in STATE_FIELDS:
-        if f in fields_s and f in fields_h and fields_s[f] != fields_h[f]:
-            diffs.append(f"recipe.{f}: saved {fields_s[f]}, here {fields_h[f]}")
-    if diffs:
-        raise ValueError(
-            f"The checkpoint {path} was saved with recipe {saved.get('recipe')!r} "
-            f"({saved.get('dtype')}); this model was prepared with {here.get('recipe')!r} "
-            f"({here.get('dtype')}). They differ in: {'; '.join(diffs)}. Prepare the model "
-            "with initialize_fsdp and the recipe and dtype it was saved with. Nothing was "
-            "loaded."
-        )
-    if here["layout"] == "16-bit shards" and saved.get("world_size") != here["world_size"]:
-        raise ValueError(
-            f"The checkpoint {path} was saved by {saved.get('world_size')} ranks, this run has "
-            f"{here['world_size']}: an update-mode (16-bit shards) checkpoint loads on the world "
-            "size that saved it (resharding is not supported yet). Resume on "
-            f"{saved.get('world_size')} ranks, or export the weights with "
-            "fp32_full_state_dict and start a new run from them. Nothing was loaded."
-        )
-
-
-# --------------------------------------------------------------------------- the index
-def read_index(path: Path) -> Any:
-    """DCP's metadata of ``path``, after checking that every data file is as long as it says:
-    a missing index or a short file is a save that did not finish (refused, nothing read)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    if not (path / ".metadata").is_file():
-        raise ValueError(
-            f"{path} has no .metadata: the save was cut off before it finished (DCP writes the "
-            "index last), or this is not a checkpoint directory written by save_checkpoint. "
-            "Nothing was loaded; resume from an earlier checkpoint."
-        )
-    meta = FileSystemReader(str(path)).read_metadata()
-    need: dict[str, int] = {}
-    for info in (meta.storage_data or {}).values():
-        rel = getattr(info, "relative_path", None)
-        if rel is not None:
-            need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
-    for rel, size in sorted(need.items()):
-        f = path / rel
-        have = f.stat().st_size if f.is_file() else None
-        if have is None or have < size:
-            raise ValueError(
-                f"The checkpoint {path} is incomplete: {rel} has "
-                f"{'no file' if have is None else f'{have} bytes'}, its index expects at "
-                f"least {size}. The save was cut off mid-write; nothing was loaded. Resume "
-                "from an earlier checkpoint."
-            )
-    return meta
-
-
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """Leaves of nested dicts, keyed as DCP keys them (``a.b.c``)."""
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flat(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def check_against_index(template: dict[str, Any], meta: Any, path: Path) -> None:
-    """Every tensor the template will read must be in the checkpoint with its shape and dtype;
-    the model's parameters must be the checkpoint's (another depth names them)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    saved = meta.state_dict_metadata
-    tensors = {k: v for k, v in _flat(template).items() if isinstance(v, Tensor)}
-    model_here = {k for k in tensors if k.startswith("model.")}
-    model_saved = {k for k in saved if k.startswith("model.")}
-    missing = sorted(k[6:] for k in model_here - model_saved)
-    extra = sorted(k[6:] for k in model_saved - model_here)
-    if missing or extra:
-        raise ValueError(
-            f"The checkpoint {path} holds another model: this model's {missing} are not in "
-            f"it, its {extra} are not in this model (another number of layers or another "
-            "architecture?). Build the model as it was saved. Nothing was loaded."
-        )
-    bad = []
-    for k, t in tensors.items():
-        md = saved.get(k)
-        if not isinstance(md, TensorStorageMetadata):
-            bad.append(f"{k}: not in the checkpoint")
-            continue
-        if tuple(md.size) != tuple(t.shape) or md.properties.dtype != t.dtype:
-            bad.append(
-                f"{k}: checkpoint {tuple(md.size)} {md.properties.dtype}, "
-                f"here {tuple(t.shape)} {t.dtype}"
-            )
-    if bad:
-        raise ValueError(
-            f"The checkpoint {path} does not match this model and optimizer: "
-            + "; ".join(bad[:8])
-            + (f" (and {len(bad) - 8} more)" if len(bad) > 8 else "")
-            + ". Prepare them as they were saved (recipe, dtype, model). Nothing was loaded."
-        )
-
-
-def blob(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def unblob(data: Any) -> Any:
-    if not isinstance(data, (bytes, bytearray)):
-        raise TypeError(f"The checkpoint's {META_KEY!r} is not a mixprec description.")
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
-def read_meta(path: Path, meta: Any) -> dict[str, Any] | None:
-    """The ``mixprec_meta`` blob (None in a checkpoint written before it existed)."""
-    import torch.distributed.checkpoint as dcp
-
-    if META_KEY not in meta.state_dict_metadata:
-        return None
-    holder: dict[str, Any] = {META_KEY: b""}
-    dcp.load(holder, checkpoint_id=str(path))
-    return unblob(holder[META_KEY])
 
 
 # --------------------------------------------------------------------------- DTensor helpers
@@ -315,93 +128,96 @@ def _local(t: Any) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def sharded_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """The DCP state of a model stepped by an update mode (module docstring)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    from torch.distributed.tensor import DTensor
-
-    lean = optimizer.lean
-    inner = optimizer.optimizer
-    names = _named(model)
-    params = [p for g in inner.param_groups for p in g["params"]]
-    # which coded states are coded on every rank (else saved decoded, in fp32, everywhere):
-    # every rank lists the same (parameter, key) pairs, in the same order
-    coded = [
+def _coded_everywhere(inner: Any, params: list[Any]) -> set[tuple[int, str]]:
+    """(id(param), key) of the states coded on every rank (one MIN all-reduce); a state coded
+    on some ranks only is saved decoded. Every rank lists the same pairs in the same order."""
+    pairs = [
         (p, k)
         for p in params
         for k, v in sorted(inner.state.get(p, {}).items())
         if isinstance(v, QuantizedState) or (isinstance(v, Tensor) and v.dim() > 0)
     ]
     flags = torch.tensor(
-        [int(isinstance(inner.state[p][k], QuantizedState)) for p, k in coded] or [1],
+        [int(isinstance(inner.state[p][k], QuantizedState)) for p, k in pairs] or [1],
         dtype=torch.int32,
         device=_local(params[0]).device if params else "cpu",
     )
-    if dist.is_initialized() and coded:
+    if dist.is_initialized() and pairs:
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    everywhere = {(id(p), k) for (p, k), f in zip(coded, flags.tolist()) if f}
+    return {(id(p), k) for (p, k), f in zip(pairs, flags.tolist()) if f}
 
+
+def _entries(p: Any, fqn: str, st: dict[str, Any], coded: set) -> tuple[dict, dict, dict]:
+    """(what DCP saves, its layout, non-tensor values) of parameter ``p``'s state ``st``."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, Any] = {}
+    lay: dict[str, Any] = {}
+    ext: dict[str, Any] = {}
+    for k, v in st.items():
+        if isinstance(v, QuantizedState):
+            if (id(p), k) in coded:
+                by_row = codes_by_row(v)
+                wc, ws = _code_widths(v.shape, v.fmt)
+                out[k] = {
+                    "codes": _by_rows(by_row, p, wc),
+                    "scale": _by_rows(v.scale.view(by_row.shape[0], ws), p, ws),
+                }
+                lay[k] = {"kind": "codes", "fmt": v.fmt, "code_kind": v.kind}
+                continue
+            v = v.dequantize()
+        if isinstance(v, DTensor):
+            out[k], lay[k] = v, {"kind": "dtensor", "dtype": str(v.dtype)}
+        elif isinstance(v, Tensor) and v.dim() == 0:
+            out[k], lay[k] = v, {"kind": "scalar", "dtype": str(v.dtype)}
+        elif isinstance(v, Tensor) and isinstance(p, DTensor) and v.shape == _local(p).shape:
+            out[k] = _like_param(v.contiguous(), p)
+            lay[k] = {"kind": "shard", "dtype": str(v.dtype)}
+        elif isinstance(v, Tensor):
+            raise NotImplementedError(
+                f"save_checkpoint: optimizer state {k!r} of {fqn} has shape {tuple(v.shape)}, "
+                f"neither the shard's {tuple(_local(p).shape)} nor a scalar; DCP cannot place it."
+            )
+        else:
+            ext[k] = v
+    return out, lay, ext
+
+
+def sharded_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The DCP state of a model stepped by an update mode (module docstring)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    lean, inner, names = optimizer.lean, optimizer.optimizer, _named(model)
+    params = [p for g in inner.param_groups for p in g["params"]]
+    coded = _coded_everywhere(inner, params)
     states: dict[str, Any] = {}
-    layout: dict[str, dict[str, Any]] = {}
-    extra: dict[str, dict[str, Any]] = {}
+    info: dict[str, Any] = {**describe(model, optimizer), "layout_of": {}, "extra_state": {}}
     for p in params:
-        fqn = names[p]
-        st = inner.state.get(p)
-        if not st:
+        if not inner.state.get(p):
             continue
         if isinstance(p, DTensor):
-            _check_rows(p, fqn)
-        out, lay, ext = {}, {}, {}
-        for k, v in st.items():
-            if isinstance(v, QuantizedState):
-                if (id(p), k) in everywhere:
-                    by_row = codes_by_row(v)
-                    rows = by_row.shape[0]
-                    wc, ws = _code_widths(v.shape, v.fmt)
-                    out[k] = {
-                        "codes": _by_rows(by_row, p, wc),
-                        "scale": _by_rows(v.scale.view(rows, ws), p, ws),
-                    }
-                    lay[k] = {"kind": "codes", "fmt": v.fmt, "code_kind": v.kind}
-                    continue
-                v = v.dequantize()
-            if isinstance(v, DTensor):
-                out[k], lay[k] = v, {"kind": "dtensor", "dtype": str(v.dtype)}
-            elif isinstance(v, Tensor) and v.dim() == 0:
-                out[k], lay[k] = v, {"kind": "scalar", "dtype": str(v.dtype)}
-            elif isinstance(v, Tensor) and isinstance(p, DTensor) and v.shape == _local(p).shape:
-                out[k] = _like_param(v.contiguous(), p)
-                lay[k] = {"kind": "shard", "dtype": str(v.dtype)}
-            elif isinstance(v, Tensor):
-                raise NotImplementedError(
-                    f"save_checkpoint: optimizer state {k!r} of {fqn} has shape "
-                    f"{tuple(v.shape)}, neither the shard's {tuple(_local(p).shape)} nor a "
-                    "scalar; DCP cannot place it."
-                )
-            else:
-                ext[k] = v
-        states[fqn], layout[fqn] = out, lay
+            _check_rows(p, names[p])
+        states[names[p]], info["layout_of"][names[p]], ext = _entries(
+            p, names[p], inner.state[p], coded
+        )
         if ext:
-            extra[fqn] = ext
+            info["extra_state"][names[p]] = ext
     comps = {
         names[p]: _like_param(c, p) for p, c in lean.compensation.items() if isinstance(p, DTensor)
     }
-    own = optimizer.mixprec_state_dict()
-    lean_own = dict(own.pop("lean"))
-    lean_own.pop("compensation")
-    groups = [
+    info["compensation"] = sorted(comps)
+    info["param_groups"] = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in g["params"]]}
         for g in inner.param_groups
     ]
-    info = {
-        **describe(model, optimizer),
-        "layout_of": layout,
-        "extra_state": extra,
-        "param_groups": groups,
-        "own": own,
-        "lean": lean_own,
-        "compensation": sorted(comps),
+    info["own"] = {  # the replicated part of mixprec_state_dict (no masters under update modes)
+        "masters": [],
+        "scalers": [s.scaler.state_dict() for s in optimizer.slots],
+        "skipped_steps": optimizer.skipped_steps,
+        "step_skipped": optimizer.step_skipped,
     }
+    info["lean"] = {"update": lean.update, "seed": lean.seed, "steps": lean.steps}
     return {
         "model": get_model_state_dict(model),
         "optimizer": {"state": states},
@@ -530,25 +346,3 @@ def commit_sharded(
         slot.pending.clear()
     optimizer.skipped_steps = int(own["skipped_steps"])
     optimizer.step_skipped = bool(own.get("step_skipped", False))
-
-
-def check_groups(optimizer: Any, info: dict[str, Any], model: nn.Module, path: Path) -> None:
-    """The saved parameter groups must list this optimizer's parameters, group by group."""
-    names = _named(model)
-    here = [[names[p] for p in g["params"]] for g in optimizer.optimizer.param_groups]
-    saved = [g["params"] for g in info["param_groups"]]
-    if here != saved:
-        raise ValueError(
-            f"The checkpoint {path} has parameter groups {saved}, this optimizer {here}: build "
-            "the optimizer as it was saved (same groups, same order). Nothing was loaded."
-        )
-    own = info["own"]
-    if len(own["scalers"]) != len(optimizer.slots):
-        raise ValueError(
-            f"The checkpoint has {len(own['scalers'])} loss scalers, this optimizer has "
-            f"{len(optimizer.slots)} (num_losses). Nothing was loaded."
-        )
-
-
-def data_files(path: str | os.PathLike) -> list[Path]:
-    return sorted(Path(path).glob("*.distcp"))

@@ -46,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from mixprec._core.fp32_values import fp32_state_dict
 from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec._core.resume import MIXPREC_KEY, kahan_fp32, pack_state_dict
+from mixprec.distributed import _dcp_checks as checks
 from mixprec.distributed import _dcp_layout as layout
 
 __all__ = ["fp32_full_state_dict", "load_checkpoint", "save_checkpoint"]
@@ -107,7 +108,7 @@ def _save_sharded(path: Path, model: nn.Module, optimizer: MixedPrecisionOptimiz
         state = layout.sharded_state(model, optimizer)
     else:
         state = _dcp_state(model, optimizer)
-        state[layout.META_KEY] = layout.blob(layout.describe(model, optimizer))
+        state[checks.META_KEY] = checks.blob(checks.describe(model, optimizer))
     dcp.save(state, checkpoint_id=str(path))
 
 
@@ -122,11 +123,11 @@ def _load_sharded(path: Path, model: nn.Module, optimizer: MixedPrecisionOptimiz
             "sharded (FSDP) model loads what save_checkpoint wrote for "
             "a sharded model."
         )
-    index = layout.read_index(path)
-    info = layout.read_meta(path, index)  # None: written before the description existed
-    here = layout.describe(model, optimizer)
+    index = checks.read_index(path)
+    info = checks.read_meta(path, index)  # None: written before the description existed
+    here = checks.describe(model, optimizer)
     if info is not None:
-        layout.check_description(info, here, path)
+        checks.check_description(info, here, path)
     if optimizer.lean is not None:
         if info is None or "layout_of" not in info:
             raise ValueError(
@@ -137,10 +138,10 @@ def _load_sharded(path: Path, model: nn.Module, optimizer: MixedPrecisionOptimiz
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         # another depth: named by the parameters, before the groups that list them
-        layout.check_against_index({"model": get_model_state_dict(model)}, index, path)
-        layout.check_groups(optimizer, info, model, path)
+        checks.check_against_index({"model": get_model_state_dict(model)}, index, path)
+        checks.check_groups(optimizer, info, model, path)
         template = layout.sharded_template(model, optimizer, info)
-        layout.check_against_index(template, index, path)
+        checks.check_against_index(template, index, path)
         dcp.load(template, checkpoint_id=str(path))  # fresh tensors: the model is untouched
         layout.commit_sharded(model, optimizer, info, template)
         return
@@ -156,11 +157,11 @@ def _load_sharded(path: Path, model: nn.Module, optimizer: MixedPrecisionOptimiz
     )
 
     state = _dcp_state(model, optimizer)  # the template DCP loads into, in place
-    layout.check_against_index({"model": state["model"]}, index, path)
+    checks.check_against_index({"model": state["model"]}, index, path)
     if info is not None:
-        state[layout.META_KEY] = b""
+        state[checks.META_KEY] = b""
     dcp.load(state, checkpoint_id=str(path))
-    state.pop(layout.META_KEY, None)
+    state.pop(checks.META_KEY, None)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer.optimizer, state["optimizer"])
     optimizer.load_state_dict(pack_state_dict(optimizer.optimizer.state_dict(), state[MIXPREC_KEY]))

@@ -875,7 +875,7 @@ def scenario_ddp_lean() -> dict:
     return out
 
 
-# -- DCP checkpoints of every recipe under FSDP2 (issue 41) ---------------------------------------
+# -- DCP checkpoints of every recipe under FSDP2 ------------------------------------------------
 DCP_RECIPES = {
     "O2": Recipe("O2", BF16),
     "kahan": Recipe("O3", BF16, update="kahan"),
@@ -975,7 +975,7 @@ def _dcp_run(recipe: Recipe, steps: int, save_at: int | None, path: str, poison_
 
 
 def scenario_dcp_resume() -> dict:
-    """Issue 41: 4 steps, save, fresh model and optimizer, load, 3 more (inf on rank 1 at the
+    """4 steps, save, fresh model and optimizer, load, 3 more (inf on rank 1 at the
     second step after the resume) == 7 uninterrupted steps, bit for bit, for every recipe."""
     out = {}
     root = Path(os.environ["MIXPREC_DIST_TMP"])

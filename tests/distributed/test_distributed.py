@@ -278,7 +278,7 @@ DCP_CASES = ["O2", "kahan", "kahan_fp16", "nearest", "lean", "lean_4bit"]
 
 @pytest.mark.parametrize("case", DCP_CASES)
 def test_fsdp2_checkpoint_of_every_recipe_resumes_bit_for_bit(ranks, case):
-    """Issue 41: 4 steps, save_checkpoint, a model and optimizer built again from another seed
+    """4 steps, save_checkpoint, a model and optimizer built again from another seed
     (in the same processes), load_checkpoint, 3 more steps == 7 uninterrupted steps: losses,
     weights and every rank's shards of the optimizer state (codes and scales, compensation,
     the rounding step count), bit for bit. An inf on rank 1 alone in the second step after the
@@ -337,7 +337,7 @@ def test_fsdp2_checkpoint_bad_input_is_refused_with_what_differs_and_changes_not
 
 
 def test_update_mode_checkpoints_refuse_another_world_size():
-    from mixprec.distributed._dcp_layout import FORMAT, check_description
+    from mixprec.distributed._dcp_checks import FORMAT, check_description
 
     saved = {"format": FORMAT, "layout": "16-bit shards", "world_size": 2}
     with pytest.raises(ValueError, match="saved by 2 ranks, this run has 4") as e:
