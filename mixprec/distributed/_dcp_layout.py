@@ -169,7 +169,8 @@ def _entries(p: Any, fqn: str, st: dict[str, Any], coded: set) -> tuple[dict, di
         if isinstance(v, DTensor):
             out[k], lay[k] = v, {"kind": "dtensor", "dtype": str(v.dtype)}
         elif isinstance(v, Tensor) and v.dim() == 0:
-            out[k], lay[k] = v, {"kind": "scalar", "dtype": str(v.dtype)}
+            out[k] = v  # torch keeps a step count on the CPU unless capturable / fused
+            lay[k] = {"kind": "scalar", "dtype": str(v.dtype), "device": v.device.type}
         elif isinstance(v, Tensor) and isinstance(p, DTensor) and v.shape == _local(p).shape:
             out[k] = _like_param(v.contiguous(), p)
             lay[k] = {"kind": "shard", "dtype": str(v.dtype)}
@@ -249,7 +250,6 @@ def _dtype(name: str) -> torch.dtype:
 def sharded_template(model: nn.Module, optimizer: Any, info: dict[str, Any]) -> dict[str, Any]:
     """Fresh tensors, shaped like this model's shards, for what ``info`` says was saved."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    from torch.distributed.tensor import DTensor
 
     params = dict(model.named_parameters())
     missing = sorted(
@@ -267,24 +267,28 @@ def sharded_template(model: nn.Module, optimizer: Any, info: dict[str, Any]) -> 
                 wc, ws = _code_widths(loc.shape, d["fmt"])
                 rows = _row_shape(loc.shape)[0]
                 out[k] = {
-                    "codes": _by_rows(torch.empty(rows, wc, dtype=torch.uint8), p, wc),
-                    "scale": _by_rows(torch.empty(rows, ws, dtype=torch.float32), p, ws),
+                    "codes": _by_rows(
+                        torch.empty(rows, wc, dtype=torch.uint8, device=loc.device), p, wc
+                    ),
+                    "scale": _by_rows(
+                        torch.empty(rows, ws, dtype=torch.float32, device=loc.device), p, ws
+                    ),
                 }
             elif d["kind"] == "scalar":
-                out[k] = torch.empty((), dtype=_dtype(d["dtype"]), device=loc.device)
+                cpu = d.get("device") == "cpu"
+                out[k] = torch.empty(
+                    (), dtype=_dtype(d["dtype"]), device="cpu" if cpu else loc.device
+                )
             else:
                 out[k] = _like_param(torch.empty_like(loc, dtype=_dtype(d["dtype"])), p)
         states[fqn] = out
+    buffers = optimizer.lean.compensation
     comps = {
-        fqn: _like_param(torch.empty_like(_local(params[fqn])), params[fqn])
+        fqn: _like_param(torch.empty_like(buffers.get(params[fqn], _local(params[fqn]))), p)
         for fqn in info["compensation"]
+        for p in [params[fqn]]
     }
-    for fqn, c in comps.items():  # the compensation's dtype is this optimizer's buffer's
-        mine = optimizer.lean.compensation.get(params[fqn]) if optimizer.lean else None
-        if mine is not None and mine.dtype != c.dtype:
-            comps[fqn] = _like_param(torch.empty_like(mine), params[fqn])
     model_sd = {k: _fresh(v) for k, v in get_model_state_dict(model).items()}
-    assert all(isinstance(v, (Tensor, DTensor)) for v in model_sd.values())
     return {"model": model_sd, "optimizer": {"state": states}, "compensation": comps}
 
 

@@ -883,14 +883,19 @@ DCP_RECIPES = {
     "nearest": Recipe("O3", BF16, update="nearest"),
     "lean": Recipe("lean", BF16),  # stochastic rounding, 8-bit states
     "lean_4bit": Recipe("lean", BF16, optimizer_states="4-bit"),
+    "lean_uneven": Recipe("lean", BF16),  # on dcp_mlp(uneven=True): see DCP_MODELS
 }
+#: model options per case: 127 rows shard 64 / 63, and 63 x 65 = 4095 elements is one short of
+#: a coded state, so rank 0 holds 0.weight's moments in codes and rank 1 in fp32
+DCP_MODELS = {"lean_uneven": {"uneven": True}}
 
 
-def dcp_mlp(seed: int, extra_layers: int = 0) -> nn.Module:
+def dcp_mlp(seed: int, extra_layers: int = 0, uneven: bool = False) -> nn.Module:
     """Coded states on both ranks' shards (>= 4096 elements each), one with rows of odd length
     (65: 4-bit codes end a row in half a byte), and small fp32-state tensors."""
     torch.manual_seed(seed)
-    layers = [nn.Linear(65, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU()]
+    width = 127 if uneven else 128
+    layers = [nn.Linear(65, width), nn.ReLU(), nn.Linear(width, 64), nn.ReLU()]
     layers += [m for _ in range(extra_layers) for m in (nn.Linear(64, 64), nn.ReLU())]
     return nn.Sequential(*layers, nn.Linear(64, 8))
 
@@ -900,10 +905,10 @@ def dcp_batch(step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 65, generator=g), torch.randn(n, 8, generator=g)
 
 
-def _dcp_build(recipe: Recipe, seed: int, extra_layers: int = 0):
+def _dcp_build(recipe: Recipe, seed: int, extra_layers: int = 0, uneven: bool = False):
     """As a user builds it: a fresh model, initialize_fsdp with an optimizer_fn and units."""
     return mpd.initialize_fsdp(
-        dcp_mlp(seed, extra_layers),
+        dcp_mlp(seed, extra_layers, uneven),
         lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
         recipe,
         units=nn.Linear,
@@ -926,16 +931,25 @@ def _local_state(model: nn.Module, opt: MixedPrecisionOptimizer) -> torch.Tensor
     return flat(parts)
 
 
-def _dcp_run(recipe: Recipe, steps: int, save_at: int | None, path: str, poison_at: int) -> dict:
+def _dcp_run(
+    recipe: Recipe, steps: int, save_at: int | None, path: str, poison_at: int, **model_kw
+) -> dict:
     """``steps`` steps; with ``save_at``: save there, build everything again from another seed
     (so all of it must come from the checkpoint), load, go on. Rank 1 alone gets an inf
     gradient at ``poison_at``."""
-    model, opt = _dcp_build(recipe, 0)
+    model, opt = _dcp_build(recipe, 0, **model_kw)
+    coded = {}
     losses, skipped, saved = [], [], {}
     for step in range(steps):
         if step == save_at:
+            coded = {  # which of this rank's states are held in codes when it saves
+                f"{n}.{k}": hasattr(v, "codes")
+                for n, p in model.named_parameters()
+                for k, v in opt.optimizer.state.get(p, {}).items()
+                if k != "step"
+            }
             mpd.save_checkpoint(path, model, opt)
-            model, opt = _dcp_build(recipe, 7)
+            model, opt = _dcp_build(recipe, 7, **model_kw)
             mpd.load_checkpoint(path, model, opt)
         x, y = dcp_batch(step)
         loss = mse(model, local(x), local(y))
@@ -971,6 +985,7 @@ def _dcp_run(recipe: Recipe, steps: int, save_at: int | None, path: str, poison_
         ),
         "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         "scalers": [s.scaler.state_dict() for s in opt.slots],
+        "coded_at_save": coded,
     }
 
 
@@ -981,8 +996,9 @@ def scenario_dcp_resume() -> dict:
     root = Path(os.environ["MIXPREC_DIST_TMP"])
     for name, recipe in DCP_RECIPES.items():
         path = str(root / f"dcp_{name}")
-        full = _dcp_run(recipe, 7, None, path, poison_at=5)
-        resumed = _dcp_run(recipe, 7, 4, path, poison_at=5)
+        kw = DCP_MODELS.get(name, {})
+        full = _dcp_run(recipe, 7, None, path, poison_at=5, **kw)
+        resumed = _dcp_run(recipe, 7, 4, path, poison_at=5, **kw)
         out[name] = {
             "losses_equal": full["losses"] == resumed["losses"],
             "losses": resumed["losses"],
@@ -998,6 +1014,7 @@ def scenario_dcp_resume() -> dict:
             "param_dtypes": resumed["param_dtypes"],
             "scalers_equal": full["scalers"] == resumed["scalers"],
             "scalers": resumed["scalers"],
+            "coded_at_save": resumed["coded_at_save"],
         }
     return out
 
@@ -1060,6 +1077,26 @@ def scenario_dcp_bad_input() -> dict:
     model, opt = _dcp_build(DCP_RECIPES["lean"], 7)  # the good one still loads
     mpd.load_checkpoint(good, model, opt)
     out["good_loads"] = opt.lean.steps == 2
+    # saved before the first step (no optimizer state yet): loads, and both go on alike
+    before = root / "dcp_before_step"
+    runs = [_dcp_build(DCP_RECIPES["lean"], 0), _dcp_build(DCP_RECIPES["lean"], 7)]
+    mpd.save_checkpoint(before, *runs[0])
+    mpd.load_checkpoint(before, *runs[1])
+    for model, opt in runs:
+        x, y = dcp_batch(0)
+        opt.backward(mse(model, local(x), local(y)))
+        opt.step()
+    out["before_step_resumes"] = bitwise_equal(*(_local_state(*run) for run in runs))
+    # an O2 checkpoint written before checkpoints recorded their recipe still loads
+    from mixprec.distributed.checkpoint import _dcp_state
+
+    legacy = root / "dcp_legacy_o2"
+    runs = [_dcp_build(DCP_RECIPES["O2"], 0), _dcp_build(DCP_RECIPES["O2"], 7)]
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_dcp_state(*runs[0]), checkpoint_id=str(legacy))
+    mpd.load_checkpoint(legacy, *runs[1])
+    out["legacy_o2_loads"] = bitwise_equal(*(flat(m.parameters()) for m, _ in runs))
     return out
 
 

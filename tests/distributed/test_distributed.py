@@ -273,7 +273,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(ranks, scenario):
         assert res["skipped_resumed"] == res["skipped_full"] == 2
 
 
-DCP_CASES = ["O2", "kahan", "kahan_fp16", "nearest", "lean", "lean_4bit"]
+DCP_CASES = ["O2", "kahan", "kahan_fp16", "nearest", "lean", "lean_4bit", "lean_uneven"]
 
 
 @pytest.mark.parametrize("case", DCP_CASES)
@@ -301,7 +301,14 @@ def test_fsdp2_checkpoint_of_every_recipe_resumes_bit_for_bit(ranks, case):
         assert saved["compensation.0.weight"] == low
         assert saved["optimizer.state.0.weight.exp_avg"] == low
         assert saved["optimizer.state.0.weight.exp_avg_sq"] == "float32"
-    if case.startswith("lean"):  # codes and block scales, sharded by rows
+    if case == "lean_uneven":  # coded on rank 0's 64 rows, fp32 on rank 1's 63: saved decoded
+        r0, r1 = (
+            res[case]["coded_at_save"]["0.weight.exp_avg"] for res in result(ranks, "dcp_resume")
+        )
+        assert (r0, r1) == (True, False)
+        assert saved["optimizer.state.0.weight.exp_avg"] == "float32"
+        assert "optimizer.state.0.weight.exp_avg.codes" not in saved
+    elif case.startswith("lean"):  # codes and block scales, sharded by rows
         for key in ("exp_avg", "exp_avg_sq"):
             assert saved[f"optimizer.state.0.weight.{key}.codes"] == "uint8"
             assert saved[f"optimizer.state.0.weight.{key}.scale"] == "float32"
@@ -334,6 +341,12 @@ def test_fsdp2_checkpoint_bad_input_is_refused_with_what_differs_and_changes_not
         assert "nothing was loaded" in r["error"].lower()
         assert r["unchanged"]  # weights, states, compensation, counters: as before the call
         assert res["good_loads"]
+
+
+def test_fsdp2_checkpoints_before_the_first_step_and_from_before_recipes_were_recorded(ranks):
+    for res in result(ranks, "dcp_bad_input"):
+        assert res["before_step_resumes"]  # "lean" saved with no optimizer state yet
+        assert res["legacy_o2_loads"]  # an O2 directory without mixprec_meta
 
 
 def test_update_mode_checkpoints_refuse_another_world_size():
