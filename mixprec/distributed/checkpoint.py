@@ -102,8 +102,15 @@ def _dcp_state(model: nn.Module, optimizer: MixedPrecisionOptimizer) -> dict[str
 
 
 def _save_sharded(path: Path, model: nn.Module, optimizer: MixedPrecisionOptimizer) -> None:
+    """DCP rewrites the data files of an existing directory in place and its index last (by a
+    rename): the old index is removed first, so that a save into it that does not finish
+    leaves a directory ``load_checkpoint`` refuses, not old and new shards under one index."""
     import torch.distributed.checkpoint as dcp
 
+    if _dist():
+        if dist.get_rank() == 0:
+            (path / ".metadata").unlink(missing_ok=True)
+        dist.barrier()
     if optimizer.lean is not None:  # 16-bit shards stepped by an update mode
         state = layout.sharded_state(model, optimizer)
     else:

@@ -1042,6 +1042,18 @@ def scenario_dcp_bad_input() -> dict:
     o2 = root / "dcp_bad_o2"
     model2, opt2 = _dcp_build(DCP_RECIPES["O2"], 0)
     mpd.save_checkpoint(o2, model2, opt2)
+    # a save over an existing checkpoint that dies before it finishes (here: before DCP writes)
+    over = root / "dcp_bad_overwritten"
+    mpd.save_checkpoint(over, model, opt)
+    import torch.distributed.checkpoint as dcp
+
+    real, dcp.save = dcp.save, lambda *a, **k: (_ for _ in ()).throw(OSError("killed"))
+    try:
+        mpd.save_checkpoint(over, model, opt)
+    except OSError:
+        pass
+    finally:
+        dcp.save = real
     cut, no_index = root / "dcp_bad_cut", root / "dcp_bad_noindex"
     if RANK == 0:
         import shutil
@@ -1060,6 +1072,7 @@ def scenario_dcp_bad_input() -> dict:
         "lean_into_o2": (DCP_RECIPES["O2"], 0, good),
         "cut_off": (DCP_RECIPES["lean"], 0, cut),
         "no_index": (DCP_RECIPES["lean"], 0, no_index),
+        "overwrite_cut_off": (DCP_RECIPES["lean"], 0, over),
     }
     out = {}
     for name, (recipe, extra, path) in cases.items():
@@ -1092,8 +1105,6 @@ def scenario_dcp_bad_input() -> dict:
 
     legacy = root / "dcp_legacy_o2"
     runs = [_dcp_build(DCP_RECIPES["O2"], 0), _dcp_build(DCP_RECIPES["O2"], 7)]
-    import torch.distributed.checkpoint as dcp
-
     dcp.save(_dcp_state(*runs[0]), checkpoint_id=str(legacy))
     mpd.load_checkpoint(legacy, *runs[1])
     out["legacy_o2_loads"] = bitwise_equal(*(flat(m.parameters()) for m, _ in runs))

@@ -328,6 +328,7 @@ def test_fsdp2_checkpoint_of_every_recipe_resumes_bit_for_bit(ranks, case):
         ("lean_into_o2", ["layout: saved 16-bit shards, here fp32 master shards"]),
         ("cut_off", ["is incomplete: __1_0.distcp has", "cut off mid-write"]),
         ("no_index", ["has no .metadata", "cut off"]),
+        ("overwrite_cut_off", ["has no .metadata", "cut off"]),  # not old + new shards
     ],
 )
 def test_fsdp2_checkpoint_bad_input_is_refused_with_what_differs_and_changes_nothing(
