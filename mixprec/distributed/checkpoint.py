@@ -12,9 +12,22 @@ one):
   the other ranks wait at a barrier. Every rank loads the same file, so the ranks stay equal.
   The file loads with ``torch.load(weights_only=True)``.
 * **Sharded models (FSDP2, DTensor parameters):** a ``torch.distributed.checkpoint`` directory
-  in which each rank writes its own shards; model and inner-optimizer state go through
-  ``torch.distributed.checkpoint.state_dict`` (keyed by parameter names, so the checkpoint can
-  be resharded to another world size), and the loss-scaler state rides along as plain values.
+  in which each rank writes its own shards.
+
+  - With fp32 master shards (O1-O3 without an update mode), model and inner-optimizer state go
+    through ``torch.distributed.checkpoint.state_dict`` (keyed by parameter names, so the
+    checkpoint can be resharded to another world size), and the loss-scaler state rides along
+    as plain values.
+  - With an update mode (``"lean"``, ``Recipe("O3", update="kahan")``: 16-bit shards, no
+    masters) every per-shard state -- 16-bit and fp32 moments, Kahan compensation, 8- and
+    4-bit codes with their block scales -- is saved as a DTensor sharded by rows like its
+    parameter, in the dtype it is held in; scalars, hyper-parameters, loss scalers, skip
+    counters and the rounding step count are saved once (:mod:`mixprec.distributed._dcp_layout`
+    has the layout). It loads on the world size that saved it; another is refused.
+  - Both record the recipe and dtype. ``load_checkpoint`` checks the directory against DCP's
+    index (a file shorter than the index says: a save cut off mid-write), the recipe, the dtype
+    and the parameters (names, shapes, dtypes) before it reads anything into the model, and
+    refuses with what differs.
 * :func:`fp32_full_state_dict` gathers a plain fp32 state dict (FSDP: all-gathered, on CPU) that
   loads into the unwrapped fp32 model, the distributed form of :func:`mixprec.fp32_state_dict`.
 """
@@ -33,6 +46,8 @@ from torch.nn.parallel import DistributedDataParallel
 from mixprec._core.fp32_values import fp32_state_dict
 from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec._core.resume import MIXPREC_KEY, kahan_fp32, pack_state_dict
+from mixprec.distributed import _dcp_checks as checks
+from mixprec.distributed import _dcp_layout as layout
 
 __all__ = ["fp32_full_state_dict", "load_checkpoint", "save_checkpoint"]
 
@@ -51,20 +66,6 @@ def _sharded(model: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def _refuse_sharded_update_mode(model: nn.Module, optimizer: Any, call: str) -> None:
-    """A sharded model stepped by an update mode keeps per-shard states (and 8-bit codes) that
-    torch.distributed.checkpoint would take for whole tensors: refused, not saved wrong."""
-    lean = getattr(optimizer, "lean", None)
-    if lean is not None and _sharded(model):
-        raise NotImplementedError(
-            f"{call} of an FSDP2 model stepped by update={lean.update!r} (16-bit shards without "
-            "masters, as in Recipe('lean')) is not supported yet: its optimizer states are "
-            "per-shard tensors and 8-bit codes that torch.distributed.checkpoint cannot place. "
-            "Where the run needs checkpoints, shard it with a recipe that keeps masters "
-            "(initialize_fsdp(model, optimizer_fn, 'O2', dtype))."
-        )
 
 
 def _check_optimizer(optimizer: Any) -> None:
@@ -100,6 +101,79 @@ def _dcp_state(model: nn.Module, optimizer: MixedPrecisionOptimizer) -> dict[str
     }
 
 
+def _save_sharded(path: Path, model: nn.Module, optimizer: MixedPrecisionOptimizer) -> None:
+    """DCP rewrites the data files of an existing directory in place and its index last (by a
+    rename): the old index is removed first, so that a save into it that does not finish
+    leaves a directory ``load_checkpoint`` refuses, not old and new shards under one index."""
+    import torch.distributed.checkpoint as dcp
+
+    if _dist():
+        if dist.get_rank() == 0:
+            (path / ".metadata").unlink(missing_ok=True)
+        dist.barrier()
+    if optimizer.lean is not None:  # 16-bit shards stepped by an update mode
+        state = layout.sharded_state(model, optimizer)
+    else:
+        state = _dcp_state(model, optimizer)
+        state[checks.META_KEY] = checks.blob(checks.describe(model, optimizer))
+    dcp.save(state, checkpoint_id=str(path))
+
+
+def _load_sharded(path: Path, model: nn.Module, optimizer: MixedPrecisionOptimizer) -> None:
+    """Check the directory, the recipe and the parameters, then read; a refused load changes
+    nothing."""
+    import torch.distributed.checkpoint as dcp
+
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{path} is not a torch.distributed.checkpoint directory; a "
+            "sharded (FSDP) model loads what save_checkpoint wrote for "
+            "a sharded model."
+        )
+    index = checks.read_index(path)
+    info = checks.read_meta(path, index)  # None: written before the description existed
+    here = checks.describe(model, optimizer)
+    if info is not None:
+        checks.check_description(info, here, path)
+    if optimizer.lean is not None:
+        if info is None or "layout_of" not in info:
+            raise ValueError(
+                f"{path} was not saved from a model stepped by an update mode (16-bit "
+                f"shards); this one uses update={optimizer.lean.update!r}. Prepare the model "
+                "with the recipe it was saved with. Nothing was loaded."
+            )
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        # another depth: named by the parameters, before the groups that list them
+        checks.check_against_index({"model": get_model_state_dict(model)}, index, path)
+        checks.check_groups(optimizer, info, model, path)
+        template = layout.sharded_template(model, optimizer, info)
+        checks.check_against_index(template, index, path)
+        dcp.load(template, checkpoint_id=str(path))  # fresh tensors: the model is untouched
+        layout.commit_sharded(model, optimizer, info, template)
+        return
+    if info is not None and "layout_of" in info:
+        raise ValueError(
+            f"{path} holds 16-bit shards stepped by update={info.get('update')!r}; this model "
+            "keeps fp32 master shards (no update mode). Prepare it with the recipe it was "
+            f"saved with ({info.get('recipe')!r}). Nothing was loaded."
+        )
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    state = _dcp_state(model, optimizer)  # the template DCP loads into, in place
+    checks.check_against_index({"model": state["model"]}, index, path)
+    if info is not None:
+        state[checks.META_KEY] = b""
+    dcp.load(state, checkpoint_id=str(path))
+    state.pop(checks.META_KEY, None)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer.optimizer, state["optimizer"])
+    optimizer.load_state_dict(pack_state_dict(optimizer.optimizer.state_dict(), state[MIXPREC_KEY]))
+
+
 def save_checkpoint(
     path: str | os.PathLike, model: nn.Module, optimizer: MixedPrecisionOptimizer
 ) -> None:
@@ -109,12 +183,9 @@ def save_checkpoint(
     directory for sharded (FSDP2) models (every rank writes its shards).
     """
     _check_optimizer(optimizer)
-    _refuse_sharded_update_mode(model, optimizer, "save_checkpoint")
     path = Path(path)
     if _sharded(model):
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(path))
+        _save_sharded(path, model, optimizer)
         return
     if not _dist() or dist.get_rank() == 0:
         state = {
@@ -159,28 +230,9 @@ def load_checkpoint(
     ``initialize_fsdp`` with the same units), then load; call on every rank.
     """
     _check_optimizer(optimizer)
-    _refuse_sharded_update_mode(model, optimizer, "load_checkpoint")
     path = Path(path)
     if _sharded(model):
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"{path} is not a torch.distributed.checkpoint directory; a "
-                "sharded (FSDP) model loads what save_checkpoint wrote for "
-                "a sharded model."
-            )
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        state = _dcp_state(model, optimizer)  # the template DCP loads into, in place
-        dcp.load(state, checkpoint_id=str(path))
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, optimizer.optimizer, state["optimizer"])
-        optimizer.load_state_dict(
-            pack_state_dict(optimizer.optimizer.state_dict(), state[MIXPREC_KEY])
-        )
+        _load_sharded(path, model, optimizer)
         return
     if path.is_dir():
         raise IsADirectoryError(

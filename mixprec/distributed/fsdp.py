@@ -195,6 +195,7 @@ def initialize_fsdp(
             f"optimizer_fn returned {type(optimizer).__name__}, expected a torch.optim.Optimizer."
         )
     model.__dict__["_mixprec_fsdp"] = True  # sharded here, to match: initialize accepts it
+    model.__dict__["_mixprec_fsdp_recipe"] = (recipe, low)  # what its checkpoints record
     inner = recipe.replace(gradients="held") if modes else _inner_recipe(recipe)
     model, opt = initialize(model, optimizer, inner, low)
     if opt.lean is not None and opt.lean.compensation:

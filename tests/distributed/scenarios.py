@@ -837,14 +837,6 @@ def scenario_fsdp_update_modes() -> dict:
         out["released_refused"] = ""
     except ValueError as e:
         out["released_refused"] = str(e)
-    model, opt = mpd.initialize_fsdp(wide_mlp(0), _adamw, Recipe("lean", BF16))
-    path = str(Path(os.environ["MIXPREC_DIST_TMP"]) / "fsdp_lean_ckpt")
-    for call in (mpd.save_checkpoint, mpd.load_checkpoint):
-        try:
-            call(path, model, opt)
-            out[f"{call.__name__}_refused"] = ""
-        except NotImplementedError as e:
-            out[f"{call.__name__}_refused"] = str(e)
     return out
 
 
@@ -880,6 +872,242 @@ def scenario_ddp_lean() -> dict:
     out["codes_equal"] = all(
         bitwise_equal(c.float(), o) for c in codes for o in gathered(c.float())
     )
+    return out
+
+
+# -- DCP checkpoints of every recipe under FSDP2 ------------------------------------------------
+DCP_RECIPES = {
+    "O2": Recipe("O2", BF16),
+    "kahan": Recipe("O3", BF16, update="kahan"),
+    "kahan_fp16": Recipe("O3", torch.float16, update="kahan"),  # a loss scaler to restore
+    "nearest": Recipe("O3", BF16, update="nearest"),
+    "lean": Recipe("lean", BF16),  # stochastic rounding, 8-bit states
+    "lean_4bit": Recipe("lean", BF16, optimizer_states="4-bit"),
+    "lean_uneven": Recipe("lean", BF16),  # on dcp_mlp(uneven=True): see DCP_MODELS
+}
+#: model options per case: 127 rows shard 64 / 63, and 63 x 65 = 4095 elements is one short of
+#: a coded state, so rank 0 holds 0.weight's moments in codes and rank 1 in fp32
+DCP_MODELS = {"lean_uneven": {"uneven": True}}
+
+
+def dcp_mlp(seed: int, extra_layers: int = 0, uneven: bool = False) -> nn.Module:
+    """Coded states on both ranks' shards (>= 4096 elements each), one with rows of odd length
+    (65: 4-bit codes end a row in half a byte), and small fp32-state tensors."""
+    torch.manual_seed(seed)
+    width = 127 if uneven else 128
+    layers = [nn.Linear(65, width), nn.ReLU(), nn.Linear(width, 64), nn.ReLU()]
+    layers += [m for _ in range(extra_layers) for m in (nn.Linear(64, 64), nn.ReLU())]
+    return nn.Sequential(*layers, nn.Linear(64, 8))
+
+
+def dcp_batch(step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3000 + step)
+    return torch.randn(n, 65, generator=g), torch.randn(n, 8, generator=g)
+
+
+def _dcp_build(recipe: Recipe, seed: int, extra_layers: int = 0, uneven: bool = False):
+    """As a user builds it: a fresh model, initialize_fsdp with an optimizer_fn and units."""
+    return mpd.initialize_fsdp(
+        dcp_mlp(seed, extra_layers, uneven),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+        recipe,
+        units=nn.Linear,
+    )
+
+
+def _local_state(model: nn.Module, opt: MixedPrecisionOptimizer) -> torch.Tensor:
+    """This rank's shards of everything a resume must restore, as one flat fp32 tensor."""
+    parts = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    for st in opt.optimizer.state.values():
+        for _, v in sorted(st.items()):
+            if hasattr(v, "codes"):
+                parts += [v.codes, v.scale]
+            elif isinstance(v, torch.Tensor):
+                parts.append(v.to_local() if hasattr(v, "to_local") else v)
+    if opt.lean is not None:
+        parts += list(opt.lean.compensation.values())
+        parts.append(torch.tensor(float(opt.lean.steps)))
+    parts += [torch.tensor(float(opt.skipped_steps))]
+    return flat(parts)
+
+
+def _dcp_run(
+    recipe: Recipe, steps: int, save_at: int | None, path: str, poison_at: int, **model_kw
+) -> dict:
+    """``steps`` steps; with ``save_at``: save there, build everything again from another seed
+    (so all of it must come from the checkpoint), load, go on. Rank 1 alone gets an inf
+    gradient at ``poison_at``."""
+    model, opt = _dcp_build(recipe, 0, **model_kw)
+    coded = {}
+    losses, skipped, saved = [], [], {}
+    for step in range(steps):
+        if step == save_at:
+            coded = {  # which of this rank's states are held in codes when it saves
+                f"{n}.{k}": hasattr(v, "codes")
+                for n, p in model.named_parameters()
+                for k, v in opt.optimizer.state.get(p, {}).items()
+                if k != "step"
+            }
+            mpd.save_checkpoint(path, model, opt)
+            model, opt = _dcp_build(recipe, 7, **model_kw)
+            mpd.load_checkpoint(path, model, opt)
+        x, y = dcp_batch(step)
+        loss = mse(model, local(x), local(y))
+        opt.backward(loss)
+        if step == poison_at:
+            poison_local_grad(opt, inject=RANK == 1)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        skipped.append(opt.step_skipped)
+    if save_at is not None and RANK == 0:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        index = FileSystemReader(path).read_metadata().state_dict_metadata
+        saved = {
+            k: str(v.properties.dtype).removeprefix("torch.")
+            for k, v in index.items()
+            if hasattr(v, "properties")
+            and k.split(".")[0] in ("model", "optimizer", "compensation")
+        }
+    weights = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float()
+        for k, v in model.named_parameters()
+    }
+    return {
+        "losses": losses,
+        "skipped": skipped,
+        "weights": flat(weights.values()),
+        "local_state": _local_state(model, opt),
+        "saved_dtypes": saved,
+        "files": sorted(
+            (f.name, f.stat().st_size) for f in Path(path).glob("*.distcp") if save_at is not None
+        ),
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "scalers": [s.scaler.state_dict() for s in opt.slots],
+        "coded_at_save": coded,
+    }
+
+
+def scenario_dcp_resume() -> dict:
+    """4 steps, save, fresh model and optimizer, load, 3 more (inf on rank 1 at the
+    second step after the resume) == 7 uninterrupted steps, bit for bit, for every recipe."""
+    out = {}
+    root = Path(os.environ["MIXPREC_DIST_TMP"])
+    for name, recipe in DCP_RECIPES.items():
+        path = str(root / f"dcp_{name}")
+        kw = DCP_MODELS.get(name, {})
+        full = _dcp_run(recipe, 7, None, path, poison_at=5, **kw)
+        resumed = _dcp_run(recipe, 7, 4, path, poison_at=5, **kw)
+        out[name] = {
+            "losses_equal": full["losses"] == resumed["losses"],
+            "losses": resumed["losses"],
+            "weights_bitwise": bitwise_equal(full["weights"], resumed["weights"]),
+            "state_bitwise": bitwise_equal(full["local_state"], resumed["local_state"]),
+            "skipped_full": full["skipped"],
+            "skipped_resumed": resumed["skipped"],
+            "ranks_equal": all(
+                bitwise_equal(resumed["weights"], o) for o in gathered(resumed["weights"])
+            ),
+            "saved_dtypes": resumed["saved_dtypes"],
+            "files": resumed["files"],
+            "param_dtypes": resumed["param_dtypes"],
+            "scalers_equal": full["scalers"] == resumed["scalers"],
+            "scalers": resumed["scalers"],
+            "coded_at_save": resumed["coded_at_save"],
+        }
+    return out
+
+
+def _refused(call) -> str:
+    try:
+        call()
+    except (ValueError, FileNotFoundError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def scenario_dcp_bad_input() -> dict:
+    """Loading a checkpoint into a model prepared otherwise, or a cut-off checkpoint, is refused
+    with what differs, and leaves the model and optimizer as they were."""
+    root = Path(os.environ["MIXPREC_DIST_TMP"])
+    good = root / "dcp_bad_lean"
+    model, opt = _dcp_build(DCP_RECIPES["lean"], 0)
+    for step in range(2):
+        x, y = dcp_batch(step)
+        opt.backward(mse(model, local(x), local(y)))
+        opt.step()
+        opt.zero_grad()
+    mpd.save_checkpoint(good, model, opt)
+    o2 = root / "dcp_bad_o2"
+    model2, opt2 = _dcp_build(DCP_RECIPES["O2"], 0)
+    mpd.save_checkpoint(o2, model2, opt2)
+    # a save over an existing checkpoint that dies before it finishes (here: before DCP writes)
+    over = root / "dcp_bad_overwritten"
+    mpd.save_checkpoint(over, model, opt)
+    import torch.distributed.checkpoint as dcp
+
+    real, dcp.save = dcp.save, lambda *a, **k: (_ for _ in ()).throw(OSError("killed"))
+    try:
+        mpd.save_checkpoint(over, model, opt)
+    except OSError:
+        pass
+    finally:
+        dcp.save = real
+    cut, no_index = root / "dcp_bad_cut", root / "dcp_bad_noindex"
+    if RANK == 0:
+        import shutil
+
+        for copy in (cut, no_index):
+            shutil.copytree(good, copy)
+        data = max(cut.glob("*.distcp"))
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+        (no_index / ".metadata").unlink()
+    dist.barrier()
+    cases = {
+        "other_recipe": (DCP_RECIPES["kahan"], 0, good),
+        "other_dtype": (Recipe("lean", torch.float16), 0, good),
+        "other_depth": (DCP_RECIPES["lean"], 1, good),
+        "o2_into_lean": (DCP_RECIPES["lean"], 0, o2),
+        "lean_into_o2": (DCP_RECIPES["O2"], 0, good),
+        "cut_off": (DCP_RECIPES["lean"], 0, cut),
+        "no_index": (DCP_RECIPES["lean"], 0, no_index),
+        "overwrite_cut_off": (DCP_RECIPES["lean"], 0, over),
+    }
+    out = {}
+    for name, (recipe, extra, path) in cases.items():
+        model, opt = _dcp_build(recipe, 7, extra)
+        x, y = dcp_batch(0)
+        opt.backward(mse(model, local(x), local(y)))
+        opt.step()
+        opt.zero_grad()
+        before = _local_state(model, opt)
+        error = _refused(lambda: mpd.load_checkpoint(path, model, opt))  # noqa: B023
+        out[name] = {
+            "error": error,
+            "unchanged": bitwise_equal(before, _local_state(model, opt)),
+        }
+    model, opt = _dcp_build(DCP_RECIPES["lean"], 7)  # the good one still loads
+    mpd.load_checkpoint(good, model, opt)
+    out["good_loads"] = opt.lean.steps == 2
+    # saved before the first step (no optimizer state yet): loads, and both go on alike
+    before = root / "dcp_before_step"
+    runs = [_dcp_build(DCP_RECIPES["lean"], 0), _dcp_build(DCP_RECIPES["lean"], 7)]
+    mpd.save_checkpoint(before, *runs[0])
+    mpd.load_checkpoint(before, *runs[1])
+    for model, opt in runs:
+        x, y = dcp_batch(0)
+        opt.backward(mse(model, local(x), local(y)))
+        opt.step()
+    out["before_step_resumes"] = bitwise_equal(*(_local_state(*run) for run in runs))
+    # an O2 checkpoint written before checkpoints recorded their recipe still loads
+    from mixprec.distributed.checkpoint import _dcp_state
+
+    legacy = root / "dcp_legacy_o2"
+    runs = [_dcp_build(DCP_RECIPES["O2"], 0), _dcp_build(DCP_RECIPES["O2"], 7)]
+    dcp.save(_dcp_state(*runs[0]), checkpoint_id=str(legacy))
+    mpd.load_checkpoint(legacy, *runs[1])
+    out["legacy_o2_loads"] = bitwise_equal(*(flat(m.parameters()) for m, _ in runs))
     return out
 
 

@@ -215,14 +215,6 @@ def test_fsdp2_refuses_released_gradients(ranks):
         assert "gradients='held'" in res["released_refused"]
 
 
-def test_fsdp2_checkpoints_of_update_modes_are_refused_not_saved_wrong(ranks):
-    """Per-shard states and 8-bit codes are not what torch.distributed.checkpoint places."""
-    for res in result(ranks, "fsdp_update_modes"):
-        for call in ("save_checkpoint", "load_checkpoint"):
-            assert "update='stochastic'" in res[f"{call}_refused"], call
-            assert "'O2'" in res[f"{call}_refused"]
-
-
 def test_fsdp2_trains_gpt_to_the_same_loss_as_ddp(ranks):
     for res in result(ranks, "fsdp_gpt"):
         ddp, fsdp = res["ddp"], res["fsdp"]
@@ -279,6 +271,113 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(ranks, scenario):
         assert res["scaler_resumed"] == res["scaler_full"]
         assert res["scaler_full"]["scale"] != res["scaler_full"]["init_scale"]  # it moved
         assert res["skipped_resumed"] == res["skipped_full"] == 2
+
+
+DCP_CASES = ["O2", "kahan", "kahan_fp16", "nearest", "lean", "lean_4bit", "lean_uneven"]
+
+
+@pytest.mark.parametrize("case", DCP_CASES)
+def test_fsdp2_checkpoint_of_every_recipe_resumes_bit_for_bit(ranks, case):
+    """4 steps, save_checkpoint, a model and optimizer built again from another seed
+    (in the same processes), load_checkpoint, 3 more steps == 7 uninterrupted steps: losses,
+    weights and every rank's shards of the optimizer state (codes and scales, compensation,
+    the rounding step count), bit for bit. An inf on rank 1 alone in the second step after the
+    resume skips that step on both ranks."""
+    for res in result(ranks, "dcp_resume"):
+        r = res[case]
+        assert r["losses_equal"] and r["weights_bitwise"] and r["state_bitwise"], r
+        assert r["scalers_equal"] and r["ranks_equal"]
+        assert r["skipped_resumed"] == r["skipped_full"] == [False] * 5 + [True, False]
+        assert [name for name, _ in r["files"]] == ["__0_0.distcp", "__1_0.distcp"]
+    r = result(ranks, "dcp_resume")[0][case]
+    saved = r["saved_dtypes"]
+    if case == "O2":
+        assert saved["model.0.weight"] == "float32"  # FSDP's fp32 shards are the masters
+        return
+    low = "float16" if case.endswith("fp16") else "bfloat16"
+    assert r["param_dtypes"] == [f"torch.{low}"]
+    assert saved["model.0.weight"] == low  # 16-bit weights saved as they are, not widened
+    if case.startswith("kahan"):
+        assert saved["compensation.0.weight"] == low
+        assert saved["optimizer.state.0.weight.exp_avg"] == low
+        assert saved["optimizer.state.0.weight.exp_avg_sq"] == "float32"
+    if case == "lean_uneven":  # coded on rank 0's 64 rows, fp32 on rank 1's 63: saved decoded
+        r0, r1 = (
+            res[case]["coded_at_save"]["0.weight.exp_avg"] for res in result(ranks, "dcp_resume")
+        )
+        assert (r0, r1) == (True, False)
+        assert saved["optimizer.state.0.weight.exp_avg"] == "float32"
+        assert "optimizer.state.0.weight.exp_avg.codes" not in saved
+    elif case.startswith("lean"):  # codes and block scales, sharded by rows
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert saved[f"optimizer.state.0.weight.{key}.codes"] == "uint8"
+            assert saved[f"optimizer.state.0.weight.{key}.scale"] == "float32"
+            assert f"optimizer.state.0.weight.{key}" not in saved
+        assert saved["optimizer.state.4.weight.exp_avg"] == "float32"  # too small for codes
+    if case == "kahan_fp16":
+        assert r["scalers"][0]["scale"] < 65536.0  # the poisoned step backed the scale off
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("other_recipe", ["recipe.update: saved 'stochastic', here 'kahan'"]),
+        ("other_dtype", ["dtype: saved torch.bfloat16, here torch.float16"]),
+        ("other_depth", ["['6.bias', '6.weight'] are not in it", "number of layers"]),
+        ("o2_into_lean", ["layout: saved fp32 master shards, here 16-bit shards"]),
+        ("lean_into_o2", ["layout: saved 16-bit shards, here fp32 master shards"]),
+        ("cut_off", ["is incomplete: __1_0.distcp has", "cut off mid-write"]),
+        ("no_index", ["has no .metadata", "cut off"]),
+        ("overwrite_cut_off", ["has no .metadata", "cut off"]),  # not old + new shards
+    ],
+)
+def test_fsdp2_checkpoint_bad_input_is_refused_with_what_differs_and_changes_nothing(
+    ranks, case, words
+):
+    for res in result(ranks, "dcp_bad_input"):
+        r = res[case]
+        assert r["error"].startswith("ValueError: ")
+        for w in words:
+            assert w in r["error"], r["error"]
+        assert "nothing was loaded" in r["error"].lower()
+        assert r["unchanged"]  # weights, states, compensation, counters: as before the call
+        assert res["good_loads"]
+
+
+def test_fsdp2_checkpoints_before_the_first_step_and_from_before_recipes_were_recorded(ranks):
+    for res in result(ranks, "dcp_bad_input"):
+        assert res["before_step_resumes"]  # "lean" saved with no optimizer state yet
+        assert res["legacy_o2_loads"]  # an O2 directory without mixprec_meta
+
+
+def test_update_mode_checkpoints_refuse_another_world_size():
+    from mixprec.distributed._dcp_checks import FORMAT, check_description
+
+    saved = {"format": FORMAT, "layout": "16-bit shards", "world_size": 2}
+    with pytest.raises(ValueError, match="saved by 2 ranks, this run has 4") as e:
+        check_description(saved, {**saved, "world_size": 4}, Path("ckpt"))
+    assert "Resume on 2 ranks" in str(e.value) and "fp32_full_state_dict" in str(e.value)
+    o2 = {"format": FORMAT, "layout": "fp32 master shards", "world_size": 2}
+    check_description(o2, {**o2, "world_size": 4}, Path("ckpt"))  # DCP reshards fp32 shards
+
+
+@pytest.mark.parametrize("fmt", ["8-bit", "4-bit"])
+@pytest.mark.parametrize("shape", [(64, 65), (63, 65), (64, 64), (6, 5, 301)])
+def test_coded_states_are_saved_by_rows_so_any_dim0_shard_reads_its_own(fmt, shape):
+    """The layout's promise for resharding: a shard's codes are the rows of the whole
+    tensor's, 4-bit rows of odd length included (repacked within the row)."""
+    import torch
+
+    from mixprec._core.state_codes import QuantizedState
+    from mixprec.distributed._dcp_layout import codes_by_row, codes_from_rows
+
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    whole = QuantizedState.quantize(x, fmt, "signed")
+    rows = codes_by_row(whole)
+    assert torch.equal(codes_from_rows(rows, whole.shape, fmt), whole.codes)
+    shard = QuantizedState.quantize(x[2:5].contiguous(), fmt, "signed")
+    assert torch.equal(codes_by_row(shard), rows[2:5])
+    assert torch.equal(shard.scale, whole.scale.view(shape[0], -1)[2:5].reshape(-1))
 
 
 def test_o2_masters_are_the_fp32_weights_loaded_before_or_after_initialize(ranks):
