@@ -55,6 +55,7 @@ from mixprec._core._rounding import keyed_round_, round_keys, saved_steps, shard
 from mixprec._core.memory import trim_heap
 from mixprec._core.release import ReleasedGradients
 from mixprec._core.state_codes import FORMATS, QuantizedState, quantizable, store_state
+from mixprec._core.torch_fused import fused_by_default
 
 __all__ = ["UPDATES", "LeanUpdate", "StateDtype"]
 
@@ -231,7 +232,8 @@ class LeanUpdate(ReleasedGradients):
     def _inner_step(self, groups: list[dict], index: int, params: list[Tensor]) -> Any:
         for j, g in enumerate(groups):
             g["params"] = params if j == index else []
-        return self.optimizer.step()
+        with fused_by_default(self.optimizer):  # the fp32 temporaries: torch's fused kernel
+            return self.optimizer.step()
 
     def _chunk_size(self, device: torch.device) -> int:
         if self.chunk_elements is not None:
