@@ -19,6 +19,12 @@ if _CAPABILITY and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     )
 
 
+# mixprec's fused update compiles a kernel per kind of step (seconds each on a 2-core CPU); the
+# suite runs the chunk path, and tests/core/test_fused_update.py switches it on where it tests
+# it (with tiny tensors: "auto" would leave parameters that small to the chunk path anyway).
+os.environ.setdefault("MIXPREC_FUSED_UPDATE", "off")
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread for the test: emulated FP8 GEMMs are many small calls, which

@@ -23,12 +23,9 @@ Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit upda
   couple parameters across a step (LBFGS, global-norm schemes inside ``step``) do not, because
   the inner ``step()`` is called once per chunk.
 * **Chunks bound the transient memory.** The fp32 temporaries exist for one chunk at a time
-  (``chunk_elements``; by default 2**20 elements, ~4 MB per fp32 buffer, on CPU, where larger
-  buffers cost page faults every step, and 2**24, ~64 MB, on GPUs, where each chunk's Python
-  and kernel launches are the cost: GPT-2's 124M parameters took 124 chunks; a larger parameter
-  forms its own chunk); they are allocated after the backward pass has freed its activations, so
-  they do not raise the peak of a training step. Nothing fp32 persists except the state keys
-  kept in fp32.
+  (``chunk_elements``: 2**20 elements on a CPU, 2**24 on GPUs; a larger parameter is a chunk of
+  its own), allocated after the backward freed its activations. Where
+  :mod:`mixprec._core.fused_update` can take a parameter it skips the temporaries altogether.
 * **State dtype per key.** ``state_dtype="auto"`` (default) stores first moments
   (``exp_avg``, ``momentum_buffer``) in the parameter's 16-bit dtype and everything else --
   notably Adam's second moment -- in fp32: with ``beta2 = 0.999`` a bf16 ``exp_avg_sq`` cannot
@@ -38,8 +35,8 @@ Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit upda
 * **Reproducible randomness, whatever the layout.** Element ``i``'s random bits hash (``seed``,
   step count, the parameter's position, ``i`` in the whole parameter) (``_rounding``), so
   chunks, released gradients and FSDP2's dim-0 shards (stepped through their local tensors)
-  round alike; skipped steps do not count. The step count and compensation buffers are in
-  :meth:`LeanUpdate.state_dict`, which makes a resume bit-exact.
+  round alike; skipped steps do not count. :meth:`LeanUpdate.state_dict` has the step count
+  and compensation buffers: a resume is bit-exact.
 """
 
 from __future__ import annotations
@@ -52,6 +49,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from mixprec._core._rounding import keyed_round_, round_keys, saved_steps, shard_offset
+from mixprec._core.fused_update import FusedUpdates
 from mixprec._core.memory import trim_heap
 from mixprec._core.release import ReleasedGradients
 from mixprec._core.state_codes import FORMATS, QuantizedState, quantizable, store_state
@@ -149,6 +147,7 @@ class LeanUpdate(ReleasedGradients):
         self.release = release
         self.nonfinite = 0  # released parameters left unchanged for a non-finite gradient
         self._released: set[int] = set()  # ids of the parameters stepped in this backward
+        self.fused = FusedUpdates(update)  # one compiled pass per parameter, where it can be
         self.add_params(p for g in optimizer.param_groups for p in g["params"])
 
     def add_params(self, params: Iterable[Tensor]) -> None:
@@ -175,8 +174,7 @@ class LeanUpdate(ReleasedGradients):
         groups = self.optimizer.param_groups
         saved = [g["params"] for g in groups]
         result = None
-        # fp32 scratch reused by every chunk of this step: one allocation per buffer and step
-        # (fresh CPU allocations of this size cost page faults on every step; freed at the end)
+        # fp32 scratch reused by every chunk of this step (fresh CPU buffers fault pages)
         self._scratch = {}
         try:
             for gi, plist in enumerate(saved):
@@ -260,6 +258,9 @@ class LeanUpdate(ReleasedGradients):
         return chunks
 
     def _step_chunk(self, groups: list[dict], index: int, chunk: list[Tensor]) -> Any:
+        chunk = self.fused.step(self, groups[index], chunk) if "fused" in self.__dict__ else chunk
+        if not chunk:
+            return None  # every parameter took one compiled pass (core/fused_update.py)
         device, low = chunk[0].device, chunk[0].dtype
         locs = [_local(p) for p in chunk]  # the weights this rank steps (its shard under FSDP)
         numels = [p.numel() for p in locs]
