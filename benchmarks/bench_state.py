@@ -167,8 +167,9 @@ def race(name: str, modes: list[str], rounds: int, scale: float) -> dict[str, fl
     moment. Returns the median step (ms) per mode and the median per-round ratio to the first,
     and per mode its update's achieved bandwidth -- :data:`UPDATE_BYTES` x parameters / the
     median ``step()`` time (backward + step for :data:`RELEASED` modes) -- as a fraction of a
-    large fp32 copy timed in the same rounds (read + write), and the first step's extra time
-    (state creation; compile where an update is compiled) over the median step."""
+    large fp32 copy timed in the same rounds (read + write), the first two steps' extra time over
+    the median step (state creation, then the compile of a fused update, which needs the
+    states), and the seconds the fused update's first calls took (its compile)."""
     runs = {}
     for mode in modes:
         model, batch = make_model(name, scale)
@@ -179,7 +180,7 @@ def race(name: str, modes: list[str], rounds: int, scale: float) -> dict[str, fl
     times: dict[str, list[float]] = {m: [] for m in modes}
     updates: dict[str, list[float]] = {m: [] for m in modes}
     copies: list[float] = []
-    for _ in range(rounds + 1):  # the first round (state creation, compile) is not counted
+    for _ in range(rounds + 2):  # the first two rounds (states, then compile) are not counted
         t0 = time.perf_counter()
         dst.copy_(src)
         copies.append(time.perf_counter() - t0)
@@ -200,18 +201,21 @@ def race(name: str, modes: list[str], rounds: int, scale: float) -> dict[str, fl
             base = mode.removesuffix(FUSED)
             updates[mode].append(t3 - (t1 if base in RELEASED else t2))
     first = modes[0]
-    out = {f"{m} ms": statistics.median(times[m][1:]) * 1e3 for m in modes}
+    out = {f"{m} ms": statistics.median(times[m][2:]) * 1e3 for m in modes}
     for m in modes[1:]:
-        ratios = [a / b for a, b in zip(times[m][1:], times[first][1:])]
+        ratios = [a / b for a, b in zip(times[m][2:], times[first][2:])]
         out[f"{m} / {first}"] = statistics.median(ratios)
-    copy_rate = 2 * src.nbytes / statistics.median(copies[1:])
+    copy_rate = 2 * src.nbytes / statistics.median(copies[2:])
     out["copy GB/s"] = copy_rate / 1e9
     for m in modes:
         nbytes = UPDATE_BYTES.get(m.removesuffix(FUSED))
         if nbytes is not None:
-            rate = nbytes * params / statistics.median(updates[m][1:])
+            rate = nbytes * params / statistics.median(updates[m][2:])
             out[f"{m} bw"] = rate / copy_rate
-        out[f"{m} first+ s"] = times[m][0] - statistics.median(times[m][1:])
+        out[f"{m} first two+ s"] = sum(times[m][:2]) - 2 * statistics.median(times[m][2:])
+        fused = getattr(getattr(runs[m][1], "lean", None), "fused", None)
+        if fused is not None:
+            out[f"{m} compile s"] = getattr(fused, "compile_seconds", 0.0)
     return out
 
 
