@@ -12,7 +12,9 @@ Activations are kept small on purpose, so the figure is the training state:
 * ``gpt``: a GPT of 113 M parameters (16 layers, width 768, context 256), batch 1.
 
 The step column is the median step time in that process (the first step excluded); for ratios
-of step times, ``--race ROUNDS`` runs ``--modes`` in one process, one step each per round. Modes:
+of step times, ``--race ROUNDS`` runs ``--modes`` in one process, one step each per round, and
+reports each update's bandwidth against a copy and its first step's extra time (see
+:func:`race`). Modes:
 ``fp32`` and ``torch-autocast`` (bf16) with torch's AdamW; the mixprec recipes of
 :data:`RECIPES` in bf16 (``O2``; ``O3`` with its default Kahan update; ``O3-update-none``, the
 optimizer's own bf16 step; ``O3-kahan-8bit``; ``lean``, ``lean`` with its gradients held until
@@ -20,7 +22,12 @@ the step or released from the first step on, ``lean-clip``: ``lean`` in a loop t
 global norm before every step, which holds them, ``lean-accum``: two backward passes per step,
 likewise, and ``lean`` with 4-bit states); and
 ``torchao-adamw8bit`` (bf16 weights, torchao's 8-bit AdamW) when torchao is installed. The
-header names the machine and torch.
+header names the machine and torch. Any mode with ``+fused`` appended (``fp32+fused``,
+``O3+fused``) is that mode with the user's ``AdamW(params, lr, fused=True)`` instead of the
+plain ``AdamW(params, lr)``.
+
+    python benchmarks/bench_state.py --models mlp --race 5 \\
+        --modes fp32+fused fp32 O2 O2+fused O3 O3+fused lean lean+fused
 """
 
 from __future__ import annotations
@@ -64,6 +71,23 @@ CLIPS = ("lean-clip",)
 MICRO = {"lean-accum": 2, "lean-accum-plain": 2, "lean-held-accum": 2}
 #: modes whose loop calls loss.backward() rather than opt.backward(loss)
 PLAIN = ("lean-accum-plain",)
+#: a mode name ending in this is that mode with the user's ``AdamW(..., fused=True)``
+FUSED = "+fused"
+#: least bytes an update must move per parameter (``--race``'s bandwidth): it reads the
+#: gradient once and reads and writes the weight, compensation and states once each
+UPDATE_BYTES = {
+    "fp32": 2 * (4 + 8) + 4,  # fp32 weight, two fp32 moments; fp32 gradient
+    "O2": 2 * (4 + 8) + 4,  # the fp32 master's update (the bf16 copy-back not counted)
+    "O3": 2 * (2 + 2 + 2 + 4) + 2,  # bf16 weight + Kahan compensation, bf16 m, fp32 v
+    "O3-kahan-8bit": 2 * (2 + 2 + 2 * 1.016) + 2,
+    "lean": 2 * (2 + 2 * 1.016) + 2,  # bf16 weight (stochastic), 8-bit m and v
+    "lean-held": 2 * (2 + 2 * 1.016) + 2,
+    "lean-4bit": 2 * (2 + 2 * 0.516) + 2,
+    "lean-4bit-nearest": 2 * (2 + 2 * 0.516) + 2,
+}
+#: modes whose update runs inside the backward (released gradients): their update time is
+#: backward + step, an upper bound (the gradient's computation is in it)
+RELEASED = ("lean", "lean-4bit", "lean-4bit-nearest")
 BF16 = torch.bfloat16
 
 
@@ -100,12 +124,14 @@ def _prepare(mode: str, model: nn.Module) -> tuple[nn.Module, Any, Any]:
     """(model, optimizer, region) of ``mode``; the optimizer has ``backward`` for mixprec."""
     import mixprec
 
+    fused = mode.endswith(FUSED)
+    mode = mode.removesuffix(FUSED)
     if mode == "torchao-adamw8bit":
         from torchao.optim import AdamW8bit
 
         model = model.to(BF16)
         return model, AdamW8bit(model.parameters(), lr=1e-3), None
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if fused else {}))
     if mode in ("fp32", "torch-autocast"):
         region = torch.autocast("cpu", BF16) if mode == "torch-autocast" else None
         return model, opt, region
@@ -161,13 +187,26 @@ def child(name: str, mode: str, steps: int, scale: float) -> dict[str, Any]:
 def race(name: str, modes: list[str], rounds: int, scale: float) -> dict[str, float]:
     """Step times of ``modes`` in this process, interleaved: each round times one step of every
     mode (the same batch), so the ratios compare modes that saw the same machine at the same
-    moment. Returns the median step (ms) per mode and the median per-round ratio to the first."""
+    moment. Returns the median step (ms) per mode and the median per-round ratio to the first,
+    and per mode its update's achieved bandwidth -- :data:`UPDATE_BYTES` x parameters / the
+    median ``step()`` time (backward + step for :data:`RELEASED` modes) -- as a fraction of a
+    large fp32 copy timed in the same rounds (read + write), the first two steps' extra time over
+    the median step (state creation, then the compile of a fused update, which needs the
+    states), and the seconds the fused update's first calls took (its compile)."""
     runs = {}
     for mode in modes:
         model, batch = make_model(name, scale)
         runs[mode] = (*_prepare(mode, model), batch)
+    params = sum(p.numel() for p in make_model(name, scale)[0].parameters())
+    src = torch.randn(max(params, 2**26))
+    dst = torch.empty_like(src)
     times: dict[str, list[float]] = {m: [] for m in modes}
-    for _ in range(rounds + 1):  # the first round (state creation) is not counted
+    updates: dict[str, list[float]] = {m: [] for m in modes}
+    copies: list[float] = []
+    for _ in range(rounds + 2):  # the first two rounds (states, then compile) are not counted
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copies.append(time.perf_counter() - t0)
         for mode, (model, opt, region, batch) in runs.items():
             torch.manual_seed(0)
             x, y = batch()
@@ -176,17 +215,33 @@ def race(name: str, modes: list[str], rounds: int, scale: float) -> dict[str, fl
             for _ in range(MICRO.get(mode, 1)):
                 with region if region is not None else contextlib.nullcontext():
                     loss = _loss(name, model(x), y)
+                t1 = time.perf_counter()  # the last backward's start
                 _backward(mode, opt, loss)
+            t2 = time.perf_counter()
             if mode in CLIPS:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+            t3 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             times[mode].append(time.perf_counter() - t0)
+            base = mode.removesuffix(FUSED)
+            updates[mode].append(t3 - (t1 if base in RELEASED else t2))
     first = modes[0]
-    out = {f"{m} ms": statistics.median(times[m][1:]) * 1e3 for m in modes}
+    out = {f"{m} ms": statistics.median(times[m][2:]) * 1e3 for m in modes}
     for m in modes[1:]:
-        ratios = [a / b for a, b in zip(times[m][1:], times[first][1:])]
+        ratios = [a / b for a, b in zip(times[m][2:], times[first][2:])]
         out[f"{m} / {first}"] = statistics.median(ratios)
+    copy_rate = 2 * src.nbytes / statistics.median(copies[2:])
+    out["copy GB/s"] = copy_rate / 1e9
+    for m in modes:
+        nbytes = UPDATE_BYTES.get(m.removesuffix(FUSED))
+        if nbytes is not None:
+            rate = nbytes * params / statistics.median(updates[m][2:])
+            out[f"{m} bw"] = rate / copy_rate
+        out[f"{m} first two+ s"] = sum(times[m][:2]) - 2 * statistics.median(times[m][2:])
+        fused = getattr(getattr(runs[m][1], "lean", None), "fused", None)
+        if fused is not None:
+            out[f"{m} compile s"] = getattr(fused, "compile_seconds", 0.0)
     return out
 
 
@@ -230,7 +285,8 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--modes", nargs="+", default=list(MODES),
+                   choices=[*MODES, *(m + FUSED for m in MODES)])  # fmt: skip
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--scale", type=float, default=1.0, help="shrink the models (< 1)")
     p.add_argument("--json", help="also write the rows to this JSON file")

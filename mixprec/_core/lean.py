@@ -23,12 +23,9 @@ Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit upda
   couple parameters across a step (LBFGS, global-norm schemes inside ``step``) do not, because
   the inner ``step()`` is called once per chunk.
 * **Chunks bound the transient memory.** The fp32 temporaries exist for one chunk at a time
-  (``chunk_elements``; by default 2**20 elements, ~4 MB per fp32 buffer, on CPU, where larger
-  buffers cost page faults every step, and 2**24, ~64 MB, on GPUs, where each chunk's Python
-  and kernel launches are the cost: GPT-2's 124M parameters took 124 chunks; a larger parameter
-  forms its own chunk); they are allocated after the backward pass has freed its activations, so
-  they do not raise the peak of a training step. Nothing fp32 persists except the state keys
-  kept in fp32.
+  (``chunk_elements``: 2**20 elements on a CPU, 2**24 on GPUs; a larger parameter is a chunk of
+  its own), allocated after the backward freed its activations. Where
+  :mod:`mixprec._core.fused_update` can take a parameter it skips the temporaries altogether.
 * **State dtype per key.** ``state_dtype="auto"`` (default) stores first moments
   (``exp_avg``, ``momentum_buffer``) in the parameter's 16-bit dtype and everything else --
   notably Adam's second moment -- in fp32: with ``beta2 = 0.999`` a bf16 ``exp_avg_sq`` cannot
@@ -38,8 +35,8 @@ Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit upda
 * **Reproducible randomness, whatever the layout.** Element ``i``'s random bits hash (``seed``,
   step count, the parameter's position, ``i`` in the whole parameter) (``_rounding``), so
   chunks, released gradients and FSDP2's dim-0 shards (stepped through their local tensors)
-  round alike; skipped steps do not count. The step count and compensation buffers are in
-  :meth:`LeanUpdate.state_dict`, which makes a resume bit-exact.
+  round alike; skipped steps do not count. :meth:`LeanUpdate.state_dict` has the step count
+  and compensation buffers: a resume is bit-exact.
 """
 
 from __future__ import annotations
@@ -52,48 +49,27 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from mixprec._core._rounding import keyed_round_, round_keys, saved_steps, shard_offset
+from mixprec._core.fused_update import FusedUpdates
 from mixprec._core.memory import trim_heap
 from mixprec._core.release import ReleasedGradients
-from mixprec._core.state_codes import FORMATS, QuantizedState, quantizable, store_state
+from mixprec._core.state_codes import (
+    QuantizedState,
+    StateDtype,
+    StatePolicy,
+    quantizable,
+    store_state,
+)
+from mixprec._core.torch_fused import fused_by_default
 
 __all__ = ["UPDATES", "LeanUpdate", "StateDtype"]
 
 UPDATES = ("nearest", "kahan", "stochastic")
-StateDtype = str | torch.dtype | dict | None
 _LOW = (torch.float16, torch.bfloat16)
-_FIRST_MOMENTS = ("exp_avg", "momentum_buffer")
 
 
 def _local(t: Tensor) -> Tensor:
     """A DTensor's shard on this rank (FSDP2 parameters and gradients); any other tensor."""
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-# --------------------------------------------------------------------------- state dtypes
-
-
-def _state_policy(state_dtype: StateDtype) -> Any:
-    """Validate ``state_dtype``; return a function ``(key, param dtype) -> storage``: a dtype,
-    or a format of :mod:`mixprec._core.state_codes` (``"8-bit"``, ``"4-bit"``)."""
-    allowed = (
-        "'auto' (first moments 16-bit, the rest fp32), '8-bit' or '4-bit' (block-wise codes), "
-        "torch.float32, torch.bfloat16, torch.float16, or a dict {state key: one of these}"
-    )
-    kinds = (torch.float32, *_LOW, *FORMATS)
-    if state_dtype is None or state_dtype == "auto":
-        return lambda key, low: low if key in _FIRST_MOMENTS else torch.float32
-    if isinstance(state_dtype, dict):
-        bad = {k: v for k, v in state_dtype.items() if not isinstance(k, str) or v not in kinds}
-        if bad:
-            raise ValueError(
-                f"state_dtype has invalid entries {bad}; keys are state names "
-                f"such as 'exp_avg', values one of {kinds}."
-            )
-        table = dict(state_dtype)
-        return lambda key, low: table.get(key, torch.float32)
-    if isinstance(state_dtype, (str, torch.dtype)) and state_dtype in kinds:
-        return lambda key, low: state_dtype
-    raise ValueError(f"state_dtype={state_dtype!r} is not allowed; use {allowed}.")
 
 
 # --------------------------------------------------------------------------- the updater
@@ -121,6 +97,7 @@ class LeanUpdate(ReleasedGradients):
         seed: int = 0,
         chunk_elements: int | None = None,
         release: bool | str = False,
+        kernels: str = "auto",
     ):
         if update not in UPDATES:
             raise ValueError(
@@ -138,7 +115,7 @@ class LeanUpdate(ReleasedGradients):
         self.optimizer = optimizer
         self.update = update
         self.state_dtype = state_dtype
-        self._dtype_for = _state_policy(state_dtype)
+        self._dtype_for = StatePolicy(state_dtype)
         self.seed = seed
         self.chunk_elements = chunk_elements
         self.compensation: dict[Tensor, Tensor] = {}
@@ -146,6 +123,7 @@ class LeanUpdate(ReleasedGradients):
         self._ordinal: dict[int, int] = {}  # id(param) -> its position, a rounding key
         self._scratch: dict[tuple[str, torch.device], Tensor] = {}
         self._init_release(release)  # False, True or "auto" (mixprec._core.release)
+        self.fused = FusedUpdates(update, kernels)  # one compiled pass per parameter
         self.add_params(p for g in optimizer.param_groups for p in g["params"])
 
     def add_params(self, params: Iterable[Tensor]) -> None:
@@ -172,8 +150,7 @@ class LeanUpdate(ReleasedGradients):
         groups = self.optimizer.param_groups
         saved = [g["params"] for g in groups]
         result = None
-        # fp32 scratch reused by every chunk of this step: one allocation per buffer and step
-        # (fresh CPU allocations of this size cost page faults on every step; freed at the end)
+        # fp32 scratch reused by every chunk of this step (fresh CPU buffers fault pages)
         self._scratch = {}
         drop = self._settle_release()  # "auto"'s first step, releasing: free grads as used
         try:
@@ -232,7 +209,8 @@ class LeanUpdate(ReleasedGradients):
     def _inner_step(self, groups: list[dict], index: int, params: list[Tensor]) -> Any:
         for j, g in enumerate(groups):
             g["params"] = params if j == index else []
-        return self.optimizer.step()
+        with fused_by_default(self.optimizer):  # the fp32 temporaries: torch's fused kernel
+            return self.optimizer.step()
 
     def _chunk_size(self, device: torch.device) -> int:
         if self.chunk_elements is not None:
@@ -259,6 +237,9 @@ class LeanUpdate(ReleasedGradients):
         return chunks
 
     def _step_chunk(self, groups: list[dict], index: int, chunk: list[Tensor]) -> Any:
+        chunk = self.fused.step(self, groups[index], chunk) if "fused" in self.__dict__ else chunk
+        if not chunk:
+            return None  # every parameter took one compiled pass (core/fused_update.py)
         device, low = chunk[0].device, chunk[0].dtype
         locs = [_local(p) for p in chunk]  # the weights this rank steps (its shard under FSDP)
         numels = [p.numel() for p in locs]

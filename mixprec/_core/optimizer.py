@@ -41,6 +41,7 @@ from mixprec._core._gradients import SETTLE_HOOKS, GradientChecks, LossSlot
 from mixprec._core._optimizer_state import CheckpointState
 from mixprec._core.clipping import refuse_released, register_masters, register_released
 from mixprec._core.lean import LeanUpdate
+from mixprec._core.torch_fused import fused_by_default
 from mixprec._core.update_choice import UpdatePlan
 
 __all__ = ["SETTLE_HOOKS", "MixedPrecisionOptimizer", "StepGuard", "rounds_to", "scale_loss"]
@@ -137,6 +138,7 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
                 state_dtype=plan.states,
                 seed=plan.update_seed,
                 release=plan.release,
+                kernels=plan.kernels,
             )
             if plan.gradients != "held":  # released, or "auto" until its first step
                 register_released(self.lean.params(), self.lean)
@@ -260,7 +262,13 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         self._adopt_model_writes()
         self._in_step = True
         try:
-            result = self.optimizer.step() if self.lean is None else self.lean.step()
+            if self.lean is not None:
+                result = self.lean.step()
+            elif self.plan.masters:  # O2's fp32 masters: torch's fused kernel by default
+                with fused_by_default(self.optimizer):
+                    result = self.optimizer.step()
+            else:
+                result = self.optimizer.step()
         finally:
             self._in_step = False
         if self._pairs:

@@ -46,6 +46,8 @@ __all__ = [
     "MIN_NUMEL",
     "SECOND_MOMENTS",
     "QuantizedState",
+    "StateDtype",
+    "StatePolicy",
     "fp32_optimizer_state_dict",
     "kind_of",
     "quantizable",
@@ -305,6 +307,52 @@ def _load_codes(out: Tensor, codes: Tensor, bits: int) -> None:
     pairs[:, 1].copy_(codes[: n // 2]).bitwise_right_shift_(4)
     if n % 2:
         flat[-1:].copy_(codes[-1:]).bitwise_and_(15)
+
+
+StateDtype = str | torch.dtype | dict | None
+_FIRST_MOMENTS = ("exp_avg", "momentum_buffer")
+_STATE_KINDS = (torch.float32, torch.float16, torch.bfloat16, *FORMATS)
+
+
+class StatePolicy:
+    """How each optimizer state is stored under an update mode: called as ``policy(key, param
+    dtype)``, it returns a dtype or a format of this module (``"8-bit"``, ``"4-bit"``).
+
+    ``state_dtype``: ``"auto"`` / None (first moments in the parameter's 16-bit dtype, the rest
+    fp32), one kind for every state, or ``{state key: kind}`` (unlisted keys fp32). A class, not
+    a closure, so an optimizer holding it pickles (``copy.deepcopy``, ``torch.save``).
+    """
+
+    def __init__(self, state_dtype: StateDtype) -> None:
+        if state_dtype is None or state_dtype == "auto":
+            self.table, self.every = None, None
+        elif isinstance(state_dtype, dict):
+            bad = {
+                k: v
+                for k, v in state_dtype.items()
+                if not isinstance(k, str) or v not in _STATE_KINDS
+            }
+            if bad:
+                raise ValueError(
+                    f"state_dtype has invalid entries {bad}; keys are state names "
+                    f"such as 'exp_avg', values one of {_STATE_KINDS}."
+                )
+            self.table, self.every = dict(state_dtype), None
+        elif isinstance(state_dtype, (str, torch.dtype)) and state_dtype in _STATE_KINDS:
+            self.table, self.every = None, state_dtype
+        else:
+            raise ValueError(
+                f"state_dtype={state_dtype!r} is not allowed; use 'auto' (first moments "
+                "16-bit, the rest fp32), '8-bit' or '4-bit' (block-wise codes), torch.float32, "
+                "torch.bfloat16, torch.float16, or a dict {state key: one of these}."
+            )
+
+    def __call__(self, key: str, low: torch.dtype) -> Any:
+        if self.every is not None:
+            return self.every
+        if self.table is not None:
+            return self.table.get(key, torch.float32)
+        return low if key in _FIRST_MOMENTS else torch.float32
 
 
 def store_state(key: str, v: Tensor, fmt: str, prev: Any) -> QuantizedState:

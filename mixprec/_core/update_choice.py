@@ -43,6 +43,8 @@ class UpdatePlan:
         gradients: ``"held"``, ``"released"`` (stepped in backward and freed) or ``"auto"``
             (the first step decides: a clip or an accumulation keeps them held, a step without
             either releases them from then on; :mod:`mixprec._core.release`).
+        kernels: the Recipe's: ``"auto"`` steps an update mode in one compiled pass per
+            parameter where :mod:`mixprec._core.fused_update` takes it, ``"torch"`` never.
     """
 
     masters: bool = True
@@ -50,6 +52,7 @@ class UpdatePlan:
     optimizer_states: Any = "auto"
     update_seed: int = 0
     gradients: str = "held"
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if self.update is not None and self.masters:
@@ -163,6 +166,7 @@ def update_plans(
     given = dict(
         optimizer_states=recipe.optimizer_states,
         update_seed=recipe.update_seed or 0,
+        kernels=recipe.kernels,
         gradients=("released" if recipe.gradients == "released" else "auto")
         if released
         else "held",

@@ -37,12 +37,12 @@ def build(update, opt_fn, dtype=BF16, seed=0, **kw):
         return initialize(model, opt_fn(model.parameters()), recipe)
 
 
-def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+def adamw(params, **kw):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **kw)
 
 
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+def sgd(params, **kw):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, **kw)
 
 
 def widened(opt, p):
@@ -195,17 +195,21 @@ def test_stochastic_rounding_is_seeded_and_validated():
 # ------------------------------------------------- the fp32 math is the optimizer's own
 
 
+@pytest.mark.parametrize("kernel", ["default", "loop"])
 @pytest.mark.parametrize("opt_fn", [adamw, sgd], ids=["adamw", "sgd"])
 @pytest.mark.parametrize("update", ["nearest", "kahan"])
-def test_one_step_equals_the_fp32_step_rounded(update, opt_fn):
-    model, opt = build(update, opt_fn, optimizer_states=FP32)
+def test_one_step_equals_the_fp32_step_rounded(update, opt_fn, kernel):
+    """The optimizer's defaults step the temporaries with torch's fused kernel (the reference
+    is the fp32 fused step); an explicit foreach=False keeps torch's loop, bit for bit."""
+    chosen = {} if kernel == "default" else {"foreach": False}
+    model, opt = build(update, lambda ps: opt_fn(ps, **chosen), optimizer_states=FP32)
     x, y = batch()
     opt.backward(mse(model, x, y))
     params = list(model.parameters())
     ref = [widened(opt, p).requires_grad_() for p in params]
     for r, p in zip(ref, params):
         r.grad = p.grad.float()
-    ref_opt = opt_fn(ref)
+    ref_opt = opt_fn(ref, **({"fused": True} if kernel == "default" else chosen))
     ref_opt.step()
     opt.step()
     for p, r in zip(params, ref):
