@@ -146,7 +146,8 @@ class Recipe:
         cast_inputs: cast floating inputs to ``dtype`` where the model is entered.
         fp32_inside: memory-bound ops with fp32-accumulating kernels (layer_norm, softmax) keep
             16-bit inputs and outputs.
-        kernels: ``"auto"`` (mixprec's kernels where measured faster) or ``"torch"``.
+        kernels: ``"auto"`` (mixprec's kernels where measured faster: attention, and an update
+            mode's step compiled into one pass per parameter) or ``"torch"``.
         num_losses: losses backpropagated per step, each with its own loss scaler.
     """
 
