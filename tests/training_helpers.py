@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 INF, NAN = float("inf"), float("nan")
@@ -94,3 +95,38 @@ def assert_tree_bitwise(a, b) -> None:
             assert_tree_bitwise(x, y)
     else:
         assert a == b
+
+
+class TinyGPT(nn.Module):
+    """nanoGPT's shape in miniature: token + position embeddings, a residual MLP, a final
+    LayerNorm, and an lm_head whose weight *is* the token embedding's (weight tying);
+    ``forward(idx, targets)`` returns ``(logits, loss)`` as nanoGPT's does."""
+
+    def __init__(self, vocab: int = 16, n_embd: int = 8, block: int = 4):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, n_embd)
+        self.wpe = nn.Embedding(block, n_embd)
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.fc = nn.Linear(n_embd, 2 * n_embd)
+        self.proj = nn.Linear(2 * n_embd, n_embd)
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = x + self.proj(F.gelu(self.fc(self.ln_1(x))))
+        logits = self.lm_head(self.ln_f(x))
+        return logits, F.cross_entropy(
+            logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
+        )
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type="cpu"):
+        """nanoGPT's: weight decay on 2-D parameters only, fused AdamW on CUDA."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        extra = {"fused": True} if device_type == "cuda" else {}
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)

@@ -16,9 +16,15 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
-from training_helpers import assert_bitwise, assert_tree_bitwise, make_model, mse, poisoned
+from training_helpers import (
+    TinyGPT,
+    assert_bitwise,
+    assert_tree_bitwise,
+    make_model,
+    mse,
+    poisoned,
+)
 
 import mixprec
 from mixprec._core import state_codes
@@ -188,40 +194,6 @@ def test_resume_is_bit_exact(config, order, form, straight_runs):
 
 
 # ------------------------------------------------------------------ nanoGPT's resume, exactly
-
-
-class TinyGPT(nn.Module):
-    """nanoGPT's shape in miniature: token + position embeddings, a residual MLP, a final
-    LayerNorm, and an lm_head whose weight *is* the token embedding's (weight tying)."""
-
-    def __init__(self, vocab: int = 16, n_embd: int = 8, block: int = 4):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, n_embd)
-        self.wpe = nn.Embedding(block, n_embd)
-        self.ln_1 = nn.LayerNorm(n_embd)
-        self.fc = nn.Linear(n_embd, 2 * n_embd)
-        self.proj = nn.Linear(2 * n_embd, n_embd)
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
-        self.wte.weight = self.lm_head.weight
-
-    def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-        x = x + self.proj(F.gelu(self.fc(self.ln_1(x))))
-        logits = self.lm_head(self.ln_f(x))
-        return logits, F.cross_entropy(
-            logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)
-        )
-
-    def configure_optimizers(self, weight_decay, learning_rate, betas):  # nanoGPT's, verbatim
-        param_dict = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
-        decay_params = [p for n, p in param_dict.items() if p.dim() >= 2]
-        nodecay_params = [p for n, p in param_dict.items() if p.dim() < 2]
-        optim_groups = [
-            {"params": decay_params, "weight_decay": weight_decay},
-            {"params": nodecay_params, "weight_decay": 0.0},
-        ]
-        return torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas)
 
 
 _t = torch.Generator().manual_seed(5)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from extras import has, install_hint
 from torch import nn
-from training_helpers import assert_bitwise
+from training_helpers import TinyGPT, assert_bitwise
 
 import mixprec
 
@@ -25,37 +25,12 @@ BF16 = torch.bfloat16
 HOLDS = "holds the gradients|runs with gradients='held'"
 
 
-class GPT(nn.Module):
-    """nanoGPT's shape in miniature: tied embeddings / lm_head, a residual MLP, LayerNorms; the
-    token embedding (64 x 64) and the MLP are large enough for 8-bit state codes."""
+class GPT(TinyGPT):
+    """nanoGPT's shape in miniature, large enough (token embedding 64 x 64, the MLP) for 8-bit
+    state codes."""
 
-    def __init__(self, vocab: int = 64, n_embd: int = 64, block: int = 8):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, n_embd)
-        self.wpe = nn.Embedding(block, n_embd)
-        self.ln_1 = nn.LayerNorm(n_embd)
-        self.fc = nn.Linear(n_embd, 2 * n_embd)
-        self.proj = nn.Linear(2 * n_embd, n_embd)
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
-        self.wte.weight = self.lm_head.weight
-
-    def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-        x = x + self.proj(F.gelu(self.fc(self.ln_1(x))))
-        logits = self.lm_head(self.ln_f(x))
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
-
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """nanoGPT's: weight decay on 2-D parameters only, fused AdamW on CUDA."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        extra = {"fused": True} if device_type == "cuda" else {}
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **extra)
+    def __init__(self) -> None:
+        super().__init__(vocab=64, n_embd=64, block=8)
 
 
 def nanogpt(recipe, grad_accum=2, grad_clip=1.0, iters=6):
