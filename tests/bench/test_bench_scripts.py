@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -15,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_fp8
 import bench_gpu
 import bench_memory
+import bench_nanogpt
 import bench_overhead
 import bench_state
 import torch
@@ -179,3 +182,31 @@ def test_gpu_check_quick_dry_run_writes_every_table(tmp_path):
     assert "vs torch.autocast bf16 + compile" in summary  # compiled raced against compiled
     fp8 = {r["mode"] for r in json.loads((tmp_path / "fp8.json").read_text())["step"]}
     assert fp8 == set(bench_fp8.QUICK_STEP)
+
+
+NANOGPT_LINES = """\
+ctx = nullcontext() if device_type == 'cpu' else torch.amp.autocast(device_type=device_type)
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+if init_from == 'resume':
+"""
+
+
+def test_bench_nanogpt_edits_train_py_by_one_line_per_mode_and_makes_its_corpus(tmp_path):
+    """The only edits to nanoGPT's train.py: autocast's ctx, or the initialize line right after
+    configure_optimizers; the corpus is nanoGPT's data layout, made from stdlib sources."""
+    assert bench_nanogpt.patched(NANOGPT_LINES, "fp32") == NANOGPT_LINES
+    amp = bench_nanogpt.patched(NANOGPT_LINES, "torch-autocast").splitlines()
+    assert amp[0].startswith("ctx = torch.autocast('cpu', torch.bfloat16) if True else")
+    assert amp[1:] == NANOGPT_LINES.splitlines()[1:]
+    lean = bench_nanogpt.patched(NANOGPT_LINES, "lean").splitlines()
+    assert lean[2] == (
+        "import mixprec; model, optimizer = mixprec.initialize(model, optimizer, 'lean', "
+        "torch.bfloat16)"
+    )
+    assert [lean[0], lean[1], lean[3]] == NANOGPT_LINES.splitlines()
+    with pytest.raises(SystemExit, match="configure_optimizers line was not found"):
+        bench_nanogpt.patched("print()\n", "O2")
+    bench_nanogpt.corpus(tmp_path, 5000)
+    meta = pickle.loads((tmp_path / "meta.pkl").read_bytes())
+    ids = np.fromfile(tmp_path / "train.bin", dtype=np.uint16)
+    assert len(ids) == 4500 and int(ids.max()) < meta["vocab_size"] == len(meta["itos"])
