@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import math
 import time
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -275,6 +276,16 @@ def _view(st: Any, view: tuple[int, ...]) -> Any:
     return st.view(view)
 
 
+def _own_code(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` with a code object of its own. Dynamo keeps the graphs it compiled per code
+    object, at most ``recompile_limit`` (8) of them, and every kind of step built by
+    :func:`_adam` or :func:`_sgd` shares its builder's code: past eight kinds in a process the
+    next one failed to compile. A copy per kind keeps each kind's graph apart."""
+    code = fn.__code__
+    own = code.replace(co_name=f"{code.co_name}_{len(_COMPILED) + len(_FAILED)}")
+    return types.FunctionType(own, fn.__globals__, own.co_name, fn.__defaults__, fn.__closure__)
+
+
 class FusedUpdates:
     """Steps the parameters it can take with one compiled pass each (see the module
     docstring); :meth:`step` returns the ones left to the chunk path."""
@@ -435,7 +446,7 @@ class FusedUpdates:
                 if kind[0] == "adam"
                 else _sgd(self.update, kind[2], kind[3])
             )
-            fn = torch.compile(build, dynamic=True, fullgraph=True, options=_OPTIONS)
+            fn = torch.compile(_own_code(build), dynamic=True, fullgraph=True, options=_OPTIONS)
         comp = None if comp is None else comp.view(view)
         args = (local.view(view), comp, g.view(view), *tensors, sc, base, mix)
         t0 = time.perf_counter()
