@@ -21,8 +21,8 @@ from torch import nn
 from training_helpers import assert_bitwise, assert_tree_bitwise, make_model, mse, poisoned
 
 import mixprec
-from mixprec._core import state_codes
 from mixprec._core.resume import kahan_fp32, split_state_dict
+from mixprec._core.update import state_codes
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
