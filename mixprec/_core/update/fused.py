@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import math
 import time
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -253,6 +254,15 @@ def _sgd(update: str, momentum: bool, nesterov: bool) -> Callable[..., None]:
 # --------------------------------------------------------------------------- the dispatcher
 
 
+def _own_code(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` on a copy of its code object. Every kind's closure shares one code object, and
+    dynamo counts recompiles per code object (``recompile_limit``, 8): a process stepping more
+    kinds (dtypes, update modes, formats) would hit it and, under ``fullgraph``, fail."""
+    return types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+
+
 def _divisors(state: dict, names: tuple[str, ...]) -> list[float]:
     """Each state's largest code value (1.0 for a plain tensor): see :func:`_store`."""
     out = []
@@ -435,7 +445,7 @@ class FusedUpdates:
                 if kind[0] == "adam"
                 else _sgd(self.update, kind[2], kind[3])
             )
-            fn = torch.compile(build, dynamic=True, fullgraph=True, options=_OPTIONS)
+            fn = torch.compile(_own_code(build), dynamic=True, fullgraph=True, options=_OPTIONS)
         comp = None if comp is None else comp.view(view)
         args = (local.view(view), comp, g.view(view), *tensors, sc, base, mix)
         t0 = time.perf_counter()
