@@ -1,19 +1,19 @@
 """The update path: how a step writes 16-bit weights whose fp32 values exist only for a moment.
 
-Read this package on its own. Its modules, in the order a step meets them: :mod:`.choice`
-(one ``UpdatePlan`` per optimizer, from the Recipe), :mod:`.step` (the optimizer wrapper's
+Read this package on its own. Its modules, in the order a step meets them: :mod:`.choice` (one
+``UpdatePlan`` per optimizer, from the Recipe), :mod:`.step` (the optimizer wrapper's
 hand-over), :mod:`.release` (gradients stepped and freed in backward), :mod:`.lean` (the update
 modes: the chunked fp32 step and its write-back), :mod:`.fused` (one compiled pass per
-parameter), :mod:`.torch_fused` (torch's fused Adam/AdamW/SGD kernels for fp32 steps),
-:mod:`.rounding` (nearest, Kahan and stochastic rounding), :mod:`.state_codes` (8- and 4-bit
-optimizer states) and :mod:`.heap` (freed heap pages handed back). It imports from the rest of
-the core only ``_warnings``, ``clipping`` (where released parameters are registered) and
-``resume`` (the checkpoint's layout); the optimizer wrapper
+parameter), :mod:`.torch_fused` (torch's fused Adam/AdamW/SGD kernels for fp32 steps, O2's
+masters included), :mod:`.rounding` (stochastic rounding by keyed random bits),
+:mod:`.state_codes` (8- and 4-bit optimizer states) and :mod:`.heap` (freed heap pages handed
+back). It imports from the rest of the core only ``_warnings``, ``clipping`` (where released
+parameters are registered) and ``resume`` (the checkpoint's layout); the optimizer wrapper
 (:mod:`mixprec._core.optimizer`) imports it, never the other way round.
 
 **One bf16 weight ``p`` of a Linear layer, AdamW, one step, under the "lean" recipe**
 (O3, ``update="stochastic"``, ``optimizer_states="8-bit"``, ``gradients="auto"``, no loss
-scale):
+scale; ``p`` large enough that its states are coded, see :data:`.state_codes.MIN_NUMEL`):
 
 1. ``initialize`` asks :func:`.choice.update_plans` for the plan; the optimizer wrapper's
    constructor calls :func:`.step.updater`, which builds a :class:`.lean.LeanUpdate` and
