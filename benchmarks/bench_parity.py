@@ -135,7 +135,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.code_all_states:
-        from mixprec._core import state_codes
+        from mixprec._core.update import state_codes
 
         state_codes.MIN_NUMEL = 1
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16

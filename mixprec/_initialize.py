@@ -15,9 +15,9 @@ levels (``docs/recipes.md``):
 
 Without masters (O3), ``update="nearest" | "kahan" | "stochastic"`` runs the optimizer's math in
 fp32 on temporaries and writes the 16-bit weights back with that rounding, with optimizer state
-stored per ``optimizer_states`` (:mod:`mixprec._core.lean`). ``update=None`` lets the optimizer
-step the 16-bit weights in 16-bit arithmetic. ``update="auto"`` (the default) is decided per
-optimizer (:mod:`mixprec._core.update_choice`):
+stored per ``optimizer_states`` (:mod:`mixprec._core.update.lean`). ``update=None`` lets the
+optimizer step the 16-bit weights in 16-bit arithmetic. ``update="auto"`` (the default) is
+decided per optimizer (:mod:`mixprec._core.update.choice`):
 
 * **bf16: ``"kahan"``.** bf16 keeps 8 significant bits: the optimizer's own bf16 step loses
   every update below half an ulp of its weight, and its bf16 second moment stops decaying
@@ -62,7 +62,7 @@ from mixprec._core.optimizer_view import OptimizerView, as_torch_optimizer
 from mixprec._core.policy import Policy, get_policy
 from mixprec._core.resume import resume_carried, take_state
 from mixprec._core.storage import ACCEPT_16BIT_ATTR, cast_storage, keep_frozen, restore_fp32
-from mixprec._core.update_choice import UpdatePlan, update_plans
+from mixprec._core.update.choice import UpdatePlan, update_plans
 from mixprec.fp8 import layers as fp8_layers
 from mixprec.recipe import Recipe, as_recipe
 

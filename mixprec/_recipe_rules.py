@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mixprec._core.state_codes import FORMATS
+from mixprec._core.update.state_codes import FORMATS
 
 __all__ = ["UPDATES", "check_fields"]
 

@@ -23,7 +23,7 @@ import torch
 from mixprec._core.activations import ActivationConfig
 from mixprec._core.loss_scale import LossScaling
 from mixprec._core.policy import _dtype
-from mixprec._core.state_codes import BLOCK, FORMATS
+from mixprec._core.update.state_codes import BLOCK, FORMATS
 from mixprec.fp8.config import FP8Config
 
 __all__ = ["SHORT", "parse", "render_table", "word"]

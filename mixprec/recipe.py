@@ -132,7 +132,7 @@ class Recipe:
             loss scaling) or ``"auto"`` (released where that holds, held with loss scaling,
             and held where the training loop clips or accumulates: seen in the first step,
             which holds them, or told up front by an integration; see
-            :mod:`mixprec._core.release`).
+            :mod:`mixprec._core.update.release`).
         reduce_dtype: the dtype gradients are reduced in across ranks (DDP, FSDP):
             ``"auto"`` (the 16-bit compute dtype; float32 at O0), a dtype, or None (the
             wrapper's own default: DDP's fp32 all-reduce hook).

@@ -21,7 +21,8 @@ def refresh(line: str) -> str:
     if m is None:
         return line
     lead, entries, gap, text = m.groups()
-    base = ROOT / "mixprec" / ("_core" if len(lead) == 4 else "")
+    # entries at 4 spaces are in _core/, at 6 in _core/update/ (the block's nesting)
+    base = ROOT / "mixprec" / {4: "_core", 6: "_core/update"}.get(len(lead), "")
 
     def count(e: re.Match[str]) -> str:
         path = base / e.group(1).rstrip("/")

@@ -13,11 +13,13 @@ Data flows down this list (see ``docs/design.md``):
 * :mod:`~mixprec._core.loss_scale` -- static and dynamic loss scaling;
 * :mod:`~mixprec._core.optimizer` -- fp32 master weights, unscale and finite check, skipped steps,
   ``scale_loss`` (its gradient machinery in ``_gradients``, its checkpoint in
-  ``_optimizer_state``); :mod:`~mixprec._core.clipping` and :mod:`~mixprec._core.lean` (pure
-  16-bit updates, rounding in ``_rounding``) plug into it;
+  ``_optimizer_state``); :mod:`~mixprec._core.clipping` plugs into it;
   :mod:`~mixprec._core.optimizer_view` gives optimizer wrappers (``LARC(SGD(...))``) a
   ``torch.optim.Optimizer`` face; :mod:`~mixprec._core.resume` -- where its checkpoint state
   lives, and resumes in either load order;
+* :mod:`~mixprec._core.update` -- the update path, a package to read on its own: the update
+  plans, the update modes (pure 16-bit updates and their rounding), released gradients, the
+  8- and 4-bit state codes and the fused kernels; the optimizer hands each step to it;
 * :mod:`~mixprec._core.activations` -- saved-for-backward tensors stored in FP8 or 16-bit, or
   recomputed (``activations=``), with the FP8 quantization of :mod:`mixprec.fp8`;
 * :mod:`~mixprec._initialize` -- the O0-O3 levels that wire all of the above to a model;

@@ -22,7 +22,7 @@ from mixprec._core.resume import (
     split_state_dict,
     state_steps,
 )
-from mixprec._core.state_codes import fp32_optimizer_state_dict
+from mixprec._core.update.state_codes import fp32_optimizer_state_dict
 
 __all__ = ["CheckpointState"]
 

@@ -45,9 +45,10 @@ _released: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
 def register_released(params: list[Tensor], owner: Any) -> None:
-    """Record parameters whose gradients ``owner`` (a :class:`~mixprec._core.lean.LeanUpdate`)
-    releases in backward, now (``gradients="released"``) or once its first step has shown that
-    the loop allows it (``"auto"``): a clip of them asks the owner (``_clip_refusal``)."""
+    """Record parameters whose gradients ``owner`` (a
+    :class:`~mixprec._core.update.lean.LeanUpdate`) releases in backward, now
+    (``gradients="released"``) or once its first step has shown that the loop allows it
+    (``"auto"``): a clip of them asks the owner (``_clip_refusal``)."""
     if params:
         _install()
     for p in params:

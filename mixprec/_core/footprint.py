@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from mixprec._core.memory import PeakMemory
-from mixprec._core.state_codes import QuantizedState
+from mixprec._core.update.state_codes import QuantizedState
 
 __all__ = ["CATEGORIES", "Footprint", "footprint"]
 

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import gc
 import sys
-from typing import Any
 
 import torch
 
-__all__ = ["PeakMemory", "trim_heap"]
+__all__ = ["PeakMemory"]
 
 
 def _read_status(field: str) -> int | None:
@@ -73,26 +71,3 @@ class PeakMemory:
         else:
             peak = _read_status("VmHWM")
             self.peak_bytes = None if peak is None else max(0, peak - self._start)
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl, Windows)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError, TypeError):
-        return None
-
-
-def trim_heap() -> None:
-    """Give the C heap's free pages back to the system (nothing where there is no glibc).
-
-    A chunk that gets its first state frees fp32 temporaries (the optimizer's fresh fp32 first
-    moment, its scratch) between the state it keeps. glibc, whose mmap threshold has by then
-    risen to a parameter's size, keeps them as holes in its heap, which small allocations split
-    and the next chunks then only partly reuse: they stayed resident, ~2 bytes per parameter of
-    an AdamW model above its state. Called after such chunks only (a first step).
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)

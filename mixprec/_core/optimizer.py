@@ -18,8 +18,8 @@ Design (``docs/design.md``, "Master weights and the optimizer"):
 * One loss scaler per loss (``num_losses``), shared by every optimizer the loss touches; an
   overflow in one loss skips only the optimizers whose gradients it produced.
 * Without masters, the plan's ``update`` ("nearest" | "kahan" | "stochastic") hands the step to
-  :class:`mixprec._core.lean.LeanUpdate`: fp32 arithmetic on per-chunk temporaries, written back to
-  the 16-bit weights with that rounding. ``update=None`` keeps the inner optimizer
+  :class:`mixprec._core.update.lean.LeanUpdate`: fp32 arithmetic on per-chunk temporaries,
+  written back to the 16-bit weights with that rounding. ``update=None`` keeps the inner optimizer
   stepping the 16-bit parameters itself. A skipped step never reaches the updater, so
   compensation buffers, 16-bit and 8-bit state and the rounding step count stay untouched.
 """
@@ -39,10 +39,10 @@ from torch.optim import Optimizer
 from mixprec._core import dispatch
 from mixprec._core._gradients import SETTLE_HOOKS, GradientChecks, LossSlot
 from mixprec._core._optimizer_state import CheckpointState
-from mixprec._core.clipping import refuse_released, register_masters, register_released
-from mixprec._core.lean import LeanUpdate
-from mixprec._core.torch_fused import fused_by_default
-from mixprec._core.update_choice import UpdatePlan
+from mixprec._core.clipping import refuse_released, register_masters
+from mixprec._core.update.choice import UpdatePlan
+from mixprec._core.update.lean import LeanUpdate
+from mixprec._core.update.step import inner_step, updater
 
 __all__ = ["SETTLE_HOOKS", "MixedPrecisionOptimizer", "StepGuard", "rounds_to", "scale_loss"]
 
@@ -65,10 +65,10 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
 
     Hold an LR scheduler on skipped steps with ``if not opt.step_skipped: sched.step()``.
 
-    ``plan``: how the step writes the weights, an :class:`~mixprec._core.update_choice.UpdatePlan`
+    ``plan``: how the step writes the weights, an :class:`~mixprec._core.update.choice.UpdatePlan`
     in the Recipe's words (default: fp32 masters). Without masters, its ``update`` mode runs the
-    memory-lean 16-bit step; see :mod:`mixprec._core.lean`. ``lean`` is the
-    :class:`~mixprec._core.lean.LeanUpdate` (None without).
+    memory-lean 16-bit step; see :mod:`mixprec._core.update.lean`. ``lean`` is the
+    :class:`~mixprec._core.update.lean.LeanUpdate` (None without).
 
     What happens to gradients between a backward and ``step()`` (widen, unscale, check, settle
     the verdicts) is :class:`~mixprec._core._gradients.GradientChecks`; ``state_dict`` and
@@ -130,18 +130,7 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         dispatch.enable()  # mixprec's first use: its registrations with torch
         register_masters(self._pairs)  # torch's clip_grad_norm_ on model params reaches these
         self._versions = [p._version for p, _ in self._pairs]
-        self.lean: LeanUpdate | None = None
-        if plan.update is not None:
-            self.lean = LeanUpdate(
-                optimizer,
-                plan.update,
-                state_dtype=plan.states,
-                seed=plan.update_seed,
-                release=plan.release,
-                kernels=plan.kernels,
-            )
-            if plan.gradients != "held":  # released, or "auto" until its first step
-                register_released(self.lean.params(), self.lean)
+        self.lean: LeanUpdate | None = updater(optimizer, plan)
 
     # -- delegation: schedulers and user code see the inner optimizer's groups and state -------
     param_groups = property(
@@ -262,13 +251,7 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         self._adopt_model_writes()
         self._in_step = True
         try:
-            if self.lean is not None:
-                result = self.lean.step()
-            elif self.plan.masters:  # O2's fp32 masters: torch's fused kernel by default
-                with fused_by_default(self.optimizer):
-                    result = self.optimizer.step()
-            else:
-                result = self.optimizer.step()
+            result = inner_step(self.optimizer, self.plan, self.lean)
         finally:
             self._in_step = False
         if self._pairs:

@@ -50,7 +50,7 @@ from mixprec._core import dispatch, engine
 from mixprec._core._gradients import LossSlot
 from mixprec._core.loss_scale import LossScaler
 from mixprec._core.optimizer import MixedPrecisionOptimizer
-from mixprec._core.update_choice import UpdatePlan
+from mixprec._core.update.choice import UpdatePlan
 
 __all__ = ["AmpHandle", "NoOpHandle", "OptimWrapper", "apex_scaler", "step_without_casts"]
 

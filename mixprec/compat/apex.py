@@ -58,7 +58,7 @@ from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec._core.optimizer_view import as_torch_optimizer
 from mixprec._core.resume import take_state
 from mixprec._core.storage import ACCEPT_16BIT_ATTR
-from mixprec._core.update_choice import UpdatePlan
+from mixprec._core.update.choice import UpdatePlan
 from mixprec.compat import amp_casts, larc
 from mixprec.compat import fp16_optimizer as fp16_utils
 from mixprec.compat.amp_checkpoint import install_fp32_state_dict

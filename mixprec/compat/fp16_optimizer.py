@@ -37,7 +37,7 @@ from mixprec._core._gradients import LossSlot
 from mixprec._core.loss_scale import LossScaler
 from mixprec._core.optimizer import MixedPrecisionOptimizer, rounds_to
 from mixprec._core.resume import pack_state_dict
-from mixprec._core.update_choice import UpdatePlan
+from mixprec._core.update.choice import UpdatePlan
 
 __all__ = ["FP16Model", "FP16_Optimizer", "convert_network", "network_to_half", "to_python_float"]
 

@@ -10,7 +10,7 @@ Design (``docs/distributed.md``, "Checkpoints"):
   each rank's rows once, under the parameter's name, in the dtype it is held in (bf16 stays
   bf16). Keys: ``model.<fqn>`` (the 16-bit weights), ``optimizer.state.<fqn>.<key>``,
   ``compensation.<fqn>``.
-* **Coded states by rows.** An 8- or 4-bit state (:mod:`mixprec._core.state_codes`) is two
+* **Coded states by rows.** An 8- or 4-bit state (:mod:`mixprec._core.update.state_codes`) is two
   DTensors sharded by rows: ``<key>.codes`` (uint8, ``(rows, bytes per row)``; 4-bit codes are
   packed two per byte *within* a row, an odd row ending in half a byte) and ``<key>.scale``
   (fp32, ``(rows, blocks per row)``). Blocks never straddle rows, so any dim-0 sharding of the
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from mixprec._core.state_codes import BLOCK, FORMATS, QuantizedState, quantizable
+from mixprec._core.update.state_codes import BLOCK, FORMATS, QuantizedState, quantizable
 from mixprec.distributed._dcp_checks import META_KEY, blob, describe
 
 _LOW = (torch.float16, torch.bfloat16)

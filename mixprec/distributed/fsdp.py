@@ -54,11 +54,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from mixprec._core._keywords import refuse_moved_keywords
-from mixprec._core._rounding import shard_offset
 from mixprec._core.norms import is_norm
 from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec._core.policy import Policy, PolicyLike, as_policy
 from mixprec._core.storage import cast_storage, restore_fp32
+from mixprec._core.update.rounding import shard_offset
 from mixprec._initialize import _MARK, MOVED, initialize
 from mixprec.distributed.verdicts import require_process_group, sync_verdicts
 from mixprec.recipe import Recipe, as_recipe

@@ -1,7 +1,7 @@
 """What a framework's training loop tells the recipe before it starts: ``hold_for_loop``.
 
 ``gradients="auto"`` (the "lean" recipe without loss scaling) otherwise lets the first step
-decide whether the loop needs every gradient at once (:mod:`mixprec._core.release`). A
+decide whether the loop needs every gradient at once (:mod:`mixprec._core.update.release`). A
 framework knows it up front -- Trainer clips by ``max_grad_norm``, Lightning by
 ``gradient_clip_val``, both accumulate over micro-batches -- so its integration asks for held
 gradients itself, and says so: the recipe the user named keeps its meaning ("auto"), and the

@@ -17,9 +17,9 @@
 parameter, counted from the tensors) are here too.
 """
 
-from mixprec._core._rounding import stochastic_round
 from mixprec._core.cast_table import cast_rules
 from mixprec._core.footprint import Footprint, footprint
+from mixprec._core.update.rounding import stochastic_round
 from mixprec.numerics.alignment import lint
 from mixprec.numerics.locate import NonFiniteError, NonFiniteLocator, locate_nonfinite
 from mixprec.numerics.opstats import OpStats, op_stats

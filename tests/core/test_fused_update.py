@@ -1,4 +1,4 @@
-"""The fused update (core/fused_update.py): one compiled pass per parameter, numerically the
+"""The fused update (core/update/fused.py): one compiled pass per parameter, numerically the
 chunk path up to fp32 rounding order. The compiling tests are few and use tiny tensors (each
 compiled kind of step costs seconds on a 2-core CPU; the suite otherwise runs with the module's
 switch off, see conftest.py)."""
@@ -13,8 +13,8 @@ import torch
 from training_helpers import assert_bitwise
 
 import mixprec
-from mixprec._core import fused_update
-from mixprec._core._rounding import keyed_bits_, round_keys
+from mixprec._core.update import fused
+from mixprec._core.update.rounding import keyed_bits_, round_keys
 
 BF16, FP16 = torch.bfloat16, torch.float16
 #: the largest difference after 100 steps, in ulps of the 16-bit weight (measured: 2, on 0.04%
@@ -24,7 +24,7 @@ ULP_BOUND = 4
 
 @pytest.fixture
 def fused_on(monkeypatch):
-    monkeypatch.setattr(fused_update, "MODE", "on")
+    monkeypatch.setattr(fused, "MODE", "on")
 
 
 def _model(seed=0):
@@ -74,7 +74,7 @@ def test_fused_differs_from_the_chunk_path_by_fp32_rounding_order_only(kind, upd
     on temporaries)."""
     runs = {}
     for mode in ("off", "on"):
-        monkeypatch.setattr(fused_update, "MODE", mode)
+        monkeypatch.setattr(fused, "MODE", mode)
         model, opt = _build(kind, update)
         sched = torch.optim.lr_scheduler.StepLR(opt, 10, gamma=0.8)
         _train(model, opt, 3, sched=sched)  # states made, then the graphs compiled
@@ -99,7 +99,7 @@ def test_lean_with_8bit_codes_and_released_gradients(monkeypatch):
     its own way) and that moves a block's largest value."""
     runs = {}
     for mode in ("off", "on"):
-        monkeypatch.setattr(fused_update, "MODE", mode)
+        monkeypatch.setattr(fused, "MODE", mode)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = _model()
@@ -118,7 +118,7 @@ def test_lean_with_8bit_codes_and_released_gradients(monkeypatch):
 
 
 def test_keyed_bits_are_the_rounding_modules(fused_on):
-    """The fused kernel's int64 hash gives the bits of _rounding's int32 one, eager and
+    """The fused kernel's int64 hash gives the bits of rounding's int32 one, eager and
     compiled: stochastic rounding stays keyed by (seed, step, parameter, global index)."""
     n, offset = 5000, 123456
     key, mix = round_keys(7, 3, 2)
@@ -126,8 +126,8 @@ def test_keyed_bits_are_the_rounding_modules(fused_on):
     want = keyed_bits_(h, tmp, [(n, offset, key)], mix, 16)
     base = torch.tensor((offset + key) & 0xFFFFFFFF)
     mixt = torch.tensor(mix & 0xFFFFFFFF)
-    eager = fused_update._random_bits(n, base, mixt, h.device, 16)
-    compiled = torch.compile(fused_update._random_bits, dynamic=True, fullgraph=True)
+    eager = fused._random_bits(n, base, mixt, h.device, 16)
+    compiled = torch.compile(fused._random_bits, dynamic=True, fullgraph=True)
     assert torch.equal(eager.to(torch.int32), want)
     assert torch.equal(compiled(n, base, mixt, h.device, 16).to(torch.int32), want)
 
@@ -186,13 +186,13 @@ def test_no_compiler_falls_back_to_the_chunk_path_saying_so_once(fused_on, monke
 
         return run
 
-    monkeypatch.setattr(fused_update, "_COMPILED", {})
-    monkeypatch.setattr(fused_update, "_FAILED", set())
+    monkeypatch.setattr(fused, "_COMPILED", {})
+    monkeypatch.setattr(fused, "_FAILED", set())
     monkeypatch.setattr(torch, "compile", broken)
     ref, ropt = _build("adamw", "nearest")
-    monkeypatch.setattr(fused_update, "MODE", "off")
+    monkeypatch.setattr(fused, "MODE", "off")
     _train(ref, ropt, 3)
-    monkeypatch.setattr(fused_update, "MODE", "on")
+    monkeypatch.setattr(fused, "MODE", "on")
     model, opt = _build("adamw", "nearest")
     with pytest.warns(UserWarning, match="could not be compiled") as record:
         _train(model, opt, 3)
@@ -206,7 +206,7 @@ def test_a_recipe_with_torchs_kernels_never_compiles_an_update(monkeypatch):
     """``kernels='torch'`` leaves every parameter to the chunk path, bit for bit."""
     runs = []
     for kernels, mode in (("auto", "on"), ("torch", "on"), ("auto", "off")):
-        monkeypatch.setattr(fused_update, "MODE", mode)
+        monkeypatch.setattr(fused, "MODE", mode)
         model = _model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         recipe = mixprec.Recipe("O3", BF16, update="nearest", kernels=kernels)

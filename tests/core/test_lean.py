@@ -20,7 +20,7 @@ from training_helpers import assert_bitwise, batch, make_model, mse, poisoned, t
 
 import mixprec
 from mixprec import initialize
-from mixprec._core import state_codes
+from mixprec._core.update import state_codes
 from mixprec.numerics import stochastic_round
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
@@ -267,7 +267,7 @@ def test_bf16_second_moment_stops_decaying_which_is_why_auto_keeps_it_fp32():
     for state_dtype in ("auto", BF16):
         p = nn.Parameter(torch.ones(4, dtype=BF16))
         opt = torch.optim.Adam([p], lr=1e-3, betas=(0.9, 0.999))
-        lean = mixprec._core.lean.LeanUpdate(opt, "kahan", state_dtype=state_dtype)
+        lean = mixprec._core.update.lean.LeanUpdate(opt, "kahan", state_dtype=state_dtype)
         p.grad = torch.ones_like(p)
         lean.step()
         for _ in range(200):
@@ -380,7 +380,7 @@ def test_chunking_does_not_change_the_result(update, dtype):
 def test_keyed_rounding_of_a_shard_equals_that_part_of_the_whole(dtype):
     """The bits of an element depend on its index in the whole parameter: rounding dim-0 shards
     (FSDP2) at their offsets, in any order, equals rounding the whole tensor."""
-    from mixprec._core._rounding import keyed_round_, round_keys
+    from mixprec._core.update.rounding import keyed_round_, round_keys
 
     x = torch.randn(7, 300, generator=torch.Generator().manual_seed(3)).reshape(-1)
     key, mix = round_keys(5, 11, 2)

@@ -27,8 +27,8 @@ from training_helpers import (
 )
 
 import mixprec
-from mixprec._core import state_codes
 from mixprec._core.resume import kahan_fp32, split_state_dict
+from mixprec._core.update import state_codes
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 

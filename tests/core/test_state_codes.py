@@ -16,7 +16,7 @@ from torch import nn
 from training_helpers import assert_bitwise, assert_tree_bitwise, poisoned
 
 import mixprec
-from mixprec._core.state_codes import MIN_NUMEL, QuantizedState, quantizable
+from mixprec._core.update.state_codes import MIN_NUMEL, QuantizedState, quantizable
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 

@@ -368,7 +368,7 @@ def test_coded_states_are_saved_by_rows_so_any_dim0_shard_reads_its_own(fmt, sha
     tensor's, 4-bit rows of odd length included (repacked within the row)."""
     import torch
 
-    from mixprec._core.state_codes import QuantizedState
+    from mixprec._core.update.state_codes import QuantizedState
     from mixprec.distributed._dcp_layout import codes_by_row, codes_from_rows
 
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))

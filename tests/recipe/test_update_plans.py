@@ -14,7 +14,7 @@ from torch import nn
 import mixprec
 from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec._core.storage import restore_fp32
-from mixprec._core.update_choice import UpdatePlan, update_plans
+from mixprec._core.update.choice import UpdatePlan, update_plans
 
 BF16, FP16 = torch.bfloat16, torch.float16
 PKG = pathlib.Path(mixprec.__file__).resolve().parent

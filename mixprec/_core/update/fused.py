@@ -1,7 +1,7 @@
 """Fused 16-bit updates: one compiled pass over a parameter's memory per step.
 
 Design (issue 40, point 2; ``docs/design.md``, "Lean 16-bit updates"). The chunk path of
-:class:`~mixprec._core.lean.LeanUpdate` widens weights, gradients and states into fp32
+:class:`~mixprec._core.update.lean.LeanUpdate` widens weights, gradients and states into fp32
 temporaries, lets the wrapped optimizer step them, then narrows and rounds them back: five or
 six passes over memory. For the optimizers whose math is known -- torch's ``Adam``, ``AdamW``
 and ``SGD`` (momentum, nesterov, dampening, weight decay, maximize) -- this module does the
@@ -26,7 +26,7 @@ One bf16 parameter ``p`` of ``n`` elements, AdamW, ``update="kahan"``, states ``
    written, once each.
 3. ``"stochastic"`` instead adds 16 random bits to ``w``'s bit pattern and truncates, the bits
    being the hash of (seed, step, parameter, global element index) that
-   :mod:`mixprec._core._rounding` computes, evaluated inside the loop in int64 (each 32-bit
+   :mod:`mixprec._core.update.rounding` computes, evaluated inside the loop in int64 (each 32-bit
    product split so nothing overflows): the same bits as the chunk path, so the rounding stays
    unbiased and chunk-, bucket- and shard-invariant. ``"nearest"`` rounds ``w`` to nearest.
 
@@ -35,7 +35,7 @@ the default chunk path (torch's fused fp32 kernel since issue 40, point 1) it di
 rounding order only (``tests/core/test_fused_update.py`` bounds the difference after 100 steps
 in ulps of the 16-bit weight). A skipped step never reaches the updater, so nothing moves.
 
-8-bit and 4-bit states (:mod:`mixprec._core.state_codes`) are decoded and re-coded inside the
+8-bit and 4-bit states (:mod:`mixprec._core.update.state_codes`) are decoded and re-coded inside the
 same function, on (rows, row length) views so that the blocks of 256 stay inside one row: the
 codes are read once and written once, with one extra reduction (each block's largest value)
 before they are written. The decode and encode are the eager ones, op for op; divisions go
@@ -72,9 +72,9 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
-from mixprec._core._rounding import round_keys, shard_offset
 from mixprec._core._warnings import MixprecPerformanceWarning, user_stacklevel
-from mixprec._core.state_codes import (
+from mixprec._core.update.rounding import round_keys, shard_offset
+from mixprec._core.update.state_codes import (
     _E4M3,
     _E4M3_MAX,
     _TINY,
@@ -96,7 +96,7 @@ MIN_NUMEL = 2**16
 _LOW = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float32, *_LOW)
 _MASK = 0xFFFFFFFF
-_M1, _M2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers, as in _rounding
+_M1, _M2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers, as in rounding
 #: inductor would drop ``float(bf16(w))`` as a no-op round trip: Kahan's residual needs it kept
 _OPTIONS = {"emulate_precision_casts": True}
 #: compile key -> compiled step, shared by every updater of the process
@@ -115,7 +115,7 @@ def _mul32(h: Tensor, k: int) -> Tensor:
 
 
 def _random_bits(n: int, base: Tensor, mix: Tensor, device: torch.device, bits: int) -> Tensor:
-    """:func:`mixprec._core._rounding.keyed_bits_` for one segment (``base`` = global offset +
+    """:func:`mixprec._core.update.rounding.keyed_bits_` for one segment (``base`` = global offset +
     key, ``mix``), in int64: the same ``bits`` random bits per element."""
     h = (torch.arange(n, device=device, dtype=torch.int64) + base) & _MASK
     h = h ^ (h >> 16)
@@ -254,6 +254,15 @@ def _sgd(update: str, momentum: bool, nesterov: bool) -> Callable[..., None]:
 # --------------------------------------------------------------------------- the dispatcher
 
 
+def _own_code(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` on a copy of its code object. Every kind's closure shares one code object, and
+    dynamo counts recompiles per code object (``recompile_limit``, 8): a process stepping more
+    kinds (dtypes, update modes, formats) would hit it and, under ``fullgraph``, fail."""
+    return types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+
+
 def _divisors(state: dict, names: tuple[str, ...]) -> list[float]:
     """Each state's largest code value (1.0 for a plain tensor): see :func:`_store`."""
     out = []
@@ -382,7 +391,7 @@ class FusedUpdates:
     @torch.no_grad()
     def step(self, lean: Any, group: dict, params: list[Tensor]) -> list[Tensor]:
         """Step what can be fused of ``params`` (of ``group`` of ``lean``, the
-        :class:`~mixprec._core.lean.LeanUpdate`); return those left to the chunk path."""
+        :class:`~mixprec._core.update.lean.LeanUpdate`); return those left to the chunk path."""
         rest = []
         optimizer = lean.optimizer
         for p in params:

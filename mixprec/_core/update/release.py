@@ -44,7 +44,7 @@ from torch import Tensor
 
 from mixprec._core._warnings import MixprecNumericsWarning, MixprecWarning, user_stacklevel
 from mixprec._core.clipping import register_released
-from mixprec._core.memory import trim_heap
+from mixprec._core.update.heap import trim_heap
 
 __all__ = ["RELEASED", "ReleasedGradients"]
 
@@ -70,7 +70,7 @@ _NEEDS = {
 
 
 class ReleasedGradients:
-    """The release half of :class:`~mixprec._core.lean.LeanUpdate` (a mixin: it reads the
+    """The release half of :class:`~mixprec._core.update.lean.LeanUpdate` (a mixin: it reads the
     updater's ``optimizer``, ``_step_chunk``, ``_free_scratch``, ``nonfinite``, ``_released``,
     ``release`` and ``_ordinal``)."""
 

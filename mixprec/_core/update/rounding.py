@@ -1,7 +1,7 @@
 """Stochastic rounding of fp32 values to bf16 or fp16: unbiased (``E[out] == x``), seeded.
 
 Design: the rounding that ``update="stochastic"`` writes 16-bit weights back with
-(:mod:`mixprec._core.lean`), also public as :func:`mixprec.numerics.stochastic_round`.
+(:mod:`mixprec._core.update.lean`), also public as :func:`mixprec.numerics.stochastic_round`.
 
 * **bf16: the integer trick** of torchao's ``bf16_stochastic_round``: add 16 random bits below
   the bf16 mantissa of the fp32 bit pattern, then truncate. One integer pass, in place, and

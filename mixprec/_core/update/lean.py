@@ -15,7 +15,7 @@ Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit upda
     and the 16-bit compensation buffer keeps its top 8 (bf16) / 11 (fp16) bits: the weight
     behaves like a 16+8-bit number, at +2 bytes per parameter;
   - ``"stochastic"``: ``w = SR(w32)``, unbiased (``E[w] = w32``), no extra memory
-    (:mod:`mixprec._core._rounding`: bf16 by torchao's integer trick, fp16 between the two
+    (:mod:`mixprec._core.update.rounding`: bf16 by torchao's integer trick, fp16 between the two
     neighbours).
 
   The math is the optimizer's own, so any optimizer whose update is per parameter works (SGD
@@ -25,7 +25,7 @@ Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit upda
 * **Chunks bound the transient memory.** The fp32 temporaries exist for one chunk at a time
   (``chunk_elements``: 2**20 elements on a CPU, 2**24 on GPUs; a larger parameter is a chunk of
   its own), allocated after the backward freed its activations. Where
-  :mod:`mixprec._core.fused_update` can take a parameter it skips the temporaries altogether.
+  :mod:`mixprec._core.update.fused` can take a parameter it skips the temporaries altogether.
 * **State dtype per key.** ``state_dtype="auto"`` (default) stores first moments
   (``exp_avg``, ``momentum_buffer``) in the parameter's 16-bit dtype and everything else --
   notably Adam's second moment -- in fp32: with ``beta2 = 0.999`` a bf16 ``exp_avg_sq`` cannot
@@ -33,7 +33,7 @@ Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit upda
   second moment stops decaying (tests/core/test_lean.py measures it). A dtype applies to every
   floating state tensor; a dict maps keys to dtypes (unlisted keys fp32).
 * **Reproducible randomness, whatever the layout.** Element ``i``'s random bits hash (``seed``,
-  step count, the parameter's position, ``i`` in the whole parameter) (``_rounding``), so
+  step count, the parameter's position, ``i`` in the whole parameter) (``rounding``), so
   chunks, released gradients and FSDP2's dim-0 shards (stepped through their local tensors)
   round alike; skipped steps do not count. :meth:`LeanUpdate.state_dict` has the step count
   and compensation buffers: a resume is bit-exact.
@@ -48,18 +48,18 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from mixprec._core._rounding import keyed_round_, round_keys, saved_steps, shard_offset
-from mixprec._core.fused_update import FusedUpdates
-from mixprec._core.memory import trim_heap
-from mixprec._core.release import ReleasedGradients
-from mixprec._core.state_codes import (
+from mixprec._core.update.fused import FusedUpdates
+from mixprec._core.update.heap import trim_heap
+from mixprec._core.update.release import ReleasedGradients
+from mixprec._core.update.rounding import keyed_round_, round_keys, saved_steps, shard_offset
+from mixprec._core.update.state_codes import (
     QuantizedState,
     StateDtype,
     StatePolicy,
     quantizable,
     store_state,
 )
-from mixprec._core.torch_fused import fused_by_default
+from mixprec._core.update.torch_fused import fused_by_default
 
 __all__ = ["UPDATES", "LeanUpdate", "StateDtype"]
 
@@ -122,7 +122,7 @@ class LeanUpdate(ReleasedGradients):
         self.steps = 0  # steps taken (not skipped): a key of the stochastic rounding
         self._ordinal: dict[int, int] = {}  # id(param) -> its position, a rounding key
         self._scratch: dict[tuple[str, torch.device], Tensor] = {}
-        self._init_release(release)  # False, True or "auto" (mixprec._core.release)
+        self._init_release(release)  # False, True or "auto" (mixprec._core.update.release)
         self.fused = FusedUpdates(update, kernels)  # one compiled pass per parameter
         self.add_params(p for g in optimizer.param_groups for p in g["params"])
 
@@ -239,7 +239,7 @@ class LeanUpdate(ReleasedGradients):
     def _step_chunk(self, groups: list[dict], index: int, chunk: list[Tensor]) -> Any:
         chunk = self.fused.step(self, groups[index], chunk) if "fused" in self.__dict__ else chunk
         if not chunk:
-            return None  # every parameter took one compiled pass (core/fused_update.py)
+            return None  # every parameter took one compiled pass (core/update/fused.py)
         device, low = chunk[0].device, chunk[0].dtype
         locs = [_local(p) for p in chunk]  # the weights this rank steps (its shard under FSDP)
         numels = [p.numel() for p in locs]

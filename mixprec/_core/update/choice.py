@@ -42,9 +42,9 @@ class UpdatePlan:
         update_seed: the seed of ``"stochastic"`` rounding.
         gradients: ``"held"``, ``"released"`` (stepped in backward and freed) or ``"auto"``
             (the first step decides: a clip or an accumulation keeps them held, a step without
-            either releases them from then on; :mod:`mixprec._core.release`).
+            either releases them from then on; :mod:`mixprec._core.update.release`).
         kernels: the Recipe's: ``"auto"`` steps an update mode in one compiled pass per
-            parameter where :mod:`mixprec._core.fused_update` takes it, ``"torch"`` never.
+            parameter where :mod:`mixprec._core.update.fused` takes it, ``"torch"`` never.
     """
 
     masters: bool = True

@@ -1,0 +1,53 @@
+"""Where the optimizer wrapper hands over to the update path: the updater a plan asks for, and
+the inner optimizer's step.
+
+:class:`~mixprec._core.optimizer.MixedPrecisionOptimizer` settles the verdict, skips or not,
+and copies fp32 masters back; what runs in between -- the lean chunked or fused fp32 math, or
+torch's fused kernel over O2's fp32 masters, or the inner optimizer's own step -- is chosen
+here from its :class:`~mixprec._core.update.choice.UpdatePlan`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.optim import Optimizer
+
+from mixprec._core.clipping import register_released
+from mixprec._core.update.choice import UpdatePlan
+from mixprec._core.update.lean import LeanUpdate
+from mixprec._core.update.torch_fused import fused_by_default
+
+__all__ = ["inner_step", "updater"]
+
+
+def updater(optimizer: Optimizer, plan: UpdatePlan) -> LeanUpdate | None:
+    """The :class:`LeanUpdate` that steps ``optimizer``'s 16-bit parameters, or None where the
+    plan keeps fp32 masters or lets the optimizer step the 16-bit weights itself. Its
+    parameters are registered as released unless the plan holds their gradients ("auto" until
+    its first step)."""
+    if plan.update is None:
+        return None
+    lean = LeanUpdate(
+        optimizer,
+        plan.update,
+        state_dtype=plan.states,
+        seed=plan.update_seed,
+        release=plan.release,
+        kernels=plan.kernels,
+    )
+    if plan.gradients != "held":  # released, or "auto" until its first step
+        register_released(lean.params(), lean)
+    return lean
+
+
+def inner_step(optimizer: Optimizer, plan: UpdatePlan, lean: LeanUpdate | None) -> Any:
+    """One step of the wrapped optimizer on a finite gradient: the lean update's, torch's fused
+    kernel over O2's fp32 masters (by default, see :mod:`~mixprec._core.update.torch_fused`),
+    or the optimizer's own."""
+    if lean is not None:
+        return lean.step()
+    if plan.masters:
+        with fused_by_default(optimizer):
+            return optimizer.step()
+    return optimizer.step()
