@@ -254,15 +254,6 @@ def _sgd(update: str, momentum: bool, nesterov: bool) -> Callable[..., None]:
 # --------------------------------------------------------------------------- the dispatcher
 
 
-def _own_code(fn: Callable[..., None]) -> Callable[..., None]:
-    """``fn`` on a copy of its code object. Every kind's closure shares one code object, and
-    dynamo counts recompiles per code object (``recompile_limit``, 8): a process stepping more
-    kinds (dtypes, update modes, formats) would hit it and, under ``fullgraph``, fail."""
-    return types.FunctionType(
-        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-    )
-
-
 def _divisors(state: dict, names: tuple[str, ...]) -> list[float]:
     """Each state's largest code value (1.0 for a plain tensor): see :func:`_store`."""
     out = []
