@@ -68,7 +68,7 @@ def _word(v: Any) -> str:
 
 
 def check_description(saved: dict[str, Any], here: dict[str, Any], path: Path) -> None:
-    """Refuse another format, recipe, dtype, update mode or (16-bit shards) world size."""
+    """Refuse another format, recipe, dtype or update mode (another world size loads)."""
     if saved.get("format") != FORMAT:
         raise ValueError(
             f"{path} holds a {saved.get('format')!r} checkpoint; this version reads {FORMAT!r}."
@@ -91,14 +91,8 @@ def check_description(saved: dict[str, Any], here: dict[str, Any], path: Path) -
             "with initialize_fsdp and the recipe and dtype it was saved with. Nothing was "
             "loaded."
         )
-    if here["layout"] == "16-bit shards" and saved.get("world_size") != here["world_size"]:
-        raise ValueError(
-            f"The checkpoint {path} was saved by {saved.get('world_size')} ranks, this run has "
-            f"{here['world_size']}: an update-mode (16-bit shards) checkpoint loads on the world "
-            "size that saved it (resharding is not supported yet). Resume on "
-            f"{saved.get('world_size')} ranks, or export the weights with "
-            "fp32_full_state_dict and start a new run from them. Nothing was loaded."
-        )
+    # another world size is allowed: every per-shard state is keyed by name and sharded by
+    # rows, so DCP hands each rank its new rows (docs/distributed.md, "Resharding")
 
 
 # --------------------------------------------------------------------------- the index

@@ -24,9 +24,12 @@ Design (``docs/distributed.md``, "Checkpoints"):
 * **Checked before anything is written** (:mod:`mixprec.distributed._dcp_checks`); then
   everything is read into fresh tensors, and only a complete read is copied into the model and
   optimizer (memory: one more copy of this rank's shard while loading).
-* **World size.** The layout is keyed by name and sharded by rows, so it can be resharded;
-  until a run checks that it resumes correctly on another number of ranks, an update-mode
-  checkpoint loads on the world size that saved it, and another one is refused.
+* **World size.** The layout is keyed by name and sharded by rows, so it loads on another
+  number of ranks: DCP reads each rank's new rows, coded states included (a block never
+  straddles a row). A state saved in codes whose new shard is under :data:`MIN_NUMEL` is
+  decoded at the load (:func:`commit_sharded`); one saved decoded whose new shard is large
+  enough is held in fp32 until its next step codes it. ``docs/distributed.md``, "What stays
+  exact when the number of ranks changes", has what was measured.
 """
 
 from __future__ import annotations

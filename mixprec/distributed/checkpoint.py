@@ -23,7 +23,8 @@ one):
     4-bit codes with their block scales -- is saved as a DTensor sharded by rows like its
     parameter, in the dtype it is held in; scalars, hyper-parameters, loss scalers, skip
     counters and the rounding step count are saved once (:mod:`mixprec.distributed._dcp_layout`
-    has the layout). It loads on the world size that saved it; another is refused.
+    has the layout). It loads on another world size too (resharded by rows; what stays bit
+    for bit is in ``docs/distributed.md``).
   - Both record the recipe and dtype. ``load_checkpoint`` checks the directory against DCP's
     index (a file shorter than the index says: a save cut off mid-write), the recipe, the dtype
     and the parameters (names, shapes, dtypes) before it reads anything into the model, and

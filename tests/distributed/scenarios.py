@@ -1019,6 +1019,17 @@ def scenario_dcp_resume() -> dict:
     return out
 
 
+def scenario_reshard_save() -> dict:
+    """The 2-rank half of ``reshard.py`` (save at step 4, the uninterrupted run's gathered
+    tensors kept): ``test_distributed.py`` loads it on 1 and on 4 ranks in launches of its own."""
+    import reshard
+
+    # this file runs as __main__: the "scenarios" module reshard imports is a second copy
+    reshard.S.RANK, reshard.S.WORLD = RANK, WORLD
+    reshard.save(Path(os.environ["MIXPREC_DIST_OUT"]) / "reshard", list(reshard.CASES))
+    return {"saved": sorted(reshard.CASES)}
+
+
 def _refused(call) -> str:
     try:
         call()
@@ -1128,6 +1139,7 @@ def main() -> None:
     shared = [tempfile.mkdtemp(prefix="mixprec_dist_") if RANK == 0 else None]
     dist.broadcast_object_list(shared)
     os.environ["MIXPREC_DIST_TMP"] = shared[0]
+    os.environ["MIXPREC_DIST_OUT"] = str(Path(args.out).resolve())
     results = {}
     for name in args.names:
         try:
