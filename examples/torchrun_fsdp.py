@@ -1,14 +1,21 @@
-"""Sharded mixed-precision training with FSDP2: bf16 compute and reduce-scatter, fp32 shards.
+"""Sharded training with FSDP2 under a mixprec recipe: train, save, resume, export.
 
-    torchrun --standalone --nproc_per_node=2 examples/torchrun_fsdp.py [--steps 30]
+    torchrun --standalone --nproc_per_node=2 examples/torchrun_fsdp.py --steps 20
+    torchrun --standalone --nproc_per_node=2 examples/torchrun_fsdp.py --steps 40 --resume
 
-gloo on CPU, nccl when CUDA is available. Saves a torch.distributed.checkpoint directory and
-exports a plain fp32 state dict from rank 0.
+The first run trains 20 steps of the ``"lean"`` recipe (16-bit weights stepped with stochastic
+rounding, 8-bit optimizer states, each rank holding its shards) and saves a
+torch.distributed.checkpoint directory: every rank writes its own shards. The second loads it and
+trains on to step 40, the run it resumes repeated bit for bit. Each run ends by exporting a plain
+fp32 state dict from rank 0, which loads into the model built without mixprec. ``--recipe O2``
+(fp32 shards as the master weights) works the same way. gloo on CPU, nccl when CUDA is available.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,6 +23,8 @@ import torch.nn.functional as F
 
 import mixprec.distributed as mpd
 from mixprec.bench.models import GPT, Block, GPTConfig
+
+CONFIG = GPTConfig(vocab_size=32, block_size=32, n_layer=2, n_head=2, n_embd=64)
 
 
 def batch(step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,10 +36,29 @@ def batch(step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     return seq[:, :-1], seq[:, 1:]
 
 
+def lm_loss(logits: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+
+def export(model: torch.nn.Module, opt, path: str, rank: int) -> None:
+    """A plain fp32 state dict (a collective: every rank calls it), saved by rank 0 and checked
+    by loading it into the model built without mixprec."""
+    full = mpd.fp32_full_state_dict(model, opt)
+    if rank == 0:
+        torch.save(full, path)
+        plain = GPT(CONFIG)
+        plain.load_state_dict(torch.load(path, weights_only=True))
+        idx, tgt = batch(10_000)
+        with torch.no_grad():
+            print(f"plain fp32 model from {path}: loss {lm_loss(plain(idx), tgt).item():.4f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=20, help="train up to this step")
+    ap.add_argument("--recipe", default="lean")
     ap.add_argument("--checkpoint", default="fsdp_checkpoint")
+    ap.add_argument("--resume", action="store_true", help="load --checkpoint first")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -40,34 +68,30 @@ def main() -> None:
         torch.cuda.set_device(device)
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=32, block_size=32, n_layer=2, n_head=2, n_embd=64)).to(device)
-    # Shards (each Block its own unit), maps O2 onto MixedPrecisionPolicy, builds the optimizer
-    # on the sharded fp32 parameters, then prepares mixprec's engine and loss scaling.
+    model = GPT(CONFIG).to(device)
+    # Shards each Block (and the root), casts as the recipe says, builds the optimizer on the
+    # shards, then prepares mixprec's engine, update mode and loss scaling.
     model, opt = mpd.initialize_fsdp(
-        model,
-        lambda ps: torch.optim.AdamW(ps, lr=3e-3),
-        "O2",
-        torch.bfloat16,
-        units=Block,
+        model, lambda ps: torch.optim.AdamW(ps, lr=3e-3), args.recipe, torch.bfloat16, units=Block
     )
-    for step in range(args.steps):
+    progress = Path(args.checkpoint, "progress.json")
+    start = 0
+    if args.resume:
+        mpd.load_checkpoint(args.checkpoint, model, opt)  # every rank reads its shards
+        start = json.loads(progress.read_text())["step"]
+    for step in range(start, args.steps):
         idx, tgt = (t[rank::world].to(device) for t in batch(step))
-        logits = model(idx)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+        loss = lm_loss(model(idx), tgt)
         opt.backward(loss)
         opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
-        if rank == 0 and step % 10 == 0:
-            print(f"step {step:3d}  loss {loss.item():.3f}  skipped {opt.skipped_steps}")
+        if rank == 0:
+            print(f"step {step:3d}  loss {loss.item()!r}  skipped {opt.skipped_steps}")
     mpd.save_checkpoint(args.checkpoint, model, opt)  # every rank writes its shards
-    full = mpd.fp32_full_state_dict(model)  # collective: all ranks call it
     if rank == 0:
-        torch.save(full, args.checkpoint + "_fp32.pt")
-        print(
-            f"final loss {loss.item():.3f}; sharded checkpoint in {args.checkpoint}/, "
-            f"fp32 export in {args.checkpoint}_fp32.pt"
-        )
+        progress.write_text(json.dumps({"step": args.steps}))
+    export(model, opt, args.checkpoint + "_fp32.pt", rank)
     dist.destroy_process_group()
 
 
