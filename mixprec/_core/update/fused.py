@@ -1,6 +1,6 @@
 """Fused 16-bit updates: one compiled pass over a parameter's memory per step.
 
-Design (issue 40, point 2; ``docs/design.md``, "Lean 16-bit updates"). The chunk path of
+Design (``docs/design.md``, "Lean 16-bit updates"). The chunk path of
 :class:`~mixprec._core.update.lean.LeanUpdate` widens weights, gradients and states into fp32
 temporaries, lets the wrapped optimizer step them, then narrows and rounds them back: five or
 six passes over memory. For the optimizers whose math is known -- torch's ``Adam``, ``AdamW``

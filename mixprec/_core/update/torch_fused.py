@@ -1,6 +1,6 @@
 """torch's fused optimizer kernels for the steps mixprec runs in fp32, unless the user chose.
 
-Design (issue 40, point 1; ``docs/design.md``, "Master weights and the optimizer"):
+Design (``docs/design.md``, "Master weights and the optimizer"):
 
 * A torch ``Adam``, ``AdamW`` or ``SGD`` built with its defaults (``foreach=None``,
   ``fused=None``) runs on a CPU as a Python loop over parameters (torch picks ``foreach`` only
