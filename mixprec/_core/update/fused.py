@@ -31,7 +31,7 @@ One bf16 parameter ``p`` of ``n`` elements, AdamW, ``update="kahan"``, states ``
    unbiased and chunk-, bucket- and shard-invariant. ``"nearest"`` rounds ``w`` to nearest.
 
 Numerics: the same formula on the same fp32 operands as torch's single-tensor loop; against
-the default chunk path (torch's fused fp32 kernel since issue 40, point 1) it differs by fp32
+the default chunk path (torch's fused fp32 kernel by default) it differs by fp32
 rounding order only (``tests/core/test_fused_update.py`` bounds the difference after 100 steps
 in ulps of the 16-bit weight). A skipped step never reaches the updater, so nothing moves.
 
