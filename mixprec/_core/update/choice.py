@@ -73,14 +73,9 @@ class UpdatePlan:
             )
 
     @property
-    def released(self) -> bool:
-        """Whether each gradient is stepped in backward and freed, whatever the loop does."""
-        return self.gradients == "released"
-
-    @property
     def release(self) -> bool | str:
         """``gradients`` as the updater takes it: True, False, or ``"auto"``."""
-        return "auto" if self.gradients == "auto" else self.released
+        return "auto" if self.gradients == "auto" else self.gradients == "released"
 
     @property
     def states(self) -> Any:
