@@ -1,7 +1,9 @@
 """The fused update (core/update/fused.py): one compiled pass per parameter, numerically the
-chunk path up to fp32 rounding order. The compiling tests are few and use tiny tensors (each
-compiled kind of step costs seconds on a 2-core CPU; the suite otherwise runs with the module's
-switch off, see conftest.py)."""
+chunk path up to fp32 rounding order. Each test runs both ways a CPU can step: the C loops of
+core/update/cpu_kernels.py (the default) and torch.compile's (inductor's C++ here, the source
+a GPU's Triton comes from). The compiling tests are few and use tiny tensors (each compiled
+kind of step costs seconds on a 2-core CPU; the suite otherwise runs with the module's switch
+off, see conftest.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 from training_helpers import assert_bitwise
 
 import mixprec
-from mixprec._core.update import fused
+from mixprec._core.update import cpu_kernels, fused, fused_ops
 from mixprec._core.update.rounding import keyed_bits_, round_keys
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -22,9 +24,19 @@ BF16, FP16 = torch.bfloat16, torch.float16
 ULP_BOUND = 4
 
 
+@pytest.fixture(params=["c", "inductor"])
+def backend(request, monkeypatch):
+    """What steps a fused parameter on this CPU: the C loops or torch.compile's."""
+    if request.param == "c" and not cpu_kernels.available():
+        pytest.skip("no C compiler on this machine")
+    monkeypatch.setattr(fused, "CPU_KERNELS", request.param)
+    return request.param
+
+
 @pytest.fixture
-def fused_on(monkeypatch):
+def fused_on(monkeypatch, backend):
     monkeypatch.setattr(fused, "MODE", "on")
+    return backend
 
 
 def _model(seed=0):
@@ -68,10 +80,12 @@ def ulps(a, b):
 @pytest.mark.parametrize(
     ("kind", "update"), [("adamw", "kahan"), ("adamw", "stochastic"), ("sgd", "nearest")]
 )
-def test_fused_differs_from_the_chunk_path_by_fp32_rounding_order_only(kind, update, monkeypatch):
-    """100 steps, an lr schedule, four parameter sizes: no recompile after the first compiled
-    step, and the weights within ULP_BOUND ulps of the chunk path's (torch's fused fp32 kernel
-    on temporaries)."""
+def test_fused_differs_from_the_chunk_path_by_fp32_rounding_order_only(
+    kind, update, monkeypatch, backend
+):
+    """100 steps, an lr schedule, four parameter sizes: no recompile (no new C library) after
+    the first fused step, and the weights within ULP_BOUND ulps of the chunk path's (torch's
+    fused fp32 kernel on temporaries)."""
     runs = {}
     for mode in ("off", "on"):
         monkeypatch.setattr(fused, "MODE", mode)
@@ -79,19 +93,21 @@ def test_fused_differs_from_the_chunk_path_by_fp32_rounding_order_only(kind, upd
         sched = torch.optim.lr_scheduler.StepLR(opt, 10, gamma=0.8)
         _train(model, opt, 3, sched=sched)  # states made, then the graphs compiled
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        libraries = len(cpu_kernels._LOADED)
         _train(model, opt, 97, start=3, sched=sched)
         runs[mode] = model, opt
     model, opt = runs["on"]
     assert opt.lean.fused.fused_steps == 99 * 4  # the first step makes the states
     # no recompile for a new step count, lr or parameter size
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert len(cpu_kernels._LOADED) == libraries
     diff = torch.cat([ulps(p, q).flatten() for p, q in zip(runs["off"][0].parameters(),
                                                            model.parameters())])  # fmt: skip
     assert diff.max() <= ULP_BOUND, diff.max()
     assert (diff > 0).float().mean() < 0.01
 
 
-def test_lean_with_8bit_codes_and_released_gradients(monkeypatch):
+def test_lean_with_8bit_codes_and_released_gradients(monkeypatch, backend):
     """ "lean" (gradients released in backward, stochastic rounding, 8-bit codes decoded and
     re-coded in the same compiled function): one fused step against the chunk path's. The codes
     differ only where an fp32 value differs in its last bits (inductor's vectorized sqrt is
@@ -126,8 +142,8 @@ def test_keyed_bits_are_the_rounding_modules(fused_on):
     want = keyed_bits_(h, tmp, [(n, offset, key)], mix, 16)
     base = torch.tensor((offset + key) & 0xFFFFFFFF)
     mixt = torch.tensor(mix & 0xFFFFFFFF)
-    eager = fused._random_bits(n, base, mixt, h.device, 16)
-    compiled = torch.compile(fused._random_bits, dynamic=True, fullgraph=True)
+    eager = fused_ops._random_bits(n, base, mixt, h.device, 16)
+    compiled = torch.compile(fused_ops._random_bits, dynamic=True, fullgraph=True)
     assert torch.equal(eager.to(torch.int32), want)
     assert torch.equal(compiled(n, base, mixt, h.device, 16).to(torch.int32), want)
 
@@ -186,9 +202,14 @@ def test_no_compiler_falls_back_to_the_chunk_path_saying_so_once(fused_on, monke
 
         return run
 
+    def no_compiler():
+        raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
+
     monkeypatch.setattr(fused, "_COMPILED", {})
     monkeypatch.setattr(fused, "_FAILED", set())
     monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(cpu_kernels, "_LOADED", {})
+    monkeypatch.setattr(cpu_kernels, "_compiler", no_compiler)
     ref, ropt = _build("adamw", "nearest")
     monkeypatch.setattr(fused, "MODE", "off")
     _train(ref, ropt, 3)

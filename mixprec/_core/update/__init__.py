@@ -4,12 +4,13 @@ Read this package on its own. Its modules, in the order a step meets them: :mod:
 ``UpdatePlan`` per optimizer, from the Recipe), :mod:`.step` (the optimizer wrapper's
 hand-over), :mod:`.release` (gradients stepped and freed in backward), :mod:`.lean` (the update
 modes: the chunked fp32 step and its write-back), :mod:`.fused` (one compiled pass per
-parameter), :mod:`.torch_fused` (torch's fused Adam/AdamW/SGD kernels for fp32 steps, O2's
-masters included), :mod:`.rounding` (stochastic rounding by keyed random bits),
-:mod:`.state_codes` (8- and 4-bit optimizer states) and :mod:`.heap` (freed heap pages handed
-back). It imports from the rest of the core only ``_warnings``, ``clipping`` (where released
-parameters are registered) and ``resume`` (the checkpoint's layout); the optimizer wrapper
-(:mod:`mixprec._core.optimizer`) imports it, never the other way round.
+parameter; on a CPU a C loop, :mod:`.cpu_kernels`), :mod:`.torch_fused` (torch's fused
+Adam/AdamW/SGD kernels for fp32 steps, O2's masters included), :mod:`.rounding` (stochastic
+rounding by keyed random bits), :mod:`.state_codes` (8- and 4-bit optimizer states) and
+:mod:`.heap` (freed heap pages handed back). It imports from the rest of the core only
+``_warnings``, ``clipping`` (where released parameters are registered) and ``resume`` (the
+checkpoint's layout); the optimizer wrapper (:mod:`mixprec._core.optimizer`) imports it, never
+the other way round.
 
 **One bf16 weight ``p`` of a Linear layer, AdamW, one step, under the "lean" recipe**
 (O3, ``update="stochastic"``, ``optimizer_states="8-bit"``, ``gradients="auto"``, no loss
@@ -27,7 +28,7 @@ scale; ``p`` large enough that its states are coded, see :data:`.state_codes.MIN
    temporaries (one chunk of parameters at a time), decodes ``exp_avg`` and ``exp_avg_sq``
    from their codes (:class:`.state_codes.QuantizedState`), and runs AdamW's own ``step()`` on
    them through torch's fused kernel (:func:`.torch_fused.fused_by_default`). Where
-   :mod:`.fused` takes ``p`` (from its second step; on a GPU, codes included) the same math
+   :mod:`.fused` takes ``p`` (from its second step, codes included) the same math
    is one compiled loop over ``p``'s memory with no temporaries.
 4. The rounding: ``p = SR(w32)``, stochastic, with random bits hashed from (seed, step,
    parameter, element index) (:func:`.rounding.keyed_round_`), so chunks, released hooks and

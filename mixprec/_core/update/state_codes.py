@@ -135,14 +135,20 @@ class QuantizedState:
         """``x`` (floating) in ``fmt``; with ``kind="sqrt"`` its square root is stored."""
         if fmt not in FORMATS:
             raise ValueError(f"Unknown state format {fmt!r}; expected one of {list(FORMATS)}.")
+        return cls.empty(x.shape, fmt, kind, x.device).store_(x)
+
+    @classmethod
+    def empty(
+        cls, shape: torch.Size | tuple[int, ...], fmt: str, kind: str, device: torch.device
+    ) -> QuantizedState:
+        """A state of ``shape`` in ``fmt`` whose codes and scales are not written yet."""
         bits = FORMATS[fmt][0]
-        rows = _rows(x.shape)
+        rows = _rows(shape)
         blocks = rows[0] * -(-rows[1] // BLOCK)
-        codes = torch.empty(-(-x.numel() * bits // 8), dtype=torch.uint8, device=x.device)
-        scale = torch.empty(blocks, dtype=torch.float32, device=x.device)
-        out = cls(codes, scale, torch.Size(x.shape), fmt, kind)
-        out.store_(x)
-        return out
+        n = torch.Size(shape).numel()
+        codes = torch.empty(-(-n * bits // 8), dtype=torch.uint8, device=device)
+        scale = torch.empty(blocks, dtype=torch.float32, device=device)
+        return cls(codes, scale, torch.Size(shape), fmt, kind)
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,357 @@
+/* mixprec's fused update for CPUs: one pass over a parameter's memory per step.
+ *
+ * Built by cpu_kernels.py with one set of -D defines per kind of step (the optimizer, the
+ * update mode, the dtype of the weight, the gradient and each state), compiled with the
+ * machine's C compiler at -O3 -march=native, vectorized by the compiler. Every expression is
+ * the one fused_ops.py hands to torch.compile and state_codes.py runs eagerly, in the same order,
+ * so the result is torch's up to fp32 rounding order (no contraction into FMA: -ffp-contract=off).
+ *
+ * Defines: ADAM (else SGD), DECOUPLED, MOMENTUM, NESTEROV; UPDATE 0 nearest, 1 kahan,
+ * 2 stochastic; W16 (weight, and Kahan compensation) 1 bf16, 2 fp16; G 0 fp32, 1 bf16,
+ * 2 fp16; S1, S2 (exp_avg / exp_avg_sq, or the momentum buffer as S1): 0 fp32, 1 bf16,
+ * 2 fp16, 8 codes of 8 bits, 4 codes of 4 bits, with S1K / S2K 1 for "sqrt" codes, 0 signed
+ * (then S?MAG, S?MB, S?EMIN: magnitude bits, mantissa bits, lowest binade; S?E4M3 1 where
+ * the code is torch's float8_e4m3fn; S?SRC 1 where this step reads fp32 values r1 / r2
+ * instead of the codes, as after a checkpoint that held the state decoded).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 256
+#define TINY 7.888609052210118e-31f /* 2**-100 */
+
+static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float from_bf16(uint16_t b) { return u2f((uint32_t)b << 16); }
+static inline uint16_t to_bf16(float f) {  /* round to nearest even; NaN -> quiet NaN */
+    uint32_t u = f2u(f);
+    uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return f != f ? (uint16_t)0x7FC0 : r;
+}
+static inline float from_f16(uint16_t h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
+static inline uint16_t to_f16(float f) { _Float16 x = (_Float16)f; uint16_t h; memcpy(&h, &x, 2); return h; }
+
+#if W16 == 1
+#define W_LOAD(p, i) from_bf16((p)[i])
+#define W_ROUND(x) to_bf16(x)
+#define W_WIDEN(h) from_bf16(h)
+#else
+#define W_LOAD(p, i) from_f16((p)[i])
+#define W_ROUND(x) to_f16(x)
+#define W_WIDEN(h) from_f16(h)
+#endif
+
+#if G == 0
+typedef float g_t;
+#define G_LOAD(p, i) ((p)[i])
+#elif G == 1
+typedef uint16_t g_t;
+#define G_LOAD(p, i) from_bf16((p)[i])
+#else
+typedef uint16_t g_t;
+#define G_LOAD(p, i) from_f16((p)[i])
+#endif
+
+/* float -> float8_e4m3fn, round to nearest even (the input is clamped to +-448 before). */
+static inline uint8_t to_e4m3(float f) {
+    uint32_t b = f2u(f), sign = b & 0x80000000u;
+    b ^= sign;
+    uint32_t sub = f2u(u2f(b) + u2f(141u << 23)) - (141u << 23);
+    uint32_t nrm = (b + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((b >> 20) & 1u)) >> 20;
+    uint32_t r = b >= (1087u << 20) ? 0x7Fu : (b < (121u << 23) ? sub : nrm);
+    return (uint8_t)(r | (sign >> 24));
+}
+
+/* One state: a value per element, and for codes the per-block scale and layout. */
+#define PLAIN_LOAD(K, p, i) ((K) == 0 ? ((const float *)(p))[i] \
+    : (K) == 1 ? from_bf16(((const uint16_t *)(p))[i]) : from_f16(((const uint16_t *)(p))[i]))
+static inline void plain_store(int k, void *p, int64_t i, float x) {
+    if (k == 0) ((float *)p)[i] = x;
+    else if (k == 1) ((uint16_t *)p)[i] = to_bf16(x);
+    else ((uint16_t *)p)[i] = to_f16(x);
+}
+
+/* The codes of the block at element ``at`` (``n`` of them) as one byte each: the codes
+ * themselves for 8 bits, unpacked into ``tmp`` (low nibble first) for 4 bits. */
+static inline const uint8_t *block_codes(int bits, const uint8_t *c, int64_t at, int n,
+                                         uint8_t *tmp) {
+    if (bits == 8) return c + at;
+    const uint8_t *b = c + (at >> 1);  /* at is even: a row length is even for 4-bit codes */
+    for (int k = 0; k < n / 2; k++) {
+        tmp[2 * k] = b[k] & 15;
+        tmp[2 * k + 1] = b[k] >> 4;
+    }
+    return tmp;
+}
+
+/* the fp32 value of code ``code`` (block scale ``s``) */
+static inline float decode(uint32_t code, float s, int e4m3, int sqrtk, int mag, int mb,
+                           int emin) {
+    if (e4m3) {  /* torch's float8_e4m3fn: s eeee mmm, bias 7, 0x7F a NaN */
+        uint32_t mag7 = code & 0x7Fu;
+        float v = (mag7 >> 3) ? u2f((mag7 << 20) + (120u << 23)) : (float)(mag7 & 7u) * 0x1p-9f;
+        v = mag7 == 0x7Fu ? NAN : v;
+        return ((code & 0x80u) ? -v : v) * s;
+    }
+    uint32_t ic = sqrtk ? code : code & ((1u << mag) - 1);
+    float v = u2f((ic + (((uint32_t)(127 + emin) << mb) - 1)) << (23 - mb)) * s;
+    if (sqrtk) return v * v;
+    v = ic == 0 ? 0.0f : v;
+    return v * (1.0f - 2.0f * (float)(code >> mag));
+}
+
+static inline uint32_t encode(float x, float r, int sqrtk, int mag, int mb, int emin) {
+    int shift = 23 - mb;
+    float a = fabsf(x) * r;
+    int32_t i = (int32_t)f2u(a) + ((1 << (shift - 1)) - ((((127 + emin) << mb) - 1) << shift));
+    int32_t c = i >> shift, lo = sqrtk ? 1 : 0, hi = (1 << mag) - 1;
+    c = c < lo ? lo : (c > hi ? hi : c);
+    return sqrtk ? (uint32_t)c : ((uint32_t)c | ((uint32_t)(x < 0) << mag));
+}
+
+/* Codes of block ``t`` (``n`` values) into ``codes`` from element ``at``; its scale to ``*s``. */
+static inline __attribute__((always_inline)) void store_block(const float *t, int n, uint8_t *codes, int64_t at, float *s, int bits,
+                        int e4m3, int sqrtk, int mag, int mb, int emin, float largest) {
+    /* the largest |t| as a bit pattern: non-negative floats order as their bits, and a NaN's
+     * pattern is above every number's, so it comes out NaN as torch's amax does */
+    uint32_t top = 0;
+    for (int j = 0; j < n; j++) {
+        uint32_t a = f2u(t[j]) & 0x7FFFFFFFu;
+        top = a > top ? a : top;
+    }
+    float amax = u2f(top);
+    amax = amax < TINY ? 0.0f : amax;
+    if (e4m3) {
+        *s = amax / 448.0f;
+        float q = amax > 0 ? (1.0f / amax) * 448.0f : 0.0f;
+        for (int j = 0; j < n; j++) {
+            float v = t[j] * q;
+            v = v < -448.0f ? -448.0f : (v > 448.0f ? 448.0f : v);
+            codes[at + j] = to_e4m3(v);
+        }
+        return;
+    }
+    float sc = amax / largest;
+    *s = sc;
+    float r = sc > 0 ? 1.0f / sc : 0.0f;
+    if (bits == 8) {
+        for (int j = 0; j < n; j++) codes[at + j] = (uint8_t)encode(t[j], r, sqrtk, mag, mb, emin);
+        return;
+    }
+    uint8_t tmp[BLOCK];
+    for (int j = 0; j < n; j++) tmp[j] = (uint8_t)encode(t[j], r, sqrtk, mag, mb, emin);
+    uint8_t *out = codes + (at >> 1);  /* blocks start at even elements (even row lengths) */
+    for (int k = 0; k < n / 2; k++) out[k] = (uint8_t)(tmp[2 * k] | (tmp[2 * k + 1] << 4));
+}
+
+static inline uint32_t random16(int64_t i, uint32_t base, uint32_t mix) {  /* rounding.py */
+    uint32_t h = (uint32_t)i + base;
+    h ^= h >> 16;
+    h *= 0x7FEB352Du;
+    h ^= h >> 15;
+    h ^= mix;
+    h *= 0x846CA68Bu;
+    return h >> 16;
+}
+
+static inline void write_weight(uint16_t *w, uint16_t *c, int64_t i, float w32, uint32_t base,
+                                 uint32_t mix) {
+#if UPDATE == 2
+    (void)c;
+    w[i] = (uint16_t)((f2u(w32) + random16(i, base, mix)) >> 16);
+#else
+    (void)base; (void)mix;
+    uint16_t low = W_ROUND(w32);
+    w[i] = low;
+#if UPDATE == 1
+    c[i] = W_ROUND(w32 - W_WIDEN(low));
+#else
+    (void)c;
+#endif
+#endif
+}
+
+#if UPDATE == 1
+#define W_IN(w, c, i) (W_LOAD(w, i) + W_LOAD(c, i))
+#else
+#define W_IN(w, c, i) W_LOAD(w, i)
+#endif
+
+#ifdef ADAM
+/* sc: 1 - lr*wd (decoupled) or 1, wd (coupled) or 0, +-1 (maximize), 1 - beta1, beta2,
+ * 1 - beta2, -lr / bc1, sqrt(bc2), eps: fused_ops.py's adam, term for term */
+#define STEP_ELEM(i, M_IN, V_IN, M_OUT, V_OUT)                                               \
+    {                                                                                        \
+        float w32 = W_IN(w, c, i);                                                           \
+        float g32 = G_LOAD(g, i) * s_sign;                                                   \
+        DECAY                                                                                \
+        float m0 = M_IN, v0 = V_IN;                                                          \
+        float m32 = s_b1c >= 0.5f ? g32 - (g32 - m0) * (1.0f - s_b1c) : m0 + s_b1c * (g32 - m0); \
+        float v32 = v0 * s_b2 + s_b2c * g32 * g32;                                           \
+        w32 = w32 + s_step * (m32 / (sqrtf(v32) / s_bc2 + s_eps));                           \
+        M_OUT;                                                                               \
+        V_OUT;                                                                               \
+        write_weight(w, c, i, w32, base, mix);                                               \
+    }
+#ifdef DECOUPLED
+#define DECAY w32 = w32 * s_dec;
+#else
+#define DECAY g32 = g32 + w32 * s_wd;
+#endif
+#define SCALARS float s_dec = sc[0], s_wd = sc[1], s_sign = sc[2], s_b1c = sc[3], s_b2 = sc[4], \
+    s_b2c = sc[5], s_step = sc[6], s_bc2 = sc[7], s_eps = sc[8]; (void)s_dec; (void)s_wd;
+#else
+/* sc: +-1 (maximize), wd, momentum, 1 - dampening, -lr: fused_ops.py's sgd */
+#ifdef MOMENTUM
+#ifdef NESTEROV
+#define DIRECTION(b32) (g32 + (b32) * s_mom)
+#else
+#define DIRECTION(b32) (b32)
+#endif
+#define STEP_ELEM(i, M_IN, V_IN, M_OUT, V_OUT)                                               \
+    {                                                                                        \
+        float w32 = W_IN(w, c, i);                                                           \
+        float g32 = G_LOAD(g, i) * s_sign;                                                   \
+        g32 = g32 + w32 * s_wd;                                                              \
+        float m32 = M_IN * s_mom + g32 * s_damp;                                             \
+        M_OUT;                                                                               \
+        w32 = w32 + DIRECTION(m32) * s_lr;                                                   \
+        write_weight(w, c, i, w32, base, mix);                                               \
+    }
+#else
+#define STEP_ELEM(i, M_IN, V_IN, M_OUT, V_OUT)                                               \
+    {                                                                                        \
+        float w32 = W_IN(w, c, i);                                                           \
+        float g32 = G_LOAD(g, i) * s_sign;                                                   \
+        g32 = g32 + w32 * s_wd;                                                              \
+        w32 = w32 + g32 * s_lr;                                                              \
+        write_weight(w, c, i, w32, base, mix);                                               \
+    }
+#endif
+#define SCALARS float s_sign = sc[0], s_wd = sc[1], s_mom = sc[2], s_damp = sc[3], s_lr = sc[4]; \
+    (void)s_mom; (void)s_damp;
+#endif
+
+#ifndef S1
+#define S1 0
+#endif
+#ifndef S2
+#define S2 0
+#endif
+#ifndef S1SRC
+#define S1SRC 0
+#endif
+#ifndef S2SRC
+#define S2SRC 0
+#endif
+#define CODED(S) ((S) == 8 || (S) == 4)
+
+#if CODED(S1) || CODED(S2)
+/* One block of ``n`` elements from ``at`` (inside one row): the step, with the new values of
+ * coded states kept in t1 / t2, then each coded state's block scale and codes (state_codes.py's
+ * store_). ``q1`` / ``q2``: the block's scales. */
+static inline __attribute__((always_inline)) void coded_block(
+    uint16_t *restrict w, uint16_t *restrict c, const g_t *restrict g, void *restrict s1,
+    float *restrict q1, const float *restrict r1, void *restrict s2, float *restrict q2,
+    const float *restrict r2, const float *restrict sc, uint32_t base, uint32_t mix,
+    const int64_t at, const int n) {
+    SCALARS
+    float t1[BLOCK], t2[BLOCK];
+    uint8_t u1[BLOCK], u2[BLOCK];
+    (void)t1; (void)t2; (void)u1; (void)u2; (void)q1; (void)q2; (void)s2; (void)r1; (void)r2;
+#if CODED(S1) && S1SRC
+#define M_READ(j) r1[at + (j)]
+#define M_WRITE(j, x) t1[j] = (x)
+#elif CODED(S1)
+    const float d1 = *q1;
+    const uint8_t *c1 = block_codes(S1, (const uint8_t *)s1, at, n, u1);
+#define M_READ(j) decode(c1[j], d1, S1E4M3, S1K, S1MAG, S1MB, S1EMIN)
+#define M_WRITE(j, x) t1[j] = (x)
+#else
+#define M_READ(j) PLAIN_LOAD(S1, s1, at + (j))
+#define M_WRITE(j, x) plain_store(S1, s1, at + (j), (x))
+#endif
+#if CODED(S2) && S2SRC
+#define V_READ(j) r2[at + (j)]
+#define V_WRITE(j, x) t2[j] = (S2K ? ((x) < 0.0f ? 0.0f : sqrtf(x)) : (x))
+#elif CODED(S2)
+    const float d2 = *q2;
+    const uint8_t *c2 = block_codes(S2, (const uint8_t *)s2, at, n, u2);
+#define V_READ(j) decode(c2[j], d2, S2E4M3, S2K, S2MAG, S2MB, S2EMIN)
+#define V_WRITE(j, x) t2[j] = (S2K ? ((x) < 0.0f ? 0.0f : sqrtf(x)) : (x))
+#else
+#define V_READ(j) PLAIN_LOAD(S2, s2, at + (j))
+#define V_WRITE(j, x) plain_store(S2, s2, at + (j), (x))
+#endif
+    for (int j = 0; j < n; j++) {
+        const int64_t i = at + j;
+        STEP_ELEM(i, M_READ(j), V_READ(j), M_WRITE(j, m32), V_WRITE(j, v32))
+    }
+#if CODED(S1)
+    store_block(t1, n, (uint8_t *)s1, at, q1, S1, S1E4M3, S1K, S1MAG, S1MB, S1EMIN, S1LARGEST);
+#endif
+#if CODED(S2)
+    store_block(t2, n, (uint8_t *)s2, at, q2, S2, S2E4M3, S2K, S2MAG, S2MB, S2EMIN, S2LARGEST);
+#endif
+}
+#undef M_READ
+#undef M_WRITE
+#undef V_READ
+#undef V_WRITE
+#endif
+
+/* rows x cols elements; s1/s2 the states (values, or codes with scales q1/q2, and r1/r2 the
+ * fp32 values to read instead of the codes where S?SRC); base/mix: the stochastic rounding's
+ * keys (rounding.py). */
+void mixprec_step(int64_t rows, int64_t cols, uint16_t *restrict w, uint16_t *restrict c,
+                  const g_t *restrict g, void *restrict s1, float *restrict q1,
+                  const float *restrict r1, void *restrict s2, float *restrict q2,
+                  const float *restrict r2, const float *restrict sc, uint32_t base,
+                  uint32_t mix) {
+    (void)q1; (void)q2; (void)s2; (void)r1; (void)r2;
+#if !CODED(S1) && !CODED(S2)
+    SCALARS
+    int64_t n = rows * cols;
+    float *f1 = (float *)s1, *f2 = (float *)s2;
+    uint16_t *h1 = (uint16_t *)s1, *h2 = (uint16_t *)s2;
+    (void)f1; (void)f2; (void)h1; (void)h2;
+#if S1 == 0
+#define M_READ(i) f1[i]
+#define M_WRITE(i, x) f1[i] = (x)
+#elif S1 == 1
+#define M_READ(i) from_bf16(h1[i])
+#define M_WRITE(i, x) h1[i] = to_bf16(x)
+#else
+#define M_READ(i) from_f16(h1[i])
+#define M_WRITE(i, x) h1[i] = to_f16(x)
+#endif
+#if S2 == 0
+#define V_READ(i) f2[i]
+#define V_WRITE(i, x) f2[i] = (x)
+#elif S2 == 1
+#define V_READ(i) from_bf16(h2[i])
+#define V_WRITE(i, x) h2[i] = to_bf16(x)
+#else
+#define V_READ(i) from_f16(h2[i])
+#define V_WRITE(i, x) h2[i] = to_f16(x)
+#endif
+    for (int64_t i = 0; i < n; i++)
+        STEP_ELEM(i, M_READ(i), V_READ(i), M_WRITE(i, m32), V_WRITE(i, v32))
+#else
+    /* codes: per block of one row (coded_block); full blocks with their size a constant */
+    const int64_t nblk = (cols + BLOCK - 1) / BLOCK;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t b = 0; b < nblk; b++) {
+            const int64_t at = r * cols + b * BLOCK;
+            const int64_t left = cols - b * BLOCK;
+            float *p1 = CODED(S1) ? q1 + r * nblk + b : q1;
+            float *p2 = CODED(S2) ? q2 + r * nblk + b : q2;
+            if (left >= BLOCK)
+                coded_block(w, c, g, s1, p1, r1, s2, p2, r2, sc, base, mix, at, BLOCK);
+            else
+                coded_block(w, c, g, s1, p1, r1, s2, p2, r2, sc, base, mix, at, (int)left);
+        }
+    }
+#endif
+}

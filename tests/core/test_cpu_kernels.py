@@ -1,0 +1,128 @@
+"""The fused update's C loops (core/update/cpu_kernels.py): codes written as state_codes.py
+writes them, bit for bit; the same result split over threads; and "auto" on a CPU fusing what
+it can, coded states and small parameters included."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import mixprec
+from mixprec._core.update import cpu_kernels, fused
+from mixprec._core.update.state_codes import QuantizedState
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here")
+
+BF16 = torch.bfloat16
+
+
+def _rows(rows, cols, seed):
+    """Values over a wide range with the awkward blocks: a zero row, a row below 2**-100, an
+    all-negative row, exact zeros, and a partial last block per row (cols % 256 != 0)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * 2.0 ** torch.randint(-30, 10, (rows, cols),
+                                                                   generator=g)  # fmt: skip
+    x[0] = 0.0
+    x[1] *= 2.0**-110
+    x[2] = -x[2].abs()
+    x[3, ::7] = 0.0
+    return x
+
+
+def _scalars(beta1, beta2):
+    """AdamW's scalars (see fused_ops.adam) with lr 0: the weight does not move."""
+    return torch.tensor([1.0, 0.0, 1.0, 1 - beta1, beta2, 1 - beta2, -0.0, 1.0, 1e-8, 0.0, 0.0])
+
+
+@pytest.mark.parametrize("fmt", ["8-bit", "4-bit"])
+def test_codes_are_state_codes_bit_for_bit(fmt):
+    """With beta1 = beta2 = 0 a step stores the gradient as the first moment and its square as
+    the second: the codes and block scales must be QuantizedState.quantize's of the same fp32
+    values. With beta1 = beta2 = 1 a step re-codes the decoded states: quantize(dequantize())."""
+    rows, cols = 6, 300
+    key = ("adam", "nearest", True, BF16, torch.float32, (fmt, "signed"), (fmt, "sqrt"))
+    w = torch.zeros(rows, cols, dtype=BF16)
+    g = _rows(rows, cols, 0).to(BF16).float() + 0.0  # no -0.0: lerp's (g - m) * 0 gives +0
+    m = QuantizedState.quantize(torch.randn(rows, cols), fmt, "signed")
+    v = QuantizedState.quantize(torch.rand(rows, cols), fmt, "sqrt")
+    states = [(m.codes, m.scale), (v.codes, v.scale)]
+    cpu_kernels.run(key, rows, cols, (w, None, g), states, _scalars(0.0, 0.0), 0, 0)
+    want_m = QuantizedState.quantize(g.clone(), fmt, "signed")
+    want_v = QuantizedState.quantize(g * g, fmt, "sqrt")
+    for got, want in ((m, want_m), (v, want_v)):
+        assert torch.equal(got.codes, want.codes)
+        assert torch.equal(got.scale, want.scale)
+    assert not w.any()  # lr 0
+
+    before = [QuantizedState.quantize(s.dequantize(), fmt, s.kind) for s in (m, v)]
+    cpu_kernels.run(key, rows, cols, (w, None, g), states, _scalars(1.0, 1.0), 0, 0)
+    for got, want in zip((m, v), before):
+        assert torch.equal(got.codes, want.codes)
+        assert torch.equal(got.scale, want.scale)
+
+
+@pytest.mark.parametrize("fmt", ["8-bit", "4-bit", None])
+def test_threads_split_the_step_without_changing_a_bit(fmt, monkeypatch):
+    """Rows (coded states) or runs of elements on several threads, stochastic rounding keyed by
+    each element's index: the result of one thread, bit for bit."""
+    rows, cols = 40, 700
+    gen = torch.Generator().manual_seed(1)
+    w0 = torch.randn(rows, cols, generator=gen).to(BF16)
+    g = (torch.randn(rows, cols, generator=gen) * 1e-2).to(BF16)
+    if fmt is None:
+        key = ("adam", "stochastic", True, BF16, BF16, BF16, torch.float32)
+        states0 = [torch.randn(rows, cols, generator=gen).to(BF16), torch.rand(rows, cols)]
+    else:
+        key = ("adam", "stochastic", True, BF16, BF16, (fmt, "signed"), (fmt, "sqrt"))
+        m = QuantizedState.quantize(torch.randn(rows, cols, generator=gen), fmt, "signed")
+        v = QuantizedState.quantize(torch.rand(rows, cols, generator=gen), fmt, "sqrt")
+        states0 = [(m.codes, m.scale), (v.codes, v.scale)]
+    sc = torch.tensor([0.99, 0, 1, 0.1, 0.999, 0.001, -1e-2, 0.3, 1e-8, 0, 0])
+    outs = []
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(cpu_kernels, "PER_THREAD", 1000)
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            w, states = w0.clone(), copy.deepcopy(states0)
+            cpu_kernels.run(key, rows, cols, (w, None, g), states, sc, 123, 456)
+            flat = [t for s in states for t in (s if isinstance(s, tuple) else (s,))]
+            outs.append([w, *flat])
+    finally:
+        torch.set_num_threads(threads)
+    assert (outs[0][0] != w0).any()
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_auto_on_a_cpu_fuses_coded_states_and_small_parameters(monkeypatch):
+    """ "auto" (the recipes' default kernels) on a CPU steps every parameter of "lean" with the C
+    loop from its second step, biases and 8-bit states included, and the result stays within
+    an ulp of the chunk path's."""
+    runs = {}
+    for mode in ("off", "auto"):
+        monkeypatch.setattr(fused, "MODE", mode)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(96, 64), torch.nn.GELU(),
+                                    torch.nn.Linear(64, 8))  # fmt: skip
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, opt = mixprec.initialize(model, opt, mixprec.Recipe("lean", BF16))
+        for i in range(3):
+            gen = torch.Generator().manual_seed(i)
+            x, y = torch.randn(16, 96, generator=gen), torch.randn(16, 8, generator=gen)
+            torch.nn.functional.mse_loss(model(x).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+        runs[mode] = model, opt
+    model, opt = runs["auto"]
+    assert opt.lean.fused.fused_steps == 2 * 4  # steps 2 and 3, all four parameters
+    assert isinstance(opt.state[model[0].weight]["exp_avg"], QuantizedState)
+    for p, q in zip(runs["off"][0].parameters(), model.parameters()):
+        a, b = p.detach().float(), q.detach().float()
+        ulp = 2.0 ** (torch.floor(torch.log2(torch.maximum(a.abs(), b.abs()))) - 7)
+        assert ((a - b).abs() <= ulp).all()
