@@ -60,6 +60,7 @@ from mixprec._core.policy import Policy, PolicyLike, as_policy
 from mixprec._core.storage import cast_storage, restore_fp32
 from mixprec._core.update.rounding import shard_offset
 from mixprec._initialize import _MARK, MOVED, initialize
+from mixprec.distributed.fp8_gather import gather_in_fp8
 from mixprec.distributed.verdicts import require_process_group, sync_verdicts
 from mixprec.recipe import Recipe, as_recipe
 
@@ -198,6 +199,7 @@ def initialize_fsdp(
     model.__dict__["_mixprec_fsdp_recipe"] = (recipe, low)  # what its checkpoints record
     inner = recipe.replace(gradients="held") if modes else _inner_recipe(recipe)
     model, opt = initialize(model, optimizer, inner, low)
+    gather_in_fp8(model, recipe.fp8)  # tensorwise FP8 layers: their weights gathered in FP8
     if opt.lean is not None and opt.lean.compensation:
         _start_compensation(model, opt, fp32_values)
     sync_verdicts(opt, mesh.get_group())
