@@ -90,9 +90,7 @@ def _run(args: argparse.Namespace) -> None:
         rows[name] = {
             "all_gather_bytes_per_step": gathered,
             "all_reduce_bytes_per_step": reduced,
-            "fp8_layer_weight_elements": sum(
-                model.get_submodule(n).weight.numel() for n in chosen
-            ),
+            "fp8_layer_weight_elements": sum(model.get_submodule(n).weight.numel() for n in chosen),
             "losses": losses,
         }
     if rank == 0:
