@@ -36,6 +36,10 @@ Design (``docs/design.md``, "Distributed training"):
 | O3 | 16-bit | 16-bit | 16-bit | O1 (+ fp32_inside) |
 | update modes (``"lean"``) | None (16-bit shards) | 16-bit | as the recipe keeps | the recipe |
 
+FP8 recipes: a tensorwise FP8 layer's weight is all-gathered in FP8, cast on each rank with the
+whole weight's scale (:mod:`mixprec.distributed.fp8_gather`); rowwise weights gather in
+``param_dtype`` as above.
+
 Order: build the model, :func:`initialize_fsdp` (it shards, then builds the optimizer on the
 sharded parameters through ``optimizer_fn``, then initializes mixprec).
 """
