@@ -37,6 +37,7 @@ Rowwise recipes gather in 16 bits (:mod:`mixprec.fp8.config`).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -44,6 +45,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
+from mixprec._core._warnings import user_stacklevel
+from mixprec._core.hardware import MixprecPerformanceWarning
 from mixprec.fp8.config import FP8Config
 from mixprec.fp8.gathered import GatheredFP8Weight
 from mixprec.fp8.layers import FP8_ATTR
@@ -99,15 +102,24 @@ class _ShardCast:
         return GatheredFP8Weight(data, scale, param_dtype), (data,)
 
 
-def _fsdp_params(model: nn.Module) -> list[Any]:
-    """FSDP2's per-parameter records of every unit in ``model`` (torch 2.13's layout)."""
+#: what the hooks rely on in FSDP2's per-parameter record (torch 2.13's ``FSDPParam``)
+_RECORD = ("_module_info", "_sharded_local_tensor", "_init_extensions", "all_gather_outputs")
+
+
+def _fsdp_params(model: nn.Module) -> list[Any] | None:
+    """FSDP2's per-parameter records of every unit in ``model``; None where this torch does
+    not lay them out as torch 2.13 does."""
     out = []
     for m in model.modules():
         if not isinstance(m, FSDPModule):
             continue
-        group = m._get_fsdp_state()._fsdp_param_group
+        group = getattr(getattr(m, "_get_fsdp_state", lambda: None)(), "_fsdp_param_group", 0)
+        if group == 0:
+            return None
         if group is not None:
             out.extend(group.fsdp_params)
+    if not all(hasattr(p, name) for p in out for name in _RECORD):
+        return None
     return out
 
 
@@ -115,7 +127,7 @@ def _candidates(model: nn.Module) -> list[tuple[Any, Any]]:
     """(FSDP record, FP8 layer) of each weight that may gather in FP8: a tensorwise FP8 layer's
     (or a pending one's) unshared 2-D weight, not offloaded to the CPU."""
     out = []
-    for fsdp_param in _fsdp_params(model):
+    for fsdp_param in _fsdp_params(model) or ():
         info = fsdp_param._module_info
         layer = info.module.__dict__.get(FP8_ATTR)
         if info.param_name != "weight" or layer is None or layer.recipe.rowwise:
@@ -150,6 +162,16 @@ def gather_in_fp8(model: nn.Module, config: FP8Config | None) -> None:
     them (every rank decides alike, so every rank switches at the same step)."""
     if config is None or not config.gathers_fp8:
         return
+    if _fsdp_params(model) is None:
+        warnings.warn(
+            f"FP8Config(all_gather={config.all_gather!r}): FSDP2's parameter records in torch "
+            f"{torch.__version__} are not laid out as in torch 2.13, where the FP8 all-gather "
+            "was built: FP8 layers' weights are all-gathered in 16 bits and cast after the "
+            "gather (the same numbers, twice the bytes).",
+            MixprecPerformanceWarning,
+            stacklevel=user_stacklevel(),
+        )
+        return
     pending = []
     for fsdp_param, layer in _candidates(model):
         if layer.choice is None:
@@ -178,6 +200,6 @@ def gathered_in_fp8(model: nn.Module) -> list[str]:
     names = {id(m): name for name, m in model.named_modules()}
     return [
         f"{names[id(p._module_info.module)]}.{p._module_info.param_name}".lstrip(".")
-        for p in _fsdp_params(model)
+        for p in _fsdp_params(model) or ()
         if hasattr(p._sharded_local_tensor, _HOOKED)
     ]

@@ -155,6 +155,31 @@ def grad_diff(a: str, b: str) -> dict:
     return {"max_abs": float((ga - gb).abs().max()), "bitwise": bool(torch.equal(ga, gb))}
 
 
+def unknown_layout() -> dict:
+    """A torch whose FSDP2 records lack what the hooks use: one warning, a 16-bit gather."""
+    import warnings
+
+    from mixprec.distributed import fp8_gather
+
+    original = fp8_gather._RECORD
+    fp8_gather._RECORD = (*original, "_not_in_this_torch")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model, opt = build("tensorwise", "auto")
+    finally:
+        fp8_gather._RECORD = original
+    log: list = []
+    with count_all_gathers(log):
+        opt.backward(loss_of(model, 0))
+    opt.step()
+    return {
+        "warnings": [str(w.message) for w in caught if "all_gather" in str(w.message)],
+        "gathered_in_fp8": gathered_in_fp8(model),
+        "gather_bytes": sum(b for b, _ in log),
+    }
+
+
 def resume() -> dict:
     """Save after 2 steps, load into a fresh model (another seed), go on 2 more: the losses
     equal the uninterrupted run's."""
@@ -200,6 +225,7 @@ def main() -> None:
         "auto": train_auto,
         "rowwise": lambda: train("rowwise", "auto"),
         "resume": resume,
+        "unknown_layout": unknown_layout,
     }
     results = {}
     for name, job in jobs.items():

@@ -115,3 +115,10 @@ def test_a_checkpoint_of_an_fp8_gather_model_resumes_exactly(ranks):
     for res in result(ranks, "resume"):
         assert res["fp8"] == BLOCK_WEIGHTS
         assert res["resumed"] == res["uninterrupted"]
+
+
+def test_a_torch_whose_fsdp_records_differ_gathers_16_bits_with_one_warning(ranks):
+    for res, bf16 in zip(result(ranks, "unknown_layout"), result(ranks, "bf16")):
+        assert len(res["warnings"]) == 1 and "all-gathered in 16 bits" in res["warnings"][0]
+        assert res["gathered_in_fp8"] == []
+        assert res["gather_bytes"] == bf16["gather_bytes_per_step"][0]
