@@ -21,9 +21,9 @@ that weight is 16-bit, so FSDP reduce-scatters it as before.
 
 The shards themselves are left as they are (plain fp32 tensors in FSDP's DTensors): the hooks
 are attributes of the local shard tensor, so the optimizer, checkpoints and state dicts see
-nothing new. A shard whose amax is NaN gathers under an infinite amax (scale 0), which the
-GEMM turns into NaN outputs, as the 16-bit gather's NaN scale does: an overflow is never
-hidden.
+nothing new. A shard whose amax is NaN gathers under an infinite amax (scale 0): the GEMM's
+dequantization factor is then infinite and every output non-finite, as with the 16-bit
+gather's NaN scale, so an overflow is never hidden.
 
 What is gathered in FP8: the weights of the Linears that run in FP8. A layer chosen when the
 model is sharded (``layers="all"``, a predicate, an :class:`~mixprec.fp8.FP8Plan`) gathers in
