@@ -9,6 +9,7 @@ One concept per module:
   bf16/fp16 all-reduce communication hook;
 * :mod:`~mixprec.distributed.fsdp` -- mixprec levels as FSDP2 ``MixedPrecisionPolicy``, FSDP's
   fp32 shards as the master weights;
+* :mod:`~mixprec.distributed.fp8_gather` -- FSDP2 all-gathers tensorwise FP8 weights in FP8;
 * :mod:`~mixprec.distributed.checkpoint` -- save/resume under both, loss scalers included.
 
 Usage (``torchrun --nproc_per_node=2 train.py``; see ``docs/distributed.md``)::

@@ -36,6 +36,10 @@ Design (``docs/design.md``, "Distributed training"):
 | O3 | 16-bit | 16-bit | 16-bit | O1 (+ fp32_inside) |
 | update modes (``"lean"``) | None (16-bit shards) | 16-bit | as the recipe keeps | the recipe |
 
+FP8 recipes: a tensorwise FP8 layer's weight is all-gathered in FP8, cast on each rank with the
+whole weight's scale (:mod:`mixprec.distributed.fp8_gather`); rowwise weights gather in
+``param_dtype`` as above.
+
 Order: build the model, :func:`initialize_fsdp` (it shards, then builds the optimizer on the
 sharded parameters through ``optimizer_fn``, then initializes mixprec).
 """
@@ -60,6 +64,7 @@ from mixprec._core.policy import Policy, PolicyLike, as_policy
 from mixprec._core.storage import cast_storage, restore_fp32
 from mixprec._core.update.rounding import shard_offset
 from mixprec._initialize import _MARK, MOVED, initialize
+from mixprec.distributed.fp8_gather import gather_in_fp8
 from mixprec.distributed.verdicts import require_process_group, sync_verdicts
 from mixprec.recipe import Recipe, as_recipe
 
@@ -198,6 +203,7 @@ def initialize_fsdp(
     model.__dict__["_mixprec_fsdp_recipe"] = (recipe, low)  # what its checkpoints record
     inner = recipe.replace(gradients="held") if modes else _inner_recipe(recipe)
     model, opt = initialize(model, optimizer, inner, low)
+    gather_in_fp8(model, recipe.fp8)  # tensorwise FP8 layers: their weights gathered in FP8
     if opt.lean is not None and opt.lean.compensation:
         _start_compensation(model, opt, fp32_values)
     sync_verdicts(opt, mesh.get_group())

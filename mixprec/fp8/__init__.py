@@ -8,6 +8,8 @@ Design: one place per concept, imported one way (each module only from those abo
 * :mod:`~mixprec.fp8.config` -- :class:`FP8Config` (recipe, layers, target GPU) and each
   recipe's :class:`Scaling` (formats and scale granularity), as data;
 * :mod:`~mixprec.fp8.gemm` -- one ``torch._scaled_mm`` held to CUDA's rules on every device;
+* :mod:`~mixprec.fp8.gathered` -- :class:`GatheredFP8Weight`: a weight that FSDP2 all-gathered
+  in FP8 (bytes and one scale), taken by the FP8 linear as it is;
 * :mod:`~mixprec.fp8.linear` -- :func:`fp8_linear`: a Linear's three GEMMs in FP8;
 * :mod:`~mixprec.fp8.choice` -- per layer, FP8 or 16-bit and why: the roofline (speed) and
   the casts' numbers; :class:`FP8Choice`, :class:`FP8Plan`;

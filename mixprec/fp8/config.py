@@ -13,6 +13,20 @@ granularity, the two rows of torchao's recipe table that matter on H100-class GP
 Scales are dynamic (from the current amax, no history): nothing to keep in checkpoints, and an
 outlier never saturates against a stale scale. ``fp8=`` accepts ``True`` (tensorwise, layers
 chosen automatically), a recipe name, or an :class:`FP8Config`.
+
+**The FSDP2 weight all-gather** (``all_gather``; it matters only under
+:func:`mixprec.distributed.initialize_fsdp`). A tensorwise weight is used by its GEMMs as one
+FP8 tensor with one scale, so each rank can cast its own shard with the scale of the whole
+weight (from the shards' amax, reduced across the ranks: one 4-byte all-reduce per weight)
+and the all-gather moves e4m3 bytes, half of bf16's; the gathered FP8 weight and its scale go
+to the GEMMs as they are. The default ``"auto"`` does that for tensorwise, as torchao's
+``enable_fsdp_float8_all_gather`` users expect: the gathered bytes equal what casting the
+gathered 16-bit weight gives, so the numbers do not change and the weight traffic halves.
+Rowwise scales differ per row and per GEMM (the forward scales the weight per row, the input
+gradient per column), so no single FP8 copy serves both: rowwise gathers 16 bits and casts
+after the gather (``"auto"`` resolves to ``"16-bit"``; ``"fp8"`` with rowwise is refused).
+``"16-bit"`` keeps today's 16-bit gather for tensorwise too. Outside FSDP2 the field changes
+nothing.
 """
 
 from __future__ import annotations
@@ -56,6 +70,7 @@ RECIPES: dict[str, Scaling] = {
 #: GPUs whose speed the automatic layer choice can be made for (see :mod:`.choice`).
 TARGETS = ("h100", "h200", "b200", "l40s")
 _LAYERS = ("auto", "all")
+_GATHERS = ("auto", "fp8", "16-bit")
 
 LayerSelector = str | Callable[[str, nn.Module], bool]
 
@@ -76,15 +91,19 @@ class FP8Config:
         target: the GPU the speed side of ``"auto"`` is judged for, one of :data:`TARGETS`;
             None: the CUDA device the model is on, or an H100 on a CPU, so a CPU run chooses
             the layers a GPU run would.
+        all_gather: the dtype FSDP2 all-gathers the weights of FP8 layers in: ``"auto"``
+            (default): FP8 for tensorwise, 16 bits for rowwise; ``"fp8"`` (tensorwise only);
+            ``"16-bit"``. Without FSDP2 it changes nothing (see the module docstring).
 
     Example:
         >>> FP8Config(recipe="rowwise", layers="all")
-        FP8Config(recipe='rowwise', layers='all', target=None)
+        FP8Config(recipe='rowwise', layers='all', target=None, all_gather='auto')
     """
 
     recipe: str = "tensorwise"
     layers: LayerSelector = "auto"
     target: str | None = None
+    all_gather: str = "auto"
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
@@ -108,6 +127,21 @@ class FP8Config:
                 f"FP8Config(target={self.target!r}): expected None (the device trained on) "
                 f"or one of {list(TARGETS)}."
             )
+        if self.all_gather not in _GATHERS:
+            raise ValueError(
+                f"FP8Config(all_gather={self.all_gather!r}): expected one of {list(_GATHERS)}."
+            )
+        if self.all_gather == "fp8" and self.scaling.rowwise:
+            raise ValueError(
+                f"FP8Config(recipe={self.recipe!r}, all_gather='fp8'): rowwise scales differ "
+                "per row and per GEMM, so no one FP8 copy of a weight serves its GEMMs; rowwise "
+                "weights are all-gathered in 16 bits (all_gather='auto' or '16-bit')."
+            )
+
+    @property
+    def gathers_fp8(self) -> bool:
+        """Whether FSDP2 all-gathers the weights of this config's FP8 layers in FP8."""
+        return self.all_gather == "fp8" or (self.all_gather == "auto" and not self.scaling.rowwise)
 
     @property
     def scaling(self) -> Scaling:

@@ -19,7 +19,10 @@ saved copy is ``x`` quantized per *column* (one scale per input feature, over M)
 ``x`` in forward -- exactly the operand torchao recomputes in backward, so the numbers are
 torchao's while the memory is halved. The rejected alternative, saving the per-row copy and
 re-quantizing it per column in backward, rounds twice. The weight is not copied: the layer's
-own parameter is saved (it is alive anyway) and cast again in backward.
+own parameter is saved (it is alive anyway) and cast again in backward. Under FSDP2 with the
+weight all-gathered in FP8 (tensorwise) the parameter is a
+:class:`~mixprec.fp8.gathered.GatheredFP8Weight`: its bytes and scale are the weight operand of
+both GEMMs, with no cast here.
 
 The scales travel as float64 (exactly the float32 values): a saved-tensor hook that narrows
 16/32-bit floats (``activations="fp8"``) must not round a scale.
@@ -38,6 +41,7 @@ import torch
 from torch import Tensor
 
 from mixprec.fp8.config import Scaling
+from mixprec.fp8.gathered import GatheredFP8Weight
 from mixprec.fp8.gemm import ALIGN, scaled_mm
 from mixprec.fp8.quantization import E4M3, Float8Data, quantize_2d
 
@@ -60,6 +64,18 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
 
 def _q(x: Tensor, dtype: torch.dtype, recipe: Scaling, axis: int | None) -> Float8Data:
     return quantize_2d(x, dtype, axis if recipe.rowwise else None, recipe.power_of_2)
+
+
+def _q_weight(weight: Tensor, recipe: Scaling, axis: int) -> Float8Data:
+    """The weight operand: cast here, or as all-gathered in FP8 under FSDP2 (tensorwise: the
+    same bytes and scale serve the forward and the input-gradient GEMM)."""
+    if isinstance(weight, GatheredFP8Weight):
+        if recipe.rowwise:
+            raise ValueError(
+                "A weight all-gathered in FP8 has one scale; the rowwise recipe scales per row."
+            )
+        return weight.float8()
+    return _q(weight, E4M3, recipe, axis)
 
 
 def _inv(q: Float8Data) -> Tensor:
@@ -112,7 +128,7 @@ class _FP8Linear(torch.autograd.Function):
         gemm_dtype = torch.bfloat16 if rowwise else out_dtype
         with torch.autocast(x.device.type, enabled=False):
             qx = _q(x2, E4M3, recipe, -1)
-            qw = _q(weight, E4M3, recipe, -1)
+            qw = _q_weight(weight, recipe, -1)
             # the bias goes into the GEMM where CUDA allows it (a 16-bit output): one rounding,
             # the same eager and compiled (a separate add lets inductor skip a rounding)
             fused_bias = bias is not None and gemm_dtype in _LOW
@@ -149,7 +165,7 @@ class _FP8Linear(torch.autograd.Function):
         with _autocast_off(dy.device.type):
             if ctx.needs_input_grad[0]:
                 qdy = _q(dy2, recipe.grad_dtype, recipe, -1)
-                qw = _q(weight, E4M3, recipe, 0)  # rowwise: per column, along this GEMM's N
+                qw = _q_weight(weight, recipe, 0)  # rowwise: per column, along this GEMM's N
                 dx = scaled_mm(
                     qdy.data,
                     _col_major(qw.data),

@@ -234,7 +234,7 @@ def test_fp8_under_ddp_and_fsdp2_runs_scaled_gemms_with_the_same_scales_on_every
         for run in (ddp, fsdp):
             assert set(blocks) < set(run["fp8_layers"]) and "head" not in run["fp8_layers"]
             assert run["scaled_mm_per_step"] == 3 * len(run["fp8_layers"])
-            # FSDP all-gathers the 16-bit weight, then the FP8 layer scales the whole of it
+            # FSDP all-gathers the weight in FP8, cast with the whole weight's scale on every rank
             assert run["scales_equal_across_ranks"] and run["scales_change"]
             assert run["losses"][-1] < run["losses"][0] - 0.5  # it learns
         assert fsdp["losses"][0] == pytest.approx(ddp["losses"][0], rel=1e-3)
