@@ -28,7 +28,7 @@ from training_helpers import (
 
 import mixprec
 from mixprec._core.resume import kahan_fp32, split_state_dict
-from mixprec._core.update import state_codes
+from mixprec._core.update import fused, state_codes
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
@@ -151,13 +151,14 @@ def straight_runs():
     runs = {}
 
     def get(config):
-        if config not in runs:
+        key = (config, fused.MODE)  # the fused update's steps round their own way
+        if key not in runs:
             model, opt = initialize(*plain(seed=0), config)
             losses = train(model, opt, range(K))
             at_k = saved({"model": model.state_dict(), "opt": opt.state_dict()})
             losses += train(model, opt, range(K, N))
-            runs[config] = (model, opt, losses, at_k)
-        return runs[config]
+            runs[key] = (model, opt, losses, at_k)
+        return runs[key]
 
     return get
 
@@ -166,6 +167,25 @@ def straight_runs():
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_resume_is_bit_exact(config, order, form, straight_runs):
+    _resume_is_bit_exact(config, order, form, straight_runs)
+
+
+#: the update modes' configs, stepped by the fused update as users' runs are ("auto"; the
+#: suite's default is the chunk path, see conftest.py)
+FUSED = ["O3-bf16-kahan", "O3-bf16-stochastic", "O3-fp16-kahan", "lean-bf16", "O3-bf16-4-bit"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("config", FUSED)
+def test_resume_with_the_fused_update_is_bit_exact(config, order, form, straight_runs):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused, "MODE", "auto")
+        _resume_is_bit_exact(config, order, form, straight_runs)
+        assert straight_runs(config)[1].lean.fused.fused_steps > 0
+
+
+def _resume_is_bit_exact(config, order, form, straight_runs):
     ref_model, ref_opt, ref_losses, at_k = straight_runs(config)
     model, opt = initialize(*plain(seed=0), config)
     # the run to the checkpoint is the uninterrupted one's, bit for bit: what differs after
