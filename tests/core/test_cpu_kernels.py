@@ -126,3 +126,19 @@ def test_auto_on_a_cpu_fuses_coded_states_and_small_parameters(monkeypatch):
         a, b = p.detach().float(), q.detach().float()
         ulp = 2.0 ** (torch.floor(torch.log2(torch.maximum(a.abs(), b.abs()))) - 7)
         assert ((a - b).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_finite_check_sees_every_inf_and_nan(dtype):
+    """One C pass over a gradient's exponent bits: any inf or NaN anywhere (the vector body and
+    the tail), and nothing else, makes it non-finite; the largest finite value is finite."""
+    g = torch.randn(1000).to(dtype)
+    g[3] = torch.finfo(dtype).max
+    g[4] = -torch.finfo(dtype).max
+    assert cpu_kernels.all_finite(g) is True
+    for at in (0, 17, 999):
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            h = g.clone()
+            h[at] = bad
+            assert cpu_kernels.all_finite(h) is False, (at, bad)
+    assert cpu_kernels.all_finite(g[::2]) is None  # not contiguous: torch ops decide

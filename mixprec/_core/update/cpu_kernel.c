@@ -32,6 +32,22 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even; NaN -> quie
 static inline float from_f16(uint16_t h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
 static inline uint16_t to_f16(float f) { _Float16 x = (_Float16)f; uint16_t h; memcpy(&h, &x, 2); return h; }
 
+/* Whether every element of ``g`` (n elements; kind 2 bf16, 3 fp16, 4 fp32) is
+ * finite: no exponent field of all ones. Built into every library (FINITE_ONLY: only this). */
+int mixprec_finite(int64_t n, const void *g, int kind) {
+    uint32_t any = 0;
+    if (kind == 4) {
+        const uint32_t *x = (const uint32_t *)g;
+        for (int64_t i = 0; i < n; i++) any |= (x[i] & 0x7F800000u) == 0x7F800000u;
+    } else {
+        const uint16_t *x = (const uint16_t *)g;
+        const uint16_t e = kind == 2 ? 0x7F80u : 0x7C00u;
+        for (int64_t i = 0; i < n; i++) any |= (x[i] & e) == e;
+    }
+    return !any;
+}
+
+#ifndef FINITE_ONLY
 #if W16 == 1
 #define W_LOAD(p, i) from_bf16((p)[i])
 #define W_ROUND(x) to_bf16(x)
@@ -355,3 +371,4 @@ void mixprec_step(int64_t rows, int64_t cols, uint16_t *restrict w, uint16_t *re
     }
 #endif
 }
+#endif /* FINITE_ONLY */

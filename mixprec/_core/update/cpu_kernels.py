@@ -41,7 +41,7 @@ from torch import Tensor
 
 from mixprec._core.update.state_codes import BLOCK, _largest, _layout
 
-__all__ = ["PER_THREAD", "available", "kernel", "run"]
+__all__ = ["PER_THREAD", "all_finite", "available", "kernel", "run"]
 
 _SOURCE = Path(__file__).with_name("cpu_kernel.c")
 #: -ffp-contract=off: no FMA, so the fp32 math rounds as torch's eager ops do;
@@ -52,7 +52,8 @@ _LOW = {torch.bfloat16: 1, torch.float16: 2}
 _GRAD = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _STATE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _UPDATE = {"nearest": 0, "kahan": 1, "stochastic": 2}
-_LOADED: dict[tuple, Callable[..., None]] = {}
+_LOADED: dict[tuple, ctypes.CDLL] = {}
+_STEPS: dict[tuple, Callable[..., None]] = {}
 _LOCK = threading.Lock()
 
 
@@ -133,19 +134,47 @@ def _build(defines: list[str]) -> Path:
     return lib
 
 
-def kernel(key: tuple) -> Callable[..., None]:
-    """The compiled step of compile key ``key``, built on first use (raises if it cannot be)."""
-    fn = _LOADED.get(key)
-    if fn is None:
+def _library(key: tuple) -> ctypes.CDLL:
+    """The library of compile key ``key`` (``("finite",)``: the finite check alone), built on
+    first use (raises if it cannot be)."""
+    lib = _LOADED.get(key)
+    if lib is None:
         with _LOCK:
-            fn = _LOADED.get(key)
-            if fn is None:
-                fn = ctypes.CDLL(str(_build(_defines(key)))).mixprec_step
-                fn.restype = None
-                fn.argtypes = [ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 10,
-                               ctypes.c_uint32, ctypes.c_uint32]  # fmt: skip
-                _LOADED[key] = fn
+            lib = _LOADED.get(key)
+            if lib is None:
+                defines = ["-DFINITE_ONLY"] if key == ("finite",) else _defines(key)
+                lib = _LOADED[key] = ctypes.CDLL(str(_build(defines)))
+    return lib
+
+
+def kernel(key: tuple) -> Callable[..., None]:
+    """The compiled step of compile key ``key`` (see :func:`_library`)."""
+    fn = _STEPS.get(key)
+    if fn is None:
+        fn = _library(key).mixprec_step
+        fn.restype = None
+        fn.argtypes = [ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 10,
+                       ctypes.c_uint32, ctypes.c_uint32]  # fmt: skip
+        _STEPS[key] = fn
     return fn
+
+
+_FINITE_KINDS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4}
+
+
+def all_finite(g: Tensor) -> bool | None:
+    """Whether every element of the contiguous CPU tensor ``g`` is finite (one pass, no
+    temporary), or None where this cannot tell (another dtype or layout, no compiler)."""
+    kind = _FINITE_KINDS.get(g.dtype)
+    if kind is None or g.device.type != "cpu" or not g.is_contiguous():
+        return None
+    try:
+        fn = _library(("finite",)).mixprec_finite
+    except Exception:  # noqa: BLE001 -- no compiler: the caller checks with torch ops
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    return bool(fn(g.numel(), g.data_ptr(), kind))
 
 
 def _ptr(t: Any) -> int | None:

@@ -82,6 +82,7 @@ from torch.optim import SGD, Adam, AdamW, Optimizer
 
 from mixprec._core._warnings import MixprecPerformanceWarning, user_stacklevel
 from mixprec._core.update.fused_ops import OPTIONS, adam, sgd
+from mixprec._core.update.release import all_finite
 from mixprec._core.update.rounding import round_keys, shard_offset
 from mixprec._core.update.state_codes import (
     _E4M3_MAX,
@@ -261,6 +262,17 @@ class FusedUpdates:
             key = ("sgd", self.update, bool(names), bool(group.get("nesterov")), low, g.dtype,
                    *stores)  # fmt: skip
         return None if key in _FAILED else key
+
+    def finite(self, g: Tensor) -> bool:
+        """Whether every element of gradient ``g`` is finite: one C pass where this updater
+        would step ``g``'s parameter with a C loop, torch ops otherwise."""
+        if self.kernels != "torch" and MODE != "off" and CPU_KERNELS == "c":
+            from mixprec._core.update import cpu_kernels
+
+            done = cpu_kernels.all_finite(g)
+            if done is not None:
+                return done
+        return all_finite(g)
 
     # -- the step ---------------------------------------------------------------------------
     @torch.no_grad()
