@@ -147,7 +147,8 @@ class Recipe:
         fp32_inside: memory-bound ops with fp32-accumulating kernels (layer_norm, softmax) keep
             16-bit inputs and outputs.
         kernels: ``"auto"`` (mixprec's kernels where measured faster: attention, and an update
-            mode's step compiled into one pass per parameter) or ``"torch"``.
+            mode's step as one pass per parameter, a C loop built by the machine's compiler on
+            a CPU, ``torch.compile`` on a GPU) or ``"torch"`` (torch's kernels only).
         num_losses: losses backpropagated per step, each with its own loss scaler.
     """
 

@@ -20,7 +20,10 @@ import bench_memory
 import bench_nanogpt
 import bench_overhead
 import bench_state
+import bench_update_kernels
 import torch
+
+from mixprec._core.update import cpu_kernels
 
 
 def test_bench_fp8_smoke_on_cpu(tmp_path, capsys):
@@ -210,3 +213,15 @@ def test_bench_nanogpt_edits_train_py_by_one_line_per_mode_and_makes_its_corpus(
     meta = pickle.loads((tmp_path / "meta.pkl").read_bytes())
     ids = np.fromfile(tmp_path / "train.bin", dtype=np.uint16)
     assert len(ids) == 4500 and int(ids.max()) < meta["vocab_size"] == len(meta["itos"])
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here")
+def test_bench_update_kernels_times_every_kind_and_its_bandwidth(capsys):
+    bench_update_kernels.main(["--size", "0.02", "--rounds", "1"])
+    text = capsys.readouterr().out
+    assert "torch 2." in text and "copy" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ")][1:]  # the header
+    assert len(rows) == 1 + len(bench_update_kernels.KINDS)
+    for row in rows:
+        ms = float(row.split("|")[3])
+        assert ms > 0, row

@@ -1,0 +1,137 @@
+"""The update kernels alone: milliseconds per million elements and the bandwidth they reach.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_update_kernels.py [--size 1] [--inductor]
+
+One AdamW step of a ``--size`` million-element bf16 weight (a 1024-column matrix), timed
+kernel by kernel in one process, rounds interleaved (median of ``--rounds``): torch's fused
+fp32 AdamW (``torch._fused_adamw_``, what ``AdamW(fused=True)`` runs) on fp32 weight, gradient
+and states; then mixprec's C loops (:mod:`mixprec._core.update.cpu_kernels`) for each kind of
+update step a recipe makes: O3's Kahan update (bf16 weight and compensation, bf16 ``exp_avg``,
+fp32 ``exp_avg_sq``), stochastic rounding with the same states, ``"lean"`` (stochastic rounding,
+8-bit states) and ``"lean"`` with 4-bit states; with ``--inductor``, the same steps compiled by
+:func:`torch.compile` (inductor's C++; the first call compiles, not timed). "bytes" is the
+least an update must read and write per element; "GB/s" is those bytes over the step's time,
+and "x copy" that rate over a large fp32 copy timed in the same rounds (read + write). At 1 M
+elements the fp32 AdamW's 28 MB fit in a large L3, the copy's 512 MB do not: ``--size 16``
+leaves every kernel in DRAM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from bench_overhead import machine
+
+from mixprec._core.update import cpu_kernels, fused, fused_ops
+from mixprec._core.update.state_codes import QuantizedState
+
+BF16 = torch.bfloat16
+#: kind -> (compile key, least bytes per element: reads + writes)
+F32 = torch.float32
+KINDS = {
+    "O3 Kahan": (("adam", "kahan", True, BF16, BF16, BF16, F32), 2 + 2 + 2 + 2 + 4 + 10),
+    "stochastic": (("adam", "stochastic", True, BF16, BF16, BF16, F32), 2 + 2 + 2 + 4 + 8),
+    "lean (8-bit)": (("adam", "stochastic", True, BF16, BF16, ("8-bit", "signed"),
+                      ("8-bit", "sqrt")), 2 + 2 + 1 + 1 + 2 + 1 + 1),
+    "lean 4-bit": (("adam", "stochastic", True, BF16, BF16, ("4-bit", "signed"),
+                    ("4-bit", "sqrt")), 2 + 2 + 1 + 2 + 1),
+}  # fmt: skip
+#: AdamW lr 1e-3, betas (0.9, 0.999), wd 0.01 at step 10, as fused_ops.adam's scalars
+SCALARS = [1 - 1e-5, 0.0, 1.0, 0.1, 0.999, 0.001, -1e-3 / (1 - 0.9**10),
+           (1 - 0.999**10) ** 0.5, 1e-8]  # fmt: skip
+
+
+def operands(key: tuple, rows: int, cols: int) -> tuple:
+    """(weight, compensation or None, gradient, [states as the kernel takes them])."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(rows, cols, generator=g).to(BF16)
+    grad = (torch.randn(rows, cols, generator=g) * 1e-3).to(BF16)
+    comp = torch.zeros_like(w) if key[1] == "kahan" else None
+    states = []
+    for store, kind in zip(key[5:], ("signed", "sqrt")):
+        x = torch.rand(rows, cols, generator=g) * (1e-3 if kind == "signed" else 1e-6)
+        if isinstance(store, tuple):
+            q = QuantizedState.quantize(x, store[0], kind)
+            states.append((q.codes, q.scale, q.fmt, q.kind))
+        else:
+            states.append(x.to(store))
+    return w, comp, grad, states
+
+
+def c_step(key: tuple, rows: int, cols: int):
+    w, comp, grad, states = operands(key, rows, cols)
+    sc = torch.tensor([*SCALARS, 448.0, 1.0])  # the divisors are unused here
+    coded = any(isinstance(s, tuple) for s in states)
+    plain = [s[:2] if isinstance(s, tuple) else s for s in states]
+    shape = (rows, cols) if coded else (1, rows * cols)
+    cpu_kernels.kernel(key)  # built before the clock starts
+    return lambda: cpu_kernels.run(key, *shape, (w, comp, grad), plain, sc, 12345, 678)
+
+
+def inductor_step(key: tuple, rows: int, cols: int):
+    w, comp, grad, states = operands(key, rows, cols)
+    divisors = fused._divisors(key[5:])
+    sc = torch.tensor([*SCALARS, *divisors])
+    coded = any(isinstance(s, tuple) for s in states)
+    view = (rows, cols) if coded else (-1,)
+    states = [s if isinstance(s, tuple) else s.view(view) for s in states]
+    fn = torch.compile(fused_ops.adam(key[1], True), dynamic=True, fullgraph=True,
+                       options=fused_ops.OPTIONS)  # fmt: skip
+    base, mix = torch.tensor(12345), torch.tensor(678)
+    args = (w.view(view), None if comp is None else comp.view(view), grad.view(view), *states)
+    fn(*args, sc, base, mix)  # the compile
+    return lambda: fn(*args, sc, base, mix)
+
+
+def torch_step(n: int):
+    g = torch.Generator().manual_seed(0)
+    p, grad, m = (torch.randn(n, generator=g) for _ in range(3))
+    v, step = torch.rand(n, generator=g), torch.tensor(10.0)
+    return lambda: torch._fused_adamw_([p], [grad], [m], [v], [], [step], lr=1e-3, beta1=0.9,
+                                       beta2=0.999, weight_decay=0.01, eps=1e-8,
+                                       amsgrad=False, maximize=False)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", type=float, default=1.0, help="million elements per step")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--inductor", action="store_true", help="also time torch.compile's steps")
+    args = p.parse_args(argv)
+    cols = 1024
+    rows = max(1, round(args.size * 2**20 / cols))
+    n = rows * cols
+    steps = {"torch fused AdamW, fp32": (torch_step(n), 28)}
+    for name, (key, nbytes) in KINDS.items():
+        steps[f"C loop: {name}"] = (c_step(key, rows, cols), nbytes)
+        if args.inductor:
+            steps[f"inductor: {name}"] = (inductor_step(key, rows, cols), nbytes)
+    src = torch.randn(2**27)
+    dst = torch.empty_like(src)
+    times: dict[str, list[float]] = {k: [] for k in [*steps, "copy"]}
+    for _ in range(args.rounds + 2):
+        for name, (fn, _) in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times["copy"].append(time.perf_counter() - t0)
+    copy_rate = 2 * src.nbytes / statistics.median(times["copy"][2:])
+    print(f"{machine('cpu')}, torch {torch.__version__}")
+    print(f"{n / 1e6:.2f} M elements per step, {args.rounds} rounds; fp32 copy "
+          f"{copy_rate / 1e9:.1f} GB/s (read + write)\n")  # fmt: skip
+    print("| kernel | bytes / element | ms per M elements | GB/s | x copy |")
+    print("|---|---|---|---|---|")
+    for name, (_, nbytes) in steps.items():
+        t = statistics.median(times[name][2:])
+        rate = nbytes * n / t
+        print(f"| {name} | {nbytes} | {t * 1e3 / (n / 2**20):.2f} | {rate / 1e9:.1f} | "
+              f"{rate / copy_rate:.2f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
