@@ -142,3 +142,16 @@ def test_the_finite_check_sees_every_inf_and_nan(dtype):
             h[at] = bad
             assert cpu_kernels.all_finite(h) is False, (at, bad)
     assert cpu_kernels.all_finite(g[::2]) is None  # not contiguous: torch ops decide
+
+
+def test_a_library_folder_others_may_write_into_is_refused(tmp_path, monkeypatch):
+    """A library is loaded into the process: a cache folder that another user could have
+    written into is refused with the fix, and nothing is built there."""
+    monkeypatch.setattr(cpu_kernels.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "_LOADED", {})
+    folder = cpu_kernels._cache()
+    assert oct(folder.stat().st_mode & 0o777) == "0o700"
+    folder.chmod(0o777)
+    with pytest.raises(RuntimeError, match="others may write into it; remove it"):
+        cpu_kernels.kernel(("adam", "nearest", True, BF16, BF16, BF16, torch.float32))
+    assert not list(folder.iterdir())

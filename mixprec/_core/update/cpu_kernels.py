@@ -114,24 +114,42 @@ def _defines(key: tuple) -> list[str]:
             f"-DG={_GRAD[grad]}", *states]  # fmt: skip
 
 
+def _cache() -> Path:
+    """This user's library folder: created private, and refused where another user could
+    have written into it (a library loaded from there runs as this process)."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    root = Path(tempfile.gettempdir()) / f"mixprec-{uid if uid is not None else 'user'}"
+    folder = root / "kernels"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for path in (root, folder):
+        st = path.stat()
+        if uid is not None and (st.st_uid != uid or st.st_mode & 0o022):
+            raise RuntimeError(
+                f"{path} belongs to another user or others may write into it; remove it "
+                "(mixprec makes it again, private) to build the fused update's kernels"
+            )
+    return folder
+
+
 def _build(defines: list[str]) -> Path:
     cc = _compiler()
     source = _SOURCE.read_bytes()
     parts = [source, *(" ".join(x).encode() for x in (defines, _FLAGS)), cc.encode(),
              _cpu_flags().encode()]  # fmt: skip
     digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:24]
-    root = Path(tempfile.gettempdir()) / f"mixprec-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    lib = root / "kernels" / f"step-{digest}.so"
+    lib = _cache() / f"step-{digest}.so"
     if lib.exists():
         return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cc, *_FLAGS, *defines, str(_SOURCE), "-o", str(tmp), "-lm"]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:400]}")
-    os.replace(tmp, lib)  # atomic: a concurrent process sees the whole library or none
-    return lib
+    errors = []
+    for flags in (_FLAGS, tuple(f for f in _FLAGS if f != "-march=native")):
+        cmd = [cc, *flags, *defines, str(_SOURCE), "-o", str(tmp), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if not done.returncode:
+            os.replace(tmp, lib)  # atomic: a concurrent process sees the whole library or none
+            return lib
+        errors.append(f"{' '.join(cmd)}: {done.stderr.strip()[:300]}")
+    raise RuntimeError("building the fused update failed: " + " | ".join(errors))
 
 
 def _library(key: tuple) -> ctypes.CDLL:
