@@ -238,3 +238,16 @@ def test_a_recipe_with_torchs_kernels_never_compiles_an_update(monkeypatch):
     assert runs[0][0] > 0 and runs[1][0] == 0 == runs[2][0]
     for a, b in zip(runs[1][1], runs[2][1]):
         assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("choice", [{"fused": False}, {"foreach": False}, {"foreach": True}])
+def test_a_users_explicit_choice_of_torchs_loop_is_respected(choice, fused_on):
+    """``fused=False`` / ``foreach=False`` keep torch's own loop (the chunk path); an explicit
+    wish for speed (``foreach=True``) takes the fused pass."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **choice)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt = mixprec.initialize(model, opt, mixprec.Recipe("O3", BF16))
+    _train(model, opt, 3)
+    assert (opt.lean.fused.fused_steps > 0) == (False not in choice.values())

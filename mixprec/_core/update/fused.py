@@ -42,7 +42,9 @@ before they are written. The decode and encode are the eager ones, op for op
 (:mod:`.fused_ops`).
 
 Falls back to the chunk path (per parameter, silently, as a choice of kernel): a parameter's
-first step (the optimizer makes its state), ``amsgrad``, ``capturable``, ``differentiable``, a
+first step (the optimizer makes its state), a group built with ``fused=False`` or
+``foreach=False`` (the user's choice of torch's loop), ``amsgrad``, ``capturable``,
+``differentiable``, a
 state stored other than ``state_dtype`` says (e.g. a resumed fp32 state the next chunk step
 narrows to 16 bits), 4-bit codes of an odd row length, fp16 with ``"stochastic"``,
 non-contiguous tensors,
@@ -216,6 +218,8 @@ class FusedUpdates:
             return None
         if group.get("differentiable") or group.get("capturable"):
             return None
+        if group.get("fused") is False or group.get("foreach") is False:
+            return None  # the user chose torch's loop: respected, as torch_fused does
         low = local.dtype
         if low not in _LOW or (self.update == "stochastic" and low != torch.bfloat16):
             return None
