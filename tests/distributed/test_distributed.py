@@ -350,6 +350,71 @@ def test_fsdp2_checkpoints_before_the_first_step_and_from_before_recipes_were_re
         assert res["legacy_o2_loads"]  # an O2 directory without mixprec_meta
 
 
+@pytest.mark.parametrize("case", DCP_CASES)
+def test_offline_export_of_a_checkpoint_equals_the_live_fp32_export(
+    ranks, dist_out, case, tmp_path
+):
+    """Without ranks or mixprec's model: torch's ``dcp_to_torch_save`` joins the shards of the
+    checkpoint ``dcp_resume`` saved at step 4 into one file, and ``fp32_state_dict_from_checkpoint``
+    gives ``fp32_full_state_dict`` of the live run at that step bit for bit (Kahan: ``w + c``,
+    not the rounded weights); it loads strictly into the model built in plain torch, whose loss
+    is the one the live export gave."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from mixprec.distributed import fp32_state_dict_from_checkpoint
+    from tests.distributed.scenarios import DCP_MODELS, dcp_batch, dcp_mlp, mse
+
+    r = result(ranks, "dcp_resume")[0][case]
+    dcp_to_torch_save(dist_out / f"dcp_{case}", tmp_path / "model.pt")
+    offline = fp32_state_dict_from_checkpoint(tmp_path / "model.pt")
+    live = torch.load(dist_out / f"dcp_{case}_fp32.pt", weights_only=True)
+    assert offline.keys() == live.keys()
+    for k, v in offline.items():
+        assert v.dtype == live[k].dtype == torch.float32 and v.device.type == "cpu"
+        assert torch.equal(v.view(torch.int32), live[k].view(torch.int32)), k
+    held = torch.load(tmp_path / "model.pt", weights_only=True)["model"]
+    rounded = all(torch.equal(held[k].float(), v) for k, v in offline.items())
+    assert rounded == (not case.startswith("kahan"))  # Kahan: the exact w + c, not w
+    plain = dcp_mlp(2, **DCP_MODELS.get(case, {}))
+    plain.load_state_dict(offline, strict=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks computed it
+    try:
+        with torch.no_grad():
+            assert mse(plain, *dcp_batch(4)).item() == r["plain_loss"]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_offline_export_refuses_what_is_not_a_converted_fsdp2_checkpoint(ranks, dist_out, tmp_path):
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from mixprec.distributed import fp32_state_dict_from_checkpoint as export
+
+    result(ranks, "dcp_resume")
+    dcp_to_torch_save(dist_out / "dcp_kahan", tmp_path / "kahan.pt")
+    kahan = torch.load(tmp_path / "kahan.pt", weights_only=True)
+    del kahan["compensation"]["2.weight"]
+    torch.save({"0.weight": torch.zeros(2)}, tmp_path / "plain.pt")
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    cases = [
+        (dist_out / "dcp_kahan", ValueError, ["is a directory", "dcp_to_torch_save("]),
+        (tmp_path / "missing.pt", FileNotFoundError, ["does not exist", "dcp_to_torch_save("]),
+        (tmp_path / "notes.txt", ValueError, ["not a torch.save file", "dcp_to_torch_save("]),
+        (tmp_path / "plain.pt", ValueError, ["keys ['0.weight']", "'mixprec_meta'"]),
+        (kahan, ValueError, ["lacks ['compensation.2.weight']", "Convert the directory again"]),
+        ({"format": "mixprec-full/1"}, ValueError, ["replicated", "load_checkpoint"]),
+        ([1, 2], TypeError, ["received list"]),
+    ]
+    for given, kind, words in cases:
+        with pytest.raises(kind) as err:
+            export(given)
+        for w in words:
+            assert w in str(err.value), (given, str(err.value))
+
+
 def test_update_mode_checkpoints_load_on_another_world_size():
     from mixprec.distributed._dcp_checks import FORMAT, check_description
 
