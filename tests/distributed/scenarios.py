@@ -892,12 +892,16 @@ DCP_MODELS = {"lean_uneven": {"uneven": True}}
 
 def dcp_mlp(seed: int, extra_layers: int = 0, uneven: bool = False) -> nn.Module:
     """Coded states on both ranks' shards (>= 4096 elements each), one with rows of odd length
-    (65: 4-bit codes end a row in half a byte), and small fp32-state tensors."""
+    (65: 4-bit codes end a row in half a byte), small fp32-state tensors, and two buffers
+    (unused by the forward) the checkpoint and the fp32 exports carry."""
     torch.manual_seed(seed)
     width = 127 if uneven else 128
     layers = [nn.Linear(65, width), nn.ReLU(), nn.Linear(width, 64), nn.ReLU()]
     layers += [m for _ in range(extra_layers) for m in (nn.Linear(64, 64), nn.ReLU())]
-    return nn.Sequential(*layers, nn.Linear(64, 8))
+    model = nn.Sequential(*layers, nn.Linear(64, 8))
+    model.register_buffer("seen", torch.tensor(seed))  # buffers travel with the checkpoint
+    model.register_buffer("shift", torch.linspace(-1.0, 1.0, 8))
+    return model
 
 
 def dcp_batch(step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
