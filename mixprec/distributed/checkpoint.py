@@ -349,7 +349,9 @@ def fp32_state_dict_from_checkpoint(checkpoint: str | os.PathLike | dict) -> dic
     ``torch.load`` returns for it); no process group and no model are needed. The result is
     :func:`fp32_full_state_dict` of the run at the step it was saved, bit for bit: fp32 masters
     under O1-O3, the widened 16-bit weights under an update mode, each weight's ``w + c`` under a
-    Kahan update; buffers too, keyed by the unwrapped module's names, on the CPU.
+    Kahan update; buffers too, keyed by the unwrapped module's names, on the CPU. DCP writes a
+    buffer once, from one rank: one that differs between ranks (BatchNorm's running statistics
+    without ``SyncBatchNorm``) is that rank's copy here.
     """
     sd = _read_converted(checkpoint)
     if sd.get("format") == _FORMAT:
