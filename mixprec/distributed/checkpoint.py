@@ -360,13 +360,16 @@ def fp32_state_dict_from_checkpoint(checkpoint: str | os.PathLike | dict) -> dic
             "process): it has no shards to join. Load it with load_checkpoint into the model "
             "prepared as it was saved and call fp32_full_state_dict (or mixprec.fp32_state_dict)."
         )
-    if checks.META_KEY not in sd or not isinstance(sd.get("model"), dict):
+    # an O1-O3 checkpoint written before checkpoints recorded their recipe: fp32 masters only
+    legacy = checks.META_KEY not in sd and {"optimizer", MIXPREC_KEY} <= sd.keys()
+    meta = sd.get(checks.META_KEY)
+    if not isinstance(sd.get("model"), dict) or not (legacy or isinstance(meta, bytes)):
         raise ValueError(
             f"Received a dict with keys {sorted(map(str, sd))[:8]}, not a converted mixprec "
-            f"FSDP2 checkpoint (which has 'model' and {checks.META_KEY!r}). Pass the file "
-            f"{_CONVERT} wrote from a directory save_checkpoint wrote."
+            f"FSDP2 checkpoint (which has 'model' and {checks.META_KEY!r}, a blob). Pass the "
+            f"file {_CONVERT} wrote from a directory save_checkpoint wrote."
         )
-    info = checks.unblob(sd[checks.META_KEY])
+    info = {"format": checks.FORMAT} if legacy else checks.unblob(meta)
     if not isinstance(info, dict) or info.get("format") != checks.FORMAT:
         found = info.get("format") if isinstance(info, dict) else type(info).__name__
         raise ValueError(

@@ -407,6 +407,7 @@ def test_offline_export_refuses_what_is_not_a_converted_fsdp2_checkpoint(ranks, 
         (tmp_path / "missing.pt", FileNotFoundError, ["does not exist", "dcp_to_torch_save("]),
         (tmp_path / "notes.txt", ValueError, ["not a torch.save file", "dcp_to_torch_save("]),
         (tmp_path / "plain.pt", ValueError, ["keys ['0.weight']", "'mixprec_meta'"]),
+        ({"model": {}, "mixprec_meta": 3}, ValueError, ["'mixprec_meta', a blob"]),
         (kahan, ValueError, ["lacks ['compensation.2.weight']", "Convert the directory again"]),
         ({"format": "mixprec-full/1"}, ValueError, ["replicated", "load_checkpoint"]),
         ([1, 2], TypeError, ["received list"]),
@@ -416,6 +417,14 @@ def test_offline_export_refuses_what_is_not_a_converted_fsdp2_checkpoint(ranks, 
             export(given)
         for w in words:
             assert w in str(err.value), (given, str(err.value))
+    # an O2 checkpoint from before checkpoints recorded their recipe: its fp32 masters
+    dcp_to_torch_save(dist_out / "dcp_O2", tmp_path / "o2.pt")
+    o2 = torch.load(tmp_path / "o2.pt", weights_only=True)
+    with_meta = export(o2)
+    del o2["mixprec_meta"]
+    legacy = export(o2)
+    assert legacy.keys() == with_meta.keys()
+    assert all(torch.equal(legacy[k], with_meta[k]) for k in legacy)
 
 
 def test_update_mode_checkpoints_load_on_another_world_size():
