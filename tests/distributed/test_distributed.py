@@ -435,43 +435,54 @@ def test_update_mode_checkpoints_load_on_another_world_size():
         check_description(saved, {**saved, "world_size": 4}, Path("ckpt"))  # no refusal
 
 
-# -- resharding: saved on 2 ranks (scenario reshard_save), loaded on 1 and on 4 -----------------
+# -- resharding: saved on 2 ranks (scenario reshard_save), loaded on 1 and on 4; saved on 4 -> 2 --
 RESHARD = Path(__file__).with_name("reshard.py")
 #: cases whose states are coded (or not) on 1, 2 and 4 ranks alike (reshard.CASES)
 RESHARD_EXACT = ["O2", "kahan", "lean_wide", "lean_4bit_wide"]
-#: 4 ranks of gloo on 2 cores start slowly (~15 s): O2 (DCP's own resharding) there by hand
+#: (saved on, loaded on) -> cases. 4 ranks of gloo on 2 cores start slowly (~15 s): one 4-rank
+#: launch loads 2 -> 4 and then saves for 4 -> 2; O2 (DCP's own resharding) by hand there
 RESHARD_CASES = {
-    1: [*RESHARD_EXACT, "lean_uneven"],
-    4: ["kahan", "lean_wide", "lean_4bit_wide", "lean_uneven"],
+    (2, 1): [*RESHARD_EXACT, "lean_uneven"],
+    (2, 4): ["kahan", "lean_wide", "lean_4bit_wide", "lean_uneven"],
+    (4, 2): ["lean_4bit_wide", "lean_uneven"],
 }
 
 
 @pytest.fixture(scope="module")
-def reshard_loads(ranks, dist_out) -> dict[int, dict]:
-    """``reshard.py load`` on 1 and on 4 ranks: 3 steps after loading the 2-rank checkpoints."""
+def reshard_loads(ranks, dist_out) -> dict[tuple[int, int], dict]:
+    """``reshard.py load`` on 1 and on 4 ranks (3 steps after loading the 2-rank checkpoints),
+    the 4-rank launch then saving for ``load --saved-by 4`` on 2 ranks."""
     result(ranks, "reshard_save")
+    root = dist_out / "reshard"
+    launches = [
+        (1, ["--cases", ",".join(RESHARD_CASES[2, 1]), "load"]),
+        (4, ["--cases", ",".join(RESHARD_CASES[2, 4]), "load", "save"]),
+        (2, ["--cases", ",".join(RESHARD_CASES[4, 2]), "--saved-by", "4", "load"]),
+    ]
+    launches[1][1][2:2] = ["--save-cases", ",".join(RESHARD_CASES[4, 2])]
     out = {}
-    for n, cases in RESHARD_CASES.items():
-        root = dist_out / "reshard"
-        proc = _torchrun(n, str(RESHARD), "--dir", str(root), "--cases", ",".join(cases), "load")
-        f = root / "from2" / f"load_{n}.json"
+    for n, args in launches:
+        saved = 4 if "--saved-by" in args else 2
+        proc = _torchrun(n, str(RESHARD), "--dir", str(root), *args)
+        f = root / f"from{saved}" / f"load_{n}.json"
         if proc.returncode != 0 or not f.exists():
             pytest.fail(f"torchrun of {n} ranks failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        out[n] = json.loads(f.read_text())
+        out[saved, n] = json.loads(f.read_text())
     return out
 
 
 def _reshard_params():
-    return [(n, c) for n, cases in RESHARD_CASES.items() for c in cases]
+    return [(*way, c) for way, cases in RESHARD_CASES.items() for c in cases]
 
 
-@pytest.mark.parametrize(("n", "case"), _reshard_params())
-def test_resharded_load_is_bit_for_bit(reshard_loads, n, case):
-    """Right after loading the 2-rank checkpoint on ``n`` ranks, the gathered weights, Kahan
-    compensation and the values each state's next step reads equal the 2-rank run's bit for
-    bit; where a state is coded on every rank of both runs its codes and block scales too."""
+@pytest.mark.parametrize(("saved", "n", "case"), _reshard_params())
+def test_resharded_load_is_bit_for_bit(reshard_loads, saved, n, case):
+    """Right after loading the checkpoint saved on ``saved`` ranks on ``n`` ranks, the gathered
+    weights, Kahan compensation and the values each state's next step reads equal the saving
+    run's bit for bit; where a state is coded on every rank of both runs its codes and block
+    scales too."""
     for mode in ("split", "same"):
-        r = reshard_loads[n][f"{case}/{mode}"]["at_load"]
+        r = reshard_loads[saved, n][f"{case}/{mode}"]["at_load"]
         assert not r["only_saved"] and not r["only_here"], r
         assert {k: v for k, v in r["diff"].items() if v} == {}, (mode, r["diff"])
         keys = set(r["diff"])
@@ -482,15 +493,17 @@ def test_resharded_load_is_bit_for_bit(reshard_loads, n, case):
             assert {"codes.0.weight.exp_avg", "scale.2.weight.exp_avg_sq"} <= keys
 
 
-@pytest.mark.parametrize(("n", "case"), [p for p in _reshard_params() if p[1] in RESHARD_EXACT])
-def test_resharded_training_repeats_the_2_rank_run_where_coding_is_unchanged(
-    reshard_loads, n, case
+@pytest.mark.parametrize(
+    ("saved", "n", "case"), [p for p in _reshard_params() if p[2] in RESHARD_EXACT]
+)
+def test_resharded_training_repeats_the_saving_run_where_coding_is_unchanged(
+    reshard_loads, saved, n, case
 ):
     """Every rank stepping on the same rows gives the same gradient on any number of ranks:
-    3 steps after the load then repeat the 2-rank run -- the keyed stochastic rounding uses the
+    3 steps after the load then repeat the saving run -- the keyed stochastic rounding uses the
     global element index. Losses, weights, codes, scales and compensation bit for bit; fp32
     states within one ulp (seen: an 8-element bias's second moment on 1 rank)."""
-    r = reshard_loads[n][f"{case}/same"]
+    r = reshard_loads[saved, n][f"{case}/same"]
     assert r["loss_diff"] == 0.0, r["losses"]
     after = r["after"]
     assert not after["only_saved"] and not after["only_here"]
@@ -501,22 +514,26 @@ def test_resharded_training_repeats_the_2_rank_run_where_coding_is_unchanged(
             assert d == 0.0, (k, d)
 
 
-@pytest.mark.parametrize(("n", "case"), _reshard_params())
-def test_resharded_training_stays_within_0_02_of_the_uninterrupted_run(reshard_loads, n, case):
+@pytest.mark.parametrize(("saved", "n", "case"), _reshard_params())
+def test_resharded_training_stays_within_0_02_of_the_uninterrupted_run(
+    reshard_loads, saved, n, case
+):
     """The global batch split over ``n`` ranks (rounded differently in bf16 per micro-batch),
     and in ``lean_uneven`` states that change between codes and fp32 with the shard size: the
-    loss of the 3 steps after the load stays within 0.02 of the 2-rank run's."""
+    loss of the 3 steps after the load stays within 0.02 of the saving run's."""
     for mode in ("split", "same"):
-        r = reshard_loads[n][f"{case}/{mode}"]
+        r = reshard_loads[saved, n][f"{case}/{mode}"]
         assert r["loss_diff"] <= 0.02, (mode, r["losses"], r["losses_saved"])
     if case == "lean_uneven":
-        r = reshard_loads[n]["lean_uneven/split"]
-        assert r["coded_saved"]["0.weight.exp_avg"] == [True, False]  # 64 / 63 rows
-        if n == 1:  # fp32 values loaded, coded by the first step (rows 64.. newly rounded)
-            assert r["coded_here"]["0.weight.exp_avg"] == [False]
+        r = reshard_loads[saved, n]["lean_uneven/split"]
+        coded = (r["coded_saved"]["0.weight.exp_avg"], r["coded_here"]["0.weight.exp_avg"])
+        if saved == 4:  # 32 rows a rank: saved in fp32, loaded in fp32 on 64 / 63 rows
+            assert coded == ([False] * 4, [False] * 2)
+        elif n == 1:  # 64 / 63 rows: saved decoded; fp32 loaded, coded by the first step
+            assert coded == ([True, False], [False])
             assert "codes.0.weight.exp_avg" in r["after"]["only_here"]
         else:  # 32 rows of 65 on each of 4 ranks: decoded at the load, fp32 from then on
-            assert r["coded_here"]["0.weight.exp_avg"] == [False] * 4
+            assert coded == ([True, False], [False] * 4)
 
 
 @pytest.mark.parametrize("fmt", ["8-bit", "4-bit"])
