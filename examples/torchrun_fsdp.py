@@ -9,6 +9,14 @@ torch.distributed.checkpoint directory: every rank writes its own shards. The se
 trains on to step 40, the run it resumes repeated bit for bit. Each run ends by exporting a plain
 fp32 state dict from rank 0, which loads into the model built without mixprec. ``--recipe O2``
 (fp32 shards as the master weights) works the same way. gloo on CPU, nccl when CUDA is available.
+
+The same plain fp32 state dict, bit for bit, comes from the saved directory offline (one
+process, no process group, no model prepared by mixprec)::
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save("fsdp_checkpoint", "fsdp_checkpoint.pt")  # torch's own: shards joined
+    state = mixprec.distributed.fp32_state_dict_from_checkpoint("fsdp_checkpoint.pt")
+    GPT(CONFIG).load_state_dict(state)  # == torch.load("fsdp_checkpoint_fp32.pt")
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ One concept per module:
 * :mod:`~mixprec.distributed.fsdp` -- mixprec levels as FSDP2 ``MixedPrecisionPolicy``, FSDP's
   fp32 shards as the master weights;
 * :mod:`~mixprec.distributed.fp8_gather` -- FSDP2 all-gathers tensorwise FP8 weights in FP8;
-* :mod:`~mixprec.distributed.checkpoint` -- save/resume under both, loss scalers included.
+* :mod:`~mixprec.distributed.checkpoint` -- save/resume under both, loss scalers
+  included, and a plain fp32 state dict from a checkpoint offline.
 
 Usage (``torchrun --nproc_per_node=2 train.py``; see ``docs/distributed.md``)::
 
@@ -21,7 +22,12 @@ Usage (``torchrun --nproc_per_node=2 train.py``; see ``docs/distributed.md``)::
 
 from typing import Any
 
-from mixprec.distributed.checkpoint import fp32_full_state_dict, load_checkpoint, save_checkpoint
+from mixprec.distributed.checkpoint import (
+    fp32_full_state_dict,
+    fp32_state_dict_from_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from mixprec.distributed.ddp import AllReduceHook, wrap_ddp
 from mixprec.distributed.verdicts import FlagReducer, assert_in_sync, sync_verdicts
 
@@ -43,6 +49,7 @@ __all__ = [
     "FlagReducer",
     "assert_in_sync",
     "fp32_full_state_dict",
+    "fp32_state_dict_from_checkpoint",
     "fsdp_mp_policy",
     "initialize_fsdp",
     "load_checkpoint",

@@ -31,6 +31,12 @@ one):
     refuses with what differs.
 * :func:`fp32_full_state_dict` gathers a plain fp32 state dict (FSDP: all-gathered, on CPU) that
   loads into the unwrapped fp32 model, the distributed form of :func:`mixprec.fp32_state_dict`.
+* **Offline, without ranks or mixprec's model:** :func:`fp32_state_dict_from_checkpoint` reads
+  what torch's own ``dcp_to_torch_save`` made of an FSDP2 directory (one file, every shard
+  joined, ``mixprec_meta`` kept) and computes the same dict as :func:`fp32_full_state_dict` at
+  that step, bit for bit: the values are elementwise in the weight and its compensation, so
+  joined shards give what gathered shards give. torch's converter reads every layout mixprec
+  writes (16-bit and fp32 shards, codes and scales, the blob), so mixprec needs none of its own.
 """
 
 from __future__ import annotations
@@ -50,7 +56,12 @@ from mixprec._core.resume import MIXPREC_KEY, kahan_fp32, pack_state_dict
 from mixprec.distributed import _dcp_checks as checks
 from mixprec.distributed import _dcp_layout as layout
 
-__all__ = ["fp32_full_state_dict", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "fp32_full_state_dict",
+    "fp32_state_dict_from_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 _FORMAT = "mixprec-full/1"
 
@@ -288,10 +299,99 @@ def fp32_full_state_dict(
         # cpu_offload=True would keep the result on rank 0 only; every rank gets it here.
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         full.update(_kahan_full_values(model, optimizer))
-        return {
-            k: (v.float() if v.is_floating_point() and v.dtype != torch.float64 else v)
-            .detach()
-            .cpu()
-            for k, v in full.items()
-        }
+        return _fp32_cpu(full)
     return fp32_state_dict(_unwrap(model), optimizer)
+
+
+def _fp32_cpu(full: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Floating tensors as fp32 (float64 kept), every tensor detached and on the CPU."""
+    return {
+        k: (v.float() if v.is_floating_point() and v.dtype != torch.float64 else v).detach().cpu()
+        for k, v in full.items()
+    }
+
+
+_CONVERT = "torch.distributed.checkpoint.format_utils.dcp_to_torch_save(checkpoint_dir, 'model.pt')"
+
+
+def _read_converted(checkpoint: Any) -> dict[str, Any]:
+    """The dict of a converted checkpoint, from the dict itself or the file holding it."""
+    if isinstance(checkpoint, (str, os.PathLike)):
+        path = Path(checkpoint)
+        if path.is_dir():
+            raise ValueError(
+                f"{path} is a directory (a torch.distributed.checkpoint, as save_checkpoint "
+                f"writes for FSDP2); this function reads the one file made of it. Run {_CONVERT} "
+                "once, then pass 'model.pt'."
+            )
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist; pass the file {_CONVERT} wrote.")
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # pickle, zip and weights_only errors alike
+            raise ValueError(
+                f"{path} is not a torch.save file readable with weights_only=True "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Pass the "
+                f"file {_CONVERT} wrote from a save_checkpoint directory."
+            ) from e
+    if not isinstance(checkpoint, dict):
+        raise TypeError(
+            f"Expected a path or the dict torch.load returns for a converted checkpoint, "
+            f"received {type(checkpoint).__name__}."
+        )
+    return checkpoint
+
+
+def fp32_state_dict_from_checkpoint(checkpoint: str | os.PathLike | dict) -> dict[str, Tensor]:
+    """The plain fp32 state dict of an FSDP2 ``save_checkpoint`` directory, offline.
+
+    ``checkpoint`` is the file ``dcp_to_torch_save(checkpoint_dir, file)`` wrote (or the dict
+    ``torch.load`` returns for it); no process group and no model are needed. The result is
+    :func:`fp32_full_state_dict` of the run at the step it was saved, bit for bit: fp32 masters
+    under O1-O3, the widened 16-bit weights under an update mode, each weight's ``w + c`` under a
+    Kahan update; buffers too, keyed by the unwrapped module's names, on the CPU. DCP writes a
+    buffer once, from one rank: one that differs between ranks (BatchNorm's running statistics
+    without ``SyncBatchNorm``) is that rank's copy here.
+    """
+    sd = _read_converted(checkpoint)
+    if sd.get("format") == _FORMAT:
+        raise ValueError(
+            f"Received a replicated model's save_checkpoint file (format {_FORMAT!r}, DDP or one "
+            "process): it has no shards to join. Load it with load_checkpoint into the model "
+            "prepared as it was saved and call fp32_full_state_dict (or mixprec.fp32_state_dict)."
+        )
+    # an O1-O3 checkpoint written before checkpoints recorded their recipe: fp32 masters only
+    legacy = checks.META_KEY not in sd and {"optimizer", MIXPREC_KEY} <= sd.keys()
+    meta = sd.get(checks.META_KEY)
+    if not isinstance(sd.get("model"), dict) or not (legacy or isinstance(meta, bytes)):
+        raise ValueError(
+            f"Received a dict with keys {sorted(map(str, sd))[:8]}, not a converted mixprec "
+            f"FSDP2 checkpoint (which has 'model' and {checks.META_KEY!r}, a blob). Pass the "
+            f"file {_CONVERT} wrote from a directory save_checkpoint wrote."
+        )
+    info = {"format": checks.FORMAT} if legacy else checks.unblob(meta)
+    if not isinstance(info, dict) or info.get("format") != checks.FORMAT:
+        found = info.get("format") if isinstance(info, dict) else type(info).__name__
+        raise ValueError(
+            f"The checkpoint's {checks.META_KEY!r} describes format {found!r}; this version "
+            f"reads {checks.FORMAT!r}. Convert it with the mixprec version that wrote it."
+        )
+    model, comps = sd["model"], sd.get("compensation") or {}
+    names = info.get("compensation") or []  # the weights stepped by a Kahan update
+    missing = [f"compensation.{n}" for n in names if n not in comps]
+    missing += [f"model.{n}" for n in names if n not in model]
+    if missing:
+        raise ValueError(
+            f"The checkpoint lacks {missing[:8]} that its {checks.META_KEY!r} lists (a dict "
+            f"edited or converted in part?). Convert the directory again with {_CONVERT}."
+        )
+    full = dict(model)
+    for name in names:
+        full[name] = kahan_fp32(model[name], comps[name])
+    bad = sorted(k for k, v in full.items() if not isinstance(v, Tensor))
+    if bad:
+        raise ValueError(
+            f"The checkpoint's 'model' entries {bad[:8]} are not tensors; a converted checkpoint "
+            f"holds tensors there. Convert the directory again with {_CONVERT}."
+        )
+    return _fp32_cpu(full)

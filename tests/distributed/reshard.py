@@ -6,13 +6,14 @@
         tests/distributed/reshard.py --dir /tmp/rs load; done
 
 writes ``/tmp/rs/from2/load_1.json`` and ``load_4.json``; ``save`` on 4 ranks and ``load
---saved-by 4`` on 2 is the 4 -> 2 direction; ``--cases`` picks cases of :data:`CASES`.
+--saved-by 4`` on 2 is the 4 -> 2 direction (the suite runs ``load save`` in its 4-rank
+launch); ``--cases`` (and ``--save-cases``) pick cases of :data:`CASES`.
 
-``save`` (2 ranks; the suite runs it inside its 2-rank launch as the scenario
-``reshard_save``): per case and data mode, 4 steps, ``save_checkpoint``, then 3 more steps;
+``save`` (2 ranks, the suite runs it inside its 2-rank launch as the scenario
+``reshard_save``; or 4): per case and data mode, 4 steps, ``save_checkpoint``, then 3 more steps;
 rank 0 keeps the whole tensors (gathered) at the save and after the 3 steps, and the global
 losses. ``load`` (any number of ranks): a model built from another seed, ``load_checkpoint``,
-3 steps; rank 0 writes ``load_<n>.json``: which gathered tensors equal the 2-rank run's bit for
+3 steps; rank 0 writes ``load_<n>.json``: which gathered tensors equal the saving run's bit for
 bit right after the load and after the 3 steps, how far the others are, and the losses.
 
 Data modes: ``split`` -- each step's global batch of 16 rows split over the ranks (rows
@@ -188,7 +189,8 @@ def main() -> None:
     ap.add_argument("--dir", required=True)
     ap.add_argument("--saved-by", type=int, default=2, help="load: the world size that saved")
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("phase", choices=("save", "load"))
+    ap.add_argument("--save-cases", help="save: these cases (default: --cases)")
+    ap.add_argument("phases", nargs="+", choices=("save", "load"), help="run in this order")
     args = ap.parse_args()
     cases = args.cases.split(",")
     root = Path(args.dir)
@@ -196,12 +198,13 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     S.RANK, S.WORLD = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    if args.phase == "save":
-        save(root, cases)
-    else:
-        res = load(root / f"from{args.saved_by}", cases)
-        if S.RANK == 0:
-            (root / f"from{args.saved_by}" / f"load_{S.WORLD}.json").write_text(json.dumps(res))
+    for phase in args.phases:  # one launch for both: 4 gloo ranks start slowly on 2 cores
+        if phase == "save":
+            save(root, args.save_cases.split(",") if args.save_cases else cases)
+        else:
+            res = load(root / f"from{args.saved_by}", cases)
+            if S.RANK == 0:
+                (root / f"from{args.saved_by}" / f"load_{S.WORLD}.json").write_text(json.dumps(res))
     dist.destroy_process_group()
 
 

@@ -892,12 +892,16 @@ DCP_MODELS = {"lean_uneven": {"uneven": True}}
 
 def dcp_mlp(seed: int, extra_layers: int = 0, uneven: bool = False) -> nn.Module:
     """Coded states on both ranks' shards (>= 4096 elements each), one with rows of odd length
-    (65: 4-bit codes end a row in half a byte), and small fp32-state tensors."""
+    (65: 4-bit codes end a row in half a byte), small fp32-state tensors, and two buffers
+    (unused by the forward) the checkpoint and the fp32 exports carry."""
     torch.manual_seed(seed)
     width = 127 if uneven else 128
     layers = [nn.Linear(65, width), nn.ReLU(), nn.Linear(width, 64), nn.ReLU()]
     layers += [m for _ in range(extra_layers) for m in (nn.Linear(64, 64), nn.ReLU())]
-    return nn.Sequential(*layers, nn.Linear(64, 8))
+    model = nn.Sequential(*layers, nn.Linear(64, 8))
+    model.register_buffer("seen", torch.tensor(seed))  # buffers travel with the checkpoint
+    model.register_buffer("shift", torch.linspace(-1.0, 1.0, 8))
+    return model
 
 
 def dcp_batch(step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -938,7 +942,7 @@ def _dcp_run(
     (so all of it must come from the checkpoint), load, go on. Rank 1 alone gets an inf
     gradient at ``poison_at``."""
     model, opt = _dcp_build(recipe, 0, **model_kw)
-    coded = {}
+    coded, plain_loss = {}, None
     losses, skipped, saved = [], [], {}
     for step in range(steps):
         if step == save_at:
@@ -949,6 +953,7 @@ def _dcp_run(
                 if k != "step"
             }
             mpd.save_checkpoint(path, model, opt)
+            plain_loss = _export_live(model, opt, path, step, **model_kw)
             model, opt = _dcp_build(recipe, 7, **model_kw)
             mpd.load_checkpoint(path, model, opt)
         x, y = dcp_batch(step)
@@ -986,14 +991,30 @@ def _dcp_run(
         "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
         "scalers": [s.scaler.state_dict() for s in opt.slots],
         "coded_at_save": coded,
+        "plain_loss": plain_loss,
     }
+
+
+def _export_live(model: nn.Module, opt, path: str, step: int, **model_kw) -> float | None:
+    """``fp32_full_state_dict`` at the save (a collective), written by rank 0 beside the
+    checkpoint as ``<path>_fp32.pt``; and the loss of step ``step``'s batch in the model built
+    without mixprec from it (rank 0; the offline export must give the same)."""
+    live = mpd.fp32_full_state_dict(model, opt)
+    if RANK != 0:
+        return None
+    torch.save(live, path + "_fp32.pt")
+    plain = dcp_mlp(1, **model_kw)
+    plain.load_state_dict(live, strict=True)
+    with torch.no_grad():
+        return mse(plain, *dcp_batch(step)).item()
 
 
 def scenario_dcp_resume() -> dict:
     """4 steps, save, fresh model and optimizer, load, 3 more (inf on rank 1 at the
-    second step after the resume) == 7 uninterrupted steps, bit for bit, for every recipe."""
+    second step after the resume) == 7 uninterrupted steps, bit for bit, for every recipe. The
+    checkpoints and the live fp32 exports at the save stay in ``--out`` for the offline test."""
     out = {}
-    root = Path(os.environ["MIXPREC_DIST_TMP"])
+    root = Path(os.environ["MIXPREC_DIST_OUT"])  # the offline export test reads them
     for name, recipe in DCP_RECIPES.items():
         path = str(root / f"dcp_{name}")
         kw = DCP_MODELS.get(name, {})
@@ -1015,6 +1036,7 @@ def scenario_dcp_resume() -> dict:
             "scalers_equal": full["scalers"] == resumed["scalers"],
             "scalers": resumed["scalers"],
             "coded_at_save": resumed["coded_at_save"],
+            "plain_loss": resumed["plain_loss"],
         }
     return out
 

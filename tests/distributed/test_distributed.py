@@ -350,6 +350,83 @@ def test_fsdp2_checkpoints_before_the_first_step_and_from_before_recipes_were_re
         assert res["legacy_o2_loads"]  # an O2 directory without mixprec_meta
 
 
+@pytest.mark.parametrize("case", DCP_CASES)
+def test_offline_export_of_a_checkpoint_equals_the_live_fp32_export(
+    ranks, dist_out, case, tmp_path
+):
+    """Without ranks or mixprec's model: torch's ``dcp_to_torch_save`` joins the shards of the
+    checkpoint ``dcp_resume`` saved at step 4 into one file, and ``fp32_state_dict_from_checkpoint``
+    gives ``fp32_full_state_dict`` of the live run at that step bit for bit (Kahan: ``w + c``,
+    not the rounded weights); it loads strictly into the model built in plain torch, whose loss
+    is the one the live export gave."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from mixprec.distributed import fp32_state_dict_from_checkpoint
+    from tests.distributed.scenarios import DCP_MODELS, dcp_batch, dcp_mlp, mse
+
+    r = result(ranks, "dcp_resume")[0][case]
+    dcp_to_torch_save(dist_out / f"dcp_{case}", tmp_path / "model.pt")
+    offline = fp32_state_dict_from_checkpoint(tmp_path / "model.pt")
+    live = torch.load(dist_out / f"dcp_{case}_fp32.pt", weights_only=True)
+    assert offline.keys() == live.keys() >= {"seen", "shift"}  # buffers too
+    assert offline["seen"].dtype == torch.int64 and offline["seen"].item() == 0
+    for k, v in offline.items():
+        assert v.dtype == live[k].dtype and v.device.type == "cpu"
+        if k != "seen":
+            assert v.dtype == torch.float32
+            assert torch.equal(v.view(torch.int32), live[k].view(torch.int32)), k
+    held = torch.load(tmp_path / "model.pt", weights_only=True)["model"]
+    rounded = all(torch.equal(held[k].float(), v) for k, v in offline.items())
+    assert rounded == (not case.startswith("kahan"))  # Kahan: the exact w + c, not w
+    plain = dcp_mlp(2, **DCP_MODELS.get(case, {}))
+    plain.load_state_dict(offline, strict=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks computed it
+    try:
+        with torch.no_grad():
+            assert mse(plain, *dcp_batch(4)).item() == r["plain_loss"]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_offline_export_refuses_what_is_not_a_converted_fsdp2_checkpoint(ranks, dist_out, tmp_path):
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from mixprec.distributed import fp32_state_dict_from_checkpoint as export
+
+    result(ranks, "dcp_resume")
+    dcp_to_torch_save(dist_out / "dcp_kahan", tmp_path / "kahan.pt")
+    kahan = torch.load(tmp_path / "kahan.pt", weights_only=True)
+    del kahan["compensation"]["2.weight"]
+    torch.save({"0.weight": torch.zeros(2)}, tmp_path / "plain.pt")
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    cases = [
+        (dist_out / "dcp_kahan", ValueError, ["is a directory", "dcp_to_torch_save("]),
+        (tmp_path / "missing.pt", FileNotFoundError, ["does not exist", "dcp_to_torch_save("]),
+        (tmp_path / "notes.txt", ValueError, ["not a torch.save file", "dcp_to_torch_save("]),
+        (tmp_path / "plain.pt", ValueError, ["keys ['0.weight']", "'mixprec_meta'"]),
+        ({"model": {}, "mixprec_meta": 3}, ValueError, ["'mixprec_meta', a blob"]),
+        (kahan, ValueError, ["lacks ['compensation.2.weight']", "Convert the directory again"]),
+        ({"format": "mixprec-full/1"}, ValueError, ["replicated", "load_checkpoint"]),
+        ([1, 2], TypeError, ["received list"]),
+    ]
+    for given, kind, words in cases:
+        with pytest.raises(kind) as err:
+            export(given)
+        for w in words:
+            assert w in str(err.value), (given, str(err.value))
+    # an O2 checkpoint from before checkpoints recorded their recipe: its fp32 masters
+    dcp_to_torch_save(dist_out / "dcp_O2", tmp_path / "o2.pt")
+    o2 = torch.load(tmp_path / "o2.pt", weights_only=True)
+    with_meta = export(o2)
+    del o2["mixprec_meta"]
+    legacy = export(o2)
+    assert legacy.keys() == with_meta.keys()
+    assert all(torch.equal(legacy[k], with_meta[k]) for k in legacy)
+
+
 def test_update_mode_checkpoints_load_on_another_world_size():
     from mixprec.distributed._dcp_checks import FORMAT, check_description
 
@@ -358,43 +435,54 @@ def test_update_mode_checkpoints_load_on_another_world_size():
         check_description(saved, {**saved, "world_size": 4}, Path("ckpt"))  # no refusal
 
 
-# -- resharding: saved on 2 ranks (scenario reshard_save), loaded on 1 and on 4 -----------------
+# -- resharding: saved on 2 ranks (scenario reshard_save), loaded on 1 and on 4; saved on 4 -> 2 --
 RESHARD = Path(__file__).with_name("reshard.py")
 #: cases whose states are coded (or not) on 1, 2 and 4 ranks alike (reshard.CASES)
 RESHARD_EXACT = ["O2", "kahan", "lean_wide", "lean_4bit_wide"]
-#: 4 ranks of gloo on 2 cores start slowly (~15 s): O2 (DCP's own resharding) there by hand
+#: (saved on, loaded on) -> cases. 4 ranks of gloo on 2 cores start slowly (~15 s): one 4-rank
+#: launch loads 2 -> 4 and then saves for 4 -> 2; O2 (DCP's own resharding) by hand there
 RESHARD_CASES = {
-    1: [*RESHARD_EXACT, "lean_uneven"],
-    4: ["kahan", "lean_wide", "lean_4bit_wide", "lean_uneven"],
+    (2, 1): [*RESHARD_EXACT, "lean_uneven"],
+    (2, 4): ["kahan", "lean_wide", "lean_4bit_wide", "lean_uneven"],
+    (4, 2): ["lean_4bit_wide", "lean_uneven"],
 }
 
 
 @pytest.fixture(scope="module")
-def reshard_loads(ranks, dist_out) -> dict[int, dict]:
-    """``reshard.py load`` on 1 and on 4 ranks: 3 steps after loading the 2-rank checkpoints."""
+def reshard_loads(ranks, dist_out) -> dict[tuple[int, int], dict]:
+    """``reshard.py load`` on 1 and on 4 ranks (3 steps after loading the 2-rank checkpoints),
+    the 4-rank launch then saving for ``load --saved-by 4`` on 2 ranks."""
     result(ranks, "reshard_save")
+    root = dist_out / "reshard"
+    launches = [
+        (1, ["--cases", ",".join(RESHARD_CASES[2, 1]), "load"]),
+        (4, ["--cases", ",".join(RESHARD_CASES[2, 4]), "load", "save"]),
+        (2, ["--cases", ",".join(RESHARD_CASES[4, 2]), "--saved-by", "4", "load"]),
+    ]
+    launches[1][1][2:2] = ["--save-cases", ",".join(RESHARD_CASES[4, 2])]
     out = {}
-    for n, cases in RESHARD_CASES.items():
-        root = dist_out / "reshard"
-        proc = _torchrun(n, str(RESHARD), "--dir", str(root), "--cases", ",".join(cases), "load")
-        f = root / "from2" / f"load_{n}.json"
+    for n, args in launches:
+        saved = 4 if "--saved-by" in args else 2
+        proc = _torchrun(n, str(RESHARD), "--dir", str(root), *args)
+        f = root / f"from{saved}" / f"load_{n}.json"
         if proc.returncode != 0 or not f.exists():
             pytest.fail(f"torchrun of {n} ranks failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        out[n] = json.loads(f.read_text())
+        out[saved, n] = json.loads(f.read_text())
     return out
 
 
 def _reshard_params():
-    return [(n, c) for n, cases in RESHARD_CASES.items() for c in cases]
+    return [(*way, c) for way, cases in RESHARD_CASES.items() for c in cases]
 
 
-@pytest.mark.parametrize(("n", "case"), _reshard_params())
-def test_resharded_load_is_bit_for_bit(reshard_loads, n, case):
-    """Right after loading the 2-rank checkpoint on ``n`` ranks, the gathered weights, Kahan
-    compensation and the values each state's next step reads equal the 2-rank run's bit for
-    bit; where a state is coded on every rank of both runs its codes and block scales too."""
+@pytest.mark.parametrize(("saved", "n", "case"), _reshard_params())
+def test_resharded_load_is_bit_for_bit(reshard_loads, saved, n, case):
+    """Right after loading the checkpoint saved on ``saved`` ranks on ``n`` ranks, the gathered
+    weights, Kahan compensation and the values each state's next step reads equal the saving
+    run's bit for bit; where a state is coded on every rank of both runs its codes and block
+    scales too."""
     for mode in ("split", "same"):
-        r = reshard_loads[n][f"{case}/{mode}"]["at_load"]
+        r = reshard_loads[saved, n][f"{case}/{mode}"]["at_load"]
         assert not r["only_saved"] and not r["only_here"], r
         assert {k: v for k, v in r["diff"].items() if v} == {}, (mode, r["diff"])
         keys = set(r["diff"])
@@ -405,15 +493,17 @@ def test_resharded_load_is_bit_for_bit(reshard_loads, n, case):
             assert {"codes.0.weight.exp_avg", "scale.2.weight.exp_avg_sq"} <= keys
 
 
-@pytest.mark.parametrize(("n", "case"), [p for p in _reshard_params() if p[1] in RESHARD_EXACT])
-def test_resharded_training_repeats_the_2_rank_run_where_coding_is_unchanged(
-    reshard_loads, n, case
+@pytest.mark.parametrize(
+    ("saved", "n", "case"), [p for p in _reshard_params() if p[2] in RESHARD_EXACT]
+)
+def test_resharded_training_repeats_the_saving_run_where_coding_is_unchanged(
+    reshard_loads, saved, n, case
 ):
     """Every rank stepping on the same rows gives the same gradient on any number of ranks:
-    3 steps after the load then repeat the 2-rank run -- the keyed stochastic rounding uses the
+    3 steps after the load then repeat the saving run -- the keyed stochastic rounding uses the
     global element index. Losses, weights, codes, scales and compensation bit for bit; fp32
     states within one ulp (seen: an 8-element bias's second moment on 1 rank)."""
-    r = reshard_loads[n][f"{case}/same"]
+    r = reshard_loads[saved, n][f"{case}/same"]
     assert r["loss_diff"] == 0.0, r["losses"]
     after = r["after"]
     assert not after["only_saved"] and not after["only_here"]
@@ -424,22 +514,26 @@ def test_resharded_training_repeats_the_2_rank_run_where_coding_is_unchanged(
             assert d == 0.0, (k, d)
 
 
-@pytest.mark.parametrize(("n", "case"), _reshard_params())
-def test_resharded_training_stays_within_0_02_of_the_uninterrupted_run(reshard_loads, n, case):
+@pytest.mark.parametrize(("saved", "n", "case"), _reshard_params())
+def test_resharded_training_stays_within_0_02_of_the_uninterrupted_run(
+    reshard_loads, saved, n, case
+):
     """The global batch split over ``n`` ranks (rounded differently in bf16 per micro-batch),
     and in ``lean_uneven`` states that change between codes and fp32 with the shard size: the
-    loss of the 3 steps after the load stays within 0.02 of the 2-rank run's."""
+    loss of the 3 steps after the load stays within 0.02 of the saving run's."""
     for mode in ("split", "same"):
-        r = reshard_loads[n][f"{case}/{mode}"]
+        r = reshard_loads[saved, n][f"{case}/{mode}"]
         assert r["loss_diff"] <= 0.02, (mode, r["losses"], r["losses_saved"])
     if case == "lean_uneven":
-        r = reshard_loads[n]["lean_uneven/split"]
-        assert r["coded_saved"]["0.weight.exp_avg"] == [True, False]  # 64 / 63 rows
-        if n == 1:  # fp32 values loaded, coded by the first step (rows 64.. newly rounded)
-            assert r["coded_here"]["0.weight.exp_avg"] == [False]
+        r = reshard_loads[saved, n]["lean_uneven/split"]
+        coded = (r["coded_saved"]["0.weight.exp_avg"], r["coded_here"]["0.weight.exp_avg"])
+        if saved == 4:  # 32 rows a rank: saved in fp32, loaded in fp32 on 64 / 63 rows
+            assert coded == ([False] * 4, [False] * 2)
+        elif n == 1:  # 64 / 63 rows: saved decoded; fp32 loaded, coded by the first step
+            assert coded == ([True, False], [False])
             assert "codes.0.weight.exp_avg" in r["after"]["only_here"]
         else:  # 32 rows of 65 on each of 4 ranks: decoded at the load, fp32 from then on
-            assert r["coded_here"]["0.weight.exp_avg"] == [False] * 4
+            assert coded == ([True, False], [False] * 4)
 
 
 @pytest.mark.parametrize("fmt", ["8-bit", "4-bit"])

@@ -1,5 +1,5 @@
 """examples/torchrun_fsdp.py as a user runs it: "lean" on FSDP2 over 2 gloo ranks, saved,
-resumed in fresh processes, exported to a plain fp32 model."""
+resumed in fresh processes, exported to a plain fp32 model (live and offline)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,15 @@ def test_lean_on_fsdp2_resumes_bit_for_bit_and_exports_a_plain_fp32_model(tmp_pa
     assert a.keys() == b.keys() and all(v.dtype == torch.float32 for v in a.values())
     assert all(torch.equal(a[k], b[k]) for k in a)
     GPT(_example_config()).load_state_dict(a)  # the model built without mixprec
+    # offline, as the example's docstring shows: the saved directory gives the same dict
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from mixprec.distributed import fp32_state_dict_from_checkpoint
+
+    dcp_to_torch_save(tmp_path / "whole", tmp_path / "whole.pt")
+    offline = fp32_state_dict_from_checkpoint(tmp_path / "whole.pt")
+    assert offline.keys() == a.keys()
+    assert all(torch.equal(offline[k].view(torch.int32), a[k].view(torch.int32)) for k in a)
 
 
 def _example_config():
