@@ -196,13 +196,19 @@ class GradientChecks:
             return flags_of(call_flags)
         for device, grads in fresh.items():
             unscale_and_check_(grads, 1.0 / scale, flag_for(device))
+        stash, checked = self._stash, self._checked
         for target, g in targets:
-            stashed = self._stash.pop(target, None)
-            if target.grad is None or target.grad is g:
-                target.grad = g if stashed is None else g.add_(stashed)
+            stashed = stash.pop(target, None) if stash else None
+            grad = target.grad
+            if grad is None or grad is g:
+                if stashed is not None:
+                    g.add_(stashed)
+                if grad is None:
+                    target.grad = g
+                grad = g
             else:
-                target.grad.add_(g)
-            self._checked[id(target)] = (weakref.ref(target.grad), _version(target.grad))
+                grad.add_(g)
+            checked[id(target)] = (weakref.ref(grad), _version(grad))
         return flags_of(call_flags)
 
     def _widen(self) -> list[tuple[Tensor, Tensor]]:

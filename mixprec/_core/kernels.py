@@ -111,6 +111,15 @@ def try_decomposed_attention(args: tuple, kwargs: dict) -> torch.Tensor | None:
     Binds positional *and* keyword arguments by name (``is_causal`` may be positional); the
     eager engine and the graph pass both call this.
     """
+    q = args[0] if args else kwargs.get("query")
+    k = args[1] if len(args) > 1 else kwargs.get("key")
+    if (  # the cheap answer for most calls at launch-bound sizes, before binding arguments
+        isinstance(q, torch.Tensor)
+        and isinstance(k, torch.Tensor)
+        and k.dim() >= 2
+        and q.numel() * k.shape[-2] < MIN_DECOMPOSED_WORK
+    ):
+        return None
     bound = dict(zip(_SDPA_PARAMS, args), **kwargs)
     if not (bound.keys() <= set(_SDPA_PARAMS) and bound.keys() >= set(_SDPA_PARAMS[:3])):
         return None
