@@ -372,11 +372,7 @@ def unscale_and_check_(
             and t.is_floating_point()
             and t.device == device
         ):
-            group = groups.get(t.dtype)
-            if group is None:
-                groups[t.dtype] = [t]
-            else:
-                group.append(t)
+            groups.setdefault(t.dtype, []).append(t)
             continue
         # a DTensor (FSDP2 shard): work on this rank's local shard, in place. The kernel on the
         # DTensor itself would run a hidden collective; the verdict is made global separately
