@@ -183,9 +183,10 @@ class GradientChecks:
                 fresh.setdefault(g.device, []).append(g)
             targets.append((master, g))
         for p in self._own_params():
-            if p.grad is not None:
-                fresh.setdefault(p.grad.device, []).append(p.grad)
-                targets.append((p, p.grad))
+            g = p.grad
+            if g is not None:
+                fresh.setdefault(g.device, []).append(g)
+                targets.append((p, g))
         # a master gradient written since its check (clipping by hand, a hook): checked as is
         changed = [m for _, m in self._pairs if self._unchecked(m)]
         for device, grads in _by_device([m.grad for m in changed]).items():
