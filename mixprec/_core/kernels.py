@@ -113,13 +113,13 @@ def try_decomposed_attention(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """
     q = args[0] if args else kwargs.get("query")
     k = args[1] if len(args) > 1 else kwargs.get("key")
-    if (  # the cheap answer for most calls at launch-bound sizes, before binding arguments
-        isinstance(q, torch.Tensor)
-        and isinstance(k, torch.Tensor)
-        and k.dim() >= 2
-        and q.numel() * k.shape[-2] < MIN_DECOMPOSED_WORK
-    ):
-        return None
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor):
+        # the cheap answers first, before binding every argument; the size comes after the
+        # static conditions, so a compiled graph guards on it only where it decides
+        if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not torch.is_grad_enabled():
+            return None
+        if k.dim() >= 2 and q.numel() * k.shape[-2] < MIN_DECOMPOSED_WORK:
+            return None
     bound = dict(zip(_SDPA_PARAMS, args), **kwargs)
     if not (bound.keys() <= set(_SDPA_PARAMS) and bound.keys() >= set(_SDPA_PARAMS[:3])):
         return None
