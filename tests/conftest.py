@@ -36,3 +36,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def decompose_small_attention(monkeypatch):
+    """mixprec's decomposed attention at any size: ``kernels="auto"`` picks it only from a
+    measured size up (``kernels.MIN_DECOMPOSED_WORK``), and the tests of its semantics use tiny
+    tensors."""
+    from mixprec._core import kernels
+
+    monkeypatch.setattr(kernels, "MIN_DECOMPOSED_WORK", 0)

@@ -183,9 +183,10 @@ class GradientChecks:
                 fresh.setdefault(g.device, []).append(g)
             targets.append((master, g))
         for p in self._own_params():
-            if p.grad is not None:
-                fresh.setdefault(p.grad.device, []).append(p.grad)
-                targets.append((p, p.grad))
+            g = p.grad
+            if g is not None:
+                fresh.setdefault(g.device, []).append(g)
+                targets.append((p, g))
         # a master gradient written since its check (clipping by hand, a hook): checked as is
         changed = [m for _, m in self._pairs if self._unchecked(m)]
         for device, grads in _by_device([m.grad for m in changed]).items():
@@ -196,13 +197,19 @@ class GradientChecks:
             return flags_of(call_flags)
         for device, grads in fresh.items():
             unscale_and_check_(grads, 1.0 / scale, flag_for(device))
+        stash, checked = self._stash, self._checked
         for target, g in targets:
-            stashed = self._stash.pop(target, None)
-            if target.grad is None or target.grad is g:
-                target.grad = g if stashed is None else g.add_(stashed)
+            stashed = stash.pop(target, None) if stash else None
+            grad = target.grad
+            if grad is None or grad is g:
+                if stashed is not None:
+                    g.add_(stashed)
+                if grad is None:
+                    target.grad = g
+                grad = g
             else:
-                target.grad.add_(g)
-            self._checked[id(target)] = (weakref.ref(target.grad), _version(target.grad))
+                grad.add_(g)
+            checked[id(target)] = (weakref.ref(grad), _version(grad))
         return flags_of(call_flags)
 
     def _widen(self) -> list[tuple[Tensor, Tensor]]:

@@ -6,8 +6,16 @@ are about 2x faster than it, forward plus backward. The softmax stays numericall
 16-bit softmax kernels accumulate in float32 internally and only round the result -- exactly the
 seed's rule that memory-bound ops keep 16-bit inputs and outputs and compute in fp32 inside.
 The engine picks this path only where it was measured faster: CPU, bfloat16, no mask, no
-dropout, and training (some input requires grad). Forward alone, the fused kernel is ~2x faster
-than the decomposition, so inference keeps it; the decomposition wins on the backward pass.
+dropout, training (some input requires grad), and at least ``MIN_DECOMPOSED_WORK``
+multiply-adds in ``q @ k^T`` (batch x heads x L x S x head size). Forward alone, the fused kernel
+is ~2x faster than the decomposition, so inference keeps it; the decomposition wins on the
+backward pass, once the matmuls outweigh its extra per-op host cost (about ten more kernel
+launches and a Python ``autograd.Function``). The threshold was measured forward + backward,
+bf16, causal, eager, both paths taking turns in one process
+(``benchmarks/bench_attention_size.py``; AMD EPYC Zen 4 with AVX512_BF16, torch 2.13, 1 and 2
+threads; batch x heads 2-96, T 8-256, head size 16 and 64): below 2**21 multiply-adds the
+decomposition took 1.04-2.8x the fused kernel's time at 50 of 52 points (0.84x and 0.87x at
+the other two), at 2**21 0.71-1.03x, above it 0.40-0.87x.
 """
 
 from __future__ import annotations
@@ -17,7 +25,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["can_decompose_attention", "decomposed_attention", "try_decomposed_attention"]
+__all__ = [
+    "MIN_DECOMPOSED_WORK",
+    "can_decompose_attention",
+    "decomposed_attention",
+    "try_decomposed_attention",
+]
 
 _SDPA_PARAMS = (
     "query",
@@ -33,6 +46,10 @@ _SDPA_PARAMS = (
 _AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU).add(
     torch._C.DispatchKey.AutocastCUDA
 )
+
+#: smallest ``q @ k^T`` (batch x heads x L x S x head size) that decomposes; smaller attention
+#: is launch-bound and the fused kernel's single call is faster (see the module docstring)
+MIN_DECOMPOSED_WORK = 2**21
 
 _bias_cache: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -83,6 +100,7 @@ def can_decompose_attention(
         and (q.requires_grad or k.requires_grad or v.requires_grad)
         and q.dim() >= 3
         and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
+        and q.numel() * k.shape[-2] >= MIN_DECOMPOSED_WORK
     )
 
 
@@ -93,6 +111,15 @@ def try_decomposed_attention(args: tuple, kwargs: dict) -> torch.Tensor | None:
     Binds positional *and* keyword arguments by name (``is_causal`` may be positional); the
     eager engine and the graph pass both call this.
     """
+    q = args[0] if args else kwargs.get("query")
+    k = args[1] if len(args) > 1 else kwargs.get("key")
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor):
+        # the cheap answers first, before binding every argument; the size comes after the
+        # static conditions, so a compiled graph guards on it only where it decides
+        if q.device.type != "cpu" or q.dtype != torch.bfloat16 or not torch.is_grad_enabled():
+            return None
+        if k.dim() >= 2 and q.numel() * k.shape[-2] < MIN_DECOMPOSED_WORK:
+            return None
     bound = dict(zip(_SDPA_PARAMS, args), **kwargs)
     if not (bound.keys() <= set(_SDPA_PARAMS) and bound.keys() >= set(_SDPA_PARAMS[:3])):
         return None

@@ -366,6 +366,14 @@ def unscale_and_check_(
     device = found_inf.device
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for i, t in enumerate(tensors):
+        if (  # the common case first: a plain dense real tensor, no further lookups
+            type(t) is torch.Tensor
+            and t.layout == torch.strided
+            and t.is_floating_point()
+            and t.device == device
+        ):
+            groups.setdefault(t.dtype, []).append(t)
+            continue
         # a DTensor (FSDP2 shard): work on this rank's local shard, in place. The kernel on the
         # DTensor itself would run a hidden collective; the verdict is made global separately
         # (MixedPrecisionOptimizer.reduce_flags), once per step.

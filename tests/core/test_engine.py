@@ -741,7 +741,7 @@ def test_lean_attention_has_a_second_derivative():
         assert (a.float() - b.float()).abs().max() <= 0.05 * a.float().abs().max()
 
 
-def test_can_decompose_attention_conditions():
+def test_can_decompose_attention_conditions(decompose_small_attention):
     q, k, v = qkv((2, 3, 4, 8), (2, 3, 4, 8), dtype=BF16)
     ok = kernels.can_decompose_attention
     assert not ok(q, k, v)  # inference: the fused kernel is faster forward-only
@@ -763,7 +763,22 @@ def test_can_decompose_attention_conditions():
     assert not ok(q.tolist(), k, v)
 
 
-def test_region_attention_fused_vs_auto():
+def test_can_decompose_attention_from_the_measured_size_up():
+    """Smaller attention is launch-bound: the fused kernel's one call beats the decomposition's
+    extra kernels there. The size counts the multiply-adds of ``q @ k^T``."""
+    at = kernels.MIN_DECOMPOSED_WORK // (4 * 8)  # batch x heads 4, head size 8: L x S
+    for L, S, decomposes in ((256, at // 256, True), (256, at // 256 - 1, False), (8, 8, False)):
+        q = torch.zeros(2, 2, L, 8, dtype=BF16, requires_grad=True)
+        k = v = torch.zeros(2, 2, S, 8, dtype=BF16)
+        assert kernels.can_decompose_attention(q, k, v) == decomposes, (L, S)
+    small = torch.zeros(1, 2, 8, 16, dtype=BF16, requires_grad=True)
+    with mixprec.autocast(BF16):
+        out = F.scaled_dot_product_attention(small, small, small, is_causal=True)
+    assert torch.equal(out, F.scaled_dot_product_attention(small, small, small, is_causal=True))
+    assert out.grad_fn.name().startswith("ScaledDotProduct")  # torch's kernel, not mixprec's
+
+
+def test_region_attention_fused_vs_auto(decompose_small_attention):
     q, k, v = qkv((2, 3, 8, 8), (2, 3, 8, 8))
     q.requires_grad_()  # training: "auto" decomposes (inference keeps the fused kernel)
     qb, kb, vb = q.detach().bfloat16(), k.bfloat16(), v.bfloat16()
@@ -783,7 +798,7 @@ def test_region_attention_fused_vs_auto():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_region_attention_positional_arguments(causal):
+def test_region_attention_positional_arguments(causal, decompose_small_attention):
     q, k, v = qkv((2, 3, 8, 8), (2, 3, 8, 8))
     q.requires_grad_()
     with mixprec.autocast(BF16):
@@ -796,7 +811,7 @@ def test_region_attention_positional_arguments(causal):
     )
 
 
-def test_region_attention_keyword_tensors():
+def test_region_attention_keyword_tensors(decompose_small_attention):
     q, k, v = qkv((2, 3, 8, 8), (2, 3, 8, 8))
     v.requires_grad_()
     with mixprec.autocast(BF16):

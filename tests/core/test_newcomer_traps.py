@@ -335,8 +335,9 @@ def train_attention(level: str, steps: int = 3) -> tuple[list[float], list[Tenso
 
 
 @pytest.fixture
-def decompositions(monkeypatch):
-    """Counts the calls of mixprec's decomposed attention (the kernel whose backward failed)."""
+def decompositions(monkeypatch, decompose_small_attention):
+    """Counts the calls of mixprec's decomposed attention (the kernel whose backward failed),
+    which the tiny model here runs only with the size threshold lifted."""
     calls = []
     real = kernels.decomposed_attention
 
