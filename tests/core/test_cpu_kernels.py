@@ -149,6 +149,7 @@ def test_a_library_folder_others_may_write_into_is_refused(tmp_path, monkeypatch
     written into is refused with the fix, and nothing is built there."""
     monkeypatch.setattr(cpu_kernels.tempfile, "gettempdir", lambda: str(tmp_path))
     monkeypatch.setattr(cpu_kernels, "_LOADED", {})
+    monkeypatch.setattr(cpu_kernels, "_STEPS", {})
     folder = cpu_kernels._cache()
     assert oct(folder.stat().st_mode & 0o777) == "0o700"
     folder.chmod(0o777)

@@ -210,6 +210,7 @@ def test_no_compiler_falls_back_to_the_chunk_path_saying_so_once(fused_on, monke
     monkeypatch.setattr(fused, "_FAILED", set())
     monkeypatch.setattr(torch, "compile", broken)
     monkeypatch.setattr(cpu_kernels, "_LOADED", {})
+    monkeypatch.setattr(cpu_kernels, "_STEPS", {})
     monkeypatch.setattr(cpu_kernels, "_compiler", no_compiler)
     ref, ropt = _build("adamw", "nearest")
     monkeypatch.setattr(fused, "MODE", "off")
