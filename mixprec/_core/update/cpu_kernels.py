@@ -41,7 +41,7 @@ from torch import Tensor
 
 from mixprec._core.update.state_codes import BLOCK, _largest, _layout
 
-__all__ = ["PER_THREAD", "all_finite", "available", "kernel", "run"]
+__all__ = ["PER_THREAD", "all_finite", "available", "count_step", "kernel", "run"]
 
 _SOURCE = Path(__file__).with_name("cpu_kernel.c")
 #: -ffp-contract=off: no FMA, so the fp32 math rounds as torch's eager ops do;
@@ -186,13 +186,29 @@ def all_finite(g: Tensor) -> bool | None:
     kind = _FINITE_KINDS.get(g.dtype)
     if kind is None or g.device.type != "cpu" or not g.is_contiguous():
         return None
-    try:
-        fn = _library(("finite",)).mixprec_finite
-    except Exception:  # noqa: BLE001 -- no compiler: the caller checks with torch ops
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    fn = _STEPS.get(("finite",))
+    if fn is None:
+        try:
+            fn = _library(("finite",)).mixprec_finite
+        except Exception:  # noqa: BLE001 -- no compiler: the caller checks with torch ops
+            return None
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        _STEPS["finite",] = fn
     return bool(fn(g.numel(), g.data_ptr(), kind))
+
+
+_SCALAR = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
+
+
+def count_step(step: Tensor) -> None:
+    """``step += 1`` for an optimizer's step count held in a CPU float tensor, without a torch
+    op (a dispatch per parameter costs more than the C loop of a small one)."""
+    kind = _SCALAR.get(step.dtype)
+    if kind is None or step.device.type != "cpu" or step.numel() != 1:
+        step.add_(1)
+        return
+    kind.from_address(step.data_ptr()).value += 1
 
 
 def _ptr(t: Any) -> int | None:

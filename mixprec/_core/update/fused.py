@@ -347,7 +347,11 @@ class FusedUpdates:
         for k, (_, coded_now) in zip(names, operands):
             if coded_now is not None:
                 state[k] = coded_now
-        if kind[0] == "adam":
+        if kind[0] == "adam" and device.type == "cpu" and CPU_KERNELS == "c":
+            from mixprec._core.update.cpu_kernels import count_step
+
+            count_step(state["step"])
+        elif kind[0] == "adam":
             state["step"].add_(1)
         self.fused_steps += 1
         return True
