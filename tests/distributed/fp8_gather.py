@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import json
 import os
+import shutil
 import sys
 import tempfile
 import traceback
@@ -236,6 +237,8 @@ def main() -> None:
             print(f"[rank {RANK}] {name} failed:\n{results[name]['error']}", file=sys.stderr)
         Path(args.out, f"rank{RANK}.json").write_text(json.dumps(results, indent=1))
         dist.barrier()
+    if RANK == 0:  # the checkpoints the scenarios shared; every rank is past the barrier
+        shutil.rmtree(shared[0], ignore_errors=True)
     dist.destroy_process_group()
 
 

@@ -7,30 +7,15 @@ dominates on this machine); each test asserts on what the ranks measured.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from torchrun_helpers import rank_results, result, torchrun
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("scenarios.py")
-TIMEOUT_S = 240  # the whole launch; it takes ~40-70 s on the shared 2-core machine
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
-
-
-def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={nproc}", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +25,7 @@ def dist_out(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ranks(dist_out) -> list[dict]:
-    proc = _torchrun(2, str(WORKER), "--out", str(dist_out))
-    files = [dist_out / f"rank{r}.json" for r in range(2)]
-    if proc.returncode != 0 or not all(f.exists() for f in files):
-        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return [json.loads(f.read_text()) for f in files]
-
-
-def result(ranks: list[dict], name: str) -> list[dict]:
-    per_rank = [r[name] for r in ranks]
-    for r, res in enumerate(per_rank):
-        assert "error" not in res, f"rank {r}, scenario {name}:\n{res.get('error')}"
-    return per_rank
+    return rank_results(WORKER, dist_out)
 
 
 # -- 16-bit gradients on the wire ------------------------------------------------------------------
@@ -463,7 +437,7 @@ def reshard_loads(ranks, dist_out) -> dict[tuple[int, int], dict]:
     out = {}
     for n, args in launches:
         saved = 4 if "--saved-by" in args else 2
-        proc = _torchrun(n, str(RESHARD), "--dir", str(root), *args)
+        proc = torchrun(n, str(RESHARD), "--dir", str(root), *args)
         f = root / f"from{saved}" / f"load_{n}.json"
         if proc.returncode != 0 or not f.exists():
             pytest.fail(f"torchrun of {n} ranks failed ({proc.returncode}):\n{proc.stderr[-4000:]}")

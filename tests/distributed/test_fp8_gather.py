@@ -8,18 +8,13 @@ on what the ranks measured.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from torchrun_helpers import rank_results, result
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("fp8_gather.py")
-TIMEOUT_S = 240
 STEPS = 6
 #: the FP8 layers: q/k/v, attention output, MLP in and out of both blocks (the head stays bf16)
 BLOCK_WEIGHTS = [
@@ -31,31 +26,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("fp8_gather")
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        [*cmd, str(WORKER), "--out", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    files = [out / f"rank{r}.json" for r in range(2)]
-    if proc.returncode != 0 or not all(f.exists() for f in files):
-        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return [json.loads(f.read_text()) for f in files]
-
-
-def result(ranks: list[dict], name: str) -> list[dict]:
-    per_rank = [r[name] for r in ranks]
-    for r, res in enumerate(per_rank):
-        assert "error" not in res, f"rank {r}, {name}:\n{res.get('error')}"
-    return per_rank
+    return rank_results(WORKER, tmp_path_factory.mktemp("fp8_gather"))
 
 
 def test_tensorwise_weights_are_all_gathered_as_e4m3_bytes(ranks):
