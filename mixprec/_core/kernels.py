@@ -1,10 +1,11 @@
 """Faster 16-bit formulations of ops whose fused kernels are slow on some devices.
 
 Design: the fused CPU flash-attention kernel runs *slower* in bf16 than in fp32 on the CPUs we
-measured (see ``benchmarks/NOTES.md``), while two bf16 batched matmuls around a bf16 softmax
-are about 2x faster than it, forward plus backward. The softmax stays numerically safe: torch's
-16-bit softmax kernels accumulate in float32 internally and only round the result -- exactly the
-seed's rule that memory-bound ops keep 16-bit inputs and outputs and compute in fp32 inside.
+measured (``benchmarks/notes/2026-11-22-first-measurements.md``), while two bf16 batched
+matmuls around a bf16 softmax are about 2x faster than it, forward plus backward. The softmax
+stays numerically safe: torch's 16-bit softmax kernels accumulate in float32 internally and only
+round the result -- exactly the seed's rule that memory-bound ops keep 16-bit inputs and
+outputs and compute in fp32 inside.
 The engine picks this path only where it was measured faster: CPU, bfloat16, no mask, no
 dropout, training (some input requires grad), and at least ``MIN_DECOMPOSED_WORK``
 multiply-adds in ``q @ k^T`` (batch x heads x L x S x head size). Forward alone, the fused kernel
