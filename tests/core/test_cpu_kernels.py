@@ -156,3 +156,32 @@ def test_a_library_folder_others_may_write_into_is_refused(tmp_path, monkeypatch
     with pytest.raises(RuntimeError, match="others may write into it; remove it"):
         cpu_kernels.kernel(("adam", "nearest", True, BF16, BF16, BF16, torch.float32))
     assert not list(folder.iterdir())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_rounding_is_torchs_bit_for_bit(dtype):
+    """SGD, lr -1, a zero weight: the step writes round16(fp32 gradient), which must be torch's
+    ``.to(dtype)`` for every kind of value (normal, subnormal in 16 bits and in fp32, the
+    largest, past the largest, halfway ties, inf, NaN); a zero gradient leaves every 16-bit
+    value as it was (the widening is exact)."""
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(4096, generator=gen) * 2.0 ** torch.randint(-150, 128, (4096,), generator=gen)
+    info = torch.finfo(dtype)
+    special = [0.0, -0.0, info.max, -info.max, info.tiny, info.tiny / 3, 2.0**-149,
+               float("inf"), float("-inf"), float("nan"), 65512.0, 65519.0, 65520.0,
+               1 + 2.0**-11, 1 + 3 * 2.0**-11, 1 + 2.0**-8, 1 + 3 * 2.0**-8]  # fmt: skip
+    g = torch.cat([g, torch.tensor(special)])
+    key = ("sgd", "nearest", False, False, dtype, torch.float32)
+    sc = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])  # +g, no decay, -lr = 1
+    w = torch.zeros(g.numel(), dtype=dtype)
+    cpu_kernels.run(key, 1, g.numel(), (w, None, g), [], sc, 0, 0)
+    want = (torch.zeros_like(g) + g).to(dtype)  # the step's w + g: -0.0 becomes +0.0
+    same = (w.view(torch.int16) == want.view(torch.int16)) | (w.isnan() & want.isnan())
+    assert same.all(), (g[~same][:5], w[~same][:5], want[~same][:5])
+
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    w = every.clone()
+    cpu_kernels.run(key, 1, w.numel(), (w, None, torch.zeros(w.numel())), [], sc, 0, 0)
+    want = (every.float() + torch.zeros(w.numel())).to(dtype)  # -0.0 + 0 is +0.0
+    kept = (w.view(torch.int16) == want.view(torch.int16)) | (w.isnan() & want.isnan())
+    assert kept.all()

@@ -29,8 +29,25 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even; NaN -> quie
     uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
     return f != f ? (uint16_t)0x7FC0 : r;
 }
-static inline float from_f16(uint16_t h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
-static inline uint16_t to_f16(float f) { _Float16 x = (_Float16)f; uint16_t h; memcpy(&h, &x, 2); return h; }
+/* fp16 by bit arithmetic, not _Float16 (gcc before 12 has none on x86; this vectorizes) */
+static inline float from_f16(uint16_t h) {  /* exact */
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7FFFu;
+    uint32_t normal = (em << 13) + ((uint32_t)(127 - 15) << 23);
+    uint32_t special = (em << 13) | 0x7F800000u;  /* inf, NaN (payload kept) */
+    float tiny = (float)em * 0x1p-24f;          /* subnormals and zero */
+    float v = em >= 0x7C00u ? u2f(special) : (em >= 0x0400u ? u2f(normal) : tiny);
+    return u2f(f2u(v) | sign);
+}
+static inline uint16_t to_f16(float f) {  /* round to nearest even; NaN -> quiet NaN */
+    uint32_t x = f2u(f), a = x & 0x7FFFFFFFu;
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    uint32_t sub = f2u(u2f(a) + 0.5f) - f2u(0.5f);  /* below 2**-14: multiples of 2**-24 */
+    uint32_t nrm = (a + ((uint32_t)(15 - 127) << 23) + 0xFFFu + ((a >> 13) & 1u)) >> 13;
+    uint32_t r = a > 0x7F800000u ? 0x7E00u
+               : a >= 0x477FF000u ? 0x7C00u  /* 65520 and up round to inf */
+               : a < 0x38800000u ? sub : nrm;
+    return (uint16_t)(r | sign);
+}
 
 /* Whether every element of ``g`` (n elements; kind 2 bf16, 3 fp16, 4 fp32) is
  * finite: no exponent field of all ones. Built into every library (FINITE_ONLY: only this). */
@@ -213,7 +230,7 @@ static inline void write_weight(uint16_t *w, uint16_t *c, int64_t i, float w32, 
 #ifdef DECOUPLED
 #define DECAY w32 = w32 * s_dec;
 #else
-#define DECAY g32 = g32 + w32 * s_wd;
+#define DECAY g32 = s_wd != 0.0f ? g32 + w32 * s_wd : g32; /* torch skips wd 0 (inf w) */
 #endif
 #define SCALARS float s_dec = sc[0], s_wd = sc[1], s_sign = sc[2], s_b1c = sc[3], s_b2 = sc[4], \
     s_b2c = sc[5], s_step = sc[6], s_bc2 = sc[7], s_eps = sc[8]; (void)s_dec; (void)s_wd;
@@ -229,7 +246,7 @@ static inline void write_weight(uint16_t *w, uint16_t *c, int64_t i, float w32, 
     {                                                                                        \
         float w32 = W_IN(w, c, i);                                                           \
         float g32 = G_LOAD(g, i) * s_sign;                                                   \
-        g32 = g32 + w32 * s_wd;                                                              \
+        g32 = s_wd != 0.0f ? g32 + w32 * s_wd : g32;                                         \
         float m32 = M_IN * s_mom + g32 * s_damp;                                             \
         M_OUT;                                                                               \
         w32 = w32 + DIRECTION(m32) * s_lr;                                                   \
@@ -240,7 +257,7 @@ static inline void write_weight(uint16_t *w, uint16_t *c, int64_t i, float w32, 
     {                                                                                        \
         float w32 = W_IN(w, c, i);                                                           \
         float g32 = G_LOAD(g, i) * s_sign;                                                   \
-        g32 = g32 + w32 * s_wd;                                                              \
+        g32 = s_wd != 0.0f ? g32 + w32 * s_wd : g32;                                         \
         w32 = w32 + g32 * s_lr;                                                              \
         write_weight(w, c, i, w32, base, mix);                                               \
     }

@@ -17,9 +17,10 @@ same lerp, the same reciprocal-then-multiply of a block's scale, torch's E4M3 ro
 same keyed random bits), in fp32 without contraction into FMA (``-ffp-contract=off``), so a
 step differs from the eager chunk path by fp32 rounding order only.
 
-What it needs: a C compiler (``$CC``, ``cc``, ``gcc`` or ``clang`` on the PATH) that accepts
-C11 and ``_Float16``. Without one, :func:`kernel` raises and :mod:`.fused` falls back to the
-chunk path with one warning, as it does when :func:`torch.compile` fails.
+What it needs: a C compiler (``$CC``, ``cc``, ``gcc`` or ``clang`` on the PATH) for C11; fp16
+is converted by bit arithmetic, so no ``_Float16`` support is needed. Without one,
+:func:`kernel` raises and :mod:`.fused` falls back to the chunk path with one warning, as it
+does when :func:`torch.compile` fails.
 """
 
 from __future__ import annotations

@@ -366,7 +366,7 @@ class FusedUpdates:
         t0 = time.perf_counter()
         try:
             fn = cpu_kernels.kernel(kind)
-        except Exception as exc:  # noqa: BLE001 -- no C compiler, one without _Float16, ...
+        except Exception as exc:  # noqa: BLE001 -- no C compiler, a failed build, ...
             return self._failed(kind, exc)
         if first:
             _COMPILED[ckey] = fn

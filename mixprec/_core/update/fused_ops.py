@@ -152,7 +152,7 @@ def adam(update: str, decoupled: bool) -> Callable[..., None]:
         if decoupled:
             w32 = w32 * sc[0]
         else:
-            g32 = g32 + w32 * sc[1]
+            g32 = torch.where(sc[1] != 0, g32 + w32 * sc[1], g32)  # torch skips a zero wd
         shape = w.shape
         m32 = torch.lerp(_decoded(m, shape), g32, sc[3])
         v32 = _decoded(v, shape) * sc[4] + sc[5] * g32 * g32
@@ -169,7 +169,7 @@ def sgd(update: str, momentum: bool, nesterov: bool) -> Callable[..., None]:
         # sc: [+-1 (maximize), wd, momentum, 1 - dampening, -lr, the buffer's largest code]
         w32 = w.float() if comp is None else w.float() + comp.float()
         g32 = g.float() * sc[0]
-        g32 = g32 + w32 * sc[1]
+        g32 = torch.where(sc[1] != 0, g32 + w32 * sc[1], g32)  # torch skips a zero wd
         if momentum:
             b32 = _decoded(buf, w.shape) * sc[2] + g32 * sc[3]
             _store(buf, b32, w.shape, sc[5])
