@@ -144,8 +144,9 @@ static inline uint32_t encode(float x, float r, int sqrtk, int mag, int mb, int 
 }
 
 /* Codes of block ``t`` (``n`` values) into ``codes`` from element ``at``; its scale to ``*s``. */
-static inline __attribute__((always_inline)) void store_block(const float *t, int n, uint8_t *codes, int64_t at, float *s, int bits,
-                        int e4m3, int sqrtk, int mag, int mb, int emin, float largest) {
+static inline __attribute__((always_inline)) void store_block(
+    const float *t, int n, uint8_t *codes, int64_t at, float *s, int bits, int e4m3, int sqrtk,
+    int mag, int mb, int emin, float largest) {
     /* the largest |t| as a bit pattern: non-negative floats order as their bits, and a NaN's
      * pattern is above every number's, so it comes out NaN as torch's amax does */
     uint32_t top = 0;
