@@ -337,13 +337,17 @@ static inline __attribute__((always_inline)) void coded_block(
 
 /* rows x cols elements; s1/s2 the states (values, or codes with scales q1/q2, and r1/r2 the
  * fp32 values to read instead of the codes where S?SRC); base/mix: the stochastic rounding's
- * keys (rounding.py). */
+ * keys (rounding.py); threads: OpenMP threads over rows (codes) or runs of CHUNK elements. Built
+ * with -fopenmp the team comes from the libgomp torch already loaded (same soname), so the
+ * workers torch's own parallel regions keep warm run it; without OpenMP the pragmas are
+ * ignored and one thread steps everything. Every element's result is the same either way. */
+#define CHUNK 4096
 void mixprec_step(int64_t rows, int64_t cols, uint16_t *restrict w, uint16_t *restrict c,
                   const g_t *restrict g, void *restrict s1, float *restrict q1,
                   const float *restrict r1, void *restrict s2, float *restrict q2,
                   const float *restrict r2, const float *restrict sc, uint32_t base,
-                  uint32_t mix) {
-    (void)q1; (void)q2; (void)s2; (void)r1; (void)r2;
+                  uint32_t mix, int threads) {
+    (void)q1; (void)q2; (void)s2; (void)r1; (void)r2; (void)threads;
 #if !CODED(S1) && !CODED(S2)
     SCALARS
     int64_t n = rows * cols;
@@ -370,11 +374,17 @@ void mixprec_step(int64_t rows, int64_t cols, uint16_t *restrict w, uint16_t *re
 #define V_READ(i) from_f16(h2[i])
 #define V_WRITE(i, x) h2[i] = to_f16(x)
 #endif
-    for (int64_t i = 0; i < n; i++)
-        STEP_ELEM(i, M_READ(i), V_READ(i), M_WRITE(i, m32), V_WRITE(i, v32))
+    const int64_t runs = (n + CHUNK - 1) / CHUNK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t k = 0; k < runs; k++) {
+        const int64_t end = (k + 1) * CHUNK < n ? (k + 1) * CHUNK : n;
+        for (int64_t i = k * CHUNK; i < end; i++)
+            STEP_ELEM(i, M_READ(i), V_READ(i), M_WRITE(i, m32), V_WRITE(i, v32))
+    }
 #else
     /* codes: per block of one row (coded_block); full blocks with their size a constant */
     const int64_t nblk = (cols + BLOCK - 1) / BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t b = 0; b < nblk; b++) {
             const int64_t at = r * cols + b * BLOCK;

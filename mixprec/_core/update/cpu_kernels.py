@@ -12,13 +12,13 @@ each state, the states' code layouts), compiled into a shared library in a per-u
 directory keyed by the source, the defines, the compiler and the CPU's feature flags, and
 called through :mod:`ctypes` (which releases the GIL).
 
-Threads: a step of a large parameter is split over torch's intra-op thread count with a small
-Python thread pool (the parts run in parallel outside the GIL). Where torch's own OpenMP
-workers spin-wait after a parallel region (libgomp's default), the pool's threads wait for a
-core: inside a backward pass (released gradients, stepped between the backward's GEMMs) the
-split gained nothing on 2 cores (a 50 M-parameter "lean" step's C loop: 83 ms on 1 thread and
-on 2), and 46 ms with ``OMP_WAIT_POLICY=PASSIVE``; after the backward (``opt.step()``) it does
-gain.
+Threads: a step of a large parameter runs on torch's intra-op thread count through OpenMP,
+built with ``-fopenmp``: the library needs ``libgomp.so.1``, which the dynamic loader resolves
+to the one torch already loaded, so the kernel's team is the one torch's parallel regions keep
+warm. A first version split the step with a Python thread pool instead; inside a backward
+(released gradients, stepped between the backward's GEMMs) torch's OpenMP workers spin-waited
+on the cores the pool needed, and the split gained nothing on 2 cores. A compiler without
+OpenMP builds the one-thread loop.
 
 Numerics: the C expressions are :mod:`.fused_ops`' and :mod:`.state_codes`' term for term (the
 same lerp, the same reciprocal-then-multiply of a block's scale, torch's E4M3 rounding, the
@@ -48,15 +48,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mixprec._core.update.state_codes import BLOCK, _largest, _layout
+from mixprec._core.update.state_codes import _largest, _layout
 
 __all__ = ["PER_THREAD", "all_finite", "available", "count_step", "kernel", "run"]
 
 _SOURCE = Path(__file__).with_name("cpu_kernel.c")
 #: -ffp-contract=off: no FMA, so the fp32 math rounds as torch's eager ops do;
 #: -fno-math-errno / -fno-trapping-math: sqrt and the selects vectorize (no errno, no traps)
-_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
-          "-std=gnu11", "-shared", "-fPIC")  # fmt: skip
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+          "-ffp-contract=off", "-std=gnu11", "-shared", "-fPIC")  # fmt: skip
+#: what a build leaves out when the full flags fail: OpenMP (one thread), then -march=native
+_FALLBACKS = (("-fopenmp",), ("-fopenmp", "-march=native"))
 _LOW = {torch.bfloat16: 1, torch.float16: 2}
 _GRAD = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _STATE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -151,7 +153,7 @@ def _build(defines: list[str]) -> Path:
         return lib
     tmp = lib.with_suffix(f".{os.getpid()}.tmp")
     errors = []
-    for flags in (_FLAGS, tuple(f for f in _FLAGS if f != "-march=native")):
+    for flags in (_FLAGS, *(tuple(f for f in _FLAGS if f not in out) for out in _FALLBACKS)):
         cmd = [cc, *flags, *defines, str(_SOURCE), "-o", str(tmp), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if not done.returncode:
@@ -181,7 +183,7 @@ def kernel(key: tuple) -> Callable[..., None]:
         fn = _library(key).mixprec_step
         fn.restype = None
         fn.argtypes = [ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 10,
-                       ctypes.c_uint32, ctypes.c_uint32]  # fmt: skip
+                       ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int]  # fmt: skip
         _STEPS[key] = fn
     return fn
 
@@ -235,79 +237,27 @@ def run(
     mix: int,
 ) -> None:
     """One step of ``rows`` x ``cols`` elements: ``tensors`` = (weight, compensation or None,
-    gradient), ``states`` = up to two states (a tensor, or (codes, scales) of coded states),
-    ``scalars`` = the fp32 scalars of :mod:`.fused`'s step of this kind. Split over torch's
-    intra-op threads (:func:`torch.get_num_threads`) where each gets at least
-    :data:`PER_THREAD` elements: by rows for coded states (their blocks lie in one row), by
-    runs of elements otherwise; the rounding's keys follow each part's first element."""
+    gradient), ``states`` = up to two states (a tensor, or (codes, scales[, fp32 values to read
+    instead of the codes]) of coded states), ``scalars`` = the fp32 scalars of :mod:`.fused`'s
+    step of this kind. On torch's intra-op thread count (:func:`torch.get_num_threads`) where
+    each thread gets at least :data:`PER_THREAD` elements: by rows for coded states (their
+    blocks lie in one row), by runs of elements otherwise."""
     fn = kernel(key)
     coded = any(isinstance(st, tuple) for st in states)
     if not coded:
         rows, cols = 1, rows * cols
-    parts = _parts(rows if coded else cols, torch.get_num_threads(), cols if coded else 1)
-    calls = [_part_args(rows, cols, coded, a, b, tensors, states) for a, b in parts]
-    const = (_ptr(scalars),)
-    keys = [((base + a * (cols if coded else 1)) & 0xFFFFFFFF, mix & 0xFFFFFFFF)
-            for a, _ in parts]  # fmt: skip
-    if len(calls) == 1:
-        fn(*calls[0], *const, *keys[0])
-        return
-    pool = _pool(len(calls) - 1)
-    futures = [pool.submit(fn, *c, *const, *k) for c, k in zip(calls[1:], keys[1:])]
-    fn(*calls[0], *const, *keys[0])
-    for f in futures:
-        f.result()
+    threads = max(1, min(torch.get_num_threads(), rows * cols // PER_THREAD, rows if coded else
+                         rows * cols))  # fmt: skip
+    w, c, g = tensors
+    ptrs: list[int | None] = [_ptr(w), _ptr(c), _ptr(g)]
+    for st in (*states, None, None)[:2]:
+        if isinstance(st, tuple):
+            codes, scale, *src = st
+            ptrs += [_ptr(codes), _ptr(scale), _ptr(src[0]) if src else None]
+        else:
+            ptrs += [_ptr(st), None, None]
+    fn(rows, cols, *ptrs, _ptr(scalars), base & 0xFFFFFFFF, mix & 0xFFFFFFFF, threads)
 
 
 #: the fewest elements worth a thread of their own
 PER_THREAD = 2**16
-_POOL: list[Any] = []
-
-
-def _parts(count: int, threads: int, per: int) -> list[tuple[int, int]]:
-    """``count`` rows (``per`` elements each) or elements split into at most ``threads`` runs
-    of at least :data:`PER_THREAD` elements; runs of elements start at multiples of 64."""
-    n = max(1, min(threads, count * per // PER_THREAD, count))
-    if n == 1:
-        return [(0, count)]
-    align = 1 if per > 1 else 64
-    step = -(-count // n)
-    step = -(-step // align) * align
-    return [(a, min(a + step, count)) for a in range(0, count, step)]
-
-
-def _part_args(
-    rows: int, cols: int, coded: bool, a: int, b: int, tensors: tuple, states: list[Any]
-) -> tuple:
-    """The kernel's arguments for rows (coded) or elements [a, b)."""
-
-    def cut(t: Tensor | None, per: float) -> int | None:
-        return None if t is None else t.data_ptr() + int(a * per) * t.element_size()
-
-    per = cols if coded else 1
-    w, c, g = tensors
-    ptrs: list[int | None] = [cut(w, per), cut(c, per), cut(g, per)]
-    for st in (*states, None, None)[:2]:
-        if isinstance(st, tuple):  # codes: cols * bits / 8 bytes a row; a scale a block
-            codes, scale, *src = st
-            per_byte = cols * codes.numel() / (rows * cols)
-            ptrs += [cut(codes, per_byte), cut(scale, -(-cols // BLOCK)),
-                     cut(src[0], per) if src else None]  # fmt: skip
-        else:
-            ptrs += [cut(st, per), None, None]
-    return ((b - a) if coded else 1, cols if coded else b - a, *ptrs)
-
-
-def _pool(workers: int) -> Any:
-    """A thread pool of at least ``workers`` threads (ctypes calls release the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    if not _POOL or _POOL[0]._max_workers < workers:
-        if _POOL:
-            _POOL.pop().shutdown(wait=False)
-        _POOL.append(ThreadPoolExecutor(workers, thread_name_prefix="mixprec-update"))
-    return _POOL[0]
-
-
-if hasattr(os, "register_at_fork"):  # a forked child (a DataLoader worker) has no threads
-    os.register_at_fork(after_in_child=_POOL.clear)
