@@ -335,6 +335,27 @@ static inline __attribute__((always_inline)) void coded_block(
 #undef V_WRITE
 #endif
 
+#if CODED(S1) || CODED(S2)
+/* Row ``r`` of ``cols`` elements, block by block; full blocks with their size a constant. */
+static void coded_row(uint16_t *restrict w, uint16_t *restrict c, const g_t *restrict g,
+                      void *restrict s1, float *restrict q1, const float *restrict r1,
+                      void *restrict s2, float *restrict q2, const float *restrict r2,
+                      const float *restrict sc, uint32_t base, uint32_t mix, int64_t r,
+                      int64_t cols) {
+    const int64_t nblk = (cols + BLOCK - 1) / BLOCK;
+    for (int64_t b = 0; b < nblk; b++) {
+        const int64_t at = r * cols + b * BLOCK;
+        const int64_t left = cols - b * BLOCK;
+        float *p1 = CODED(S1) ? q1 + r * nblk + b : q1;
+        float *p2 = CODED(S2) ? q2 + r * nblk + b : q2;
+        if (left >= BLOCK)
+            coded_block(w, c, g, s1, p1, r1, s2, p2, r2, sc, base, mix, at, BLOCK);
+        else
+            coded_block(w, c, g, s1, p1, r1, s2, p2, r2, sc, base, mix, at, (int)left);
+    }
+}
+#endif
+
 /* rows x cols elements; s1/s2 the states (values, or codes with scales q1/q2, and r1/r2 the
  * fp32 values to read instead of the codes where S?SRC); base/mix: the stochastic rounding's
  * keys (rounding.py); threads: OpenMP threads over rows (codes) or runs of CHUNK elements. Built
@@ -374,8 +395,13 @@ void mixprec_step(int64_t rows, int64_t cols, uint16_t *restrict w, uint16_t *re
 #define V_READ(i) from_f16(h2[i])
 #define V_WRITE(i, x) h2[i] = to_f16(x)
 #endif
+    if (threads <= 1) {  /* no OpenMP call at all: one thread as without -fopenmp */
+        for (int64_t i = 0; i < n; i++)
+            STEP_ELEM(i, M_READ(i), V_READ(i), M_WRITE(i, m32), V_WRITE(i, v32))
+        return;
+    }
     const int64_t runs = (n + CHUNK - 1) / CHUNK;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t k = 0; k < runs; k++) {
         const int64_t end = (k + 1) * CHUNK < n ? (k + 1) * CHUNK : n;
         for (int64_t i = k * CHUNK; i < end; i++)
@@ -383,20 +409,14 @@ void mixprec_step(int64_t rows, int64_t cols, uint16_t *restrict w, uint16_t *re
     }
 #else
     /* codes: per block of one row (coded_block); full blocks with their size a constant */
-    const int64_t nblk = (cols + BLOCK - 1) / BLOCK;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t b = 0; b < nblk; b++) {
-            const int64_t at = r * cols + b * BLOCK;
-            const int64_t left = cols - b * BLOCK;
-            float *p1 = CODED(S1) ? q1 + r * nblk + b : q1;
-            float *p2 = CODED(S2) ? q2 + r * nblk + b : q2;
-            if (left >= BLOCK)
-                coded_block(w, c, g, s1, p1, r1, s2, p2, r2, sc, base, mix, at, BLOCK);
-            else
-                coded_block(w, c, g, s1, p1, r1, s2, p2, r2, sc, base, mix, at, (int)left);
-        }
+    if (threads <= 1) {  /* no OpenMP call at all: one thread as without -fopenmp */
+        for (int64_t r = 0; r < rows; r++)
+            coded_row(w, c, g, s1, q1, r1, s2, q2, r2, sc, base, mix, r, cols);
+        return;
     }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        coded_row(w, c, g, s1, q1, r1, s2, q2, r2, sc, base, mix, r, cols);
 #endif
 }
 #endif /* FINITE_ONLY */
