@@ -237,10 +237,15 @@ static inline void write_weight(uint16_t *w, uint16_t *c, int64_t i, float w32, 
     s_b2c = sc[5], s_step = sc[6], s_bc2 = sc[7], s_eps = sc[8]; (void)s_dec; (void)s_wd;
 #else
 /* sc: +-1 (maximize), wd, momentum, 1 - dampening, -lr: fused_ops.py's sgd */
-#ifdef MOMENTUM
+#ifdef MOMENTUM  /* the buffer b = momentum * b + (1 - dampening) * g, stored */
+#define BUFFER(M_IN, M_OUT) float m32 = M_IN * s_mom + g32 * s_damp; M_OUT;
 #ifdef NESTEROV
 #define DIRECTION(b32) (g32 + (b32) * s_mom)
 #else
+#define DIRECTION(b32) (b32)
+#endif
+#else  /* plain SGD: no state; the direction is the gradient */
+#define BUFFER(M_IN, M_OUT) float m32 = g32;
 #define DIRECTION(b32) (b32)
 #endif
 #define STEP_ELEM(i, M_IN, V_IN, M_OUT, V_OUT)                                               \
@@ -248,21 +253,10 @@ static inline void write_weight(uint16_t *w, uint16_t *c, int64_t i, float w32, 
         float w32 = W_IN(w, c, i);                                                           \
         float g32 = G_LOAD(g, i) * s_sign;                                                   \
         g32 = s_wd != 0.0f ? g32 + w32 * s_wd : g32;                                         \
-        float m32 = M_IN * s_mom + g32 * s_damp;                                             \
-        M_OUT;                                                                               \
+        BUFFER(M_IN, M_OUT)                                                                  \
         w32 = w32 + DIRECTION(m32) * s_lr;                                                   \
         write_weight(w, c, i, w32, base, mix);                                               \
     }
-#else
-#define STEP_ELEM(i, M_IN, V_IN, M_OUT, V_OUT)                                               \
-    {                                                                                        \
-        float w32 = W_IN(w, c, i);                                                           \
-        float g32 = G_LOAD(g, i) * s_sign;                                                   \
-        g32 = s_wd != 0.0f ? g32 + w32 * s_wd : g32;                                         \
-        w32 = w32 + g32 * s_lr;                                                              \
-        write_weight(w, c, i, w32, base, mix);                                               \
-    }
-#endif
 #define SCALARS float s_sign = sc[0], s_wd = sc[1], s_mom = sc[2], s_damp = sc[3], s_lr = sc[4]; \
     (void)s_mom; (void)s_damp;
 #endif

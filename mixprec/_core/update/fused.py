@@ -361,15 +361,13 @@ class FusedUpdates:
         from mixprec._core.update import cpu_kernels
 
         w, comp, g, *states, sc = args
-        ckey = ("c", *kind)
-        first = ckey not in _COMPILED
+        first = kind not in cpu_kernels._STEPS  # its library is built (or loaded) now
         t0 = time.perf_counter()
         try:
-            fn = cpu_kernels.kernel(kind)
+            cpu_kernels.kernel(kind)
         except Exception as exc:  # noqa: BLE001 -- no C compiler, a failed build, ...
             return self._failed(kind, exc)
         if first:
-            _COMPILED[ckey] = fn
             self.compile_seconds += time.perf_counter() - t0
         rows, cols = (w.shape[0], w.shape[1]) if coded else (1, w.numel())
         states = [  # (codes, scale[, fp32 values read this once]) or a tensor
