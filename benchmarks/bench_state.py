@@ -184,25 +184,30 @@ def child(name: str, mode: str, steps: int, scale: float) -> dict[str, Any]:
     )
 
 
-def race(name: str, modes: list[str], rounds: int, scale: float) -> dict[str, float]:
-    """Step times of ``modes`` in this process, interleaved: each round times one step of every
-    mode (the same batch), so the ratios compare modes that saw the same machine at the same
-    moment. Returns the median step (ms) per mode and the median per-round ratio to the first,
-    and per mode its update's achieved bandwidth -- :data:`UPDATE_BYTES` x parameters / the
-    median ``step()`` time (backward + step for :data:`RELEASED` modes) -- as a fraction of a
-    large fp32 copy timed in the same rounds (read + write), the first two steps' extra time over
-    the median step (state creation, then the compile of a fused update, which needs the
-    states), and the seconds the fused update's first calls took (its compile)."""
-    runs = {}
-    for mode in modes:
-        model, batch = make_model(name, scale)
-        runs[mode] = (*_prepare(mode, model), batch)
-    params = sum(p.numel() for p in make_model(name, scale)[0].parameters())
-    src = torch.randn(max(params, 2**26))
-    dst = torch.empty_like(src)
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    updates: dict[str, list[float]] = {m: [] for m in modes}
-    copies: list[float] = []
+class _KernelClock:
+    """Seconds spent in mixprec's C update loops (:func:`cpu_kernels.run`, wrapped while the
+    race runs): the update alone of a mode whose update runs inside the backward."""
+
+    def __init__(self) -> None:
+        from mixprec._core.update import cpu_kernels
+
+        self.module, self.real, self.seconds = cpu_kernels, cpu_kernels.run, 0.0
+
+    def __enter__(self) -> _KernelClock:
+        def timed(*args: Any) -> None:
+            t0 = time.perf_counter()
+            self.real(*args)
+            self.seconds += time.perf_counter() - t0
+
+        self.module.run = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.module.run = self.real
+
+
+def _rounds(runs, rounds, name, times, updates, copies, loops, clock, src, dst) -> None:
+    """``race``'s rounds: a copy, then one step of every mode; times appended in place."""
     for _ in range(rounds + 2):  # the first two rounds (states, then compile) are not counted
         t0 = time.perf_counter()
         dst.copy_(src)
@@ -211,7 +216,7 @@ def race(name: str, modes: list[str], rounds: int, scale: float) -> dict[str, fl
             torch.manual_seed(0)
             x, y = batch()
             x = _inputs(mode, x)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), clock.seconds
             for _ in range(MICRO.get(mode, 1)):
                 with region if region is not None else contextlib.nullcontext():
                     loss = _loss(name, model(x), y)
@@ -226,6 +231,33 @@ def race(name: str, modes: list[str], rounds: int, scale: float) -> dict[str, fl
             times[mode].append(time.perf_counter() - t0)
             base = mode.removesuffix(FUSED)
             updates[mode].append(t3 - (t1 if base in RELEASED else t2))
+            loops[mode].append(clock.seconds - c0)
+
+
+def race(name: str, modes: list[str], rounds: int, scale: float) -> dict[str, float]:
+    """Step times of ``modes`` in this process, interleaved: each round times one step of every
+    mode (the same batch), so the ratios compare modes that saw the same machine at the same
+    moment. Returns the median step (ms) per mode and the median per-round ratio to the first,
+    and per mode its update's achieved bandwidth -- :data:`UPDATE_BYTES` x parameters / the
+    median ``step()`` time (backward + step for :data:`RELEASED` modes) -- as a fraction of a
+    large fp32 copy timed in the same rounds (read + write), the first two steps' extra time over
+    the median step (state creation, then the compile of a fused update, which needs the
+    states), and the seconds the fused update's first calls took (its compile). For modes stepped
+    by mixprec's C loops, ``C-loop bw`` is the same rate over the loops' own time (without the
+    backward, the finite check and the Python around them)."""
+    runs = {}
+    for mode in modes:
+        model, batch = make_model(name, scale)
+        runs[mode] = (*_prepare(mode, model), batch)
+    params = sum(p.numel() for p in make_model(name, scale)[0].parameters())
+    src = torch.randn(max(params, 2**26))
+    dst = torch.empty_like(src)
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    updates: dict[str, list[float]] = {m: [] for m in modes}
+    copies: list[float] = []
+    loops: dict[str, list[float]] = {m: [] for m in modes}
+    with _KernelClock() as clock:
+        _rounds(runs, rounds, name, times, updates, copies, loops, clock, src, dst)
     first = modes[0]
     out = {f"{m} ms": statistics.median(times[m][2:]) * 1e3 for m in modes}
     for m in modes[1:]:
@@ -238,6 +270,9 @@ def race(name: str, modes: list[str], rounds: int, scale: float) -> dict[str, fl
         if nbytes is not None:
             rate = nbytes * params / statistics.median(updates[m][2:])
             out[f"{m} bw"] = rate / copy_rate
+            if statistics.median(loops[m][2:]) > 0:
+                loop_rate = nbytes * params / statistics.median(loops[m][2:])
+                out[f"{m} C-loop bw"] = loop_rate / copy_rate
         out[f"{m} first two+ s"] = sum(times[m][:2]) - 2 * statistics.median(times[m][2:])
         fused = getattr(getattr(runs[m][1], "lean", None), "fused", None)
         if fused is not None:
