@@ -79,22 +79,27 @@ def cast_storage(
                 if keep is not None and kept is not None and id(p) in keep and id(p) not in kept:
                     kept[id(p)] = _pre_cast_value(p)
                 p.data = p.data.to(dtype)
-        for name, b in module.named_buffers(recurse=False):
-            if b is not None and b.is_floating_point() and b.dtype != torch.float64:
-                cast = b.to(dtype)
-                if _overflows(b, cast):  # e.g. 1e5 in fp16: inf, then NaN outputs, all skipped
-                    warnings.warn(
-                        f"Buffer {type(module).__name__}.{name} holds values outside {dtype}'s "
-                        f"range (|x| up to {b.abs().max().item():.3g}, nonzero values that "
-                        f"would flush to 0 or overflow); it stays "
-                        f"{b.dtype}.",
-                        MixprecNumericsWarning,
-                        stacklevel=user_stacklevel(),
-                    )
-                    continue
-                module._buffers[name] = cast
+        cast_buffers(module, dtype)
     for child in module.children():
         cast_storage(child, dtype, keep_fp32, keep, kept)
+
+
+def cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+    """Store ``module``'s own floating buffers (float64 aside) in ``dtype``; one that would
+    overflow or flush to zero there stays as it is, with a warning."""
+    for name, b in module.named_buffers(recurse=False):
+        if b is not None and b.is_floating_point() and b.dtype != torch.float64:
+            cast = b.to(dtype)
+            if _overflows(b, cast):  # e.g. 1e5 in fp16: inf, then NaN outputs, all skipped
+                warnings.warn(
+                    f"Buffer {type(module).__name__}.{name} holds values outside {dtype}'s "
+                    f"range (|x| up to {b.abs().max().item():.3g}, nonzero values that "
+                    f"would flush to 0 or overflow); it stays {b.dtype}.",
+                    MixprecNumericsWarning,
+                    stacklevel=user_stacklevel(),
+                )
+                continue
+            module._buffers[name] = cast
 
 
 def _stays_fp32(recipe: Any, weights: str, module: nn.Module) -> bool:

@@ -14,7 +14,9 @@ Design (``docs/design.md``, "Distributed training"):
   gradient shards with the same fused kernel, which accepts DTensors on torch 2.13.
 * O2 keeps norm layers in fp32 as it does without FSDP: each norm module becomes its own FSDP
   unit with an fp32 policy (one small extra all-gather and reduce-scatter per norm); O3 computes
-  them from 16-bit copies. O3's memory saving (no masters) does not exist under FSDP.
+  them from 16-bit copies, with their running statistics stored 16-bit as ``initialize`` stores
+  them (FSDP casts parameters, not buffers). O3's memory saving (no masters) does not exist
+  under FSDP.
 * Each rank checks only its own shard, so an overflow is typically seen by one rank: the
   verdicts are reduced across the mesh (:func:`mixprec.distributed.sync_verdicts`).
 * **Update modes shard the 16-bit weights themselves** (a recipe naming ``update``, e.g.
@@ -61,7 +63,7 @@ from mixprec._core._keywords import refuse_moved_keywords
 from mixprec._core.norms import is_norm
 from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec._core.policy import Policy, PolicyLike, as_policy
-from mixprec._core.storage import cast_storage, restore_fp32
+from mixprec._core.storage import cast_buffers, cast_storage, restore_fp32
 from mixprec._core.update.rounding import shard_offset
 from mixprec._initialize import _MARK, MOVED, initialize
 from mixprec.distributed.fp8_gather import gather_in_fp8
@@ -285,6 +287,13 @@ def _shard(
     else:  # FSDP's fp32 shards are the master weights: a model that arrives cast to 16 bits
         # gets fp32 parameters back before it is sharded, with initialize's one warning
         restore_fp32(model, recipe, low, weights="fp32")
+        if low_params and recipe.keep_fp32 != "norms":
+            # O3: norms compute from 16-bit gathered weights, and batch_norm refuses 16-bit
+            # weights beside fp32 running statistics; FSDP casts parameters, not buffers, so the
+            # norms' buffers are stored 16-bit here, as initialize stores them
+            for m in model.modules():
+                if is_norm(m):
+                    cast_buffers(m, low)
     if low_params and recipe.keep_fp32 == "norms":
         norm_policy = MixedPrecisionPolicy(reduce_dtype=_F32, cast_forward_inputs=False)
         for m in [m for m in model.modules() if is_norm(m) and m is not model]:

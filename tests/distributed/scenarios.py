@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime
 import json
 import os
@@ -1142,6 +1143,32 @@ def scenario_dcp_bad_input() -> dict:
     dcp.save(_dcp_state(*runs[0]), checkpoint_id=str(legacy))
     mpd.load_checkpoint(legacy, *runs[1])
     out["legacy_o2_loads"] = bitwise_equal(*(flat(m.parameters()) for m, _ in runs))
+    return out
+
+
+def scenario_batch_norm() -> dict:
+    """A model with BatchNorm1d (running statistics: buffers FSDP does not cast) under each
+    recipe: trains, and stores the statistics as ``initialize`` does in one process."""
+    out = {}
+    recipes = {"O2": "O2", "O3": "O3", "O3 kahan": Recipe("O3", update="kahan"), "lean": "lean"}
+    for name, recipe in recipes.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+        one = copy.deepcopy(model)
+        single, _ = mixprec.initialize(one, _adamw(one.parameters()), recipe, torch.bfloat16)
+        model, opt = mpd.initialize_fsdp(model, _adamw, recipe, torch.bfloat16)
+        losses, (x, y) = [], batch(0)
+        for _ in range(6):
+            loss = mse(model, x[RANK::WORLD], y[RANK::WORLD])
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        out[name] = {
+            "losses": losses,
+            "stats_dtype": str(model[1].running_mean.dtype),
+            "single_stats_dtype": str(single[1].running_mean.dtype),
+        }
     return out
 
 

@@ -7,6 +7,7 @@ dominates on this machine); each test asserts on what the ranks measured.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,18 @@ def test_fsdp2_update_modes_equal_one_process_bit_for_bit(ranks, case):
         else:
             assert r["state_kinds"] == ["exp_avg:Tensor", "exp_avg_sq:Tensor", "step:Tensor"]
     assert result(ranks, "fsdp_update_modes")[0]["fp32_single_vs_micro_max_diff"] > 0
+
+
+def test_fsdp2_trains_batch_norm_under_every_recipe(ranks):
+    """FSDP casts parameters, not buffers: under O3 the norms' running statistics must be
+    16-bit beside their 16-bit gathered weights (batch_norm refuses the mix), as in one
+    process."""
+    for res in result(ranks, "batch_norm"):
+        for name, run in res.items():
+            assert all(math.isfinite(v) for v in run["losses"]), name
+            assert run["losses"][-1] < run["losses"][0], name
+            assert run["stats_dtype"] == run["single_stats_dtype"], name
+        assert res["O3"]["stats_dtype"] == "torch.bfloat16"
 
 
 def test_fsdp2_refuses_released_gradients(ranks):
