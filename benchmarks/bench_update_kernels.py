@@ -14,13 +14,22 @@ least an update must read and write per element; "GB/s" is those bytes over the 
 and "x copy" that rate over a large fp32 copy timed in the same rounds (read + write). At 1 M
 elements the fp32 AdamW's 28 MB fit in a large L3, the copy's 512 MB do not: ``--size 16``
 leaves every kernel in DRAM.
+
+``--floor`` adds a C loop of the same build flags that does only the exact arithmetic every
+Adam step must do per element, whatever its storage: one square root and two divisions (``m /
+(sqrt(v) / sqrt(bc2) + eps)``, reading two fp32 arrays and writing one). Its time is a floor for
+any exact Adam update on this core, however few bytes the update moves.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from bench_overhead import machine
@@ -95,11 +104,36 @@ def torch_step(n: int):
                                        amsgrad=False, maximize=False)  # fmt: skip
 
 
+FLOOR_C = """
+#include <math.h>
+#include <stdint.h>
+void floor_step(int64_t n, const float *m, const float *v, float *out, float bc2, float eps) {
+    for (int64_t i = 0; i < n; i++) out[i] = m[i] / (sqrtf(v[i]) / bc2 + eps);
+}
+"""
+
+
+def floor_step(n: int):
+    """The exact sqrt + two divisions per element alone, built as the update kernels are."""
+    folder = Path(tempfile.mkdtemp(prefix="mixprec-floor-"))
+    (folder / "floor.c").write_text(FLOOR_C)
+    flags = [f for f in cpu_kernels._FLAGS if f != "-fopenmp"]
+    cmd = [cpu_kernels._compiler(), *flags, str(folder / "floor.c"), "-o", str(folder / "f.so")]
+    subprocess.run([*cmd, "-lm"], check=True)
+    fn = ctypes.CDLL(str(folder / "f.so")).floor_step
+    fn.argtypes = [ctypes.c_int64, *(ctypes.c_void_p,) * 3, ctypes.c_float, ctypes.c_float]
+    g = torch.Generator().manual_seed(0)
+    m, v = torch.randn(n, generator=g), torch.rand(n, generator=g)
+    out = torch.empty(n)
+    return lambda: fn(n, m.data_ptr(), v.data_ptr(), out.data_ptr(), 0.999**0.5, 1e-8)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", type=float, default=1.0, help="million elements per step")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--inductor", action="store_true", help="also time torch.compile's steps")
+    p.add_argument("--floor", action="store_true", help="also time sqrt + 2 divisions alone")
     args = p.parse_args(argv)
     cols = 1024
     rows = max(1, round(args.size * 2**20 / cols))
@@ -109,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
         steps[f"C loop: {name}"] = (c_step(key, rows, cols), nbytes)
         if args.inductor:
             steps[f"inductor: {name}"] = (inductor_step(key, rows, cols), nbytes)
+    if args.floor:  # bytes: the two fp32 inputs and the output
+        steps["floor: sqrt + 2 divisions (exact)"] = (floor_step(n), 12)
     src = torch.randn(2**27)
     dst = torch.empty_like(src)
     times: dict[str, list[float]] = {k: [] for k in [*steps, "copy"]}

@@ -86,7 +86,8 @@ typedef uint16_t g_t;
 #define G_LOAD(p, i) from_f16((p)[i])
 #endif
 
-/* float -> float8_e4m3fn, round to nearest even (the input is clamped to +-448 before). */
+/* float -> float8_e4m3fn, round to nearest even, for |f| < 464 (store_block's values); NaN and
+ * larger to 0x7F (a NaN), the sign kept. */
 static inline uint8_t to_e4m3(float f) {
     uint32_t b = f2u(f), sign = b & 0x80000000u;
     b ^= sign;
@@ -123,9 +124,9 @@ static inline float decode(uint32_t code, float s, int e4m3, int sqrtk, int mag,
                            int emin) {
     if (e4m3) {  /* torch's float8_e4m3fn: s eeee mmm, bias 7, 0x7F a NaN */
         uint32_t mag7 = code & 0x7Fu;
-        float v = (mag7 >> 3) ? u2f((mag7 << 20) + (120u << 23)) : (float)(mag7 & 7u) * 0x1p-9f;
+        float v = mag7 >= 8u ? u2f((mag7 << 20) + (120u << 23)) : (float)mag7 * 0x1p-9f;
         v = mag7 == 0x7Fu ? NAN : v;
-        return ((code & 0x80u) ? -v : v) * s;
+        return u2f(f2u(v) | ((code & 0x80u) << 24)) * s;  /* v >= 0: the sign bit negates */
     }
     uint32_t ic = sqrtk ? code : code & ((1u << mag) - 1);
     float v = u2f((ic + (((uint32_t)(127 + emin) << mb) - 1)) << (23 - mb)) * s;
@@ -143,27 +144,23 @@ static inline uint32_t encode(float x, float r, int sqrtk, int mag, int mb, int 
     return sqrtk ? (uint32_t)c : ((uint32_t)c | ((uint32_t)(x < 0) << mag));
 }
 
-/* Codes of block ``t`` (``n`` values) into ``codes`` from element ``at``; its scale to ``*s``. */
+/* the larger of ``top`` and |x|, as bit patterns: non-negative floats order as their bits, and a
+ * NaN's pattern is above every number's, so a block's largest comes out NaN as torch's amax */
+#define TOP(top, x) ((f2u(x) & 0x7FFFFFFFu) > (top) ? (f2u(x) & 0x7FFFFFFFu) : (top))
+
+/* Codes of block ``t`` (``n`` values, the largest |t| ``top`` as TOP gives it) into ``codes``
+ * from element ``at``; its scale to ``*s``. */
 static inline __attribute__((always_inline)) void store_block(
-    const float *t, int n, uint8_t *codes, int64_t at, float *s, int bits, int e4m3, int sqrtk,
-    int mag, int mb, int emin, float largest) {
-    /* the largest |t| as a bit pattern: non-negative floats order as their bits, and a NaN's
-     * pattern is above every number's, so it comes out NaN as torch's amax does */
-    uint32_t top = 0;
-    for (int j = 0; j < n; j++) {
-        uint32_t a = f2u(t[j]) & 0x7FFFFFFFu;
-        top = a > top ? a : top;
-    }
+    const float *t, uint32_t top, int n, uint8_t *codes, int64_t at, float *s, int bits,
+    int e4m3, int sqrtk, int mag, int mb, int emin, float largest) {
     float amax = u2f(top);
     amax = amax < TINY ? 0.0f : amax;
     if (e4m3) {
         *s = amax / 448.0f;
         float q = amax > 0 ? (1.0f / amax) * 448.0f : 0.0f;
-        for (int j = 0; j < n; j++) {
-            float v = t[j] * q;
-            v = v < -448.0f ? -448.0f : (v > 448.0f ? 448.0f : v);
-            codes[at + j] = to_e4m3(v);
-        }
+        /* |t * q| <= 448 (1 + 3 eps) < 464 for finite t, so to_e4m3 rounds it to at most 448
+         * as the clamp to +-448 of state_codes.py would: no clamp needed here */
+        for (int j = 0; j < n; j++) codes[at + j] = to_e4m3(t[j] * q);
         return;
     }
     float sc = amax / largest;
@@ -179,8 +176,8 @@ static inline __attribute__((always_inline)) void store_block(
     for (int k = 0; k < n / 2; k++) out[k] = (uint8_t)(tmp[2 * k] | (tmp[2 * k + 1] << 4));
 }
 
-static inline uint32_t random16(int64_t i, uint32_t base, uint32_t mix) {  /* rounding.py */
-    uint32_t h = (uint32_t)i + base;
+static inline uint32_t random16(uint32_t i, uint32_t base, uint32_t mix) {  /* rounding.py */
+    uint32_t h = i + base;
     h ^= h >> 16;
     h *= 0x7FEB352Du;
     h ^= h >> 15;
@@ -189,13 +186,13 @@ static inline uint32_t random16(int64_t i, uint32_t base, uint32_t mix) {  /* ro
     return h >> 16;
 }
 
-static inline void write_weight(uint16_t *w, uint16_t *c, int64_t i, float w32, uint32_t base,
-                                 uint32_t mix) {
+static inline void write_weight(uint16_t *w, uint16_t *c, int64_t i, uint32_t h, float w32,
+                                uint32_t base, uint32_t mix) {
 #if UPDATE == 2
     (void)c;
-    w[i] = (uint16_t)((f2u(w32) + random16(i, base, mix)) >> 16);
+    w[i] = (uint16_t)((f2u(w32) + random16(h, base, mix)) >> 16);
 #else
-    (void)base; (void)mix;
+    (void)h; (void)base; (void)mix;
     uint16_t low = W_ROUND(w32);
     w[i] = low;
 #if UPDATE == 1
@@ -215,18 +212,18 @@ static inline void write_weight(uint16_t *w, uint16_t *c, int64_t i, float w32, 
 #ifdef ADAM
 /* sc: 1 - lr*wd (decoupled) or 1, wd (coupled) or 0, +-1 (maximize), 1 - beta1, beta2,
  * 1 - beta2, -lr / bc1, sqrt(bc2), eps: fused_ops.py's adam, term for term */
-#define STEP_ELEM(i, M_IN, V_IN, M_OUT, V_OUT)                                               \
+#define STEP_ELEM(i, h, M_IN, V_IN, M_OUT, V_OUT)                                               \
     {                                                                                        \
         float w32 = W_IN(w, c, i);                                                           \
         float g32 = G_LOAD(g, i) * s_sign;                                                   \
         DECAY                                                                                \
         float m0 = M_IN, v0 = V_IN;                                                          \
-        float m32 = s_b1c >= 0.5f ? g32 - (g32 - m0) * (1.0f - s_b1c) : m0 + s_b1c * (g32 - m0); \
+        float m32 = b1hi ? g32 - (g32 - m0) * (1.0f - s_b1c) : m0 + s_b1c * (g32 - m0);      \
         float v32 = v0 * s_b2 + s_b2c * g32 * g32;                                           \
         w32 = w32 + s_step * (m32 / (sqrtf(v32) / s_bc2 + s_eps));                           \
         M_OUT;                                                                               \
         V_OUT;                                                                               \
-        write_weight(w, c, i, w32, base, mix);                                               \
+        write_weight(w, c, i, h, w32, base, mix);                                            \
     }
 #ifdef DECOUPLED
 #define DECAY w32 = w32 * s_dec;
@@ -248,17 +245,26 @@ static inline void write_weight(uint16_t *w, uint16_t *c, int64_t i, float w32, 
 #define BUFFER(M_IN, M_OUT) float m32 = g32;
 #define DIRECTION(b32) (b32)
 #endif
-#define STEP_ELEM(i, M_IN, V_IN, M_OUT, V_OUT)                                               \
+#define STEP_ELEM(i, h, M_IN, V_IN, M_OUT, V_OUT)                                               \
     {                                                                                        \
         float w32 = W_IN(w, c, i);                                                           \
         float g32 = G_LOAD(g, i) * s_sign;                                                   \
         g32 = s_wd != 0.0f ? g32 + w32 * s_wd : g32;                                         \
         BUFFER(M_IN, M_OUT)                                                                  \
         w32 = w32 + DIRECTION(m32) * s_lr;                                                   \
-        write_weight(w, c, i, w32, base, mix);                                               \
+        write_weight(w, c, i, h, w32, base, mix);                                            \
     }
 #define SCALARS float s_sign = sc[0], s_wd = sc[1], s_mom = sc[2], s_damp = sc[3], s_lr = sc[4]; \
     (void)s_mom; (void)s_damp;
+#endif
+
+/* LOOP twice, for 1 - beta1 >= 0.5 and below: each copy's lerp (torch's two forms) is then
+ * fixed, not selected per element */
+#ifdef ADAM
+#define SPLIT_B1(LOOP) \
+    if (s_b1c >= 0.5f) { const int b1hi = 1; LOOP } else { const int b1hi = 0; LOOP }
+#else
+#define SPLIT_B1(LOOP) { LOOP }
 #endif
 
 #ifndef S1
@@ -286,41 +292,46 @@ static inline __attribute__((always_inline)) void coded_block(
     const int64_t at, const int n) {
     SCALARS
     float t1[BLOCK], t2[BLOCK];
+    uint32_t top1 = 0, top2 = 0;  /* the largest |t1|, |t2| as bit patterns (see store_block) */
+    (void)top1; (void)top2;
     uint8_t u1[BLOCK], u2[BLOCK];
     (void)t1; (void)t2; (void)u1; (void)u2; (void)q1; (void)q2; (void)s2; (void)r1; (void)r2;
 #if CODED(S1) && S1SRC
 #define M_READ(j) r1[at + (j)]
-#define M_WRITE(j, x) t1[j] = (x)
+#define M_WRITE(j, x) t1[j] = (x); top1 = TOP(top1, t1[j])
 #elif CODED(S1)
     const float d1 = *q1;
     const uint8_t *c1 = block_codes(S1, (const uint8_t *)s1, at, n, u1);
 #define M_READ(j) decode(c1[j], d1, S1E4M3, S1K, S1MAG, S1MB, S1EMIN)
-#define M_WRITE(j, x) t1[j] = (x)
+#define M_WRITE(j, x) t1[j] = (x); top1 = TOP(top1, t1[j])
 #else
 #define M_READ(j) PLAIN_LOAD(S1, s1, at + (j))
 #define M_WRITE(j, x) plain_store(S1, s1, at + (j), (x))
 #endif
 #if CODED(S2) && S2SRC
 #define V_READ(j) r2[at + (j)]
-#define V_WRITE(j, x) t2[j] = (S2K ? ((x) < 0.0f ? 0.0f : sqrtf(x)) : (x))
+#define V_WRITE(j, x) t2[j] = (S2K ? sqrtf(x) : (x)); top2 = TOP(top2, t2[j])
 #elif CODED(S2)
     const float d2 = *q2;
     const uint8_t *c2 = block_codes(S2, (const uint8_t *)s2, at, n, u2);
 #define V_READ(j) decode(c2[j], d2, S2E4M3, S2K, S2MAG, S2MB, S2EMIN)
-#define V_WRITE(j, x) t2[j] = (S2K ? ((x) < 0.0f ? 0.0f : sqrtf(x)) : (x))
+#define V_WRITE(j, x) t2[j] = (S2K ? sqrtf(x) : (x)); top2 = TOP(top2, t2[j])
 #else
 #define V_READ(j) PLAIN_LOAD(S2, s2, at + (j))
 #define V_WRITE(j, x) plain_store(S2, s2, at + (j), (x))
 #endif
-    for (int j = 0; j < n; j++) {
+    const uint32_t h0 = (uint32_t)at;  /* the rounding's key: the index mod 2**32 */
+    SPLIT_B1(for (int j = 0; j < n; j++) {
         const int64_t i = at + j;
-        STEP_ELEM(i, M_READ(j), V_READ(j), M_WRITE(j, m32), V_WRITE(j, v32))
-    }
+        STEP_ELEM(i, h0 + (uint32_t)j, M_READ(j), V_READ(j), M_WRITE(j, m32), V_WRITE(j, v32))
+    })
 #if CODED(S1)
-    store_block(t1, n, (uint8_t *)s1, at, q1, S1, S1E4M3, S1K, S1MAG, S1MB, S1EMIN, S1LARGEST);
+    store_block(t1, top1, n, (uint8_t *)s1, at, q1, S1, S1E4M3, S1K, S1MAG, S1MB, S1EMIN,
+                S1LARGEST);
 #endif
 #if CODED(S2)
-    store_block(t2, n, (uint8_t *)s2, at, q2, S2, S2E4M3, S2K, S2MAG, S2MB, S2EMIN, S2LARGEST);
+    store_block(t2, top2, n, (uint8_t *)s2, at, q2, S2, S2E4M3, S2K, S2MAG, S2MB, S2EMIN,
+                S2LARGEST);
 #endif
 }
 #undef M_READ
@@ -390,16 +401,17 @@ void mixprec_step(int64_t rows, int64_t cols, uint16_t *restrict w, uint16_t *re
 #define V_WRITE(i, x) h2[i] = to_f16(x)
 #endif
     if (threads <= 1) {  /* no OpenMP call at all: one thread as without -fopenmp */
-        for (int64_t i = 0; i < n; i++)
-            STEP_ELEM(i, M_READ(i), V_READ(i), M_WRITE(i, m32), V_WRITE(i, v32))
+        SPLIT_B1(uint32_t h = 0; for (int64_t i = 0; i < n; i++, h++)
+                 STEP_ELEM(i, h, M_READ(i), V_READ(i), M_WRITE(i, m32), V_WRITE(i, v32)))
         return;
     }
     const int64_t runs = (n + CHUNK - 1) / CHUNK;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t k = 0; k < runs; k++) {
         const int64_t end = (k + 1) * CHUNK < n ? (k + 1) * CHUNK : n;
-        for (int64_t i = k * CHUNK; i < end; i++)
-            STEP_ELEM(i, M_READ(i), V_READ(i), M_WRITE(i, m32), V_WRITE(i, v32))
+        SPLIT_B1(uint32_t h = (uint32_t)(k * CHUNK);
+                 for (int64_t i = k * CHUNK; i < end; i++, h++)
+                 STEP_ELEM(i, h, M_READ(i), V_READ(i), M_WRITE(i, m32), V_WRITE(i, v32)))
     }
 #else
     /* codes: per block of one row (coded_block); full blocks with their size a constant */
