@@ -535,6 +535,30 @@ def test_add_param_group_gets_compensation():
     train(model, opt, 2)
 
 
+def test_released_steps_follow_parameters_moved_between_groups():
+    """A released parameter steps with its own group's hyperparameters, found again after the
+    user moves parameters between groups (here: swapped in place, the lists' lengths kept)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    (w0, b0), (w1, b1) = model[0].parameters(), model[1].parameters()
+    groups = [{"params": [w0, b0], "lr": 1e-2}, {"params": [w1, b1], "lr": 0.0}]
+    recipe = mixprec.Recipe("lean", BF16, gradients="released")
+    model, opt = initialize(model, torch.optim.AdamW(groups), recipe)
+    x, y = batch(0, 8)
+
+    def step() -> list[torch.Tensor]:
+        before = [p.detach().clone() for p in (w0, w1)]
+        opt.backward(mse(model, x, y))
+        opt.step()
+        opt.zero_grad()
+        return [not torch.equal(a, p) for a, p in zip(before, (w0, w1))]
+
+    assert step() == [True, False]  # w0 in the lr 1e-2 group, w1 in the lr 0 group
+    groups = opt.param_groups
+    groups[0]["params"][0], groups[1]["params"][0] = w1, w0  # swap the weights' groups
+    assert step() == [False, True]
+
+
 def test_validation_errors():
     def make():
         m = make_model()

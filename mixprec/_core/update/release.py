@@ -106,7 +106,7 @@ class ReleasedGradients:
         which a copied parameter does not carry, are registered on them."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        rest = {k: v for k, v in self.__dict__.items() if k != "_ordinal"}
+        rest = {k: v for k, v in self.__dict__.items() if k not in ("_ordinal", "_groups_table")}
         new.__dict__.update(copy.deepcopy(rest, memo))  # the optimizer, its parameters too
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         new._ordinal = {
@@ -180,7 +180,7 @@ class ReleasedGradients:
             p.grad = None
             return
         groups = self.optimizer.param_groups
-        index = next(i for i, g in enumerate(groups) if any(q is p for q in g["params"]))
+        index = self._group_of(groups, p)
         saved = [g["params"] for g in groups]
         fresh = p.device.type == "cpu" and not self.optimizer.state.get(p)
         try:
@@ -192,6 +192,19 @@ class ReleasedGradients:
         if fresh:  # its first state was made, narrowed and freed: holes that stay resident
             trim_heap()  # (see trim_heap); later steps reuse their own holes, and trimming
             # each one would hand pages back that the next parameter faults in again
+
+    def _group_of(self, groups: list[dict], p: Tensor) -> int:
+        """The index of ``p``'s group, from a table of each parameter's (group, position) made
+        again when ``p`` is not where it says (a scan per parameter would cost the square of
+        their number in host time each step)."""
+        table = self.__dict__.get("_groups_table", {})
+        i, k = table.get(id(p), (len(groups), 0))
+        plist = groups[i]["params"] if i < len(groups) else ()
+        if k >= len(plist) or plist[k] is not p:  # new, moved, or the groups changed
+            table = {id(q): (i, k) for i, g in enumerate(groups) for k, q in enumerate(g["params"])}
+            self.__dict__["_groups_table"] = table
+            i = table[id(p)][0]
+        return i
 
     def _clip_refusal(self) -> str | None:
         """Why a clip of these parameters' gradients cannot be done, or None: they are held
