@@ -278,4 +278,6 @@ def test_bench_o3_accuracy_smoke(tmp_path, capsys):
     row = next(r for r in doc["table"].splitlines() if r.startswith("| O3 bf16 default |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     ms, ratio = float(cells[-6]), float(cells[-5].rstrip("x"))  # before the 4 B/param cells
-    assert ratio == pytest.approx(ms / float(f"{fp32_ms:.3g}"), rel=0.012)  # 3 digits each
+    # the step times print 3 significant digits each, the ratio 2 decimals
+    expected = ms / float(f"{fp32_ms:.3g}")
+    assert abs(ratio - expected) <= 0.005 + 0.011 * expected, (ratio, expected)
