@@ -5,24 +5,27 @@
     python benchmarks/bench_gpu.py --device cpu --smoke     # the code path, tiny shapes (tests)
 
 Synthetic data (random tokens / images: nothing is downloaded). The race is run fairly: eager
-modes against torch.autocast eager, compiled modes (``+ compile``: ``torch.compile(model)``, and
-the graph pass as a ``torch.compile`` backend) against torch.autocast + ``torch.compile``, each
-of the same 16-bit dtype (fp32 rows against bf16 eager). Modes: fp32 with TF32 off and on;
+modes against torch.autocast eager, compiled modes (``+ compile``: ``torch.compile(model)``,
+and the graph pass as a ``torch.compile`` backend) against torch.autocast + ``torch.compile``,
+each of the same 16-bit dtype (fp32 rows against bf16 eager). Modes: fp32 with TF32 off and on;
 torch.autocast fp16 (+ GradScaler) and bf16, eager and compiled; mixprec.autocast bf16; mixprec
-O1/O2/O3 in fp16 and bf16, eager and compiled; O2/O3 bf16 with ``activations="fp8"``; and the
-graph pass under torch.compile. Every round times every mode for ``--steps`` steps, in turn;
-a ratio is the median of the per-round ratios, shown with their range. Peak memory is the whole
-footprint of each mode's tensors (weights, gradients, optimizer state, activations, workspace:
-``torch.cuda.max_memory_allocated`` over two steps right after the mode is built and warmed
-up, less what was allocated before it was built), so each mode is compiled once. The header
-names GPU, driver, CUDA and torch. ``--quick`` runs the bf16 race alone (GPT-2-small, 3
-rounds), the part of ``tools/gpu_check.sh quick`` that fits a short GPU lease.
+O1/O2/O3 in fp16 and bf16, eager and compiled; O2/O3 bf16 with ``activations="fp8"``; the graph
+pass under torch.compile; the ``"lean"`` recipe in bf16, eager and compiled; and, where torchao
+is installed, bf16 weights stepped by torchao's ``AdamW8bit``, compiled. Every round times
+every mode for ``--steps`` steps, in turn; a ratio is the median of the per-round ratios, shown
+with their range. Peak memory is the whole footprint of each mode's tensors (weights,
+gradients, optimizer state, activations, workspace: ``torch.cuda.max_memory_allocated`` over
+two steps right after the mode is built and warmed up, less what was allocated before it was
+built), so each mode is compiled once. The header names GPU, driver, CUDA and torch.
+``--quick`` runs the bf16 race alone (GPT-2-small, 3 rounds), the part of ``tools/gpu_check.sh
+quick`` that fits a short GPU lease.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import statistics
 import subprocess
 import time
@@ -39,6 +42,10 @@ from mixprec.bench.steps import emit, step_workload
 
 BF16, FP16 = torch.bfloat16, torch.float16
 _NAME = {BF16: "bf16", FP16: "fp16"}
+
+
+#: bf16 weights stepped by torchao's 8-bit AdamW (``torchao.optim.AdamW8bit``), no mixprec
+TORCHAO = "torchao-adamw8bit"
 
 
 @dataclass(frozen=True)
@@ -89,18 +96,24 @@ MODES = [
     Mode("mixprec O3 fp16 + compile", "O3+compile", FP16),
     *(Mode(f"mixprec {lv} bf16 + compile", f"{lv}+compile", BF16) for lv in ("O1", "O2", "O3")),
     Mode("mixprec graph pass bf16 + compile", "graph+compile", BF16),
+    Mode("mixprec lean bf16", "lean", BF16),
+    Mode("mixprec lean bf16 + compile", "lean+compile", BF16),
+    Mode("torchao AdamW8bit, bf16 weights + compile", TORCHAO + "+compile", BF16),
 ]
 
 
-# the fair race in bf16, eager against eager and compiled against compiled (--quick)
+# the fair race in bf16, eager against eager and compiled against compiled (--quick); the
+# torchao row only where torchao is installed
 QUICK = [
     "torch.autocast bf16",
     "mixprec O2 bf16",
     "mixprec O3 bf16",
+    "mixprec lean bf16",
     "torch.autocast bf16 + compile",
-    "mixprec graph pass bf16 + compile",
     "mixprec O2 bf16 + compile",
     "mixprec O3 bf16 + compile",
+    "mixprec lean bf16 + compile",
+    "torchao AdamW8bit, bf16 weights + compile",
 ]
 
 
@@ -189,6 +202,20 @@ def _tf32(on: bool) -> None:
         torch.backends.cudnn.allow_tf32 = on
 
 
+def _torchao_trainer(wl: Any, m: Mode) -> Trainer:
+    """The workload's model in bf16, stepped by torchao's ``AdamW8bit`` with the workload's
+    AdamW hyperparameters; compiled as a user would where the mode says so."""
+    from torchao.optim import AdamW8bit
+
+    t = Trainer(wl, None, "fp32", m.dtype, 0, 0)
+    t.model = t.model.to(m.dtype)
+    keys = ("lr", "betas", "eps", "weight_decay")
+    t.opt = AdamW8bit(t.model.parameters(), **{k: t.opt.param_groups[0][k] for k in keys})
+    if m.compiled:
+        t.model = torch.compile(t.model)
+    return t
+
+
 def _build(wl: Any, m: Mode, device: str, row: Row) -> Trainer | None:
     """Build one mode and warm it up (compilation included). On a GPU, the mode's whole
     footprint is measured here, over two steps after the warm-up: what it allocates above what
@@ -198,7 +225,10 @@ def _build(wl: Any, m: Mode, device: str, row: Row) -> Trainer | None:
     cuda = device == "cuda"
     try:
         base = torch.cuda.memory_allocated() if cuda else 0
-        t = Trainer(wl, None, m.trainer_mode, m.dtype, 0, 0, m.options())
+        if m.trainer_mode.startswith(TORCHAO):
+            t = _torchao_trainer(wl, m)
+        else:
+            t = Trainer(wl, None, m.trainer_mode, m.dtype, 0, 0, m.options())
         t.step()
         if cuda:
             torch.cuda.synchronize()
@@ -405,6 +435,8 @@ def main(argv: list[str] | None = None) -> None:
     labels = args.modes or (QUICK if args.quick else None)
     by_label = {m.label: m for m in MODES}
     modes = [by_label[x] for x in labels if x in by_label] if labels else list(MODES)
+    if importlib.util.find_spec("torchao") is None:  # its row only where it is installed
+        modes = [m for m in modes if not m.trainer_mode.startswith(TORCHAO)]
     if args.device == "cpu" and not args.quick:  # compiling every mode would take many minutes
         modes = [m for m in modes if not m.compiled]
     rounds = args.rounds or (3 if args.quick else 5)

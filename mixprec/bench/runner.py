@@ -50,6 +50,7 @@ MODES = (
     "O1",
     "O2",
     "O3",
+    "lean",
     "graph",
     # compiled: torch.compile(model) on the eager mode's model, or the graph pass as a backend
     "fp32+compile",
@@ -57,13 +58,15 @@ MODES = (
     "O1+compile",
     "O2+compile",
     "O3+compile",
+    "lean+compile",
     "graph+compile",
     "graph-O3",
     "graph+compile-O3",
 )
 # the graph pass (mixprec.convert / mixprec.graph.compile) with O2's storage, or with O3's
 _GRAPH = {"graph": "O2", "graph+compile": "O2", "graph-O3": "O3", "graph+compile-O3": "O3"}
-_WRAPPED = ("O1", "O2", "O3", *_GRAPH)  # modes whose optimizer is mixprec's wrapper
+_RECIPES = ("O1", "O2", "O3", "lean")  # mixprec.initialize with the named recipe
+_WRAPPED = (*_RECIPES, *_GRAPH)  # modes whose optimizer is mixprec's wrapper
 
 
 def is_compiled(mode: str) -> bool:
@@ -134,7 +137,7 @@ class Trainer:
         model = wl.make_model(data)
         opt = wl.make_optimizer(model.parameters())
         self.scaler = None
-        if mode in ("O1", "O2", "O3"):
+        if mode in _RECIPES:
             recipe = mixprec.Recipe(mode, dtype, **(options or {}))
             model, opt = mixprec.initialize(model, opt, recipe)
         elif mode in _GRAPH:
