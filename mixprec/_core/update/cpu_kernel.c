@@ -212,7 +212,7 @@ static inline void write_weight(uint16_t *w, uint16_t *c, int64_t i, uint32_t h,
 #ifdef ADAM
 /* sc: 1 - lr*wd (decoupled) or 1, wd (coupled) or 0, +-1 (maximize), 1 - beta1, beta2,
  * 1 - beta2, -lr / bc1, sqrt(bc2), eps: fused_ops.py's adam, term for term */
-#define STEP_ELEM(i, h, M_IN, V_IN, M_OUT, V_OUT)                                               \
+#define STEP_ELEM(i, h, M_IN, V_IN, M_OUT, V_OUT)                                            \
     {                                                                                        \
         float w32 = W_IN(w, c, i);                                                           \
         float g32 = G_LOAD(g, i) * s_sign;                                                   \
@@ -245,7 +245,7 @@ static inline void write_weight(uint16_t *w, uint16_t *c, int64_t i, uint32_t h,
 #define BUFFER(M_IN, M_OUT) float m32 = g32;
 #define DIRECTION(b32) (b32)
 #endif
-#define STEP_ELEM(i, h, M_IN, V_IN, M_OUT, V_OUT)                                               \
+#define STEP_ELEM(i, h, M_IN, V_IN, M_OUT, V_OUT)                                            \
     {                                                                                        \
         float w32 = W_IN(w, c, i);                                                           \
         float g32 = G_LOAD(g, i) * s_sign;                                                   \
