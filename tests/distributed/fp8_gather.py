@@ -30,6 +30,9 @@ from mixprec.distributed.fp8_gather import gathered_in_fp8
 from mixprec.fp8.gathered import GatheredFP8Weight
 from mixprec.fp8.quantization import E4M3, quantize
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scenarios import shutdown  # the launches' shared ending
+
 BF16 = torch.bfloat16
 SMALL = GPTConfig(vocab_size=32, block_size=32, n_layer=2, n_head=2, n_embd=64)
 STEPS = 6
@@ -239,7 +242,7 @@ def main() -> None:
         dist.barrier()
     if RANK == 0:  # the checkpoints the scenarios shared; every rank is past the barrier
         shutil.rmtree(shared[0], ignore_errors=True)
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def main() -> None:
         }
     if args.phase == "load":
         print(f"rank {S.RANK}: {json.dumps(out)}", flush=True)
-    dist.destroy_process_group()
+    S.shutdown()
 
 
 if __name__ == "__main__":

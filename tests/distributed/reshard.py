@@ -205,7 +205,7 @@ def main() -> None:
             res = load(root / f"from{args.saved_by}", cases)
             if S.RANK == 0:
                 (root / f"from{args.saved_by}" / f"load_{S.WORLD}.json").write_text(json.dumps(res))
-    dist.destroy_process_group()
+    S.shutdown()
 
 
 if __name__ == "__main__":
