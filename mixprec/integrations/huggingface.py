@@ -12,8 +12,8 @@ clipping and the logged grad norm use the unscaled fp32 masters. Leave ``fp16``/
 With ``gradients="auto"`` (the "lean" recipe in bf16) the gradients are held where Trainer
 needs them whole -- clipping (``max_grad_norm > 0``, Trainer's default 1.0) or accumulation
 (``gradient_accumulation_steps > 1``) -- and the choice is said in a warning
-(:mod:`mixprec.integrations._loop`); without either they are released, and the logged
-``grad_norm`` is NaN (nothing is left to measure).
+(:mod:`mixprec.integrations._loop`); without either they are released, and Trainer's logs
+leave ``grad_norm`` out (nothing is left to measure).
 
 Limits: a skipped step (fp16 overflow) still advances Trainer's LR scheduler (accelerate's
 skip flag comes from its own GradScaler); DeepSpeed/FSDP are not supported.
@@ -99,10 +99,10 @@ class MixprecTrainer(Trainer):
     def _clip_grad_norm(self, model: Any) -> Any:
         return self.mixprec_optimizer.clip_grad_norm_(self.args.max_grad_norm)
 
-    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> float:
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> float | None:
         if grad_norm is None:
             lean = self.mixprec_optimizer.lean
-            if lean is not None and lean.release_mode != "held":  # released: nothing to measure
-                return math.nan
+            if lean is not None and lean.release_mode != "held":  # released (or "auto"
+                return None  # deciding): nothing to measure; Trainer leaves grad_norm out
             grad_norm = self.mixprec_optimizer.clip_grad_norm_(math.inf)
         return float(grad_norm)
