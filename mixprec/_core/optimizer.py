@@ -27,6 +27,7 @@ Design (``docs/design.md``, "Master weights and the optimizer"):
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -141,7 +142,26 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
     defaults = property(lambda self: self.optimizer.defaults)
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__
+        """Pickling: the gradients already checked are weak references to this process's live
+        gradients, so a pickled copy starts with none checked. An update mode is refused: its
+        rounding keys and released-gradient hooks belong to the parameters' identities, which
+        pickling does not keep."""
+        if self.lean is not None:
+            raise TypeError(
+                f"A MixedPrecisionOptimizer with an update mode (update={self.lean.update!r}) "
+                "cannot be pickled whole: its per-parameter keys and hooks follow the "
+                "parameters' identities. Copy it with copy.deepcopy((model, optimizer)), or "
+                "save optimizer.state_dict() with model.state_dict() (mixprec.save_checkpoint)."
+            )
+        return {**self.__dict__, "_checked": {}}
+
+    def __deepcopy__(self, memo: dict) -> MixedPrecisionOptimizer:
+        """``copy.deepcopy``: every attribute copied (the checked gradients' weak references as
+        they are), update modes included (see ``__getstate__`` for pickling)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

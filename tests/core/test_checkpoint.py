@@ -211,3 +211,23 @@ def test_save_checkpoint_is_durable_and_replaces_a_stale_temporary_file(tmp_path
     mpd.load_checkpoint(path, fresh, fresh_opt)
     for a, b in zip(fresh.parameters(), model.parameters()):
         assert_bitwise(a.detach(), b.detach())
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_the_optimizer_pickles_whole_after_training_or_says_why_not(level):
+    """``pickle`` of (model, optimizer) after steps (a skipped one included): the copy trains on
+    bit for bit as the original. O3's update mode keys its state by parameter identity, which
+    pickling does not keep: refused with what to do instead, and that (deepcopy) works."""
+    import pickle
+
+    model, opt = build(level, BF16)
+    train(model, opt, range(K))
+    if opt.lean is not None:
+        with pytest.raises(TypeError, match=r"update='kahan'.*copy\.deepcopy\(\(model, optim"):
+            pickle.dumps((model, opt))
+        other, other_opt = copy.deepcopy((model, opt))
+    else:
+        other, other_opt = pickle.loads(pickle.dumps((model, opt)))
+    assert train(model, opt, range(K, 12)) == train(other, other_opt, range(K, 12))
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert_bitwise(p.detach(), q.detach())
