@@ -559,6 +559,22 @@ def test_released_steps_follow_parameters_moved_between_groups():
     assert step() == [False, True]
 
 
+def test_a_clip_of_an_added_groups_released_gradients_is_refused():
+    """Parameters added with add_param_group under released gradients are stepped in backward
+    like the first group's, so a clip of their gradients alone (gone by then) is refused, not
+    a silent norm of nothing."""
+    model = make_model()
+    first, rest = list(model.parameters())[:2], list(model.parameters())[2:]
+    recipe = mixprec.Recipe("lean", BF16, gradients="released")
+    model, opt = initialize(model, torch.optim.AdamW(first, lr=1e-2), recipe)
+    opt.add_param_group({"params": rest})
+    x, y = batch(0, 8)
+    opt.backward(mse(model, x, y))
+    assert all(p.grad is None for p in rest)  # stepped and freed in backward
+    with pytest.raises(RuntimeError, match="released"):
+        torch.nn.utils.clip_grad_norm_(rest, 1.0)
+
+
 def test_validation_errors():
     def make():
         m = make_model()

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from mixprec._core.clipping import register_released
 from mixprec._core.update.fused import FusedUpdates
 from mixprec._core.update.heap import trim_heap
 from mixprec._core.update.release import ReleasedGradients
@@ -128,7 +129,9 @@ class LeanUpdate(ReleasedGradients):
 
     def add_params(self, params: Iterable[Tensor]) -> None:
         """Give new 16-bit parameters their (zero) compensation buffers in ``"kahan"`` mode, and
-        their release hook when gradients are released in backward."""
+        their release hook when gradients are released in backward (registered with the
+        clipping guard, which refuses a clip of gradients that are gone)."""
+        params = list(params)
         for p in params:
             self._ordinal.setdefault(id(p), len(self._ordinal))
             if p.dtype not in _LOW:
@@ -139,6 +142,8 @@ class LeanUpdate(ReleasedGradients):
                 )
             if self.hooks and p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._step_released)
+        if self.hooks:  # released, or "auto" until its first step decides
+            register_released(params, self)
 
     def params(self) -> list[Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]

@@ -13,7 +13,6 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-from mixprec._core.clipping import register_released
 from mixprec._core.update.choice import UpdatePlan
 from mixprec._core.update.lean import LeanUpdate
 from mixprec._core.update.torch_fused import fused_by_default
@@ -23,12 +22,12 @@ __all__ = ["inner_step", "updater"]
 
 def updater(optimizer: Optimizer, plan: UpdatePlan) -> LeanUpdate | None:
     """The :class:`LeanUpdate` that steps ``optimizer``'s 16-bit parameters, or None where the
-    plan keeps fp32 masters or lets the optimizer step the 16-bit weights itself. Its
-    parameters are registered as released unless the plan holds their gradients ("auto" until
-    its first step)."""
+    plan keeps fp32 masters or lets the optimizer step the 16-bit weights itself. It registers
+    its parameters, and those of groups added later, as released unless the plan holds their
+    gradients ("auto" until its first step)."""
     if plan.update is None:
         return None
-    lean = LeanUpdate(
+    return LeanUpdate(
         optimizer,
         plan.update,
         state_dtype=plan.states,
@@ -36,9 +35,6 @@ def updater(optimizer: Optimizer, plan: UpdatePlan) -> LeanUpdate | None:
         release=plan.release,
         kernels=plan.kernels,
     )
-    if plan.gradients != "held":  # released, or "auto" until its first step
-        register_released(lean.params(), lean)
-    return lean
 
 
 def inner_step(optimizer: Optimizer, plan: UpdatePlan, lean: LeanUpdate | None) -> Any:
