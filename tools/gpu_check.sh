@@ -10,7 +10,10 @@
 #   bash tools/gpu_check.sh all     # tests, race and fp8 in one command (no time limit)
 # Results land in $OUT (the folder the device tool brings back), else ./gpu_out: a JSON file and
 # a Markdown table per part, and for quick a summary.md of all of them. The GPU image has torch
-# but not mixprec: the package is used from this tree.
+# but not mixprec: the package is used from this tree. It has no torchao either and cannot
+# download: wheels in ./wheels (ignored by git; carried with the device tool's carry=["wheels"],
+# e.g. `pip download torchao==0.18.0 --no-deps -d wheels`, 3.4 MB, built for torch >= 2.11) are
+# installed first, and the race then adds torchao's AdamW8bit as a row.
 set -uo pipefail
 what=${1:-all}
 dry=0
@@ -19,6 +22,9 @@ out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
+if [ "$dry" = 0 ] && compgen -G "wheels/*.whl" > /dev/null; then
+  "$py" -m pip install --quiet --no-deps --no-index wheels/*.whl || echo "(wheels: not installed)"
+fi
 
 machine() {
   if [ "$dry" = 1 ]; then
