@@ -43,7 +43,6 @@ import torch
 from torch import Tensor
 
 from mixprec._core._warnings import MixprecNumericsWarning, MixprecWarning, user_stacklevel
-from mixprec._core.clipping import register_released
 from mixprec._core.update.heap import trim_heap
 
 __all__ = ["RELEASED", "ReleasedGradients"]
@@ -94,7 +93,7 @@ def all_finite(g: Tensor) -> bool:
 class ReleasedGradients:
     """The release half of :class:`~mixprec._core.update.lean.LeanUpdate` (a mixin: it reads the
     updater's ``optimizer``, ``_step_chunk``, ``_free_scratch``, ``nonfinite``, ``_released``,
-    ``release`` and ``_ordinal``)."""
+    ``release``, ``_ordinal`` and ``add_params``)."""
 
     optimizer: torch.optim.Optimizer
     release: bool
@@ -114,16 +113,9 @@ class ReleasedGradients:
             for p in params
             if id(p) in self._ordinal
         }
-        if new.hooks:  # released, or "auto" (its hooks watch until the first step decides)
-            released = [
-                p
-                for g in new.optimizer.param_groups
-                for p in g["params"]
-                if p.dtype in (torch.float16, torch.bfloat16) and p.requires_grad
-            ]
-            for p in released:
-                p.register_post_accumulate_grad_hook(new._step_released)
-            register_released(released, new)
+        # the copied parameters' release hooks and clipping guard, as the updater gives its
+        # own (released, or "auto" until its first step; nothing else is new for them)
+        new.add_params([p for g in new.optimizer.param_groups for p in g["params"]])
         return new
 
     def _init_release(self, release: bool | str) -> None:
