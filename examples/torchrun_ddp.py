@@ -9,6 +9,7 @@ checkpoints at the end and prints the loss, the loss scale and the bytes on the 
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,12 @@ def main() -> None:
             f"(fp32 would be {hook.elements * 4 / args.steps:,.0f}); "
             f"checkpoint: {args.checkpoint}"
         )
+    # model and optimizer are cyclic garbage holding gloo objects: freed here, with every rank
+    # past its work, not at interpreter exit (where a rank could abort with "terminate called
+    # without an active exception")
+    del model, opt
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -22,6 +22,7 @@ process, no process group, no model prepared by mixprec)::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 from pathlib import Path
 
@@ -100,6 +101,12 @@ def main() -> None:
     if rank == 0:
         progress.write_text(json.dumps({"step": args.steps}))
     export(model, opt, args.checkpoint + "_fp32.pt", rank)
+    # model and optimizer are cyclic garbage holding gloo objects: freed here, with every rank
+    # past its work, not at interpreter exit (where a rank could abort with "terminate called
+    # without an active exception")
+    del model, opt
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
