@@ -124,8 +124,11 @@ def initialize(
         optimizers: an optimizer, a list of them, or None (inference / custom loops).
         recipe: a :class:`mixprec.Recipe`, a recipe name (``"O0"``-``"O3"``, ``"bf16-mixed"``,
             ``"16-mixed"``, ``"bf16-true"``, ...) or line (``"O3 bf16 update=none"``), a
-            :class:`mixprec.Policy` (any spelling), or a map ``{module path: policy}`` (e.g.
-            :func:`mixprec.numerics.tune`'s plan), applied with ``set_policy`` at O1.
+            :class:`mixprec.Policy` (any spelling, read by its three dtypes as
+            :meth:`mixprec.Recipe.from_policy` does; refused where its name is a recipe's that
+            its dtypes do not read as: ``Policy("bf16-true")``), or a map
+            ``{module path: policy}`` (e.g. :func:`mixprec.numerics.tune`'s plan), applied
+            with ``set_policy`` at O1.
         dtype: the 16-bit dtype; None: the recipe's, else :func:`mixprec.default_dtype` for
             the device.
 

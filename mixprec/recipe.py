@@ -15,6 +15,12 @@ so ``replace(dtype=torch.float16)`` stays consistent. Every rule between fields 
 :meth:`Recipe.__post_init__`, at construction, with errors that name the field and the fix;
 entry points then trust the recipe. ``str(recipe)`` is a one-liner that ``Recipe(...)`` parses
 back: the preset's name, the dtype, then each field that differs from the preset.
+
+A :class:`~mixprec.Policy` is one module's forward (three dtypes), so where a recipe is expected
+it is read by its dtypes alone (:meth:`Recipe.from_policy`), one meaning for equal policies. A
+policy spelled with a recipe's name must read as that recipe, else it is refused:
+``Policy("bf16-mixed")`` is ``Recipe("bf16-mixed")``, while ``Policy("bf16-true")`` (bf16
+outputs) is not ``Recipe("bf16-true")`` (float32 outputs, the optimizer's own bf16 step).
 """
 
 from __future__ import annotations
@@ -83,8 +89,14 @@ DEFAULTS: dict[str, Any] = dict(
 )
 
 
-def _preset(name: str) -> tuple[str, dict[str, Any]]:
+def _preset(name: Any) -> tuple[str, dict[str, Any]]:
     """The level a name starts from and the fields it sets (names fold case: "o2" is "O2")."""
+    if not isinstance(name, str):
+        raise TypeError(
+            f"A recipe's name is one of {list(NAMES)} or a mixprec.Policy; received {name!r} "
+            f"(of type {type(name).__name__}). The dtype is the second argument: "
+            "Recipe('O2', torch.bfloat16); a dtype as a policy: Recipe(mixprec.Policy(dtype))."
+        )
     key = name.upper() if name.upper() in _LEVELS else name
     if key not in NAMES:
         raise ValueError(
@@ -105,7 +117,9 @@ class Recipe:
     Args:
         name: the preset the other fields start from: ``"O0"``-``"O3"`` (any case),
             ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``, ``"fp8-tensorwise"``,
-            ``"fp8-rowwise"``.
+            ``"fp8-rowwise"``; or a :class:`~mixprec.Policy`, read as
+            :meth:`from_policy` does (refused where its name is a recipe's that its dtypes
+            do not read as: ``Policy("bf16-true")``).
         dtype: the 16-bit dtype (``torch.bfloat16`` or ``torch.float16``); None: chosen for
             the device when the recipe is applied (:func:`mixprec.default_dtype`).
         compute: ``"16-bit"`` (matmuls and convolutions in ``dtype``, by the cast table) or
@@ -175,7 +189,10 @@ class Recipe:
 
     def __post_init__(self) -> None:
         given = _given(self)
-        if isinstance(self.name, str) and (" " in self.name.strip() or "=" in self.name):
+        if isinstance(self.name, Policy):  # its three dtypes, then the fields given
+            rest = {k: v for k, v in given.items() if k not in ("name", "dtype")}
+            given = {**_policy_fields(self.name, given.get("dtype"), one_meaning=True), **rest}
+        elif isinstance(self.name, str) and (" " in self.name.strip() or "=" in self.name):
             given = {
                 **parse(self.name, {f.name for f in dataclasses.fields(self)}),
                 **{k: v for k, v in given.items() if k != "name"},
@@ -205,12 +222,10 @@ class Recipe:
     @classmethod
     def from_policy(cls, policy: Any) -> Recipe:
         """The level that trains a model under ``policy`` (any policy spelling): O0 for a
-        float32 policy, O1 for float32 parameters, O3 for 16-bit ones; outputs as it says."""
-        pol = as_policy(policy)
-        if not pol.is_lower:
-            return cls("O0", outputs=pol.output_dtype)
-        level = "O1" if pol.param_dtype == torch.float32 else "O3"
-        return cls(level, pol.compute_dtype, outputs=pol.output_dtype)
+        float32 policy, O1 for float32 parameters, O3 for 16-bit ones; outputs as it says.
+        Always by the dtypes: ``from_policy("bf16-true")`` is ``"O3 bf16 outputs=bf16"``,
+        not the recipe ``"bf16-true"``."""
+        return cls(**_policy_fields(as_policy(policy)))
 
     def replace(self, **changes: Any) -> Recipe:
         """This recipe with ``changes`` (field names) applied and checked again."""
@@ -303,7 +318,7 @@ def as_recipe(spec: Any, dtype: Any = None) -> Recipe:
             return recipe if low is None else as_recipe(recipe, low)
     if isinstance(spec, (str, Policy, torch.dtype)):
         try:
-            recipe = Recipe.from_policy(spec)
+            policy = as_policy(spec)
         except ValueError:
             others = [n for n in NAMES if n not in _LEVELS]
             raise ValueError(
@@ -315,7 +330,7 @@ def as_recipe(spec: Any, dtype: Any = None) -> Recipe:
             raise ValueError(
                 f"The policy {spec!r} carries its dtype; give the policy or a dtype, not both."
             )
-        return recipe
+        return Recipe(policy)
     raise TypeError(
         f"Expected a mixprec.Recipe, a recipe name ({', '.join(NAMES)}) or a Policy; received "
         f"{type(spec).__name__}."
@@ -341,6 +356,50 @@ def _dtype_arg(value: Any) -> torch.dtype:
             f"dtype must be a floating dtype (torch.bfloat16 or torch.float16), received {value}."
         )
     return _dtype(value, "dtype")
+
+
+def _policy_fields(policy: Policy, dtype: Any = None, one_meaning: bool = False) -> dict[str, Any]:
+    """The fields ``policy``'s three dtypes say: the level, the dtype and the outputs. With
+    ``one_meaning``, a policy spelled with a recipe's name (any case) that reads as another
+    recipe is refused."""
+    if not policy.is_lower:
+        fields: dict[str, Any] = {"name": "O0", "outputs": policy.output_dtype}
+    else:
+        level = "O1" if policy.param_dtype == torch.float32 else "O3"
+        fields = {"name": level, "dtype": policy.compute_dtype, "outputs": policy.output_dtype}
+    if dtype is not None and _dtype_arg(dtype) != fields.get("dtype"):
+        raise ValueError(
+            f"Recipe({policy!r}, dtype={dtype}): the policy carries its dtype; give the policy "
+            "or a dtype, not both."
+        )
+    named = next((n for n in NAMES if n.lower() == policy.name.strip().lower()), None)
+    if one_meaning and named is not None and Recipe(**fields) != Recipe(named):
+        _refuse_two_meanings(policy, named, Recipe(**fields))
+    return fields
+
+
+def _refuse_two_meanings(policy: Policy, named: str, read: Recipe) -> None:
+    differ = [k for k, _ in _changed(read, Recipe(named))]
+    as_name = " ".join(f"{k}={word(getattr(Recipe(named), k))}" for k in differ)
+    as_dtypes = " ".join(f"{k}={word(getattr(read, k))}" for k in differ)
+    agree = [n for n in NAMES if _policy_reads_as(n)]
+    raise ValueError(
+        f"Received {policy!r} where a recipe is expected, and {policy.name!r} means two "
+        f"recipes: the recipe named {named!r} ({as_name}) and, read by the policy's three "
+        f"dtypes, {str(read)!r} ({as_dtypes}). Allowed: a Policy whose name is no recipe's, "
+        f"or whose dtypes read as the recipe of its name ({', '.join(agree)}). Write the "
+        f"name {named!r} (or Recipe({named!r})) for the named recipe, or "
+        f"Recipe.from_policy({policy.name!r}) (or {str(read)!r}) for the policy's dtypes."
+    )
+
+
+def _policy_reads_as(name: str) -> bool:
+    """Whether ``name`` spells a policy whose dtypes read as the recipe ``name``."""
+    try:
+        policy = Policy(name)
+    except ValueError:
+        return False
+    return Recipe(**_policy_fields(policy)) == Recipe(name)
 
 
 def _given(r: Recipe) -> dict[str, Any]:
