@@ -18,6 +18,9 @@ from mixprec.bench.models import GPT, GPTConfig
 
 BF16, FP16 = torch.bfloat16, torch.float16
 STEPS = 5
+#: the torch thread count every case trains at, whatever the machine or OMP_NUM_THREADS: a
+#: matmul's reduction order depends on it, so the recorded bits do too
+THREADS = 2
 CONFIG = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=2, n_embd=16)
 
 Setup = Callable[[torch.nn.Module, torch.optim.Optimizer], tuple[Any, Any]]
@@ -70,7 +73,17 @@ def capability_key() -> str:
 
 
 def train(name: str) -> dict[str, Any]:
-    """5 AdamW steps of the small GPT under case ``name``, from fixed weights and data."""
+    """5 AdamW steps of the small GPT under case ``name``, from fixed weights and data, at
+    :data:`THREADS` torch threads (the caller's count is given back)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        return _train(name)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(name: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = GPT(CONFIG)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
