@@ -8,8 +8,6 @@ import tempfile
 import pytest
 import torch
 
-from mixprec._core.update import fused
-
 # torch's inductor caches compiled CPU kernels on disk without keying them on
 # ATEN_CPU_CAPABILITY: a kernel built for one vector width and loaded under another computes
 # garbage or crashes the process (torch 2.13). A run that caps the capability, to check the
@@ -20,11 +18,6 @@ if _CAPABILITY and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         tempfile.gettempdir(), f"torchinductor_mixprec_{_CAPABILITY}"
     )
 
-
-# mixprec's fused update compiles a kernel per kind of step (seconds each on a 2-core CPU); the
-# suite runs the chunk path, and tests/core/test_fused_update.py switches it on where it tests
-# it (with tiny tensors: "auto" would leave parameters that small to the chunk path anyway).
-fused.MODE = "off"
 
 
 @pytest.fixture

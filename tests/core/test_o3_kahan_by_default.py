@@ -204,7 +204,11 @@ def test_update_none_checkpoint_resumes_under_the_default(tmp_path):
         assert_bitwise(p.detach(), r.detach().to(BF16))
         assert_bitwise(opt.lean.compensation[p], (r.detach() - p.detach().float()).to(BF16))
         assert opt.state[p]["exp_avg_sq"].dtype == FP32
-        assert_bitwise(opt.state[p]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"])
+        # the one-pass update rounds each fp32 operation on its own; torch's for-loop, built with
+        # contraction, may fuse v * beta2 + (1 - beta2) * g * g into one rounding: 1 ulp apart
+        torch.testing.assert_close(
+            opt.state[p]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"], rtol=2.0**-23, atol=0
+        )
 
 
 def test_a_kahan_checkpoint_is_refused_by_update_none():
