@@ -1,44 +1,11 @@
 """``mixprec.initialize``: one call that turns a model and optimizer into a mixed-precision pair.
 
-Design (Apex ``amp.initialize``, torchao's ``convert_to_float8_training``): one entry point
-that takes the model, the optimizer and a :class:`~mixprec.Recipe` -- the one value that says
-how every tensor of the step is held and computed. Options are fields of the recipe, never
-keywords here, so every rule between them is checked once, where the recipe is built. The
-levels (``docs/recipes.md``):
-
-| level | parameters | forward | outputs | masters | loss scaling (fp16 / bf16) |
-|---|---|---|---|---|---|
-| O0 | fp32 | fp32 | fp32 | no | off / off |
-| O1 | fp32 | cast table (eager engine) | fp32 | no (fp32 already) | dynamic / off |
-| O2 | 16-bit, norms fp32 | 16-bit, cast table, inputs cast at entry | fp32 | fp32 | dynamic / off |
-| O3 | 16-bit everywhere | 16-bit, cast table, inputs cast at entry | fp32 | no | dynamic / off |
-
-Without masters (O3), ``update="nearest" | "kahan" | "stochastic"`` runs the optimizer's math in
-fp32 on temporaries and writes the 16-bit weights back with that rounding, with optimizer state
-stored per ``optimizer_states`` (:mod:`mixprec._core.update.lean`). ``update=None`` lets the
-optimizer step the 16-bit weights in 16-bit arithmetic. ``update="auto"`` (the default) is
-decided per optimizer (:mod:`mixprec._core.update.choice`):
-
-* **bf16: ``"kahan"``.** bf16 keeps 8 significant bits: the optimizer's own bf16 step loses
-  every update below half an ulp of its weight, and its bf16 second moment stops decaying
-  (``v <- 0.999 v`` rounds back to ``v``), so training stalls once updates get small and ends
-  below fp32's accuracy (``docs/lean.md`` measures it on an MNIST-1D CNN). ``"kahan"`` keeps
-  fp32's accuracy there, for +2 bytes per parameter (the compensation buffer), +2 more with an
-  Adam-family optimizer (its second moment is fp32), and a slower optimizer step.
-* **fp16: ``"kahan"``** with an Adam-family optimizer (``betas`` in its defaults) or any
-  optimizer whose ``eps`` rounds to 0 in fp16 (RMSprop's 1e-8): in fp16 arithmetic such an eps
-  rounds to 0 and Adam's second moment underflows, which turned weights NaN on the first step.
-  Other fp16 optimizers (SGD) keep their own fp16 step.
-* **None wherever gradients are sparse** (``SparseAdam``, an optimizer holding the weight of an
-  ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``): update modes need dense gradients.
-
-A Kahan buffer starts from the residual of rounding the values the parameters held before the
-cast, as masters start from those values, so loading fp32 weights before or after
-``initialize`` gives the same ``w + c``. A model that arrives already cast to 16 bits gets back
-what its recipe keeps in fp32, with one warning (:mod:`mixprec._core.storage`). The optimizer
-passed in refuses a direct step that would bypass the returned one. A non-finite gradient skips
-the step at every level, with or without loss scaling. The model is modified in place (hooks,
-parameter storage) and returned.
+Design (Apex ``amp.initialize``): one entry point that takes the models, the optimizers and a
+:class:`~mixprec.Recipe`, whose fields are every option (checked once, where the recipe is
+built). It casts the storage, installs the forward boundary, wraps each optimizer with the plan
+:mod:`mixprec._core.update.choice` gives it, and guards the optimizer passed in; the model is
+modified in place and returned. The walk through it: ``docs/design.md``, "One training step
+through the code"; the levels and update modes: ``docs/recipes.md``, ``docs/lean.md``.
 """
 
 from __future__ import annotations
@@ -53,7 +20,6 @@ from torch.optim import Optimizer
 
 from mixprec._core import engine
 from mixprec._core._gradients import LossSlot
-from mixprec._core._keywords import refuse_moved_keywords
 from mixprec._core.fp32_values import install_load_refresh
 from mixprec._core.hardware import warn_if_slow
 from mixprec._core.loss_scale import DYNAMIC_OPTIONS, LossScaler
@@ -88,7 +54,8 @@ _SAME_NAME = (
     "update",
     "update_seed",
 )
-#: keywords initialize took before the Recipe -> the Recipe field that replaces each
+#: keywords of the old API -> the Recipe field that replaces each (refused by initialize_fsdp
+#: and the Lightning plugin)
 MOVED: dict[str, str] = {
     "level": "name",
     "policy": "name",
@@ -110,7 +77,6 @@ def level_name(level: Any) -> str:
     return name
 
 
-@refuse_moved_keywords("initialize", MOVED)
 def initialize(
     models: nn.Module | Sequence[nn.Module],
     optimizers: Optimizer | Sequence[Optimizer] | None = None,
@@ -123,32 +89,19 @@ def initialize(
         models: a module or a list of modules (modified in place and returned).
         optimizers: an optimizer, a list of them, or None (inference / custom loops).
         recipe: a :class:`mixprec.Recipe`, a recipe name (``"O0"``-``"O3"``, ``"bf16-mixed"``,
-            ``"16-mixed"``, ``"bf16-true"``, ...) or line (``"O3 bf16 update=none"``), a
-            :class:`mixprec.Policy` (any spelling, read by its three dtypes as
-            :meth:`mixprec.Recipe.from_policy` does; refused where its name is a recipe's that
-            its dtypes do not read as: ``Policy("bf16-true")``), or a map
+            ...) or line (``"O3 bf16 update=none"``), a :class:`mixprec.Policy` (read by its
+            three dtypes, as :meth:`mixprec.Recipe.from_policy` does), or a map
             ``{module path: policy}`` (e.g. :func:`mixprec.numerics.tune`'s plan), applied
             with ``set_policy`` at O1.
-        dtype: the 16-bit dtype; None: the recipe's, else :func:`mixprec.default_dtype` for
-            the device.
+        dtype: the 16-bit dtype; None: the recipe's, else :func:`mixprec.default_dtype`.
 
     Returns:
         ``model`` or ``(model, optimizer)``, with lists where lists were given.
-
-    Example:
-        >>> model = torch.nn.Linear(4, 4)
-        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> model, opt = initialize(model, opt, "O2", torch.bfloat16)  # doctest: +SKIP
     """
     model_list, many_models = _as_list(models, nn.Module, "an nn.Module")
     many_opts = isinstance(optimizers, (list, tuple))
-    opt_list = (
-        []
-        if optimizers is None
-        else [  # a wrapper (LARC(SGD)) gets a torch face
-            as_torch_optimizer(o, "initialize") for o in (optimizers if many_opts else [optimizers])
-        ]
-    )
+    given = [] if optimizers is None else optimizers if many_opts else [optimizers]
+    opt_list = [as_torch_optimizer(o, "initialize") for o in given]  # LARC(SGD): a torch face
     _check_fresh(model_list, opt_list)
     if isinstance(recipe, Mapping):  # per-module policies, e.g. the plan tune returns
         _apply_plan(model_list, recipe)
@@ -260,9 +213,8 @@ def _prepare_models(
     dtype: torch.dtype,
     device: torch.device,
 ) -> dict[int, Tensor]:
-    """Cast each model's storage and install its boundary; returns the fp32 values the
-    masters and Kahan buffers start from (the exact values the model held, not their 16-bit
-    rounding: load pretrained fp32 weights, then initialize)."""
+    """Cast each model's storage and install its boundary; return the pre-cast fp32 values
+    the masters and Kahan buffers start from."""
     to_keep = {
         id(p)
         for o, plan in zip(opt_list, plans)
@@ -316,12 +268,10 @@ def _wrap_optimizers(
     dtype: torch.dtype,
     fp32_values: dict[int, Tensor],
 ) -> list[MixedPrecisionOptimizer]:
-    """One wrapper per optimizer, with its plan, sharing the loss slots (one per loss, a scaler
-    each as ``recipe.scaling(dtype)`` says); state loaded into the plain optimizer before
-    initialize (Apex's and nanoGPT's restore order, a resumed torch.amp run) is lifted out and
-    loaded again onto what the wrapper steps, checked against the model."""
+    """One wrapper per optimizer, sharing the loss slots (a scaler per loss); state loaded
+    into the plain optimizer before initialize moves onto what the wrapper steps."""
     scaling = recipe.scaling(dtype)
-    scaler = functools.partial(LossScaler.from_spec, None) if scaling is None else scaling.scaler
+    scaler = functools.partial(LossScaler, enabled=False) if scaling is None else scaling.scaler
     slots = [LossSlot(scaler()) for _ in range(recipe.num_losses)]
     scale_given = scaling is not None and scaling.init_scale != 2.0**16
     carried = [take_state(o) for o in opt_list]

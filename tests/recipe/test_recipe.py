@@ -1,5 +1,5 @@
 """mixprec.Recipe: the named recipes' fields, the one-line text form, replace(), the rules
-between fields, the keywords initialize no longer takes, and the bytes-per-parameter table
+between fields, initialize's signature, and the bytes-per-parameter table
 against what footprint counts on a trained model."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from torch import nn
 
 import mixprec
 from mixprec import ActivationConfig, FP8Config, LossScaling, Recipe
-from mixprec._initialize import MOVED
 from mixprec.recipe import as_recipe
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -244,46 +243,13 @@ def test_loss_scaling_checks_its_own_settings():
     assert (scaler.scale, scaler.growth_interval, scaler.dynamic) == (2.0**20, 2, True)
 
 
-# -- initialize's signature and the keywords it no longer takes ----------------------------------
+# -- initialize's signature ----------------------------------------------------------------------
 
 
 def test_initialize_takes_four_parameters_and_no_keywords_beyond():
     params = inspect.signature(mixprec.initialize).parameters
     assert list(params) == ["models", "optimizers", "recipe", "dtype"]
     assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-def _sample(key: str):
-    return {"level": "O3", "policy": "bf16-mixed", "keep_norm_fp32": False}.get(key, 2)
-
-
-@pytest.mark.parametrize(("key", "field"), sorted(MOVED.items()))
-def test_each_old_keyword_raises_naming_its_recipe_field(key, field):
-    model = nn.Linear(4, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    value = _sample(key)
-    with pytest.raises(TypeError, match=rf"no longer takes {key}=") as info:
-        mixprec.initialize(model, opt, "O2", BF16, **{key: value})
-    said = str(info.value)
-    if key in ("level", "policy"):  # the recipe argument itself
-        assert f"initialize(model, optimizer, {value!r})" in said
-    else:
-        assert f"it is the Recipe field {field!r}" in said and "mixprec.Recipe" in said
-    if field.isidentifier() and key not in ("level", "policy"):  # the call that replaces it
-        assert f".replace({field}={value!r})" in said
-    assert model.weight.dtype == FP32 and not model.__dict__.get("_mixprec_initialized")
-
-
-def test_the_message_names_the_recipe_to_write():
-    model = nn.Linear(4, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(TypeError) as info:
-        mixprec.initialize(model, opt, "O3", BF16, update=None)
-    want = "mixprec.Recipe.from_name('O3', torch.bfloat16).replace(update=None)"
-    assert want in str(info.value)
-    code = re.search(r"mixprec\.Recipe\.from_name\([^)]*\)\.replace\([^)]*\)", str(info.value))
-    recipe = eval(code.group(0))
-    assert recipe == Recipe("O3", BF16, update=None)
 
 
 # -- the table against the tensors ---------------------------------------------------------------
