@@ -1,9 +1,8 @@
-"""Every rule between a :class:`~mixprec.Recipe`'s fields, checked in one place at construction.
+"""Every rule on a :class:`~mixprec.Recipe`'s fields, checked in this one place at construction.
 
-Design: the entry points (``initialize``, the distributed wrappers) trust a recipe, so a
-combination that cannot train as stated is refused here, before any model is touched, with an
-error that names the field and the fix. Each rule is one small function over the recipe's
-values; :func:`check_fields` runs them all.
+The entry points and the machinery below them trust a recipe, so a value or combination that
+cannot train as stated is refused here, before any model is touched, with an error that names
+the field and the fix (``docs/design.md``, "The Recipe").
 """
 
 from __future__ import annotations
@@ -12,21 +11,21 @@ from typing import Any
 
 import torch
 
+from mixprec._core.names import FLAGS, GRADIENTS, UPDATE_MODES
 from mixprec._core.update.state_codes import FORMATS
 
-__all__ = ["UPDATES", "check_fields"]
+__all__ = ["check_fields"]
 
-UPDATES = ("auto", None, "nearest", "kahan", "stochastic")
+_UPDATES = ("auto", None, *UPDATE_MODES)
 _LOW = (torch.float16, torch.bfloat16)
 _CHOICES = {
     "compute": ("16-bit", "fp32"),
     "weights": ("16-bit", "fp32"),
     "keep_fp32": ("norms", "none"),
     "kernels": ("auto", "torch"),
-    "gradients": ("held", "released", "auto"),
+    "gradients": GRADIENTS,
 }
-_FLAGS = ("masters", "frozen_masters", "cast_inputs", "fp32_inside")
-_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_STATE_KINDS = (torch.float32, torch.bfloat16, torch.float16, *FORMATS)
 
 
 def _fail(field: str, value: Any, why: str) -> None:
@@ -37,14 +36,14 @@ def _check_values(r: Any) -> None:
     for field, allowed in _CHOICES.items():
         if getattr(r, field) not in allowed:
             _fail(field, getattr(r, field), f"expected one of {allowed}.")
-    for field in _FLAGS:
+    for field in FLAGS:
         if not isinstance(getattr(r, field), bool):
             _fail(field, getattr(r, field), "expected True or False.")
-    if r.update not in UPDATES:
-        _fail("update", r.update, f"expected one of {UPDATES}.")
-    if not isinstance(r.num_losses, int) or isinstance(r.num_losses, bool) or r.num_losses < 1:
+    if r.update not in _UPDATES:
+        _fail("update", r.update, f"expected one of {_UPDATES}.")
+    if not _is_int(r.num_losses) or r.num_losses < 1:
         _fail("num_losses", r.num_losses, "expected an int >= 1 (losses backpropagated per step).")
-    if r.update_seed is not None and not isinstance(r.update_seed, int):
+    if r.update_seed is not None and not _is_int(r.update_seed):
         _fail("update_seed", r.update_seed, "expected an int or None.")
     if r.outputs is not None and not (
         isinstance(r.outputs, torch.dtype) and r.outputs.is_floating_point
@@ -55,32 +54,36 @@ def _check_values(r: Any) -> None:
     _check_states(r.optimizer_states)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_states(states: Any) -> None:
-    kinds = (*_STATE_DTYPES, *FORMATS)
-    if states == "auto" or states in kinds:
-        return
-    if isinstance(states, tuple) and all(isinstance(k, str) and v in kinds for k, v in states):
-        return
-    _fail(
-        "optimizer_states",
-        states,
-        "expected 'auto', '8-bit' or '4-bit' (block-wise codes), torch.float32 / bfloat16 / "
-        "float16, or {state name: one of these} (e.g. {'exp_avg_sq': '8-bit'}).",
-    )
+    if isinstance(states, tuple):  # {state name: kind}, as its sorted items
+        ok = all(isinstance(k, str) and v in _STATE_KINDS for k, v in states)
+    else:
+        ok = states == "auto" or states in _STATE_KINDS
+    if not ok:
+        _fail(
+            "optimizer_states",
+            states,
+            "expected 'auto', '8-bit' or '4-bit' (block-wise codes), torch.float32 / bfloat16 / "
+            "float16, or {state name: one of these} (e.g. {'exp_avg_sq': '8-bit'}).",
+        )
 
 
 def _check_dtype(r: Any) -> None:
-    sixteen = r.compute == "16-bit" or r.weights == "16-bit"
     if r.dtype is None:
         return
-    if not sixteen and r.dtype != torch.float32:
-        _fail(
-            "dtype",
-            r.dtype,
-            f"recipe {r.name!r} trains in float32, so the dtype would be ignored: drop it, or "
-            "choose O1, O2 or O3 to train in it.",
-        )
-    if sixteen and r.dtype not in _LOW:
+    if r.compute == "fp32" and r.weights == "fp32":
+        if r.dtype != torch.float32:
+            _fail(
+                "dtype",
+                r.dtype,
+                f"recipe {r.name!r} trains in float32, so the dtype would be ignored: drop it, "
+                "or choose O1, O2 or O3 to train in it.",
+            )
+    elif r.dtype not in _LOW:
         _fail(
             "dtype",
             r.dtype,
@@ -122,18 +125,15 @@ def _check_update(r: Any) -> None:
             f"update modes write 16-bit weights without fp32 masters; this recipe has {has}. "
             "Use Recipe('O3', ...), or .replace(masters=False).",
         )
-    moved = [
-        f
-        for f, default in (("optimizer_states", "auto"), ("update_seed", None))
-        if getattr(r, f) != default
-    ]
-    if moved and (r.update is None or (r.update == "auto" and not modes)):
-        _fail(
-            moved[0],
-            getattr(r, moved[0]),
-            "applies to an update mode; set update='nearest', 'kahan' or 'stochastic' "
-            "(16-bit weights without masters) as well.",
-        )
+    if r.update is None or (r.update == "auto" and not modes):  # no update mode runs
+        for field, default in (("optimizer_states", "auto"), ("update_seed", None)):
+            if getattr(r, field) != default:
+                _fail(
+                    field,
+                    getattr(r, field),
+                    "applies to an update mode; set update='nearest', 'kahan' or 'stochastic' "
+                    "(16-bit weights without masters) as well.",
+                )
 
 
 def _check_gradients(r: Any) -> None:

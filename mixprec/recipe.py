@@ -1,26 +1,10 @@
 """``Recipe``: how every tensor of a training step is held and computed, in one frozen value.
 
-Design (torchao's ``Float8LinearConfig``, FSDP2's ``MixedPrecisionPolicy``, Apex's opt levels):
-one frozen dataclass names the precision of each class of tensor -- compute, weights as stored,
-master weights, the update that writes them, optimizer states, gradients as reduced across
-ranks, tensors saved for backward, FP8 GEMMs, loss scaling and the modules kept in float32.
-Named recipes are presets of it: Apex's levels ``"O0"``-``"O3"``, Lightning's
-``"bf16-mixed"``, ``"16-mixed"`` and ``"bf16-true"``, and the FP8 recipes. A preset is changed
-one property at a time, as Apex lets a property override an opt level::
-
-    Recipe("O3", torch.bfloat16).replace(update=None)
-
-Every field is symbolic with respect to ``dtype`` ("16-bit" weights are stored in ``dtype``),
-so ``replace(dtype=torch.float16)`` stays consistent. Every rule between fields is checked in
-:meth:`Recipe.__post_init__`, at construction, with errors that name the field and the fix;
-entry points then trust the recipe. ``str(recipe)`` is a one-liner that ``Recipe(...)`` parses
-back: the preset's name, the dtype, then each field that differs from the preset.
-
-A :class:`~mixprec.Policy` is one module's forward (three dtypes), so where a recipe is expected
-it is read by its dtypes alone (:meth:`Recipe.from_policy`), one meaning for equal policies. A
-policy spelled with a recipe's name must read as that recipe, else it is refused:
-``Policy("bf16-mixed")`` is ``Recipe("bf16-mixed")``, while ``Policy("bf16-true")`` (bf16
-outputs) is not ``Recipe("bf16-true")`` (float32 outputs, the optimizer's own bf16 step).
+Named recipes (:data:`NAMES`: Apex's levels, Lightning's names, the FP8 recipes) are presets of
+its fields, changed one field at a time (``Recipe("O3", torch.bfloat16).replace(update=None)``);
+"16-bit" fields mean the recipe's ``dtype``. The rules on the fields are checked at construction
+(:mod:`mixprec._recipe_rules`), so entry points trust a recipe, and ``str(recipe)`` parses back
+(:mod:`mixprec._recipe_text`). Design: ``docs/design.md``, "The Recipe".
 """
 
 from __future__ import annotations
@@ -34,6 +18,7 @@ import torch
 
 from mixprec._core.activations import as_activation_config
 from mixprec._core.loss_scale import LossScaling
+from mixprec._core.names import LEVELS
 from mixprec._core.policy import Policy, _dtype, as_policy
 from mixprec._recipe_rules import check_fields
 from mixprec._recipe_text import SHORT, parse, render_table, word
@@ -41,18 +26,25 @@ from mixprec.fp8.config import as_fp8_config
 
 __all__ = ["DEFAULTS", "NAMES", "LossScaling", "Recipe", "as_recipe", "level_recipe"]
 
-_LOW = (torch.float16, torch.bfloat16)
-
-
 #: The presets: for each name, the fields it sets (the others keep the dataclass defaults).
-_LEVELS: dict[str, dict[str, Any]] = {
-    "O0": dict(compute="fp32", weights="fp32", masters=False, cast_inputs=False),
-    "O1": dict(compute="16-bit", weights="fp32", masters=False, cast_inputs=False),
-    "O2": dict(compute="16-bit", weights="16-bit", masters=True, fp32_inside=True),
-    "O3": dict(
-        compute="16-bit", weights="16-bit", masters=False, keep_fp32="none", fp32_inside=True
-    ),
-}
+_LEVELS: dict[str, dict[str, Any]] = dict(
+    zip(
+        LEVELS,  # O0, O1, O2, O3
+        (
+            dict(compute="fp32", weights="fp32", masters=False, cast_inputs=False),
+            dict(compute="16-bit", weights="fp32", masters=False, cast_inputs=False),
+            dict(compute="16-bit", weights="16-bit", masters=True, fp32_inside=True),
+            dict(
+                compute="16-bit",
+                weights="16-bit",
+                masters=False,
+                keep_fp32="none",
+                fp32_inside=True,
+            ),
+        ),
+        strict=True,
+    )
+)
 #: name -> (preset it starts from, the dtype it implies or None, fields it changes)
 NAMES: dict[str, tuple[str, torch.dtype | None, dict[str, Any]]] = {
     **{level: (level, None, {}) for level in _LEVELS},
@@ -308,33 +300,38 @@ def as_recipe(spec: Any, dtype: Any = None) -> Recipe:
                 f"it once: recipe.replace(dtype={low})."
             )
         return spec.replace(dtype=low)
-    if isinstance(spec, str):
-        try:
-            _preset(spec.split()[0] if spec.strip() else spec)
-        except ValueError:
-            pass
-        else:
-            recipe = Recipe(spec)
-            return recipe if low is None else as_recipe(recipe, low)
+    if isinstance(spec, str) and _names_a_recipe(spec):
+        return as_recipe(Recipe(spec), low)
     if isinstance(spec, (str, Policy, torch.dtype)):
-        try:
-            policy = as_policy(spec)
-        except ValueError:
-            others = [n for n in NAMES if n not in _LEVELS]
-            raise ValueError(
-                f"Cannot read {spec!r} as a recipe or a policy: expected 'O0', 'O1', 'O2' or "
-                f"'O3' (the letter O, not zero; any case), a named recipe ({', '.join(others)}), "
-                "a Recipe, or a policy spelling ('mixed_bfloat16', 'p=f32,c=bf16,o=f32')."
-            ) from None
-        if low is not None:
-            raise ValueError(
-                f"The policy {spec!r} carries its dtype; give the policy or a dtype, not both."
-            )
-        return Recipe(policy)
+        return _policy_recipe(spec, low)
     raise TypeError(
         f"Expected a mixprec.Recipe, a recipe name ({', '.join(NAMES)}) or a Policy; received "
         f"{type(spec).__name__}."
     )
+
+
+def _names_a_recipe(line: str) -> bool:
+    """Whether ``line`` starts with a recipe's name (else it may spell a policy)."""
+    words = line.split()
+    return bool(words) and (words[0].upper() in _LEVELS or words[0] in NAMES)
+
+
+def _policy_recipe(spec: Any, low: torch.dtype | None) -> Recipe:
+    """:func:`as_recipe` of a policy spelling: the recipe its three dtypes read as."""
+    try:
+        policy = as_policy(spec)
+    except ValueError:
+        others = [n for n in NAMES if n not in _LEVELS]
+        raise ValueError(
+            f"Cannot read {spec!r} as a recipe or a policy: expected 'O0', 'O1', 'O2' or "
+            f"'O3' (the letter O, not zero; any case), a named recipe ({', '.join(others)}), "
+            "a Recipe, or a policy spelling ('mixed_bfloat16', 'p=f32,c=bf16,o=f32')."
+        ) from None
+    if low is not None:
+        raise ValueError(
+            f"The policy {spec!r} carries its dtype; give the policy or a dtype, not both."
+        )
+    return Recipe(policy)
 
 
 def level_recipe(spec: Any) -> Recipe | None:
@@ -427,9 +424,9 @@ def _filled(given: dict[str, Any]) -> dict[str, Any]:
         out["dtype"] = implied
     if out.get("dtype") is not None:
         out["dtype"] = _dtype_arg(out["dtype"])
-    out["fp8"] = as_fp8_config(out.get("fp8"))
-    out["activations"] = as_activation_config(out.get("activations"))
-    out["loss_scale"] = _loss_scaling(out.get("loss_scale", "auto"))
+    for key, normalise in _SPELLINGS.items():  # the defaults are in their one spelling
+        if out[key] != DEFAULTS[key]:
+            out[key] = normalise(out[key])
     if isinstance(out.get("optimizer_states"), Mapping):
         out["optimizer_states"] = tuple(sorted(out["optimizer_states"].items()))
     return out
@@ -447,6 +444,14 @@ def _loss_scaling(spec: Any) -> Any:
         f"Recipe(loss_scale={spec!r}): expected 'auto', 'dynamic', a finite number > 0 (a "
         "static scale, e.g. loss_scale=128.0), None (off) or mixprec.LossScaling(...)."
     )
+
+
+#: the fields given in several spellings, and how each is brought to its one
+_SPELLINGS = {
+    "fp8": as_fp8_config,
+    "activations": as_activation_config,
+    "loss_scale": _loss_scaling,
+}
 
 
 def _changed(a: Any, b: Any) -> list[tuple[str, Any]]:
