@@ -4,8 +4,8 @@ Design (Apex ``amp.initialize``): one entry point that takes the models, the opt
 :class:`~mixprec.Recipe`, whose fields are every option (checked once, where the recipe is
 built). It casts the storage, installs the forward boundary, wraps each optimizer with the plan
 :mod:`mixprec._core.update.choice` gives it, and guards the optimizer passed in; the model is
-modified in place and returned. The walk through it: ``docs/design.md``, "One training step
-through the code"; the levels and update modes: ``docs/recipes.md``, ``docs/lean.md``.
+modified in place and returned. The levels and update modes: ``docs/recipes.md``,
+``docs/lean.md``; the walk through it: ``docs/design.md``, "One training step through the code".
 """
 
 from __future__ import annotations

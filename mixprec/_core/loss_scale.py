@@ -1,23 +1,10 @@
 """Loss scaling: a host-side scale state machine and a fused unscale + finite check.
 
-Design (Apex, torch.amp and Keras loss scaling compared in ``docs/design.md``, "Loss scaling"):
-
-* :class:`LossScaler` keeps its state as Python numbers on the host: reading ``scale`` never
-  syncs, and ``update(found_inf: bool)`` leaves the one device->host read to the caller (the
-  optimizer needs it anyway to skip). No function here syncs the host unless stated.
-* The scaler records verdicts; the optimizer skips. A non-finite step counts as skipped in every
-  mode (dynamic, static, disabled) -- unlike Apex, whose static scaling never checks.
-* Dynamic = GradScaler's rule plus Megatron-style ``hysteresis`` (that many consecutive overflows
-  per backoff; a clean step resets it) and finite ``min_scale``/``max_scale`` > 0, so the scale
-  never reaches 0 or inf. The bounds bind dynamic scaling only; a static scale may lie outside.
-* ``enabled=False`` is a null object (scale 1.0, ``scale_loss`` returns its input), so one
-  training loop serves every precision.
-* ``state_dict`` has every field (config and counters) as plain Python values: it pickles, goes
-  through JSON and loads with ``torch.load(weights_only=True)``.
-* :func:`unscale_and_check_` is one ``torch._amp_foreach_non_finite_check_and_unscale_`` call
-  per dtype (CUDA needs one dtype per list; the CPU kernel takes fp64/fp32/bf16/fp16, mixed or
-  not). Where the kernel is missing (bf16 on CUDA, pytorch#127176; sparse; other backends) a
-  pure-torch fallback runs, also on device.
+Design (``docs/design.md``, "Loss scaling"): :class:`LossScaler` keeps its state as Python
+numbers, so reading it never syncs and ``update(found_inf: bool)`` leaves the one device read
+to the optimizer, which skips a non-finite step in every mode (dynamic, static, disabled).
+:func:`unscale_and_check_` is one ``torch._amp_foreach_non_finite_check_and_unscale_`` call per
+dtype, with a pure-torch fallback on the device where that kernel is missing.
 """
 
 from __future__ import annotations
@@ -185,11 +172,8 @@ class LossScaler:
         return 1.0 / self.scale
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Return ``loss * scale`` (``loss`` itself when the scale is 1.0); no host sync.
-
-        The result keeps ``loss``'s dtype: compute the loss in float32 when using float16 (a
-        float16 loss times 2**16 overflows in the forward pass).
-        """
+        """Return ``loss * scale`` in ``loss``'s dtype (``loss`` itself when the scale is fixed at
+        1.0); no host sync. Compute an fp16 model's loss in float32: fp16 times 2**16 overflows."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"scale_loss expects a torch.Tensor; received {type(loss).__name__}.")
         if not self.dynamic and self.scale == 1.0:  # fixed at 1: nothing to multiply
@@ -200,11 +184,8 @@ class LossScaler:
         return loss * (scale if loss.dtype == scale.dtype else scale.to(loss.dtype))
 
     def update(self, found_inf: bool) -> None:
-        """Record one step's verdict (True: some gradient was inf/NaN); if dynamic, adjust scale.
-
-        Only a ``bool`` is accepted: reading a device flag (``bool(found_inf_tensor)``) is the
-        caller's one explicit host sync per step.
-        """
+        """Record one step's verdict (a bool: True if some gradient was inf/NaN; reading a
+        device flag is the caller's one host sync); if dynamic, adjust the scale."""
         if not isinstance(found_inf, bool):
             raise TypeError(
                 f"update() expects a bool; received {type(found_inf).__name__} "
@@ -328,32 +309,12 @@ class LossScaler:
         )
 
 
-def _dense_real(t: Any) -> Any:
-    """The dense, real view that holds ``t``'s numbers, for in-place checks and scaling: the
-    stored values of a sparse tensor, the (real, imag) pairs of a complex one."""
-    if not isinstance(t, torch.Tensor):
-        return t
-    if t.layout == torch.sparse_coo:
-        t = t._values()
-    elif t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
-        t = t.values()
-    return torch.view_as_real(t) if t.is_complex() else t
-
-
 def unscale_and_check_(
     tensors: Sequence[torch.Tensor], inv_scale: float | torch.Tensor, found_inf: torch.Tensor
 ) -> None:
-    """Multiply ``tensors`` in place by ``inv_scale``; set ``found_inf`` to 1.0 on any inf/NaN.
-
-    One fused kernel call per dtype, no host sync. ``found_inf`` (1-element float32, on the
-    tensors' device) is never reset to 0: zero it before the first call of a step. Non-finite
-    values are scaled too, not zeroed.
-
-    Args:
-        tensors: Dense floating tensors, all on ``found_inf.device``.
-        inv_scale: Python number, or a 1-element floating tensor (moved to the device if needed).
-        found_inf: Output flag, a 1-element float32 tensor.
-    """
+    """Multiply ``tensors`` in place by ``inv_scale`` (a number or a 1-element tensor); set
+    ``found_inf`` (a 1-element float32 tensor on their device, never reset here) to 1.0 on any
+    inf/NaN. One fused kernel call per dtype, no host sync; non-finite values are scaled too."""
     if not (
         isinstance(found_inf, torch.Tensor)
         and found_inf.dtype == torch.float32
@@ -366,33 +327,9 @@ def unscale_and_check_(
     device = found_inf.device
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for i, t in enumerate(tensors):
-        if (  # the common case first: a plain dense real tensor, no further lookups
-            type(t) is torch.Tensor
-            and t.layout == torch.strided
-            and t.is_floating_point()
-            and t.device == device
-        ):
-            groups.setdefault(t.dtype, []).append(t)
-            continue
-        # a DTensor (FSDP2 shard): work on this rank's local shard, in place. The kernel on the
-        # DTensor itself would run a hidden collective; the verdict is made global separately
-        # (MixedPrecisionOptimizer.reduce_flags), once per step.
-        local = getattr(t, "_local_tensor", None)
-        t = local if isinstance(local, torch.Tensor) else t
-        t = _dense_real(t)
-        if not (
-            isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout == torch.strided
-        ):
-            what = f"{t.dtype} {t.layout}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise TypeError(
-                f"tensors[{i}] must be a floating tensor (dense or sparse, real or "
-                f"complex); received {what}."
-            )
-        if t.device != device:
-            raise ValueError(
-                f"tensors[{i}] is on {t.device} but found_inf is on {device}; "
-                f"call once per device with a found_inf on that device."
-            )
+        plain = type(t) is torch.Tensor and t.layout == torch.strided and t.is_floating_point()
+        if not (plain and t.device == device):
+            t = _dense_real(i, t, device)
         groups.setdefault(t.dtype, []).append(t)
     if not groups:
         return
@@ -408,15 +345,51 @@ def unscale_and_check_(
                 continue
             except (NotImplementedError, RuntimeError):
                 _NO_FUSED_KERNEL.add(key)
-        # Fallback, still on device: check first (the kernel checks the unscaled input). The
-        # max-abs of each tensor is inf or NaN exactly when it holds one: one multi-tensor
-        # kernel, not two launches per tensor (what made bf16 steps host-bound on a GPU).
-        nonempty = [t for t in group if t.numel()]
-        if nonempty:
-            peaks = torch.stack(torch._foreach_norm(nonempty, math.inf))
-            found_inf.masked_fill_(~torch.isfinite(peaks).all(), 1.0)
-        if isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0:
-            torch._foreach_mul_(group, inv.reshape(()))
+        _unscale_without_kernel(group, inv_scale, inv, found_inf)
+
+
+def _dense_real(i: int, t: Any, device: torch.device) -> torch.Tensor:
+    """The dense, real, strided view that holds the numbers of ``tensors[i]``, in place: a
+    DTensor's local shard (the kernel on the DTensor would run a hidden collective; the verdict
+    is made global once per step, ``MixedPrecisionOptimizer.reduce_flags``), a sparse tensor's
+    stored values, a complex tensor's (real, imag) pairs."""
+    local = getattr(t, "_local_tensor", None)
+    t = local if isinstance(local, torch.Tensor) else t
+    if isinstance(t, torch.Tensor):
+        if t.layout == torch.sparse_coo:
+            t = t._values()
+        elif t.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+            t = t.values()
+        t = torch.view_as_real(t) if t.is_complex() else t
+    if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.layout == torch.strided):
+        what = f"{t.dtype} {t.layout}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(
+            f"tensors[{i}] must be a floating tensor (dense or sparse, real or "
+            f"complex); received {what}."
+        )
+    if t.device != device:
+        raise ValueError(
+            f"tensors[{i}] is on {t.device} but found_inf is on {device}; "
+            f"call once per device with a found_inf on that device."
+        )
+    return t
+
+
+def _unscale_without_kernel(
+    group: list[torch.Tensor],
+    inv_scale: float | torch.Tensor,
+    inv: torch.Tensor,
+    found: torch.Tensor,
+) -> None:
+    """The fused kernel's work where it is missing (bf16 on CUDA, other backends), on the
+    device: check first (the kernel checks the unscaled input), one ``_foreach_norm(inf)`` for
+    all (max-abs is inf/NaN exactly when a tensor holds one), then scale."""
+    nonempty = [t for t in group if t.numel()]
+    if nonempty:
+        peaks = torch.stack(torch._foreach_norm(nonempty, math.inf))
+        found.masked_fill_(~torch.isfinite(peaks).all(), 1.0)
+    if isinstance(inv_scale, torch.Tensor) or inv_scale != 1.0:
+        torch._foreach_mul_(group, inv.reshape(()))
 
 
 def found_non_finite(tensors: Sequence[torch.Tensor], found_inf: torch.Tensor) -> None:

@@ -1,27 +1,12 @@
 """The mixed-precision optimizer: fp32 master weights, unscaling, and skipped steps.
 
-Design (``docs/design.md``, "Master weights and the optimizer"):
-
-* It wraps any ``torch.optim.Optimizer``. Where a model parameter is 16-bit it keeps an fp32
-  *master* copy, puts the master into the inner optimizer's ``param_groups`` (so the optimizer
-  state is fp32 too), steps it, then writes the 16-bit copy back. fp32 parameters are their own
-  masters.
-* After each backward (``scale_loss`` exit, ``backward()``), 16-bit gradients are moved into fp32
-  master gradients and everything is unscaled and checked for inf/NaN in one fused pass that
-  leaves the verdict on the device. ``step()`` reads it with a single host sync, updates the
-  loss scalers, and on a non-finite gradient skips the update entirely: parameters, masters and
-  optimizer state stay bitwise unchanged, the gradients are dropped, ``step_skipped`` is True
-  and ``skipped_steps`` counts up. That gradient machinery (verdicts, late gradients, gradient
-  accumulation) is :mod:`mixprec._core._gradients`; the checkpoint layout is
-  :mod:`mixprec._core._optimizer_state`. Both are mixins of the one class, so the optimizer is
-  one object with one set of fields, split by concern into modules a reader takes one at a time.
-* One loss scaler per loss (``num_losses``), shared by every optimizer the loss touches; an
-  overflow in one loss skips only the optimizers whose gradients it produced.
-* Without masters, the plan's ``update`` ("nearest" | "kahan" | "stochastic") hands the step to
-  :class:`mixprec._core.update.lean.LeanUpdate`: fp32 arithmetic on per-chunk temporaries,
-  written back to the 16-bit weights with that rounding. ``update=None`` keeps the inner optimizer
-  stepping the 16-bit parameters itself. A skipped step never reaches the updater, so
-  compensation buffers, 16-bit and 8-bit state and the rounding step count stay untouched.
+Design (``docs/design.md``, "Master weights and the optimizer"): it wraps any
+``torch.optim.Optimizer``, puts an fp32 master of each 16-bit parameter into the inner
+optimizer's ``param_groups``, steps them and copies them back into the 16-bit weights; without
+masters the plan's update mode steps the 16-bit weights (:mod:`mixprec._core.update.lean`). A
+non-finite gradient skips the step, leaving weights, masters and state bitwise unchanged. What
+happens to gradients between a backward and ``step()`` is the mixin
+:mod:`mixprec._core._gradients`; the checkpoint layout, :mod:`mixprec._core._optimizer_state`.
 """
 
 from __future__ import annotations
@@ -104,26 +89,16 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         self._pairs: list[tuple[Tensor, Tensor]] = []  # (model param, master) for 16-bit params
         self._master_ids: set[int] = set()
         self._found: dict[torch.device, Tensor] = {}
-        # verdicts of gradients checked outside a scaled backward (a plain loss.backward(), a
-        # gradient written after it): they skip the step and count against every loss scaler
-        # whose loss fed this step, so the scaler's and the optimizer's counts agree
         self._late: dict[torch.device, Tensor] = {}
-        self._touched: set[int] = set()  # loss ids recorded since the last step
+        self._touched: set[int] = set()
         self._stash: dict[Tensor, Tensor] = {}
-        self._grad_buffers: dict[int, Tensor] = {}  # id(master) -> persistent fp32 grad
-        # fp32 grads already checked: id(param) -> (weakref to grad, grad._version). A grad that
-        # is new or was accumulated into since (a plain backward) is checked again.
+        self._grad_buffers: dict[int, Tensor] = {}
         self._checked: dict[int, tuple[Any, int]] = {}
-        # Distributed training sets this to reduce the verdict flags across ranks (in one
-        # collective) so every rank skips the same steps; it returns the reduced flags.
         self.reduce_flags: Callable[[list[Tensor]], list[Tensor]] | None = None
-        # A plain DistributedDataParallel seen running the model (weakref; set by the
-        # distributed layer's forward hook): its settle hook makes the next verdicts global.
-        self._plain_ddp: Any = None
+        self._plain_ddp: Any = None  # a plain DDP seen running the model (distributed layer)
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        # the values parameters held before they were cast to 16 bits (by id): the masters start
-        # from them, not from the rounded weights (taken over, not copied: see initialize)
+        # the pre-cast fp32 values (by id) the masters start from, taken over from initialize
         self._given = fp32_values if fp32_values is not None else {}
         for group in optimizer.param_groups:
             group["params"] = [self._master_for(p) for p in group["params"]]
@@ -348,9 +323,10 @@ class StepGuard:
 
     def __call__(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         wrapper = self.wrapper() if self.wrapper is not None else None
-        if wrapper is not None and wrapper.__dict__.get("_in_step", False):
-            return
-        name = type(optimizer).__name__
+        if wrapper is None or not wrapper.__dict__.get("_in_step", False):
+            self._check_direct_step(type(optimizer).__name__, wrapper)
+
+    def _check_direct_step(self, name: str, wrapper: MixedPrecisionOptimizer | None) -> None:
         if any(p.grad is not None and m.grad is None for p, m in self.pairs):
             raise RuntimeError(
                 f"This {name} was wrapped by mixprec.initialize (level "
@@ -388,11 +364,9 @@ def scale_loss(
 ) -> Iterator[Tensor]:
     """Yield ``loss`` times the current scale of loss ``loss_id``; call ``.backward()`` on it.
 
-    On exit the gradients of every given optimizer are unscaled into fp32 master gradients and
-    checked for inf/NaN (one fused pass, no host sync); the next ``step()`` acts on the verdict.
-    The block runs outside any mixprec region left open on this thread (e.g. by Apex's O1 shim):
-    each backward op runs in the dtypes of its own forward (:func:`dispatch.outside_regions`).
-    """
+    On exit the gradients are unscaled into fp32 master gradients and checked for inf/NaN (no
+    host sync); the next ``step()`` acts on the verdict. The block runs outside any open mixprec
+    region (:func:`dispatch.outside_regions`)."""
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     if not opts or not all(isinstance(o, MixedPrecisionOptimizer) for o in opts):
         raise TypeError(
