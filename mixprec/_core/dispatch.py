@@ -1,25 +1,11 @@
-"""Regions on the engine's stack, and what mixprec registers with torch at its first use.
+"""A region's entry into torch's dispatch state, and what mixprec registers with torch at first use.
 
-:func:`push` and :func:`pop` enter and leave a mixprec region: a frame on this thread's stack
-(:mod:`mixprec._core._frames`), read by mixprec's autocast kernels
-(:mod:`mixprec._core._autocast_kernels`), plus torch.autocast's own state set for it. Under
-``torch.compile`` the push and pop are graph nodes (:mod:`mixprec._core.traced`).
-
-Design: ``import mixprec`` changes nothing in torch. What regions need from torch is registered
-by :func:`enable`, once, when mixprec is first used: the first region entered (or traced by
-dynamo), the first module boundary installed, the first ``MixedPrecisionOptimizer`` built. It
-registers a process-wide optimizer post-step hook (an optimizer step taken inside a region
-changes weights in place, which torch's weight-cast cache does not see) and mixprec's graph
-nodes with dynamo -- right away if dynamo is loaded, else by a one-shot import hook that runs
-when it is (importing dynamo for this took ~1.9 s). The autocast kernels are registered by
-``sync`` when the first region is entered or the first boundary installed, and the clipping
-wrapper by the first fp32 masters (:mod:`mixprec._core.clipping`). Registering at import made
-every torch user of the process pay for mixprec, and changed torch's objects for code that
-never used it.
-
-A first use under ``torch.compile`` (a region that dynamo meets before any ran eagerly) registers
-from inside the trace: :func:`ready_for_dynamo` is a constant for dynamo, which calls it rather
-than tracing it, before it reaches the push's graph node.
+:func:`push` and :func:`pop` enter and leave a frame of this thread's region stack
+(:mod:`mixprec._core._frames`) and set torch.autocast's state for it, the Autocast dispatch keys
+that mixprec's kernels sit on (:mod:`mixprec._core._autocast_kernels`); under ``torch.compile``
+they are graph nodes (:mod:`mixprec._core.traced`). ``import mixprec`` changes nothing in torch:
+:func:`enable` registers what regions need once, at mixprec's first use. Design:
+``docs/design.md``, "The eager engine".
 """
 
 from __future__ import annotations
@@ -36,45 +22,31 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mixprec._core import cast_table, traced
+from mixprec._core._autocast_kernels import _ExportMode, _synced, sync
+from mixprec._core._frames import Frame, _enter, _open, _seq, _span_of, _spans, _state, _traced
 
-# _KEYS and _overloads: read through this module by the amp front end and tests
-from mixprec._core._autocast_kernels import _KEYS as _KEYS
-from mixprec._core._autocast_kernels import (
+# Not used here: read through this module by amp.autocast_mode, compat.amp_casts and
+# .amp_handle, optimizer, tools/gen_op_table.py and tests (_state too); import from their homes.
+from mixprec._core._autocast_kernels import (  # isort: skip
+    _KEYS as _KEYS,
     FP32_INSIDE_OPS,
-    NATIVE_PROMOTE,
-    _ExportMode,
-    _synced,
-    cast_leaf,
+    _overloads as _overloads,
     float_dtypes,
     registered,
-    sync,
 )
-from mixprec._core._autocast_kernels import _overloads as _overloads
-from mixprec._core._frames import (
-    Frame,
-    _enter,
-    _open,
-    _seq,
-    _span_of,
-    _spans,
-    _state,
-    _traced,
-    depth,
-    outside_regions,
-    top,
-)
+from mixprec._core._frames import depth, outside_regions, top  # isort: skip
 
 __all__ = [
     "FP32_INSIDE_OPS",
-    "NATIVE_PROMOTE",
     "Frame",
-    "cast_leaf",
+    "after_import",
     "depth",
     "enable",
     "float_dtypes",
     "outside_regions",
     "pop",
     "push",
+    "ready_for_dynamo",
     "registered",
     "sync",
     "top",
@@ -123,12 +95,7 @@ def push(
     if tracing:  # a graph node: the compiler's tracing pushes it (mixprec._core.traced)
         _traced[0](frame.dtype, frame.kernels, bool(frame.fp32_inside))
     elif torch.compiler.is_exporting():
-        # torch.export records ops above the autocast keys, where these kernels never run:
-        # apply the rules at the Python level instead, so the program stores the casts
-        _state.frames.append(frame)
-        saved.mode = _ExportMode()
-        saved.mode.__enter__()
-        return saved
+        return _push_for_export(frame, saved)
     else:
         _enter(frame)
         if _seq is not None and frame.dtype is not None and torch.is_grad_enabled():
@@ -151,7 +118,17 @@ def push(
     return saved
 
 
+def _push_for_export(frame: Frame, saved: _Saved) -> _Saved:
+    """torch.export records ops above the autocast keys, where these kernels never run: the
+    rules apply at the Python level instead, so the program stores the casts."""
+    _state.frames.append(frame)
+    saved.mode = _ExportMode()
+    saved.mode.__enter__()
+    return saved
+
+
 def pop(frame: Frame, saved: _Saved) -> None:
+    """Leave ``frame``: restore what :func:`push` saved."""
     if saved.mode is not None:
         saved.mode.__exit__(None, None, None)
         _state.frames.pop()

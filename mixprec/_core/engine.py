@@ -1,24 +1,11 @@
-"""The eager mixed-precision engine: ``with mixprec.autocast(torch.bfloat16): ...``.
+"""The eager mixed-precision engine: ``mixprec.autocast`` regions and module boundaries.
 
-Mechanism (chosen by measurement, see ``benchmarks/NOTES.md``): a region is a ``torch.autocast``
-region plus a mixprec frame on this thread's stack (:mod:`mixprec._core.dispatch`). torch's C++
-autocast kernels lower matmuls and convolutions and cache one 16-bit copy of each weight per
-region; mixprec's own kernels, registered on the autocast dispatch keys for only the ops whose
-cast-table rule differs from torch's on that device, apply the rest: float32 for softmax, norms,
-reductions, exp/log/pow and losses on every device, promotion instead of an error for a
-float16/bfloat16 mix, 16-bit-in/out norms and softmax with ``fp32_inside``. The host cost is
-torch.autocast's plus a few microseconds per op that mixprec actually handles; ops the table
-does not list follow torch.autocast's rule for the device (:mod:`mixprec._core.torch_lists`).
-
-Because the state lives where torch.autocast keeps its own, ``torch.utils.checkpoint``
-recomputes a region's forward with the same dtypes, and autograd replays the recorded casts:
-call ``backward`` outside the region.
-
-Module boundaries (per-module policies and the levels of :func:`mixprec.initialize`) wrap the
-module's forward: push a frame, cast inputs on entry and outputs on exit.
-
-fp64 and integer tensors pass through, in-place ops and ``out=`` calls are never downcast, and
-ops given an explicit ``dtype=`` keep it.
+A region is a ``torch.autocast`` region plus a frame on this thread's stack
+(:mod:`mixprec._core.dispatch`): torch's C++ kernels lower matmuls and convolutions, mixprec's
+kernels on the Autocast keys apply the cast table where its rule differs from torch's. A module
+boundary (a per-module policy, the levels of :func:`mixprec.initialize`) wraps the module's
+forward: a frame, inputs cast on entry and outputs on exit. Design: ``docs/design.md``, "The
+eager engine".
 """
 
 from __future__ import annotations
@@ -34,11 +21,13 @@ import torch
 from torch import nn
 from torch.utils import _pytree
 
-from mixprec._core import dispatch
+from mixprec._core import _frames, dispatch
+from mixprec._core._autocast_kernels import cast_leaf, sync
+from mixprec._core._frames import Frame
 from mixprec._core._keywords import refuse_moved_keywords
 from mixprec._core._warnings import MixprecWarning
 from mixprec._core.activations import ActivationConfig, SavedTensorStorage
-from mixprec._core.dispatch import FP32_INSIDE_OPS, Frame, cast_leaf
+from mixprec._core.cast_table import FP32_INSIDE_OPS
 from mixprec._core.policy import (
     POLICY_ATTR,
     Policy,
@@ -88,22 +77,15 @@ class Boundary:
 
 
 def cast_tree(obj: Any, dtype: torch.dtype, *, only_low: bool = False) -> Any:
-    """Cast every floating tensor (not fp64) in a nested structure to ``dtype``.
-
-    Structures: lists, tuples, namedtuples, dicts (subclasses such as ``OrderedDict`` and HF
-    ``ModelOutput`` keep their type), dataclass instances and any other node registered with
-    ``torch.utils._pytree``. With ``only_low`` only 16-bit tensors are cast (used to widen
-    inputs to float32).
-    """
+    """Cast every floating tensor (not fp64) in a nested structure to ``dtype``; containers keep
+    their type. With ``only_low`` only 16-bit tensors are cast (to widen inputs to float32)."""
     if isinstance(obj, torch.Tensor):
         return cast_leaf(obj, dtype, only_low)
     if isinstance(obj, (list, tuple)):
         items = [cast_tree(x, dtype, only_low=only_low) for x in obj]
         if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
             return type(obj)(*items)
-        if type(obj) in (list, tuple):
-            return type(obj)(items)
-        try:
+        try:  # list, tuple and their subclasses that take one iterable
             return type(obj)(items)
         except TypeError:
             return items if isinstance(obj, list) else tuple(items)
@@ -115,6 +97,13 @@ def cast_tree(obj: Any, dtype: torch.dtype, *, only_low: bool = False) -> Any:
         for k, v in items.items():
             out[k] = v
         return out
+    if isinstance(obj, nn.Module):  # the module an unbound forward is called with
+        return obj
+    return _cast_node(obj, dtype, only_low)
+
+
+def _cast_node(obj: Any, dtype: torch.dtype, only_low: bool) -> Any:
+    """:func:`cast_tree` of a dataclass instance or another ``torch.utils._pytree`` node."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = copy.copy(obj)
         for f in dataclasses.fields(obj):
@@ -203,7 +192,7 @@ class autocast:
 
 def is_active() -> bool:
     """True inside a region where the engine lowers ops (a 16-bit frame is on top)."""
-    frame = dispatch.top()
+    frame = _frames.top()
     return frame is not None and frame.dtype is not None
 
 
@@ -227,7 +216,7 @@ def _outer_setting() -> tuple[str, bool]:
     """The enclosing region's kernels and fp32-inside setting. A constant for dynamo: it runs
     this at trace time and installs no guard on the thread's stack, which holds trace-time
     frames then (a guard on them failed to build once the compilation had restored it)."""
-    outer = dispatch.top()
+    outer = _frames.top()
     return (outer.kernels, bool(outer.fp32_inside)) if outer else ("auto", False)
 
 
@@ -290,7 +279,7 @@ def _traced_region(frame: Frame, forward: Any, args: tuple, kwargs: dict) -> Any
 
 
 def _in_frame(frame: Frame, forward: Any, args: tuple, kwargs: dict) -> Any:
-    enter, exit_ = dispatch._traced
+    enter, exit_ = _frames._traced
     enter(frame.dtype, frame.kernels, bool(frame.fp32_inside), True)
     output = forward(*args, **kwargs)  # no try block: dynamo cannot resume a frame inside one
     exit_()
@@ -305,16 +294,8 @@ def _run(spec: Boundary, forward: Any, args: tuple, kwargs: dict) -> Any:
     frame = _frame_for(spec.policy, spec.kernels, spec.fp32_inside) if spec.engine else None
     if frame is None:
         output = forward(*args, **kwargs)
-    elif (
-        torch.compiler.is_dynamo_compiling()
-        and not torch.compiler.is_exporting()  # export: push() records the casts
-        and dispatch.ready_for_dynamo()
-    ):
-        output = _traced_region(frame, forward, args, kwargs)
-    elif torch.compiler.is_compiling():  # push and pop run eagerly (dynamo before torch 2.13)
-        saved = dispatch.push(frame)
-        output = forward(*args, **kwargs)
-        dispatch.pop(frame, saved)
+    elif torch.compiler.is_dynamo_compiling() or torch.compiler.is_compiling():
+        output = _compiled_region(frame, forward, args, kwargs)
     else:
         saved = dispatch.push(frame)
         try:
@@ -324,6 +305,20 @@ def _run(spec: Boundary, forward: Any, args: tuple, kwargs: dict) -> Any:
     if output is None or not spec.cast_outputs:
         return output
     return cast_tree(output, spec.policy.output_dtype)
+
+
+def _compiled_region(frame: Frame, forward: Any, args: tuple, kwargs: dict) -> Any:
+    """``forward`` inside ``frame`` while torch.compile or torch.export traces it."""
+    if (
+        torch.compiler.is_dynamo_compiling()
+        and not torch.compiler.is_exporting()  # export: push() records the casts
+        and dispatch.ready_for_dynamo()
+    ):
+        return _traced_region(frame, forward, args, kwargs)
+    saved = dispatch.push(frame)  # run eagerly (dynamo before torch 2.13; export)
+    output = forward(*args, **kwargs)  # no try block: dynamo cannot resume a frame inside one
+    dispatch.pop(frame, saved)
+    return output
 
 
 def _open_storage(spec: Boundary) -> SavedTensorStorage:
@@ -397,7 +392,7 @@ def install_boundary(module: nn.Module) -> None:
     if has_boundary(module):
         return
     dispatch.enable()  # mixprec's first use: its registrations with torch
-    dispatch.sync(first=True)  # now, not while a compiler traces the first forward
+    sync(first=True)  # now, not while a compiler traces the first forward
     module.__dict__["forward"] = _Forward(module, module.__dict__.get("forward"))
 
 
