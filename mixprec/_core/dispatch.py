@@ -167,7 +167,7 @@ _enable_lock = threading.Lock()
 
 
 def enable() -> None:
-    """Register with torch what mixprec's regions need (idempotent; see the module docstring)."""
+    """Register with torch what mixprec's regions need (idempotent; design.md: first use)."""
     if _enabled[0]:
         return
     with _enable_lock:

@@ -1,20 +1,10 @@
 """Dtype policies: which dtype parameters are stored in, computed in, and returned in.
 
-Design (Keras mixed-precision policies; ``docs/design.md``, "Policies"):
-
-* A :class:`Policy` is three dtypes -- ``param_dtype`` (storage, jmp's meaning; ``variable_dtype``
-  is the Keras alias), ``compute_dtype`` and ``output_dtype`` -- plus the ``name`` it was spelled
-  with. It is immutable, hashable and picklable; equality compares the dtypes only, so
-  ``Policy("bf16-mixed") == Policy("mixed_bfloat16")``.
-* One parser accepts the spellings users already know: Keras names, jmp strings, Lightning and
-  Accelerate precision strings, torch dtypes. ``str(policy)`` gives back a string the parser
-  accepts, so a policy survives a config file.
-* "Mixed" policies return float32 outputs (the Keras guide's advice, made the default): the last
-  layer's softmax and the loss then see float32 without user code.
-* The global policy is process-wide (as in Keras); :func:`policy_scope` sets it for a block.
-  ``mixprec.set_policy`` (in :mod:`mixprec._core.engine`, which installs the module boundary
-  that applies it) attaches a policy to one module, which then wins for its subtree; this module
-  only stores and reads it (:func:`get_policy`), so policies depend on nothing above them.
+A :class:`Policy` is three dtypes plus the name it was spelled with (equality compares the
+dtypes), read by one parser from the spellings users know: Keras, jmp, Lightning, Accelerate,
+torch dtypes. The global policy is process-wide; a module's own is stored and read here and
+applied by ``mixprec.set_policy`` (:mod:`mixprec._core.engine`). Design: ``docs/design.md``,
+"Policies".
 """
 
 from __future__ import annotations
@@ -158,11 +148,10 @@ class Policy:
     """An immutable mixed-precision policy.
 
     Args:
-        spec: any accepted spelling (see the module docstring), a torch dtype or a Policy.
+        spec: a Keras, jmp, Lightning or Accelerate spelling, a torch dtype or a Policy.
         compute_dtype: dtype the module computes in (keyword form).
         param_dtype: dtype parameters are stored in (jmp's "params").
         output_dtype: dtype the module returns; defaults to float32.
-        variable_dtype: Keras alias of ``param_dtype``.
 
     Example:
         >>> p = Policy("p=f32,c=bf16,o=f32")
@@ -184,11 +173,7 @@ class Policy:
         compute_dtype: Any = None,
         param_dtype: Any = None,
         output_dtype: Any = None,
-        variable_dtype: Any = None,
     ):
-        if param_dtype is not None and variable_dtype is not None:
-            raise ValueError("Give param_dtype or its Keras alias variable_dtype, not both.")
-        param_dtype = param_dtype if param_dtype is not None else variable_dtype
         keywords = (compute_dtype, param_dtype, output_dtype)
         if spec is not None:
             if any(k is not None for k in keywords):
@@ -203,8 +188,6 @@ class Policy:
             name = f"params={_CANONICAL[p]},compute={_CANONICAL[c]},output={_CANONICAL[o]}"
         for slot, value in zip(self.__slots__, (p, c, o, name)):
             object.__setattr__(self, slot, value)
-
-    variable_dtype = property(lambda self: self.param_dtype, doc="Keras alias of param_dtype.")
 
     @property
     def is_mixed(self) -> bool:

@@ -1,12 +1,8 @@
 """Where a model's tensors are stored: the cast to 16 bits and the return of what stays fp32.
 
-Design: ``initialize`` casts parameters and floating buffers in place (Parameter objects keep
-their identity, so optimizers and hooks still hold them), one module at a time, keeping the
-pre-cast value of each parameter a master or a Kahan buffer starts from. A model that arrives
-already in 16 bits gets back, with one warning, what its recipe keeps in float32: its fp32
-values then start from the rounded ones, which no cast can undo. Both read the
-:class:`~mixprec.Recipe`'s own fields (``weights``, ``keep_fp32``, ``masters``; the recipe is
-typed ``Any`` here: the core imports nothing above it), not a translation of them.
+``initialize`` casts parameters and floating buffers in place (Parameter objects keep their
+identity), reading the :class:`~mixprec.Recipe`'s own fields (typed ``Any``: the core imports
+nothing above it). Design: ``docs/design.md``, "One training step through the code".
 """
 
 from __future__ import annotations
@@ -44,9 +40,7 @@ def _overflows(before: Tensor, after: Tensor) -> bool:
 
 def _pre_cast_value(p: Tensor) -> Tensor:
     """``p``'s value before the cast: its own storage when no other tensor shares it, else a
-    copy. Taking it over saves the copy: where only the Kahan buffers read it, a copy was freed
-    again at the end of ``initialize``, a hole of 4 bytes per parameter in the C heap that stayed
-    resident; where it becomes the master, it is the master's storage, as the copy would be."""
+    copy (the reason is in the module's design section)."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: a copy where missing
     data = p.data  # its own version counter: p's later in-place writes do not touch it
     # held by p, by data and by the storage object the count is read through: 3 when alone
@@ -62,14 +56,9 @@ def cast_storage(
     keep: set[int] | None = None,
     kept: dict[int, Tensor] | None = None,
 ) -> None:
-    """Store parameters and floating buffers in ``dtype``; Parameter objects keep identity;
-    the modules ``keep_fp32`` names (the recipe's ``"norms"``: normalization layers) are skipped.
-
-    The parameters whose id is in ``keep`` leave their pre-cast value in ``kept``: the pre-cast
-    tensor itself where nothing else holds its storage (then the cast adds only the 16-bit
-    copies), else a copy, so that what a caller still holds (a ``state_dict()`` taken before)
-    never aliases a master that the optimizer steps.
-    """
+    """Store parameters and floating buffers in ``dtype``, skipping the modules ``keep_fp32``
+    names (``"norms"``); the parameters whose id is in ``keep`` leave their pre-cast value in
+    ``kept``."""
     own = get_policy(module)
     if own is not None:
         dtype = own.param_dtype
@@ -115,16 +104,9 @@ def restore_fp32(
     *,
     weights: str | None = None,
 ) -> None:
-    """A model that arrives already cast to 16 bits (``model.half()``, ``.to(torch.bfloat16)``)
-    gets back what the level keeps in float32 -- every parameter at O0/O1, the norm layers at O2
-    (their buffers too: BatchNorm's running statistics) -- and one warning: the fp32 weights or
-    masters start from the rounded 16-bit values, which no cast can undo. At O3 (16-bit
-    everywhere, no masters) a model in the *other* 16-bit dtype is converted by the cast that
-    follows, rounding it a second time: warned too. A model in the level's own dtype at O3 is
-    what O3 stores anyway.
-
-    ``recipe`` is the :class:`~mixprec.Recipe` applied; ``weights`` overrides its ``weights``
-    where a wrapper stores them otherwise (FSDP's fp32 shards: ``"fp32"``)."""
+    """Give a model that arrived in 16 bits back what ``recipe`` keeps in float32 (parameters and
+    their modules' buffers), with one warning; ``weights`` overrides the recipe's where a
+    wrapper stores them otherwise (FSDP's fp32 shards: ``"fp32"``)."""
     weights = recipe.weights if weights is None else weights
     found: dict[torch.dtype, int] = {}
     seen: set[int] = set()

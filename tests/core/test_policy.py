@@ -88,8 +88,6 @@ KEYWORDS = [
     (dict(compute_dtype="half", param_dtype="bf16", output_dtype=torch.float16), (BF16, F16, F16)),
     (dict(param_dtype=torch.bfloat16), (BF16, F32, F32)),
     (dict(output_dtype="bfloat16"), (F32, F32, BF16)),
-    (dict(variable_dtype=torch.float16, compute_dtype=torch.float16), (F16, F16, F32)),
-    (dict(variable_dtype="bf16"), (BF16, F32, F32)),
     (
         dict(compute_dtype=torch.float64, param_dtype=torch.float64, output_dtype=torch.float64),
         (F64, F64, F64),
@@ -130,7 +128,6 @@ def test_dtype_spec_names_are_canonical():
 def test_keyword_construction(kwargs, expected):
     p = Policy(**kwargs)
     assert triple(p) == expected
-    assert p.variable_dtype == p.param_dtype
 
 
 def test_keyword_name_is_jmp_string():
@@ -275,11 +272,6 @@ def test_spec_and_keywords_conflict():
         Policy(torch.bfloat16, output_dtype=torch.float32)
 
 
-def test_param_and_variable_dtype_conflict():
-    with pytest.raises(ValueError, match="variable_dtype"):
-        Policy(param_dtype=torch.float32, variable_dtype=torch.float32)
-
-
 def test_no_arguments():
     with pytest.raises(ValueError):
         Policy()
@@ -348,8 +340,6 @@ def test_immutable():
             setattr(p, attr, torch.float16)
     with pytest.raises(AttributeError):
         del p.name
-    with pytest.raises(AttributeError):
-        p.variable_dtype = torch.float16
     assert triple(p) == (F32, BF16, F32) and p.name == "bf16-mixed"
 
 
