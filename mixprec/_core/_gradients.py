@@ -1,28 +1,10 @@
 """From backward to step: gradients moved into the fp32 masters, unscaled, checked, settled.
 
-Design: this is the half of :class:`~mixprec._core.optimizer.MixedPrecisionOptimizer` that
-acts on gradients between a backward and the next ``step()``, as a mixin of that class (its
-methods read the optimizer's own fields: no second object to keep in step with it).
-
-* **Widen, unscale, check: one fused pass.** After each scaled backward the 16-bit gradients
-  are moved into fp32 master gradients (:meth:`GradientChecks._widen`) and everything is
-  unscaled and checked for inf/NaN by ``loss_scale.unscale_and_check_``, which leaves the
-  verdict on the device: no host sync per backward.
-* **Verdicts are settled once per step.** ``step()`` reads every pending verdict with one host
-  sync (:meth:`GradientChecks._settle`), updates the loss scalers of the losses that fed the
-  step (:class:`LossSlot`) and says whether the step is skipped.
-* **Late gradients count against every loss.** A gradient checked outside a scaled backward
-  (a plain ``loss.backward()``, one written after its check) skips the step and counts as an
-  overflow for every loss scaler whose loss fed the step, so the optimizer's and the
-  scaler's skip counts agree.
-* **Accumulation keeps each micro-batch's scale.** Gradients already unscaled are stashed
-  before the next backward and added back after it.
-* **Under ``DDP.no_sync()`` the scaled gradients stay in ``.grad``.** DDP accumulates the
-  micro-batches there and all-reduces the sum at the next synchronized backward; moving them
-  into the masters would leave only the last micro-batch to be averaged. So a backward whose
-  forward ran without gradient sync is deferred (:meth:`GradientChecks.defer_backward`), and the
-  synchronized one unscales and checks them all, as ``torch.amp`` does. The loss scale cannot
-  change within a step, so the sum has one scale.
+Design (``docs/design.md``, "Master weights and the optimizer"): the gradient half of
+:class:`~mixprec._core.optimizer.MixedPrecisionOptimizer`, as a mixin that reads the
+optimizer's own fields. After each scaled backward the 16-bit gradients are widened into fp32
+master gradients and unscaled and checked in one fused pass that leaves the verdict on the
+device; ``step()`` reads every verdict with one host sync (:meth:`GradientChecks._settle`).
 """
 
 from __future__ import annotations
@@ -99,10 +81,13 @@ class GradientChecks:
 
     slots: list[LossSlot]
     master_dtype: torch.dtype
+    #: set by distributed training: reduces the verdict flags across ranks (one collective)
     reduce_flags: Callable[[list[Tensor]], list[Tensor]] | None
     _pairs: list[tuple[Tensor, Tensor]]  # (16-bit model parameter, fp32 master)
     _found: dict[torch.device, Tensor]  # verdicts of scaled backwards, per device
-    _late: dict[torch.device, Tensor]  # verdicts of gradients checked outside them
+    #: verdicts of gradients checked outside a scaled backward: they skip the step and count
+    #: against every loss scaler whose loss fed it
+    _late: dict[torch.device, Tensor]
     #: set by the distributed layer's forward hook: the backward of the forward that ran last
     #: will not all-reduce (``DDP.no_sync()``), so its gradients stay in ``.grad``
     unsynced_backward: bool = False
@@ -213,16 +198,8 @@ class GradientChecks:
         return flags_of(call_flags)
 
     def _widen(self) -> list[tuple[Tensor, Tensor]]:
-        """Move 16-bit model grads into fp32 tensors; return ``(fp32 grad, master)`` pairs.
-
-        On a CPU a master whose grad is empty gets its persistent buffer: allocating fresh fp32
-        grads every step costs page faults that took ~3x longer than the copy itself
-        (benchmarks/NOTES.md), at 4 bytes per 16-bit parameter kept between steps -- also
-        through the forward, where activations peak. Where the allocator caches freed memory
-        (CUDA), a fresh flat buffer per device costs one allocation and no page faults, and is
-        freed by ``zero_grad(set_to_none=True)``: those 4 bytes per parameter are not held while
-        the activations are.
-        """
+        """Move 16-bit model grads into fp32 tensors; return ``(fp32 grad, master)`` pairs: kept
+        buffers on a CPU, one fresh flat buffer per device elsewhere (see :meth:`_flat`)."""
         out: list[tuple[Tensor, Tensor]] = []
         srcs: list[Tensor] = []
         bufs: list[Tensor] = []
@@ -245,18 +222,22 @@ class GradientChecks:
                 out.append((p.grad.to(self.master_dtype), master))
             p.grad = None
         for device, pairs in fresh.items():
-            flat = torch.empty(
-                sum(p.grad.numel() for p, _ in pairs), dtype=self.master_dtype, device=device
-            )
-            views = flat.split([p.grad.numel() for p, _ in pairs])
-            for (p, master), view in zip(pairs, views):
-                srcs.append(p.grad)
-                bufs.append(view.view(p.grad.shape))
-                out.append((bufs[-1], master))
-                p.grad = None
+            self._flat(device, pairs, srcs, bufs, out)
         if bufs:
             torch._foreach_copy_(bufs, srcs)
         return out
+
+    def _flat(self, device: torch.device, pairs: list, srcs: list, bufs: list, out: list) -> None:
+        """Where the allocator caches freed memory (CUDA): views of one fresh flat buffer, freed
+        by ``zero_grad``, so their 4 bytes per parameter are not held through the forward."""
+        flat = torch.empty(
+            sum(p.grad.numel() for p, _ in pairs), dtype=self.master_dtype, device=device
+        )
+        for (p, master), view in zip(pairs, flat.split([p.grad.numel() for p, _ in pairs])):
+            srcs.append(p.grad)
+            bufs.append(view.view(p.grad.shape))
+            out.append((bufs[-1], master))
+            p.grad = None
 
     @staticmethod
     def keep_grad_buffers(device: torch.device) -> bool:
