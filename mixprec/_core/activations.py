@@ -1,41 +1,10 @@
 """Activation memory: the tensors autograd saves for backward, stored in fewer bytes.
 
-``mixprec.initialize(model, opt, level, activations="fp8")`` (or an :class:`ActivationConfig`)
-stores what the model's forward saves for backward in a narrower format and widens it again
-when backward reads it. Activations, not weights or optimizer state, are most of a training
-step's peak once a model is trained on long sequences or large batches; COAT (ICLR 2025)
-stores them in FP8 and reports Llama-2-7B activations falling from 25.8 to 16.9 GB at matching
-accuracy.
-
-Design:
-
-* **Saved-tensor hooks, nothing else.** A ``torch.autograd.graph.saved_tensors_hooks`` pair
-  around the model's forward (installed at its boundary) sees every tensor any op, attention
-  kernel or custom ``autograd.Function`` saves, without knowing the model. Backward needs no
-  setup: each saved tensor carries its own unpack. Losses computed outside the model, and
-  anything backward itself saves (double backward), keep their full precision.
-* **What is stored narrower:** floating tensors of at least ``min_numel`` elements that are
-  activations. Weights are left alone -- parameters, their views and their autocast casts
-  (found by walking the tensor's autograd history through views and casts to a parameter) --
-  and so are tensors with no autograd history (the input batch, frozen weights), expanded
-  tensors (a copy would be larger than the original) and FP8 tensors (already small, e.g. the
-  inputs an FP8 layer saves).
-* ``storage="fp8"``: float8 e4m3 with one power-of-2 scale per row (the last dims, at least
-  ``_ROW`` elements), from :mod:`mixprec.fp8.quantization`: a row keeps its own range, the
-  scaling is exact, and a row holding inf/NaN comes back NaN, so an overflow still skips the
-  step. Half the bytes of a 16-bit activation, a quarter of an fp32 one.
-* ``storage="16-bit"``: float32 saved tensors stored in the compute dtype (bf16/fp16); 16-bit
-  ones are untouched. This is for O1, where the ops the cast table keeps in fp32 (the
-  residual stream, norm inputs) save fp32 tensors.
-* ``recompute=True``: the output of an elementwise activation that keeps its own input for
-  backward (GELU, SiLU, Mish, Hardswish) is not stored when the next op saves it (a Linear
-  does, for its weight gradient): backward recomputes it from that input, bitwise as in
-  forward, just before the next op's backward reads it. In a transformer MLP that halves
-  what the activation costs (the 4x-wide input and output were both kept).
-* Each distinct tensor is stored once per forward, however many ops save it.
-
-The cost is compute: one pass to pack in forward and one to unpack in backward per saved byte.
-Measured costs and savings are in ``docs/benchmarks.md``.
+``activations=`` (an :class:`ActivationConfig` or a shortcut) installs a saved-tensor hooks pair
+around the model's forward, at its boundary: activations of at least ``min_numel`` elements are
+stored in FP8 (a power-of-2 scale per row) or the 16-bit compute dtype, weights are left alone,
+and the outputs of GELU-like ops are recomputed in backward instead of stored. Design:
+``docs/design.md``, "Memory, accounted".
 """
 
 from __future__ import annotations

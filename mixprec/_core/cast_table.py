@@ -1,31 +1,10 @@
-"""The cast table: which ops run in 16-bit, which stay in float32, which promote.
+"""The cast table: which ops run in 16-bit (``"lower"``), in float32 (``"fp32"``) or in the
+widest input dtype (``"promote"``); unlisted ops run as ``torch.autocast`` runs them.
 
-This table is data. The eager engine (``mixprec.autocast``), the graph pass and the generated op
-table in ``docs/ops.md`` all read it, so they cannot drift apart.
-
-Rules (the Apex / torch.autocast / grappler vocabulary; ``docs/design.md``, "The cast table"):
-
-* ``"lower"`` -- compute-bound ops (matmul, conv, linear, attention, RNNs): floating inputs are
-  cast to the 16-bit compute dtype; torch's kernels accumulate in float32 (on CUDA cuBLAS may
-  round some partial sums to 16-bit, see ``docs/ops.md``).
-* ``"fp32"`` -- numerically risky ops (softmax, norms, reductions, exp/log/pow, losses): floating
-  inputs are cast to float32, on CPU as on CUDA (torch.autocast's CPU list leaves most of them in
-  16-bit). At O2/O3 (``fp32_inside``) the engine exempts the few whose torch kernels accumulate
-  in float32 (softmax, log_softmax, layer_norm, group_norm): they keep 16-bit inputs and outputs.
-* ``"promote"`` -- ops with several floating inputs run in the widest of them (float32 beats
-  16-bit; a float16/bfloat16 mix goes to float32 instead of raising).
-* anything unlisted runs as ``torch.autocast`` runs it on the device (mostly in the dtype of its
-  inputs; see :mod:`mixprec._core.torch_lists`). ``batch_norm`` is unlisted on purpose: its
-  kernels take a 16-bit activation with float32 statistics and compute in float32, and an
-  ``"fp32"`` rule would cast 16-bit running statistics (O3) to copies that the kernel updates
-  in place instead of the module's buffers.
-
-What each rule makes the kernels receive, per level, is ``docs/ops.md``, "What runs"; a test
-runs those rows through the engine.
-
-Ops are keyed by their base name ("mm", "softmax", "layer_norm"), so ``torch.softmax``,
-``Tensor.softmax``, ``F.softmax`` and ``torch.ops.aten.softmax.int`` share one entry; ``add_``
-and ``out=`` variants are in-place and are never downcast.
+This table is data, keyed by an op's base name (``"softmax"`` for ``torch.softmax``,
+``Tensor.softmax``, ``F.softmax`` and ``aten.softmax.int``): the eager engine, the graph pass
+and the generated op table in ``docs/ops.md`` all read it, so they cannot drift apart. Design:
+``docs/design.md``, "The cast table".
 """
 
 from __future__ import annotations

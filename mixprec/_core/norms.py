@@ -1,21 +1,8 @@
-"""What counts as a normalization layer: one rule for every part of mixprec that keeps norms fp32.
-
-O2 stores a model in 16-bit but keeps its norm layers' weights in float32 (their scale and shift
-act on normalized values near 1, where 16-bit resolution is coarse); for_inference, FSDP2
-sharding and the graph pass's O2 storage make the same choice. They all ask :func:`is_norm`.
-
-The rule, in order:
-1. a class registered with :func:`register_norm` (``register_norm(cls, False)`` opts out);
-2. torch's norm classes: batch/instance norms, ``LayerNorm``, ``GroupNorm``,
-   ``LocalResponseNorm``, ``RMSNorm``;
-3. by structure: a leaf module (no child modules) whose class name ends in ``"Norm"`` and whose
-   parameters are all 1-D. This catches the hand-written norms of Hugging Face models
-   (``LlamaRMSNorm``, ``MistralRMSNorm``, ``Qwen2RMSNorm``, ``GemmaRMSNorm``, ``T5LayerNorm``,
-   ...) without a list of model families, and leaves out containers such as a ``PreNorm``
-   wrapper (it has children) and projections named ``...Norm`` with a matrix weight.
-Why a name and not only the computation: a norm's forward is arbitrary Python (``x.pow(2)
-.mean(-1)``, ``rsqrt``, a learned scale), which module-level code cannot see without tracing;
-the suffix is the convention every library follows, and :func:`register_norm` covers the rest.
+"""What counts as a normalization layer: one rule, :func:`is_norm`, for every part of mixprec
+that keeps norms fp32 (O2 storage, ``for_inference``, FSDP2 sharding, the graph pass): classes
+registered with :func:`register_norm`, torch's norm classes, then a leaf module whose class name
+ends in ``"Norm"`` with 1-D parameters.
+Design: ``docs/design.md``, "One training step through the code".
 """
 
 from __future__ import annotations

@@ -1,43 +1,11 @@
-"""DistributedDataParallel with mixprec: the order of wrapping and 16-bit gradient all-reduce.
+"""DistributedDataParallel with mixprec: the order of wrapping and the 16-bit gradient all-reduce.
 
-Design (``docs/design.md``, "Distributed training"):
-
-* **Order: ``initialize`` first, then DDP.** DDP sizes and types its gradient buckets from the
-  parameters at construction; ``initialize`` (O2/O3) changes the parameters' dtype in place
-  afterwards. Measured on torch 2.13 with gloo: a DDP built before ``initialize`` (or passed to
-  it) raises no error, and the ranks' weights silently differ after the first step.
-  :func:`wrap_ddp` refuses both orders with the fix in the message, and after building DDP it
-  broadcasts the fp32 master weights from rank 0 (DDP broadcasts only the 16-bit model
-  parameters, so masters made from differently seeded replicas would otherwise differ).
-* **16-bit wire.** :class:`AllReduceHook` is a DDP communication hook that all-reduces each
-  bucket in bf16 or fp16, whatever the gradients' dtype: it divides by the world size *before*
-  the sum, in the wider of the two dtypes (torch's ``fp16_compress_hook`` casts first, so a
-  gradient above 65504 becomes inf even when its share of the mean would fit), sums in the wire
-  dtype, and writes the result back into the bucket in the gradient dtype. The gradients on the
-  wire are the *scaled* ones (the optimizer unscales after backward), which is what keeps fp16
-  from underflowing; a sum that still overflows arrives as inf on every rank and the step is
-  skipped and the scale backed off like any other overflow. fp16 on the wire without a loss
-  scaler flushes small gradients to zero (the trap of torch's compress hooks): we warn.
-* **Same verdict everywhere.** :func:`wrap_ddp` installs
-  :func:`mixprec.distributed.sync_verdicts` on the optimizers.
-
-**Plain DDP.** A model prepared by ``initialize`` and then wrapped with a plain
-``DistributedDataParallel(model)`` (not :func:`mixprec.distributed.wrap_ddp`) is detected:
-:func:`watch_ddp` (which ``initialize`` runs through its model hooks) notes, during the forward
-pass, the DDP whose forward is running (``DistributedDataParallel._active_ddp_module``, set by DDP's
-default C++ reducer path), and the optimizer's next ``step()`` calls :func:`adopt_ddp` before
-reading its verdicts: it broadcasts the fp32 masters from the group's first rank (DDP broadcast only
-the 16-bit parameters) and installs the :class:`FlagReducer` on DDP's process group -- what
-``wrap_ddp`` does, less its 16-bit gradient all-reduce. Doing it at ``step()`` keeps the collectives
-where every rank is anyway; the forward only records (evaluation on one rank never blocks). DDP's
-compiled Python-reducer mode does not set the marker and is not detected: use ``wrap_ddp`` there.
-
-The core imports nothing from here: this module registers :func:`watch_ddp` in
-``initialize.MODEL_HOOKS`` and :func:`adopt_ddp` in ``optimizer.SETTLE_HOOKS`` when it is
-imported, which ``import mixprec`` does wherever ``torch.distributed`` is available.
-
-gloo on torch 2.13 sums, maxes and averages bf16 and fp16 natively (checked with 2 ranks), so
-the CPU path communicates real 16-bit tensors: half the bytes of fp32.
+:func:`wrap_ddp` wraps a model after ``initialize`` (it refuses the other order, whose stale
+buckets let the ranks diverge silently), broadcasts the fp32 masters and all-reduces gradients
+in ``reduce_dtype`` through :class:`AllReduceHook`. A plain ``DDP(model)`` is noticed by
+:func:`watch_ddp` in the forward and made safe by :func:`adopt_ddp` at the next ``step()``,
+both registered with the core's hook lists on import. Design: ``docs/design.md``,
+"Distributed training"; the user's page is ``docs/distributed.md``.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at run time.

@@ -1,32 +1,10 @@
 """``FP8Config``: which FP8 recipe, on which layers, chosen for which GPU.
 
-Design: one frozen dataclass under one keyword (``fp8=`` of :func:`mixprec.initialize` and
-:class:`mixprec.autocast`), the project's rule for a group of options. Recipes are data
-(:data:`RECIPES`, each a :class:`Scaling`): the format of each GEMM operand and the scale
-granularity, the two rows of torchao's recipe table that matter on H100-class GPUs:
-
-| recipe | forward operands | gradients | scales |
-|---|---|---|---|
-| ``"tensorwise"`` | e4m3 | e5m2 | one fp32 scale per tensor, ``448 / amax`` |
-| ``"rowwise"`` | e4m3 | e4m3 | one per row along each GEMM's contraction, a power of 2 |
-
-Scales are dynamic (from the current amax, no history): nothing to keep in checkpoints, and an
-outlier never saturates against a stale scale. ``fp8=`` accepts ``True`` (tensorwise, layers
-chosen automatically), a recipe name, or an :class:`FP8Config`.
-
-**The FSDP2 weight all-gather** (``all_gather``; it matters only under
-:func:`mixprec.distributed.initialize_fsdp`). A tensorwise weight is used by its GEMMs as one
-FP8 tensor with one scale, so each rank can cast its own shard with the scale of the whole
-weight (from the shards' amax, reduced across the ranks: one 4-byte all-reduce per weight)
-and the all-gather moves e4m3 bytes, half of bf16's; the gathered FP8 weight and its scale go
-to the GEMMs as they are. The default ``"auto"`` does that for tensorwise, as torchao's
-``enable_fsdp_float8_all_gather`` users expect: the gathered bytes equal what casting the
-gathered 16-bit weight gives, so the numbers do not change and the weight traffic halves.
-Rowwise scales differ per row and per GEMM (the forward scales the weight per row, the input
-gradient per column), so no single FP8 copy serves both: rowwise gathers 16 bits and casts
-after the gather (``"auto"`` resolves to ``"16-bit"``; ``"fp8"`` with rowwise is refused).
-``"16-bit"`` keeps today's 16-bit gather for tensorwise too. Outside FSDP2 the field changes
-nothing.
+One frozen dataclass under one keyword (``fp8=``). Recipes are data (:data:`RECIPES`, each a
+:class:`Scaling`): torchao's tensorwise (e4m3 operands, e5m2 gradients, one scale per tensor)
+and rowwise (e4m3, a power-of-2 scale per row) recipes, scaled dynamically from the current
+amax; ``all_gather`` says what FSDP2 gathers for an FP8 weight. Design: ``docs/design.md``,
+"One training step through the code"; the user's page is ``docs/fp8.md``.
 """
 
 from __future__ import annotations
@@ -93,7 +71,7 @@ class FP8Config:
             the layers a GPU run would.
         all_gather: the dtype FSDP2 all-gathers the weights of FP8 layers in: ``"auto"``
             (default): FP8 for tensorwise, 16 bits for rowwise; ``"fp8"`` (tensorwise only);
-            ``"16-bit"``. Without FSDP2 it changes nothing (see the module docstring).
+            ``"16-bit"``. Without FSDP2 it changes nothing (``docs/distributed.md``).
 
     Example:
         >>> FP8Config(recipe="rowwise", layers="all")
