@@ -1,37 +1,11 @@
 """mixprec's autocast kernels: the cast table's rules on torch's autocast dispatch keys.
 
-Design (chosen by measurement, see ``benchmarks/NOTES.md``): a mixprec region *is* a
-``torch.autocast`` region -- torch's C++ kernels lower matmuls and convolutions and keep its
-weight-cast cache, at C++ cost -- plus Python kernels registered with ``torch.library`` on the
-``AutocastCPU``/``AutocastCUDA`` dispatch keys for exactly the ops whose cast-table rule differs
-from torch's rule on that device (:mod:`mixprec._core.torch_lists`): on CPU the fp32 ops torch
-leaves in 16-bit (softmax, norms, reductions, exp/log/pow...), a few matmul variants, the
-promote ops that need a cast, the attention kernel choice; on CUDA the fp32-inside norms and
-softmax and ``binary_cross_entropy``. Every other op costs nothing extra. A function mode
-seeing every Python-level call cost ~6 us per call before doing any work and was dropped.
-
-Nothing is registered when this module is imported: :func:`sync` registers the kernels when the
-first region is entered or the first module boundary installed (:mod:`mixprec._core.dispatch`),
-and again when the cast table changes.
-
-A kernel applies mixprec's rule only while a mixprec frame is on top of this thread's stack.
-Reached from a user's own ``torch.autocast`` it calls torch's own kernel, taken with
-``torch.library.get_kernel`` before mixprec registered over it (or falls through where torch has
-none), so registering kernels changes nothing outside mixprec regions -- eager, under fake
-tensors (dynamo, AOTAutograd, export), inductor or ``torch.func``. When a Python mode's restored
-TLS or the Python dispatcher brings a call back to the key, the kernel steps past it with the
-key excluded: the Python dispatcher recomputes the key from the TLS, not from the key set it is
-handed. Inside backward (activation-checkpoint recomputation, which re-enters torch.autocast
-with the forward's settings but not mixprec's frame, possibly on another thread) the frame of
-the region whose autograd node is being run applies (:mod:`mixprec._core._frames`), so
-recomputed forwards match the original bit for bit, and a user's own checkpointed code gets
-torch's rules.
-
-Cache: torch's weight-cast cache is used (one cast per weight per region, not kept across
-regions). It does not see in-place updates, so mixprec clears it when a leaf that requires grad
-is updated in place inside a region (kernels on the common in-place update ops) and after every
-``torch.optim`` step taken inside one (a hook :mod:`mixprec._core.dispatch` registers at first
-use). Updates through ``.data`` are invisible to it.
+Design (``docs/design.md``, "The eager engine"): a mixprec region *is* a ``torch.autocast``
+region, plus Python kernels registered with ``torch.library`` on the ``AutocastCPU`` /
+``AutocastCUDA`` keys for exactly the ops whose cast-table rule differs from torch's on that
+device (:mod:`mixprec._core.torch_lists`). :func:`sync` registers them at mixprec's first use,
+never at import, and again when the cast table changes. A kernel applies mixprec's rule only
+under a mixprec frame (:mod:`mixprec._core._frames`); elsewhere it does what torch does.
 """
 
 from __future__ import annotations
@@ -146,47 +120,60 @@ def apply_rule(
     kwargs: dict,
     op: Callable,
 ) -> Any:
-    """Run ``op`` under ``rule`` (the cast table's rules, torch's ``"banned"``, or ``"input"``).
-
-    ``low`` is the 16-bit dtype of ``"lower"``; ``frame`` None means torch.autocast's own
-    semantics (reached outside a mixprec region).
-    """
+    """Run ``op`` under ``rule`` (the cast table's rules, torch's ``"banned"``, or ``"input"``);
+    ``low`` is the dtype of ``"lower"``, and ``frame`` None means torch.autocast's semantics."""
     if rule == LOWER:
-        args, kwargs = _cast_all(args, kwargs, low)
-        if frame is not None and frame.kernels == "auto" and name == "scaled_dot_product_attention":
-            out = kernels.try_decomposed_attention(args, kwargs)
-            if out is not None:
-                return out
-        return op(*args, **kwargs)
+        return _lower(name, frame, low, args, kwargs, op)
     if rule == FP32:
-        if _has_dtype_arg(args, kwargs):
-            return op(*args, **kwargs)
-        first = args[0] if args else None
-        if (
-            frame is not None
-            and name in frame.fp32_inside
-            and isinstance(first, torch.Tensor)
-            and first.dtype in _LOW
-        ):
-            rest, kwargs = _cast_all(args[1:], kwargs, first.dtype)
-            return op(first, *rest, **kwargs)
-        args, kwargs = _cast_all(args, kwargs, torch.float32, only_low=True)
-        return op(*args, **kwargs)
+        return _fp32(name, frame, args, kwargs, op)
     if rule == PROMOTE:
-        found: set = set()
-        float_dtypes(args, found)
-        float_dtypes(kwargs, found)
-        if len(found) > 1 and torch.float64 not in found:
-            if frame is None and set(_LOW) <= found:  # as torch.autocast does
-                raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
-            args, kwargs = _cast_all(args, kwargs, torch.float32, only_low=True)
-        return op(*args, **kwargs)
+        return _promote(frame, args, kwargs, op)
     if rule == "banned":
         raise RuntimeError(
             f"torch.autocast refuses {name} (unsafe to autocast); use its *_with_logits form, "
             "or run it under mixprec.autocast, which computes it in float32."
         )
     return op(*args, **kwargs)  # "input": run in the inputs' dtype
+
+
+def _lower(
+    name: str, frame: Frame | None, low: torch.dtype, args: tuple, kwargs: dict, op: Callable
+) -> Any:
+    args, kwargs = _cast_all(args, kwargs, low)
+    if frame is not None and frame.kernels == "auto" and name == "scaled_dot_product_attention":
+        out = kernels.try_decomposed_attention(args, kwargs)
+        if out is not None:
+            return out
+    return op(*args, **kwargs)
+
+
+def _fp32(name: str, frame: Frame | None, args: tuple, kwargs: dict, op: Callable) -> Any:
+    """fp32 inputs, except an explicit ``dtype=`` and a 16-bit input of an ``fp32_inside`` op
+    (its kernel accumulates in fp32: the other arguments follow the first one's dtype)."""
+    if _has_dtype_arg(args, kwargs):
+        return op(*args, **kwargs)
+    first = args[0] if args else None
+    if (
+        frame is not None
+        and name in frame.fp32_inside
+        and isinstance(first, torch.Tensor)
+        and first.dtype in _LOW
+    ):
+        rest, kwargs = _cast_all(args[1:], kwargs, first.dtype)
+        return op(first, *rest, **kwargs)
+    args, kwargs = _cast_all(args, kwargs, torch.float32, only_low=True)
+    return op(*args, **kwargs)
+
+
+def _promote(frame: Frame | None, args: tuple, kwargs: dict, op: Callable) -> Any:
+    found: set = set()
+    float_dtypes(args, found)
+    float_dtypes(kwargs, found)
+    if len(found) > 1 and torch.float64 not in found:
+        if frame is None and set(_LOW) <= found:  # as torch.autocast does
+            raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
+        args, kwargs = _cast_all(args, kwargs, torch.float32, only_low=True)
+    return op(*args, **kwargs)
 
 
 def _torch_kernel(op: Any, key: DispatchKey) -> Any:
@@ -203,59 +190,64 @@ def _torch_kernel(op: Any, key: DispatchKey) -> Any:
 _PY_DISPATCHER = torch._C.DispatchKey.PythonDispatcher
 
 
-def _rule_kernel(name: str, device: str, op: Any) -> Callable:
-    key = _KEYS[device]
-    without = DispatchKeySet(key)
-    trule = _torch_rule(device, name)
-    native = _torch_kernel(op, key)
-    # an op torch.autocast falls through whose kernel is a decomposition (aten::lstm on CPU):
-    # torch lowers the ops it decomposes into (mkldnn_rnn_layer), so they must see autocast;
-    # redispatching with autocast excluded ran them in float32 (and a bf16 LSTM failed). The
-    # decomposition's own ops come back through the dispatcher, not to this kernel.
-    composite = torch._C._dispatch_has_kernel_for_dispatch_key(
-        op.name(), "CompositeImplicitAutograd"
-    )
+class _RuleKernel:
+    """mixprec's kernel for one op on one device's Autocast key: the cast table's rule under a
+    mixprec frame, else what torch does (its own kernel, taken before mixprec registered over
+    it, or a fall-through)."""
 
-    def apply(rule: str | None, frame: Frame | None, args: tuple, kwargs: dict) -> Any:
-        with torch._C._ExcludeDispatchKeyGuard(without):
-            return apply_rule(rule, name, frame, torch.get_autocast_dtype(device), args, kwargs, op)
+    def __init__(self, name: str, device: str, op: Any) -> None:
+        self.name, self.device, self.op = name, device, op
+        self.key = _KEYS[device]
+        self.without = DispatchKeySet(self.key)
+        self.trule = _torch_rule(device, name)
+        self.native = _torch_kernel(op, self.key)
+        # an op torch.autocast falls through whose kernel is a decomposition (aten::lstm on CPU):
+        # torch lowers the ops it decomposes into (mkldnn_rnn_layer), so they must see autocast;
+        # redispatching with autocast excluded ran them in float32 (and a bf16 LSTM failed)
+        self.composite = torch._C._dispatch_has_kernel_for_dispatch_key(
+            op.name(), "CompositeImplicitAutograd"
+        )
 
-    def past(keyset: Any, args: tuple, kwargs: dict) -> Any:
-        # the next kernel below the autocast key; excluded too, for the Python dispatcher (fake
-        # tensors, dynamo, export), which recomputes the key from the TLS, not from ``keyset``
-        with torch._C._ExcludeDispatchKeyGuard(without):
-            return op.redispatch(keyset.remove(key), *args, **kwargs)
-
-    def as_torch(keyset: Any, args: tuple, kwargs: dict) -> Any:
-        """What torch does without mixprec: its own kernel, else fall through."""
-        if native is not None:
-            return native.call_boxed(keyset, *args, **kwargs)
-        if trule is None:
-            if composite and not torch._C._dispatch_tls_is_dispatch_key_included(_PY_DISPATCHER):
-                # fall through to the decomposition, whose ops torch.autocast sees (the Python
-                # dispatcher of fake tensors recomputes keys from the TLS: not there, it would
-                # come back here)
-                return op.redispatch(keyset.remove(key), *args, **kwargs)
-            return past(keyset, args, kwargs)
-        return apply(trule, None, args, kwargs)  # torch < 2.9: its rule, replayed
-
-    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        frame = _frame_for_kernel(device)
+    def __call__(self, keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        frame = _frame_for_kernel(self.device)
         if frame is None or frame.dtype is None:
-            return as_torch(keyset, args, kwargs)
+            return self._as_torch(keyset, args, kwargs)
         if _state.busy:  # re-entered through a Python mode's restored TLS (fake tensors)
-            return past(keyset, args, kwargs)
+            return self._past(keyset, args, kwargs)
         _state.busy = True
         try:
             table, opted_out = cast_table._effective()
-            rule = table.get(name)
+            rule = table.get(self.name)
             if rule is None:
-                rule = "input" if name in opted_out else trule
-            return apply(rule, frame, args, kwargs)
+                rule = "input" if self.name in opted_out else self.trule
+            return self._apply(rule, frame, args, kwargs)
         finally:
             _state.busy = False
 
-    return kernel
+    def _apply(self, rule: str | None, frame: Frame | None, args: tuple, kwargs: dict) -> Any:
+        with torch._C._ExcludeDispatchKeyGuard(self.without):
+            low = torch.get_autocast_dtype(self.device)
+            return apply_rule(rule, self.name, frame, low, args, kwargs, self.op)
+
+    def _past(self, keyset: Any, args: tuple, kwargs: dict) -> Any:
+        """The next kernel below the autocast key; excluded too, for the Python dispatcher (fake
+        tensors, dynamo, export), which recomputes the key from the TLS, not from ``keyset``."""
+        with torch._C._ExcludeDispatchKeyGuard(self.without):
+            return self.op.redispatch(keyset.remove(self.key), *args, **kwargs)
+
+    def _as_torch(self, keyset: Any, args: tuple, kwargs: dict) -> Any:
+        """What torch does without mixprec: its own kernel, else fall through."""
+        if self.native is not None:
+            return self.native.call_boxed(keyset, *args, **kwargs)
+        if self.trule is None:
+            if self.composite and not torch._C._dispatch_tls_is_dispatch_key_included(
+                _PY_DISPATCHER
+            ):
+                # fall through to the decomposition, whose ops torch.autocast sees (the Python
+                # dispatcher of fake tensors recomputes keys from the TLS: it would come back)
+                return self.op.redispatch(keyset.remove(self.key), *args, **kwargs)
+            return self._past(keyset, args, kwargs)
+        return self._apply(self.trule, None, args, kwargs)  # torch < 2.9: its rule, replayed
 
 
 def _inplace_kernel(device: str, op: Any) -> Callable:
@@ -381,7 +373,7 @@ def sync(first: bool = False) -> None:
                 for qualname, op in _overloads(name):
                     wanted.add((device, qualname))
                     if (device, qualname) not in _libs:
-                        _register(device, qualname, _rule_kernel(name, device, op))
+                        _register(device, qualname, _RuleKernel(name, device, op))
             if _synced[0] == -1:
                 for name in _INPLACE_UPDATES:
                     for qualname, op in _overloads(name, mutable=True):
