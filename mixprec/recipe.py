@@ -299,7 +299,7 @@ def as_recipe(spec: Any, dtype: Any = None) -> Recipe:
                 f"The recipe says dtype={spec.dtype} and dtype={low} was given as well; give "
                 f"it once: recipe.replace(dtype={low})."
             )
-        return spec.replace(dtype=low)
+        return dataclasses.replace(spec, dtype=low)  # checked again, as any new recipe
     if isinstance(spec, str) and _names_a_recipe(spec):
         return as_recipe(Recipe(spec), low)
     if isinstance(spec, (str, Policy, torch.dtype)):

@@ -107,7 +107,12 @@ def restore_fp32(
     """Give a model that arrived in 16 bits back what ``recipe`` keeps in float32 (parameters and
     their modules' buffers), with one warning; ``weights`` overrides the recipe's where a
     wrapper stores them otherwise (FSDP's fp32 shards: ``"fp32"``)."""
-    weights = recipe.weights if weights is None else weights
+    if any(p.dtype in _LOW for p in model.parameters()):  # else: nothing to give back
+        _restore(model, recipe, dtype, warn, recipe.weights if weights is None else weights)
+
+
+def _restore(model: nn.Module, recipe: Any, dtype: torch.dtype, warn: bool, weights: str) -> None:
+    """:func:`restore_fp32` of a model that holds 16-bit parameters."""
     found: dict[torch.dtype, int] = {}
     seen: set[int] = set()
     total = widened = 0
@@ -123,8 +128,6 @@ def restore_fp32(
                 if fp32:
                     p.data = p.data.to(torch.float32)
                     widened += 1
-    if not found:
-        return
     for module in model.modules():  # the buffers beside the parameters the level keeps fp32
         if _stays_fp32(recipe, weights, module):
             for name, b in module.named_buffers(recurse=False):

@@ -290,14 +290,16 @@ def wrap_ddp(
 
 
 class _DDPWatch:
-    """Forward pre-hook of :func:`watch_ddp`: a class (not a closure) so the model pickles."""
+    """Forward pre-hook of :func:`watch_ddp`: records the running DDP on every optimizer whose
+    verdicts are not reduced yet, and whether DDP all-reduces this forward's backward (not under
+    ``no_sync()``: a scaled backward then leaves the micro-batch's gradients in ``.grad`` for DDP
+    to accumulate). A few attribute reads and writes per forward, no collective; a class, not a
+    closure, so the model pickles."""
 
     def __init__(self, optimizers: Sequence[MixedPrecisionOptimizer]):
         self.refs = [weakref.ref(o) for o in optimizers]
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-
         ddp = DistributedDataParallel._active_ddp_module
         for ref in self.refs:
             opt = ref()
@@ -313,26 +315,22 @@ class _DDPWatch:
 
 
 def watch_ddp(model: nn.Module, optimizers: Sequence[MixedPrecisionOptimizer]) -> None:
-    """Let ``optimizers`` notice a plain ``DistributedDataParallel`` running ``model``.
-
-    A forward pre-hook on ``model`` records the running DDP on every optimizer whose verdicts
-    are not reduced yet; their next ``step()`` then calls :func:`adopt_ddp`. It also notes whether
-    DDP will all-reduce this forward's backward (not under ``no_sync()``), so a scaled backward
-    leaves the gradients of an unsynchronized micro-batch in ``.grad`` for DDP to accumulate.
-    The hook costs a few attribute reads and writes per forward and issues no collective.
-    """
+    """Let ``optimizers`` notice a plain ``DistributedDataParallel`` running ``model``; their
+    next ``step()`` then calls :func:`adopt_ddp`."""
     if optimizers and dist.is_available():
         model.register_forward_pre_hook(_DDPWatch(optimizers))
 
 
 def adopt_ddp(optimizer: MixedPrecisionOptimizer) -> None:
-    """Make ``optimizer`` safe under the plain DDP it was seen in; a collective on DDP's group.
+    """Make ``optimizer`` safe under the plain DDP it was seen in, if one was seen since the
+    last step (every step runs this: no grad-mode switch before it, one attribute read)."""
+    if optimizer._plain_ddp is not None:
+        _adopt(optimizer)
 
-    Raises if that DDP was built before ``initialize`` changed the parameter dtypes (its
-    buckets are stale and gradients are not averaged correctly).
-    """
-    if optimizer._plain_ddp is None:  # every step runs this: no grad-mode switch before it
-        return  # no plain DDP seen since the last step: the common case, one attribute read
+
+def _adopt(optimizer: MixedPrecisionOptimizer) -> None:
+    """:func:`adopt_ddp`'s work, a collective on DDP's group; raises if that DDP was built before
+    ``initialize`` changed the parameter dtypes (its buckets are stale)."""
     ref, optimizer._plain_ddp = optimizer._plain_ddp, None
     ddp = ref() if ref is not None else None
     if ddp is None or optimizer.reduce_flags is not None:
