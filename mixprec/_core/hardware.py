@@ -1,28 +1,10 @@
 """Hardware check: which 16-bit float dtypes are supported, and fast, on a device.
 
-Design choices:
-
-* "Fast" means matmul expected faster than float32. Supported-but-slow is a real state: torch
-  has bf16/fp16 CPU kernels everywhere, but without the right units they lose to fp32.
-* Rules are data (:data:`_CPU_RULES`) plus small pure functions (:func:`_cpu_support`,
-  :func:`_cuda_support`, :func:`_other_support`) over a flag set or a compute capability, so
-  they are unit-testable with faked inputs and changed in one place.
-* CPU rules follow measurement, not the ISA list: bf16 is fast with AMX-BF16 (~4x fp32) or
-  AVX512_BF16; fp16 only with AMX-FP16. With AVX512_FP16 + AMX-BF16, torch 2.13's fp16 matmul
-  measured about fp32 speed (~170-200 vs ~190 GFLOP/s; bf16 ~650-830), so AVX512_FP16 alone
-  is supported, not fast.
-* CPU flags come from /proc/cpuinfo (the hardware, whatever ``ATEN_CPU_CAPABILITY`` says).
-  Without an x86 ``flags`` line (macOS, Windows, ARM) we fall back to
-  ``torch.backends.cpu.get_cpu_capability()``, which cannot see bf16 units: bf16 not fast.
-* CUDA: fp16 tensor cores from capability 7.0, bf16 from 8.0; bf16 "supported" is
-  ``torch.cuda.is_bf16_supported()`` (which counts emulation). Other devices (mps, xpu, ...):
-  supported, not characterised, so not fast.
-* FP8 (:func:`fp8_support`): CUDA from compute capability 8.9 (Ada, Hopper, Blackwell: FP8
-  tensor cores for ``torch._scaled_mm``); a CPU runs torch's reference ``_scaled_mm``, which is
-  emulation (supported, not fast: for tests and development); other devices are refused.
-* Nothing touches CUDA at import. Reports are cached per resolved device string (``"cuda"``
-  becomes ``"cuda:<current>"``) since mixprec checks often. :func:`warn_if_slow` warns once
-  per (dtype, device) with its own registry, independent of the ``warnings`` filters.
+Design (``docs/design.md``, "The Recipe"): "fast" means matmul expected faster than float32.
+The rules are data (:data:`_CPU_RULES`) and small pure functions over CPU flags (read from
+/proc/cpuinfo, less what ``ONEDNN_MAX_CPU_ISA`` forbids) or a CUDA compute capability, so they
+are tested with faked inputs. Nothing touches CUDA at import; reports are cached per resolved
+device, and :func:`warn_if_slow` warns once per (dtype, device).
 """
 
 from __future__ import annotations
@@ -191,19 +173,22 @@ def _cuda_support(capability: tuple[int, int], bf16_supported: bool) -> dict[str
     }
 
 
+_CPU_FP8 = DtypeSupport(
+    torch.float8_e4m3fn,
+    True,
+    False,
+    "emulated: torch's reference _scaled_mm on CPU, slower than bf16 (for tests "
+    "and development; layers are chosen for an H100)",
+)
+
+
 def _fp8_support_for(
     device_type: str, capability: tuple[int, int] | None, name: str, best: torch.dtype
 ) -> DtypeSupport:
     """FP8 GEMM support from the device type and CUDA compute capability (pure)."""
     e4m3 = torch.float8_e4m3fn
     if device_type == "cpu":
-        return DtypeSupport(
-            e4m3,
-            True,
-            False,
-            "emulated: torch's reference _scaled_mm on CPU, slower than bf16 (for tests "
-            "and development; layers are chosen for an H100)",
-        )
+        return _CPU_FP8
     if device_type == "cuda" and capability is not None:
         cap = tuple(capability)
         cc = f"compute capability {cap[0]}.{cap[1]}"
@@ -261,11 +246,7 @@ _ONEDNN_16BIT = frozenset({"avx512_bf16", "amx_bf16", "amx_tile", "amx_int8", "a
 
 
 def _usable_flags(flags: frozenset[str], max_isa: str) -> frozenset[str]:
-    """``flags`` less the 16-bit units oneDNN may not use under ``ONEDNN_MAX_CPU_ISA`` (pure).
-
-    An ISA cap below AVX512_CORE_BF16 makes bf16 matmuls emulated (measured ~80x slower than
-    fp32), whatever the hardware has.
-    """
+    """``flags`` less the 16-bit units oneDNN may not use under ``ONEDNN_MAX_CPU_ISA`` (pure)."""
     isa = max_isa.strip().upper()
     if not isa or isa in ("ALL", "DEFAULT") or "BF16" in isa or "AMX" in isa or "AVX10" in isa:
         return flags
@@ -298,11 +279,7 @@ def _report(device: str) -> HardwareReport:
     if device == "cpu":
         name, flags = _read_cpu()
         features = tuple(f for f in _CPU_FEATURES if f in flags)
-        dtypes = _cpu_support(flags)
-        best = HardwareReport(device, name, features, dtypes).best_dtype
-        return HardwareReport(
-            device, name, features, dtypes, _fp8_support_for("cpu", None, name, best)
-        )
+        return HardwareReport(device, name, features, _cpu_support(flags), _CPU_FP8)
     if device.startswith("cuda:"):
         index = int(device.split(":")[1])
         capability = torch.cuda.get_device_capability(index)
@@ -373,14 +350,9 @@ _warned: set[tuple[torch.dtype, str]] = set()
 def warn_if_slow(
     dtype: torch.dtype, device: str | torch.device | None = None, *, stacklevel: int | None = None
 ) -> None:
-    """Warns (once per dtype and device per process) if ``dtype`` is not fast on ``device``.
-
-    Args:
-        dtype: The compute dtype about to be used; only bfloat16/float16 are checked.
-        device: As for :func:`check`.
-        stacklevel: Passed to :func:`warnings.warn`; None points at the first caller outside
-            mixprec.
-    """
+    """Warns (once per dtype and device per process) if 16-bit ``dtype`` is not fast on
+    ``device`` (as for :func:`check`); ``stacklevel`` None points at the first caller outside
+    mixprec."""
     if dtype not in _NAMES:
         return
     report = _report(_resolve_device(device))
