@@ -134,19 +134,14 @@ def _check_update(r: Any) -> None:
                     "applies to an update mode; set update='nearest', 'kahan' or 'stochastic' "
                     "(16-bit weights without masters) as well.",
                 )
-
-
-def _check_gradients(r: Any) -> None:
-    if r.gradients != "released":
-        return
-    if r.weights != "16-bit" or r.masters or r.update is None:
+    if r.gradients == "released" and (not modes or r.update is None):
         _fail(
             "gradients",
             "released",
             "a released gradient is stepped in backward by an update mode (16-bit weights, no "
             "masters, update not None). Use Recipe('lean'), or gradients='held'.",
         )
-    if r.loss_scale not in ("auto", None) or r.num_losses > 1:
+    if r.gradients == "released" and (r.loss_scale not in ("auto", None) or r.num_losses > 1):
         _fail(
             "gradients",
             "released",
@@ -162,4 +157,3 @@ def check_fields(r: Any) -> None:
     _check_dtype(r)
     _check_storage(r)
     _check_update(r)
-    _check_gradients(r)

@@ -416,18 +416,16 @@ def _given_only(r: Recipe, changes: dict[str, Any]) -> dict[str, Any]:
 
 def _filled(given: dict[str, Any]) -> dict[str, Any]:
     """Every field: the given ones, normalised; the rest from the preset, then the defaults."""
-    name, preset = _preset(given.get("name", "O2"))
-    implied = NAMES[name][1]
-    out = {**DEFAULTS, **preset, **{k: v for k, v in given.items() if v is not _PRESET}}
-    out["name"] = name
-    if out.get("dtype") is None and implied is not None:
-        out["dtype"] = implied
-    if out.get("dtype") is not None:
+    name, preset = _preset(given["name"])
+    out = {**DEFAULTS, **preset, **given, "name": name}
+    if out["dtype"] is None:
+        out["dtype"] = NAMES[name][1]  # the dtype the name implies, if any
+    if out["dtype"] is not None:
         out["dtype"] = _dtype_arg(out["dtype"])
     for key, normalise in _SPELLINGS.items():  # the defaults are in their one spelling
         if out[key] != DEFAULTS[key]:
             out[key] = normalise(out[key])
-    if isinstance(out.get("optimizer_states"), Mapping):
+    if isinstance(out["optimizer_states"], Mapping):
         out["optimizer_states"] = tuple(sorted(out["optimizer_states"].items()))
     return out
 

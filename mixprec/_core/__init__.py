@@ -2,12 +2,14 @@
 
 Data flows down this list (see ``docs/design.md``):
 
+* :mod:`~mixprec._core.names` -- the words of the Recipe's fields (levels, update modes), once;
 * :mod:`~mixprec._core.policy` -- dtype policies (``mixed_bfloat16`` ...) and the global policy;
 * :mod:`~mixprec._core.cast_table` -- the op rules (16-bit / fp32 / promote), as data that the
   engine, the graph pass and the docs all read; :mod:`~mixprec._core.torch_lists` holds torch's
   own autocast lists, so the differences are known;
-* :mod:`~mixprec._core.dispatch` and :mod:`~mixprec._core.engine` -- the eager engine: an
-  ``autocast`` region on torch's Autocast dispatch keys, module boundaries and ``set_policy``;
+* :mod:`~mixprec._core.engine` and :mod:`~mixprec._core.dispatch` -- the eager engine:
+  ``autocast`` regions, module boundaries and ``set_policy``; a region's push and pop of torch's
+  Autocast dispatch state, and the registrations at first use;
   :mod:`~mixprec._core.traced` -- the engine's frames under ``torch.compile``;
   :mod:`~mixprec._core.kernels` -- faster 16-bit formulations of a few ops;
 * :mod:`~mixprec._core.loss_scale` -- static and dynamic loss scaling;

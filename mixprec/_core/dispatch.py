@@ -1,11 +1,9 @@
 """A region's entry into torch's dispatch state, and what mixprec registers with torch at first use.
 
-:func:`push` and :func:`pop` enter and leave a frame of this thread's region stack
-(:mod:`mixprec._core._frames`) and set torch.autocast's state for it, the Autocast dispatch keys
-that mixprec's kernels sit on (:mod:`mixprec._core._autocast_kernels`); under ``torch.compile``
-they are graph nodes (:mod:`mixprec._core.traced`). ``import mixprec`` changes nothing in torch:
-:func:`enable` registers what regions need once, at mixprec's first use. Design:
-``docs/design.md``, "The eager engine".
+:func:`push` and :func:`pop` enter and leave a frame of the region stack (:mod:`._frames`) and
+set torch.autocast's state, the Autocast dispatch keys that mixprec's kernels sit on; under
+``torch.compile`` they are graph nodes (:mod:`.traced`). :func:`enable` registers what regions
+need once, at mixprec's first use. Design: ``docs/design.md``, "The eager engine".
 """
 
 from __future__ import annotations
@@ -75,9 +73,8 @@ def _devices() -> tuple[str, ...]:
 def push(
     frame: Frame, cache_enabled: bool | None = None, devices: tuple[str, ...] | None = None
 ) -> _Saved:
-    """Enter ``frame``: switch torch.autocast on (or off) for it; return what :func:`pop`
-    restores. ``devices``: the device types whose autocast state the region sets (default:
-    every type mixprec handles here; ``mixprec.amp.autocast`` sets only its own, as torch does)."""
+    """Enter ``frame``: set torch.autocast for it on ``devices`` (default: every type mixprec
+    handles; ``mixprec.amp.autocast`` sets its own); return what :func:`pop` restores."""
     devices = _devices() if devices is None else devices
     tracing = torch.compiler.is_dynamo_compiling()
     if tracing:

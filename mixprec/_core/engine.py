@@ -1,10 +1,8 @@
 """The eager mixed-precision engine: ``mixprec.autocast`` regions and module boundaries.
 
-A region is a ``torch.autocast`` region plus a frame on this thread's stack
-(:mod:`mixprec._core.dispatch`): torch's C++ kernels lower matmuls and convolutions, mixprec's
-kernels on the Autocast keys apply the cast table where its rule differs from torch's. A module
-boundary (a per-module policy, the levels of :func:`mixprec.initialize`) wraps the module's
-forward: a frame, inputs cast on entry and outputs on exit.
+A region is a ``torch.autocast`` region plus a frame on this thread's stack (:mod:`.dispatch`);
+a module boundary (a per-module policy, the levels of ``initialize``) wraps the module's forward:
+a frame, inputs cast on entry and outputs on exit.
 Design: ``docs/design.md``, "The eager engine".
 """
 

@@ -1,11 +1,9 @@
 """DistributedDataParallel with mixprec: the order of wrapping and the 16-bit gradient all-reduce.
 
-:func:`wrap_ddp` wraps a model after ``initialize`` (it refuses the other order, whose stale
-buckets let the ranks diverge silently), broadcasts the fp32 masters and all-reduces gradients
-in ``reduce_dtype`` through :class:`AllReduceHook`. A plain ``DDP(model)`` is noticed by
-:func:`watch_ddp` in the forward and made safe by :func:`adopt_ddp` at the next ``step()``,
-both registered with the core's hook lists on import. Design: ``docs/design.md``,
-"Distributed training"; the user's page is ``docs/distributed.md``.
+:func:`wrap_ddp` wraps a model after ``initialize``, broadcasts the fp32 masters and reduces
+gradients in ``reduce_dtype`` (:class:`AllReduceHook`); a plain ``DDP(model)`` is noticed by
+:func:`watch_ddp` and made safe by :func:`adopt_ddp`, which the core's hook lists run.
+Design: ``docs/design.md``, "Distributed training"; the user's page: ``docs/distributed.md``.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at run time.
