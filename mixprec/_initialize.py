@@ -239,17 +239,9 @@ def _prepare_models(
 
 
 def _install_boundary(m: nn.Module, recipe: Recipe, dtype: torch.dtype) -> None:
-    graph = m.__dict__.get("_mixprec_graph", False)  # mixprec.convert: casts are in its graph
-    if graph and recipe.activations is not None:  # the graph needs only the storage hooks
-        m.__dict__[engine.BOUNDARY_ATTR] = engine.Boundary(
-            Policy(compute_dtype=dtype),
-            cast_inputs=False,
-            cast_outputs=False,
-            activations=recipe.activations,
-            engine=False,
-        )
-        engine.install_boundary(m)
-    if (recipe.compute == "16-bit" or recipe.outputs is not None) and not graph:
+    if m.__dict__.get("_mixprec_graph", False):  # mixprec.convert: casts are in its graph
+        _install_storage_hooks(m, recipe, dtype)
+    elif recipe.compute == "16-bit" or recipe.outputs is not None:
         m.__dict__[engine.BOUNDARY_ATTR] = engine.Boundary(
             get_policy(m) or recipe.policy(dtype),  # a set_policy'd root keeps its own
             cast_inputs=recipe.cast_inputs,
@@ -257,6 +249,19 @@ def _install_boundary(m: nn.Module, recipe: Recipe, dtype: torch.dtype) -> None:
             kernels=recipe.kernels,
             cast_outputs=recipe.outputs is not None,
             activations=recipe.activations,
+        )
+        engine.install_boundary(m)
+
+
+def _install_storage_hooks(m: nn.Module, recipe: Recipe, dtype: torch.dtype) -> None:
+    """A converted graph's boundary: only the saved-tensor storage of ``activations=``."""
+    if recipe.activations is not None:
+        m.__dict__[engine.BOUNDARY_ATTR] = engine.Boundary(
+            Policy(compute_dtype=dtype),
+            cast_inputs=False,
+            cast_outputs=False,
+            activations=recipe.activations,
+            engine=False,
         )
         engine.install_boundary(m)
 

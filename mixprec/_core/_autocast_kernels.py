@@ -374,13 +374,11 @@ def sync(first: bool = False) -> None:
                     wanted.add((device, qualname))
                     if (device, qualname) not in _libs:
                         _register(device, qualname, _RuleKernel(name, device, op))
-            if _synced[0] == -1:
-                for name in _INPLACE_UPDATES:
-                    for qualname, op in _overloads(name, mutable=True):
+            for name in _INPLACE_UPDATES:
+                for qualname, op in _overloads(name, mutable=True):
+                    wanted.add((device, qualname))
+                    if (device, qualname) not in _libs:
                         _register(device, qualname, _inplace_kernel(device, op))
-            wanted |= {
-                (device, q) for name in _INPLACE_UPDATES for q, _ in _overloads(name, mutable=True)
-            }
         for stale in set(_libs) - wanted:
             _libs.pop(stale)._destroy()  # torch's kernel (or the fallthrough) is back
         _synced[0] = version

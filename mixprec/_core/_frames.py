@@ -1,17 +1,10 @@
 """The engine's per-thread region stack, and which frame a kernel run by backward belongs to.
 
 A mixprec region pushes a :class:`Frame` on this thread's stack (:mod:`mixprec._core.dispatch`);
-mixprec's autocast kernels (:mod:`mixprec._core._autocast_kernels`) read the top one. The stack is
-plain Python state of mixprec's, not torch's: it lives in its own module, below both the kernels
-that read it and the push and pop that change it, so that imports run one way.
-
-Backward recomputation (activation checkpointing) re-enters torch.autocast with the forward's
-dtype but not mixprec's frame, maybe on another thread. Autograd numbers the nodes it creates
-(per-thread sequence numbers): a region records the numbers of its nodes as a span, and a
-kernel run by backward takes the frame of the innermost span (of the autocast dtype) that holds
-the node being executed -- the frame its forward ran in. Anything else backward runs (a user's
-own torch.autocast and checkpoint) holds no span and gets torch's behaviour. Spans of graphs
-long gone fall off the end of the deque.
+the autocast kernels read the top one. Backward recomputation (activation checkpointing) finds
+the frame of its forward by autograd node number: a region records the numbers of the nodes it
+created as a span, and a kernel run by backward takes the innermost span holding the node being
+executed. Design: ``docs/design.md``, "The eager engine".
 """
 
 from __future__ import annotations
@@ -73,16 +66,8 @@ def _enter(frame: Frame) -> None:
 
 @contextlib.contextmanager
 def outside_regions() -> Iterator[None]:
-    """Run the block as if no mixprec region were open on this thread: no frames, and torch's
-    autocast state as it was under the outermost one.
-
-    A backward belongs to the forwards that built its graph, not to a region that happens to be
-    open when it is called (Apex's O1 keeps one open for the whole script, and Apex's own
-    patches never reached autograd's backward): inside the region torch.autocast would lower the
-    backward's matmuls of *another* model to the region's dtype, and mixprec's kernels would
-    apply its rules. Outside every region each backward op runs in the dtypes of its forward, and
-    a recomputed forward (activation checkpointing) finds its own region's frame by node number.
-    """
+    """Run the block (a backward) as if no mixprec region were open on this thread: no frames,
+    and torch's autocast state as it was under the outermost one."""
     frames, base = _state.frames, _state.base
     if not frames or torch.compiler.is_compiling():
         yield
@@ -117,7 +102,12 @@ def _frame_for_kernel(device: str) -> Frame | None:
         return frames[-1]
     if torch._C._current_graph_task_id() == -1:
         return None
-    # backward: a recomputation of a region's forward (activation checkpointing), or not
+    return _frame_in_backward(device)
+
+
+def _frame_in_backward(device: str) -> Frame | None:
+    """The frame of the region whose autograd node backward is running (a recomputation of its
+    forward under activation checkpointing), or None (not one of mixprec's)."""
     dtype = torch.get_autocast_dtype(device)
     if _seq is None or _current_node is None:
         return _last.get(dtype)

@@ -156,11 +156,8 @@ class GradientChecks:
         if scale == 1.0:
             # Nothing to unscale: check the 16-bit grads where they are (half the bytes of an
             # fp32 pass), then widen. With a scale, widening comes first (fp16 would underflow).
-            by_device: dict[torch.device, list[Tensor]] = {}
-            for p, _ in self._pairs:
-                if p.grad is not None:
-                    by_device.setdefault(p.grad.device, []).append(p.grad)
-            for device, grads in by_device.items():
+            low = [p.grad for p, _ in self._pairs if p.grad is not None]
+            for device, grads in _by_device(low).items():
                 unscale_and_check_(grads, 1.0, flag_for(device))
         widened = self._widen()
         for g, master in widened:
@@ -245,10 +242,8 @@ class GradientChecks:
         return device.type == "cpu"
 
     def record_backward(self, loss_id: int) -> Tensor | None:
-        """Called after ``backward`` of a loss scaled by ``loss_id``'s scaler.
-
-        Returns this optimizer's verdict flag for the backward (None: it produced no gradients).
-        """
+        """After the backward of loss ``loss_id``: unscale and check; return this optimizer's
+        verdict flag (None: the backward gave it no gradients)."""
         slot = self.slot(loss_id)
         self._deferred = None  # deferred micro-batches are in .grad: unscaled with this one
         flag = self._unscale(slot.scaler.scale)

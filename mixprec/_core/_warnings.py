@@ -1,15 +1,9 @@
 """mixprec's warning classes, and where a warning points: the user's line, however deep inside
-mixprec it was raised.
+mixprec it was raised (a fixed ``stacklevel`` breaks whenever a call path gains a frame).
 
-Every warning mixprec emits is a :class:`MixprecWarning` (a ``UserWarning``), so one filter
-takes them all; :class:`MixprecNumericsWarning` (values at risk: an ``eps`` that rounds to 0, a
-non-finite gradient) is a ``RuntimeWarning`` too, and :class:`MixprecPerformanceWarning` says a
-setting will run slower than it should. They are public in :mod:`mixprec.warnings`. The one
-exception is :mod:`mixprec.amp`, which warns as ``torch.amp`` does, with torch's classes.
-
-Stack levels: a fixed ``stacklevel`` breaks whenever a call path gains a frame (a decorator, a split
-function), and then points the warning at mixprec's own code, which the user cannot act on.
-The first frame outside mixprec and torch is the user's call, whatever the path.
+Every warning is a :class:`MixprecWarning` (a ``UserWarning``); :class:`MixprecNumericsWarning`
+is a ``RuntimeWarning`` too, and :class:`MixprecPerformanceWarning` says a setting runs slower
+than it should. Public in :mod:`mixprec.warnings`; :mod:`mixprec.amp` warns as ``torch.amp``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` on model parameters, made right for
 fp32 masters.
 
-At O2 the gradients that the optimizer steps live on the fp32 master weights; the 16-bit model
-parameters hold none after ``opt.backward``. The common torch idiom
-``clip_grad_norm_(model.parameters(), max_norm)`` would then measure only the fp32 parameters'
-gradients (the norms') and clip nothing the optimizer uses -- silently.
-
-Design: torch's function is wrapped, but only once masters exist -- by the first
-``MixedPrecisionOptimizer`` that creates them (:func:`register_masters`), never at
-``import mixprec``. The wrapper replaces each 16-bit parameter that has a master by its master
-before torch's own code runs, so the norm is the true one and clipping reaches what the
-optimizer steps; every other parameter and argument passes through, so for tensors mixprec does
-not own the result is torch's, bit for bit. ``opt.clip_grad_norm_(max_norm)`` does the same
-explicitly. The alternatives fail: torch's code drops parameters whose ``.grad`` is None before
-anything outside it could see them, so the mistake cannot be detected without patching torch,
-and an error would break a habit that gives the right result here.
-
-The wrapper is installed on ``torch.nn.utils`` (``torch.nn.utils.clip_grad_norm_``, the spelling
-used in practice); a name imported with ``from torch.nn.utils import clip_grad_norm_`` before
-the first masters were created keeps torch's original. Where the user's script (``__main__``)
-holds one, installing the wrapper warns, naming it and the fix: that name would clip nothing.
+Design (``docs/design.md``, "Master weights and the optimizer"): at O2 the 16-bit parameters hold
+no gradient after ``opt.backward``, so torch's idiom would silently clip nothing. The first
+optimizer that makes masters wraps torch's two functions (never ``import mixprec``): each
+parameter with a master is replaced by its master, everything else passes through to torch's
+code. A name the user's script bound before that keeps torch's original, with a warning.
 """
 
 from __future__ import annotations

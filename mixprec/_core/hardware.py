@@ -280,25 +280,26 @@ def _report(device: str) -> HardwareReport:
         name, flags = _read_cpu()
         features = tuple(f for f in _CPU_FEATURES if f in flags)
         return HardwareReport(device, name, features, _cpu_support(flags), _CPU_FP8)
-    if device.startswith("cuda:"):
-        index = int(device.split(":")[1])
-        capability = torch.cuda.get_device_capability(index)
-        with torch.cuda.device(index):
-            bf16 = torch.cuda.is_bf16_supported()
-        features = (f"sm_{capability[0]}{capability[1]}",)
-        name = torch.cuda.get_device_name(index)
-        dtypes = _cuda_support(capability, bf16)
-        best = HardwareReport(device, name, features, dtypes).best_dtype
-        fp8 = _fp8_support_for("cuda", capability, name, best)
-        return HardwareReport(device, name, features, dtypes, fp8)
+    return _cuda_report(device) if device.startswith("cuda:") else _other_report(device)
+
+
+def _cuda_report(device: str) -> HardwareReport:
+    index = int(device.split(":")[1])
+    capability = torch.cuda.get_device_capability(index)
+    with torch.cuda.device(index):
+        bf16 = torch.cuda.is_bf16_supported()
+    features = (f"sm_{capability[0]}{capability[1]}",)
+    name = torch.cuda.get_device_name(index)
+    dtypes = _cuda_support(capability, bf16)
+    best = HardwareReport(device, name, features, dtypes).best_dtype
+    fp8 = _fp8_support_for("cuda", capability, name, best)
+    return HardwareReport(device, name, features, dtypes, fp8)
+
+
+def _other_report(device: str) -> HardwareReport:
     kind = device.split(":")[0]
-    return HardwareReport(
-        device,
-        device,
-        (),
-        _other_support(kind),
-        _fp8_support_for(kind, None, device, torch.float32),
-    )
+    fp8 = _fp8_support_for(kind, None, device, torch.float32)
+    return HardwareReport(device, device, (), _other_support(kind), fp8)
 
 
 def check(device: str | torch.device | None = None, *, verbose: bool = True) -> HardwareReport:

@@ -259,10 +259,8 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         return result
 
     def _adopt_model_writes(self) -> None:
-        """A 16-bit weight written since the last step (``with torch.no_grad(): w.fill_(...)``,
-        a load into a submodule) gives its value to the master, which the step would otherwise
-        copy back over it. Only weights whose version counter moved are compared; a weight that
-        is the master rounded (e.g. a resume) leaves the more precise master alone."""
+        """A 16-bit weight written since the last step (its version counter moved) gives its
+        value to the master, unless it is the master rounded (a resume)."""
         versions = self.__dict__.get("_versions")
         if versions is None or len(versions) != len(self._pairs):
             return

@@ -1,12 +1,8 @@
 """A ``torch.optim.Optimizer`` face for optimizer *wrappers* that are not one (``LARC(SGD(...))``).
 
-Design (``docs/design.md``, "Compatibility layers"): Apex's ``amp.initialize`` accepted any
-object that behaves like an optimizer -- ``param_groups``, ``state``, ``step`` -- because it
-only patched those. mixprec's optimizer wraps a real ``torch.optim.Optimizer``, so
-``initialize`` and the Apex shim put this view between them: an ``Optimizer`` subclass whose
-groups, state and methods are the wrapper's own (the same objects, not copies). The fp32
-masters mixprec puts into ``param_groups`` at O2 are therefore what the wrapper sees when it
-steps, so a wrapper that rescales gradients (LARC) rescales the masters' fp32 gradients.
+Design (``docs/design.md``, "Compatibility layers"): an ``Optimizer`` subclass whose groups,
+state and methods are the wrapper's own objects, so the masters mixprec puts into
+``param_groups`` are what the wrapper steps (LARC rescales the masters' fp32 gradients).
 """
 
 from __future__ import annotations

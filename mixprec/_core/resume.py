@@ -1,32 +1,10 @@
 """Checkpoint layout and resume: mixprec's optimizer state where a plain torch load keeps it.
 
-Design (``docs/design.md``, "Master weights and the optimizer"):
-
-* **Where the state lives.** :meth:`MixedPrecisionOptimizer.state_dict` is torch's layout (the
-  inner optimizer's ``state`` and ``param_groups``) with mixprec's own state -- the exact fp32
-  masters, Kahan compensation and the rounding step count, every loss scaler, the skip counters --
-  under the key ``"mixprec"`` of ``param_groups[0]``. torch's ``Optimizer.load_state_dict``
-  keeps the keys of a saved parameter group as they are (no cast, no check), so the plain
-  optimizer a script builds and loads *before* :func:`mixprec.initialize` (nanoGPT's resume,
-  Apex's restore order) still holds that state when ``initialize`` wraps it: every order
-  resumes bit for bit. A top-level key, which mixprec wrote before, is dropped by a plain load;
-  it still loads through the wrapped optimizer.
-* **Loaded before initialize, checked against the model.** The state a plain optimizer carries
-  may be stale (it was stepped without mixprec, or the model came from another checkpoint), so
-  ``initialize`` keeps a saved master only where it is the value the model holds (an fp32
-  checkpoint) or rounds to it (a 16-bit one), and a saved compensation only where the model
-  holds the 16-bit weight or ``w + c`` is the fp32 value it holds. Anything else starts from
-  the model's weights, with a warning. A plain torch state (no mixprec entry) that leaves
-  something to be rebuilt from 16-bit weights, or a dynamic loss scale to restart, warns too.
-* **Stale entries are dropped, loudly.** A plain optimizer keeps the entry while it trains on
-  without mixprec, and saves it again. The entry records the sum of the optimizer's per-parameter
-  ``step`` counts when it was written; where the state it comes with has moved on, the entry
-  describes older weights and is ignored (masters and compensation follow the model), with a
-  warning, in either order.
-* **An fp32 value that rounds back.** :func:`kahan_fp32` exports a Kahan weight as ``w + c``;
-  where that sum lies exactly half-way between ``w`` and its 16-bit neighbour, round-to-nearest-
-  even may pick the neighbour, so the value is moved one fp32 ulp toward ``w``: it rounds to
-  ``w`` and its residual is ``c`` again, and the next step sees the same ``w + c``.
+Design (``docs/design.md``, "Master weights and the optimizer"): mixprec's own state (exact
+masters, compensation, loss scalers, counters) sits under ``param_groups[0]["mixprec"]``, which
+torch's ``load_state_dict`` keeps, so state loaded into the plain optimizer before
+:func:`mixprec.initialize` resumes bit for bit; it is checked against the model, and a stale
+entry is dropped with a warning.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""torch.autocast's own op lists, per device type, as data.
-
-mixprec runs every region on top of ``torch.autocast``: an op keeps torch's behaviour for its
-device unless the cast table gives it a different rule. This table says what torch does, so
-that the engine knows where the two differ (only there does it install a kernel of its own) and
-what to do when one of its kernels is reached outside a mixprec region (it behaves as torch).
-
-The lists are torch 2.13's, read from its dispatcher: an op is here exactly when torch registers
-an autocast kernel for it on that device (a test checks this against torch 2.13). On another
-torch version the engine asks the dispatcher which ops have a kernel and uses a recorded rule
-only for those.
-
-Rules: ``"lower"`` (cast to the autocast dtype), ``"fp32"`` (cast to float32; torch's
-"fp32_set_opt_dtype" ops such as ``sum`` and ``softmax`` are included: they too compute and
-return float32), ``"promote"`` (widest input dtype), ``"banned"`` (torch raises).
+"""torch.autocast's own op lists, per device type, as data: torch 2.13's, read from its
+dispatcher (a test checks them). The engine installs a kernel only where the cast table's rule
+differs from these, and behaves as torch outside mixprec regions. Rules: ``"lower"``, ``"fp32"``
+(torch's "fp32_set_opt_dtype" ops such as ``sum`` included), ``"promote"``, ``"banned"``.
 """
 
 from __future__ import annotations

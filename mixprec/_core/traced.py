@@ -1,38 +1,10 @@
 """Engine frames under ``torch.compile``: what the compiler's traces see, and what they leave.
 
-A mixprec region pushes a frame on this thread's stack, which mixprec's kernels read
-(:mod:`mixprec._core.dispatch`). Under ``torch.compile`` the push and pop become graph nodes
-(:func:`enter`, :func:`exit`, ``allow_in_graph``). They run while the compiler traces: dynamo on
-fake tensors, then each of AOTAutograd's passes over the graph. So every trace sees the frames
-that eager mode would, and the frame's casts are baked into the compiled code. A graph that holds
-a whole region compiles to code that never touches the stack, at no run-time cost.
-
-A graph break inside a region (a ``print``, an ``.item()``, a data-dependent branch) splits it:
-one graph ends after the push, the next starts before the pop. Every tracing pass of the first
-graph runs the push and none the pop; left on the thread, those frames would leak into whatever
-ran next, plain ``torch.autocast`` code included. And AOTAutograd runs compiled graphs with
-autocast disabled, so a switch made while tracing is not in force at run time. Three rules keep
-a split region what it is in eager mode:
-
-* **Traces leave no trace.** A compilation starts from the stack as it stands at run time (a
-  snapshot at dynamo's compile-start callback); each tracing pass starts again from it (a pass
-  is told apart by the fake, proxy and functional mode objects it runs under); the compile-end
-  callback restores it.
-* **An unbalanced graph keeps its pushes and pops as ops.** When dynamo's trace of a graph leaves
-  the stack other than it found it, AOTAutograd's passes record each push and pop as a
-  side-effect op (``mixprec::enter_frame`` / ``exit_frame``), so at run time the frame is on the
-  stack for the code at the break and for the trace of the graph after it, whose pop takes it
-  off. A graph holding whole regions records none.
-* **torch.autocast's state comes from ``with`` statements.** Under compile a module boundary
-  enters ``torch.autocast`` regions with the frame's setting
-  (:func:`mixprec._core.engine._traced_region`); dynamo leaves them at a break and enters them
-  again around the code at the break and the graph after it. A ``mixprec.autocast`` region
-  sets autocast's state itself, which does not outlive its graph: split, the rest of it runs
-  without mixed precision, and a ``MixprecPerformanceWarning`` says so once.
-
-A torch whose dynamo cannot record autocast's setters in a graph (before 2.13) runs the push
-and pop eagerly, with one graph break at each boundary. There the stack is only ever changed at
-run time.
+Design (``docs/design.md``, "The eager engine"): the push and pop of a region are graph nodes
+(:func:`enter`, :func:`exit`) that run while the compiler traces, so each trace sees the frames
+eager mode would and a compiled region never touches the stack. A graph break splits a region;
+each tracing pass starts from the run-time stack and the compile's end restores it, and a graph
+that leaves the stack unbalanced records its pushes and pops as ops (``mixprec::enter_frame``).
 """
 
 from __future__ import annotations
@@ -222,10 +194,8 @@ def frames_in_graph() -> bool:
 
 
 def register_with_dynamo() -> bool:
-    """Make the frame push/pop graph nodes for dynamo (idempotent); return
-    :func:`frames_in_graph`. Run by :func:`mixprec._core.dispatch.enable` at mixprec's first use,
-    once dynamo is loaded: neither ``import mixprec`` nor this imports dynamo (importing it took
-    ~1.9 s of the ~2.1 s mixprec added to ``import torch``; EPYC, torch 2.13)."""
+    """Make the frame push/pop graph nodes for dynamo (idempotent, at mixprec's first use once
+    dynamo is loaded: this never imports it); return :func:`frames_in_graph`."""
     if _frames._traced:
         return _in_graph[0]
     dynamo = sys.modules["torch._dynamo"]
