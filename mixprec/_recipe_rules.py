@@ -1,8 +1,6 @@
-"""Every rule on a :class:`~mixprec.Recipe`'s fields, checked in this one place at construction.
-
-The entry points and the machinery below them trust a recipe, so a value or combination that
-cannot train as stated is refused here, before any model is touched, with an error that names
-the field and the fix (``docs/design.md``, "The Recipe").
+"""Every rule on a :class:`~mixprec.Recipe`'s fields, checked in this one place at construction,
+so that the entry points and the machinery below them trust a recipe; each error names the
+field and the fix. Design: ``docs/design.md``, "The Recipe".
 """
 
 from __future__ import annotations

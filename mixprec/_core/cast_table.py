@@ -1,10 +1,7 @@
-"""The cast table: which ops run in 16-bit (``"lower"``), in float32 (``"fp32"``) or in the
-widest input dtype (``"promote"``); unlisted ops run as ``torch.autocast`` runs them.
-
-This table is data, keyed by an op's base name (``"softmax"`` for ``torch.softmax``,
-``Tensor.softmax``, ``F.softmax`` and ``aten.softmax.int``): the eager engine, the graph pass
-and the generated op table in ``docs/ops.md`` all read it, so they cannot drift apart. Design:
-``docs/design.md``, "The cast table".
+"""The cast table: which ops run in 16-bit (``"lower"``), in float32 (``"fp32"``) or in the widest
+input dtype (``"promote"``); unlisted ops run as ``torch.autocast`` runs them. It is data, keyed
+by an op's base name, that the eager engine, the graph pass and ``docs/ops.md`` all read, so
+they cannot drift apart. Design: ``docs/design.md``, "The cast table".
 """
 
 from __future__ import annotations

@@ -127,9 +127,7 @@ def _push_for_export(frame: Frame, saved: _Saved) -> _Saved:
 def pop(frame: Frame, saved: _Saved) -> None:
     """Leave ``frame``: restore what :func:`push` saved."""
     if saved.mode is not None:
-        saved.mode.__exit__(None, None, None)
-        _state.frames.pop()
-        return
+        return _pop_for_export(saved)
     tracing = torch.compiler.is_dynamo_compiling()
     if tracing:
         _traced[1]()
@@ -143,11 +141,8 @@ def pop(frame: Frame, saved: _Saved) -> None:
             if end > saved.first_node:  # it created nodes that backward may recompute
                 _spans.append((saved.first_node, end, frame))
                 _span_of.clear()
-    if (
-        not tracing
-        and frame.dtype is not None
-        and any(dt != frame.dtype for _, _, dt in saved.autocast)
-    ):
+    low = frame.dtype
+    if not tracing and low is not None and any(dt != low for _, _, dt in saved.autocast):
         torch.clear_autocast_cache()  # the copies made for this region's dtype
     for d, on, dt in saved.autocast:
         torch.set_autocast_dtype(d, dt)
@@ -155,6 +150,11 @@ def pop(frame: Frame, saved: _Saved) -> None:
     torch.set_autocast_cache_enabled(saved.cache)
     if torch.autocast_decrement_nesting() == 0 and not tracing:
         torch.clear_autocast_cache()
+
+
+def _pop_for_export(saved: _Saved) -> None:
+    saved.mode.__exit__(None, None, None)
+    _state.frames.pop()
 
 
 # -- first use --------------------------------------------------------------------------------

@@ -1,10 +1,8 @@
 """Dtype policies: which dtype parameters are stored in, computed in, and returned in.
 
-A :class:`Policy` is three dtypes plus the name it was spelled with (equality compares the
-dtypes), read by one parser from the spellings users know: Keras, jmp, Lightning, Accelerate,
-torch dtypes. The global policy is process-wide; a module's own is stored and read here and
-applied by ``mixprec.set_policy`` (:mod:`mixprec._core.engine`). Design: ``docs/design.md``,
-"Policies".
+A :class:`Policy` is three dtypes and the name it was spelled with, parsed from the spellings
+users know (Keras, jmp, Lightning, Accelerate, torch dtypes); the global policy is process-wide,
+a module's own is stored here (``mixprec.set_policy``). Design: ``docs/design.md``, "Policies".
 """
 
 from __future__ import annotations
