@@ -22,6 +22,7 @@ import torch
 
 from mixprec._core.activations import ActivationConfig
 from mixprec._core.loss_scale import LossScaling
+from mixprec._core.names import FLAGS
 from mixprec._core.policy import _dtype
 from mixprec._core.update.state_codes import BLOCK, FORMATS
 from mixprec.fp8.config import FP8Config
@@ -30,7 +31,6 @@ __all__ = ["SHORT", "parse", "render_table", "word"]
 
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _CALL = re.compile(r"^([\w.+-]+)\((.*)\)$")
-_BOOLS = ("masters", "frozen_masters", "cast_inputs", "fp32_inside")
 _DTYPES = ("outputs", "reduce_dtype")
 
 
@@ -92,7 +92,7 @@ def _value(field: str, text: str) -> Any:
         return text
     if text.lower() == "none":
         return None
-    if field in _BOOLS:
+    if field in FLAGS:
         return _scalar(text)
     if field in _DTYPES:
         return text if text == "auto" else _dtype(text, field)
@@ -173,9 +173,7 @@ def _rows(r: Any, states: int, low: torch.dtype) -> list[tuple[str, str, float]]
         rows.append(("gradients", word(weight), _bytes(weight)))
     own = r.update is None or r.masters or r.weights == "fp32"  # the optimizer's own step
     rows.append(("optimizer states", *_states(r, own, weight, states)))
-    reduce = r.reduce_dtype
-    if reduce == "auto":
-        reduce = low if r.compute == "16-bit" else torch.float32
+    reduce = r.reduced_in(low)
     rows.append(
         ("reduced across ranks", "as the wrapper's default" if reduce is None else word(reduce), 0)
     )

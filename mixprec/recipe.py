@@ -261,6 +261,13 @@ class Recipe:
             return LossScaling() if dtype == torch.float16 and self.compute != "fp32" else None
         return self.loss_scale
 
+    def reduced_in(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype gradients are reduced in across ranks when the recipe runs in ``dtype``
+        (None: the wrapper's own default)."""
+        if self.reduce_dtype == "auto":
+            return dtype if self.compute == "16-bit" else torch.float32
+        return self.reduce_dtype
+
     def policy(self, dtype: torch.dtype | None = None) -> Policy:
         """The root module's :class:`~mixprec.Policy`: parameter, compute and output dtype."""
         low = dtype or self.resolved_dtype()
