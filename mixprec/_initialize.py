@@ -185,23 +185,16 @@ def _check_fresh(model_list: list[nn.Module], opt_list: list[Optimizer]) -> None
 
 
 def _device_of(model_list: list[nn.Module]) -> torch.device:
+    for m in model_list:  # all of the model on meta, or part of it (a lazily built submodule)
+        for name, t in (*m.named_parameters(), *m.named_buffers()):
+            if t.device.type == "meta":
+                raise ValueError(
+                    f"initialize received a model on the 'meta' device ({name!r} is "
+                    "a meta tensor): its parameters have no data to cast or copy into "
+                    "fp32 masters. Materialize it first (model.to_empty(device=...) then "
+                    "load or initialize the weights), then call initialize."
+                )
     first = next((p for m in model_list for p in m.parameters()), None)
-    on_meta = next(
-        (
-            name
-            for m in model_list
-            for name, t in (*m.named_parameters(), *m.named_buffers())
-            if t.device.type == "meta"
-        ),
-        None,
-    )
-    if on_meta is not None:  # all of the model, or part of it (a lazily built submodule)
-        raise ValueError(
-            f"initialize received a model on the 'meta' device ({on_meta!r} is "
-            "a meta tensor): its parameters have no data to cast or copy into "
-            "fp32 masters. Materialize it first (model.to_empty(device=...) then "
-            "load or initialize the weights), then call initialize."
-        )
     return first.device if first is not None else torch.device("cpu")
 
 
