@@ -212,7 +212,7 @@ def _states(optimizer: Any, group: dict, state: dict, policy: Any, local: Tensor
     else:
         names = ("momentum_buffer",) if group.get("momentum") else ()
     if names and not state:
-        return "its first step (the optimizer makes its state)"
+        return _fresh(names, group, policy, local)
     extra = set(state) - {*names, "step"} if isinstance(optimizer, Adam) else set(state) - {*names}
     if extra or not all(k in state for k in names):
         return f"optimizer state keys {sorted(state)}"
