@@ -34,62 +34,68 @@ from pathlib import Path
 import torch
 from bench_overhead import machine
 
-from mixprec._core.update import cpu_kernels, fused, fused_ops
+from mixprec._core.update import cpu_kernels, fused_ops, spec
+from mixprec._core.update.spec import Held, StepKind
 from mixprec._core.update.state_codes import QuantizedState
 
 BF16 = torch.bfloat16
 #: kind -> (compile key, least bytes per element: reads + writes)
 F32 = torch.float32
+_S8 = (Held(fmt="8-bit", kind="signed"), Held(fmt="8-bit", kind="sqrt"))
+_S4 = (Held(fmt="4-bit", kind="signed"), Held(fmt="4-bit", kind="sqrt"))
+_PLAIN = (Held(dtype=BF16), Held(dtype=F32))
+
+
+def _kind(update: str, states: tuple) -> StepKind:
+    return StepKind("adam", update, BF16, BF16, states, decoupled=True)
+
+
 KINDS = {
-    "O3 Kahan": (("adam", "kahan", True, BF16, BF16, BF16, F32), 2 + 2 + 2 + 2 + 4 + 10),
-    "stochastic": (("adam", "stochastic", True, BF16, BF16, BF16, F32), 2 + 2 + 2 + 4 + 8),
-    "lean (8-bit)": (("adam", "stochastic", True, BF16, BF16, ("8-bit", "signed"),
-                      ("8-bit", "sqrt")), 2 + 2 + 1 + 1 + 2 + 1 + 1),
-    "lean 4-bit": (("adam", "stochastic", True, BF16, BF16, ("4-bit", "signed"),
-                    ("4-bit", "sqrt")), 2 + 2 + 1 + 2 + 1),
-}  # fmt: skip
-#: AdamW lr 1e-3, betas (0.9, 0.999), wd 0.01 at step 10, as fused_ops.adam's scalars
-SCALARS = [1 - 1e-5, 0.0, 1.0, 0.1, 0.999, 0.001, -1e-3 / (1 - 0.9**10),
-           (1 - 0.999**10) ** 0.5, 1e-8]  # fmt: skip
+    "O3 Kahan": (_kind("kahan", _PLAIN), 2 + 2 + 2 + 2 + 4 + 10),
+    "stochastic": (_kind("stochastic", _PLAIN), 2 + 2 + 2 + 4 + 8),
+    "lean (8-bit)": (_kind("stochastic", _S8), 2 + 2 + 1 + 1 + 2 + 1 + 1),
+    "lean 4-bit": (_kind("stochastic", _S4), 2 + 2 + 1 + 2 + 1),
+}
+#: AdamW lr 1e-3, betas (0.9, 0.999), wd 0.01 at step 10
+GROUP = {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.01, "eps": 1e-8}
 
 
-def operands(key: tuple, rows: int, cols: int) -> tuple:
+def operands(key: StepKind, rows: int, cols: int) -> tuple:
     """(weight, compensation or None, gradient, [states as the kernel takes them])."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(rows, cols, generator=g).to(BF16)
     grad = (torch.randn(rows, cols, generator=g) * 1e-3).to(BF16)
-    comp = torch.zeros_like(w) if key[1] == "kahan" else None
+    comp = torch.zeros_like(w) if key.update == "kahan" else None
     states = []
-    for store, kind in zip(key[5:], ("signed", "sqrt")):
-        x = torch.rand(rows, cols, generator=g) * (1e-3 if kind == "signed" else 1e-6)
-        if isinstance(store, tuple):
-            q = QuantizedState.quantize(x, store[0], kind)
-            states.append((q.codes, q.scale, q.fmt, q.kind))
+    for held in key.states:
+        x = torch.rand(rows, cols, generator=g) * (1e-3 if held.kind != "sqrt" else 1e-6)
+        if held.fmt is not None:
+            q = QuantizedState.quantize(x, held.fmt, held.kind)
+            states.append((q.codes, q.scale))
         else:
-            states.append(x.to(store))
+            states.append(x.to(held.dtype))
     return w, comp, grad, states
 
 
-def c_step(key: tuple, rows: int, cols: int):
+def _scalars(key: StepKind) -> torch.Tensor:
+    return torch.tensor(spec.scalars(key, GROUP, {"step": 9.0}))
+
+
+def c_step(key: StepKind, rows: int, cols: int):
     w, comp, grad, states = operands(key, rows, cols)
-    sc = torch.tensor([*SCALARS, 448.0, 1.0])  # the divisors are unused here
-    coded = any(isinstance(s, tuple) for s in states)
-    plain = [s[:2] if isinstance(s, tuple) else s for s in states]
-    shape = (rows, cols) if coded else (1, rows * cols)
+    shape = (rows, cols) if key.coded else (1, rows * cols)
     cpu_kernels.kernel(key)  # built before the clock starts
-    return lambda: cpu_kernels.run(key, *shape, (w, comp, grad), plain, sc, 12345, 678)
+    sc = _scalars(key)
+    return lambda: cpu_kernels.run(key, *shape, (w, comp, grad), states, sc, 12345, 678)
 
 
-def inductor_step(key: tuple, rows: int, cols: int):
+def inductor_step(key: StepKind, rows: int, cols: int):
     w, comp, grad, states = operands(key, rows, cols)
-    divisors = fused._divisors(key[5:])
-    sc = torch.tensor([*SCALARS, *divisors])
-    coded = any(isinstance(s, tuple) for s in states)
-    view = (rows, cols) if coded else (-1,)
+    view = (rows, cols) if key.coded else (-1,)
     states = [s if isinstance(s, tuple) else s.view(view) for s in states]
-    fn = torch.compile(fused_ops.adam(key[1], True), dynamic=True, fullgraph=True,
+    fn = torch.compile(fused_ops.build(key), dynamic=True, fullgraph=True,
                        options=fused_ops.OPTIONS)  # fmt: skip
-    base, mix = torch.tensor(12345), torch.tensor(678)
+    base, mix, sc = torch.tensor(12345), torch.tensor(678), _scalars(key)
     args = (w.view(view), None if comp is None else comp.view(view), grad.view(view), *states)
     fn(*args, sc, base, mix)  # the compile
     return lambda: fn(*args, sc, base, mix)

@@ -20,7 +20,7 @@ from training_helpers import assert_bitwise, batch, make_model, mse, poisoned, t
 
 import mixprec
 from mixprec import initialize
-from mixprec._core.update import state_codes
+from mixprec._core.update import spec, state_codes
 from mixprec.numerics import stochastic_round
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
@@ -198,9 +198,11 @@ def test_stochastic_rounding_is_seeded_and_validated():
 @pytest.mark.parametrize("kernel", ["default", "loop"])
 @pytest.mark.parametrize("opt_fn", [adamw, sgd], ids=["adamw", "sgd"])
 @pytest.mark.parametrize("update", ["nearest", "kahan"])
-def test_one_step_equals_the_fp32_step_rounded(update, opt_fn, kernel):
-    """The optimizer's defaults step the temporaries with torch's fused kernel (the reference
-    is the fp32 fused step); an explicit foreach=False keeps torch's loop, bit for bit."""
+def test_one_step_equals_the_fp32_step_rounded(update, opt_fn, kernel, monkeypatch):
+    """The reference (the chunk path) steps the temporaries with torch's fused kernel under
+    the optimizer's defaults (the fp32 fused step); an explicit foreach=False keeps torch's
+    loop, bit for bit. The one-pass backends are checked against it in test_update_backends."""
+    monkeypatch.setattr(spec, "CPU_BACKEND", "chunk")
     chosen = {} if kernel == "default" else {"foreach": False}
     model, opt = build(update, lambda ps: opt_fn(ps, **chosen), optimizer_states=FP32)
     x, y = batch()

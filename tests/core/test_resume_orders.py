@@ -28,7 +28,7 @@ from training_helpers import (
 
 import mixprec
 from mixprec._core.resume import kahan_fp32, split_state_dict
-from mixprec._core.update import fused, state_codes
+from mixprec._core.update import state_codes
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
 
@@ -151,7 +151,7 @@ def straight_runs():
     runs = {}
 
     def get(config):
-        key = (config, fused.MODE)  # the fused update's steps round their own way
+        key = config
         if key not in runs:
             model, opt = initialize(*plain(seed=0), config)
             losses = train(model, opt, range(K))
@@ -170,19 +170,15 @@ def test_resume_is_bit_exact(config, order, form, straight_runs):
     _resume_is_bit_exact(config, order, form, straight_runs)
 
 
-#: the update modes' configs, stepped by the fused update as users' runs are ("auto"; the
-#: suite's default is the chunk path, see conftest.py)
+#: the update modes' configs: each resume must be checked on the one-pass update users run
 FUSED = ["O3-bf16-kahan", "O3-bf16-stochastic", "O3-fp16-kahan", "lean-bf16", "O3-bf16-4-bit"]
 
 
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("config", FUSED)
-def test_resume_with_the_fused_update_is_bit_exact(config, order, form, straight_runs):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fused, "MODE", "auto")
-        _resume_is_bit_exact(config, order, form, straight_runs)
-        assert straight_runs(config)[1].lean.fused.fused_steps > 0
+def test_the_update_modes_resume_through_the_one_pass_update(config, straight_runs):
+    """The resumes above of the update modes ran the default one-pass update, not only the
+    reference."""
+    assert straight_runs(config)[1].lean.fused.fused_steps > 0
 
 
 def _resume_is_bit_exact(config, order, form, straight_runs):

@@ -1,7 +1,8 @@
 /* mixprec's fused update for CPUs: one pass over a parameter's memory per step.
  *
- * Built by cpu_kernels.py with one set of -D defines per kind of step (the optimizer, the
- * update mode, the dtype of the weight, the gradient and each state), compiled with the
+ * Built by cpu_kernels.py with the -D defines of one spec.StepKind (the optimizer, the
+ * update mode, the dtype of the weight, the gradient and each state, each scalar's position
+ * SC_*), compiled with the
  * machine's C compiler at -O3 -march=native, vectorized by the compiler. Every expression is
  * the one fused_ops.py hands to torch.compile and state_codes.py runs eagerly, in the same order,
  * so the result is torch's up to fp32 rounding order (no contraction into FMA: -ffp-contract=off).
@@ -210,8 +211,8 @@ static inline void write_weight(uint16_t *w, uint16_t *c, int64_t i, uint32_t h,
 #endif
 
 #ifdef ADAM
-/* sc: 1 - lr*wd (decoupled) or 1, wd (coupled) or 0, +-1 (maximize), 1 - beta1, beta2,
- * 1 - beta2, -lr / bc1, sqrt(bc2), eps: fused_ops.py's adam, term for term */
+/* the scalars, each at the position spec.py's SCALARS gives it (the SC_* defines):
+ * fused_ops.py's adam step, term for term */
 #define STEP_ELEM(i, h, M_IN, V_IN, M_OUT, V_OUT)                                            \
     {                                                                                        \
         float w32 = W_IN(w, c, i);                                                           \
@@ -230,10 +231,12 @@ static inline void write_weight(uint16_t *w, uint16_t *c, int64_t i, uint32_t h,
 #else
 #define DECAY g32 = s_wd != 0.0f ? g32 + w32 * s_wd : g32; /* torch skips wd 0 (inf w) */
 #endif
-#define SCALARS float s_dec = sc[0], s_wd = sc[1], s_sign = sc[2], s_b1c = sc[3], s_b2 = sc[4], \
-    s_b2c = sc[5], s_step = sc[6], s_bc2 = sc[7], s_eps = sc[8]; (void)s_dec; (void)s_wd;
+#define SCALARS float s_dec = sc[SC_DECAY], s_wd = sc[SC_COUPLED_WD], s_sign = sc[SC_SIGN], \
+    s_b1c = sc[SC_ONE_MINUS_BETA1], s_b2 = sc[SC_BETA2], s_b2c = sc[SC_ONE_MINUS_BETA2],       \
+    s_step = sc[SC_NEG_STEP_SIZE], s_bc2 = sc[SC_SQRT_BC2], s_eps = sc[SC_EPS];                 \
+    (void)s_dec; (void)s_wd;
 #else
-/* sc: +-1 (maximize), wd, momentum, 1 - dampening, -lr: fused_ops.py's sgd */
+/* the scalars at their SC_* positions (spec.py): fused_ops.py's sgd step */
 #ifdef MOMENTUM  /* the buffer b = momentum * b + (1 - dampening) * g, stored */
 #define BUFFER(M_IN, M_OUT) float m32 = M_IN * s_mom + g32 * s_damp; M_OUT;
 #ifdef NESTEROV
@@ -254,8 +257,8 @@ static inline void write_weight(uint16_t *w, uint16_t *c, int64_t i, uint32_t h,
         w32 = w32 + DIRECTION(m32) * s_lr;                                                   \
         write_weight(w, c, i, h, w32, base, mix);                                            \
     }
-#define SCALARS float s_sign = sc[0], s_wd = sc[1], s_mom = sc[2], s_damp = sc[3], s_lr = sc[4]; \
-    (void)s_mom; (void)s_damp;
+#define SCALARS float s_sign = sc[SC_SIGN], s_wd = sc[SC_WD], s_mom = sc[SC_MOMENTUM],       \
+    s_damp = sc[SC_ONE_MINUS_DAMPENING], s_lr = sc[SC_NEG_LR]; (void)s_mom; (void)s_damp;
 #endif
 
 /* LOOP twice, for 1 - beta1 >= 0.5 and below: each copy's lerp (torch's two forms) is then

@@ -1,34 +1,14 @@
-"""The fused update on a CPU: a C loop per kind of step, built once by the machine's compiler.
+"""The one-pass update on a CPU: ``cpu_kernel.c``, built per kind of step by the machine's C
+compiler and called through :mod:`ctypes` (which releases the GIL).
 
-Design. :mod:`.fused_ops` writes each kind of step once, in torch ops, and lets
-:func:`torch.compile` turn it into one loop; on a GPU that loop (Triton) runs at the memory's
-speed. On a CPU inductor's C++ for the same loop was compute-bound: 1.8 ms per million bf16
-elements for AdamW + Kahan on a Zen 4 EPYC, one thread, against 0.46 ms for torch's fused fp32
-AdamW, which moves more bytes; with 8-bit states decoded and re-coded inside, 27 ms. The same
-expressions written as plain C and vectorized by the compiler (``-O3 -march=native``) took
-0.66 ms. So on a CPU the kinds of step run ``cpu_kernel.c``: one source, specialised per kind
-with preprocessor defines (optimizer, update mode, the dtype of the weight, the gradient and
-each state, the states' code layouts), compiled into a shared library in a per-user cache
-directory keyed by the source, the defines, the compiler and the CPU's feature flags, and
-called through :mod:`ctypes` (which releases the GIL).
-
-Threads: a step of a large parameter runs on torch's intra-op thread count through OpenMP,
-built with ``-fopenmp``: the library needs ``libgomp.so.1``, which the dynamic loader resolves
-to the one torch already loaded, so the kernel's team is the one torch's parallel regions keep
-warm. A first version split the step with a Python thread pool instead; inside a backward
-(released gradients, stepped between the backward's GEMMs) torch's OpenMP workers spin-waited
-on the cores the pool needed, and the split gained nothing on 2 cores. A compiler without
-OpenMP builds the one-thread loop.
-
-Numerics: the C expressions are :mod:`.fused_ops`' and :mod:`.state_codes`' term for term (the
-same lerp, the same reciprocal-then-multiply of a block's scale, torch's E4M3 rounding, the
-same keyed random bits), in fp32 without contraction into FMA (``-ffp-contract=off``), so a
-step differs from the eager chunk path by fp32 rounding order only.
-
-What it needs: a C compiler (``$CC``, ``cc``, ``gcc`` or ``clang`` on the PATH) for C11; fp16
-is converted by bit arithmetic, so no ``_Float16`` support is needed. Without one,
-:func:`kernel` raises and :mod:`.fused` falls back to the chunk path with one warning, as it
-does when :func:`torch.compile` fails.
+One source, specialised by the defines of a :class:`.spec.StepKind` and compiled with
+``-O3 -march=native -ffp-contract=off`` (no FMA: each fp32 operation rounds on its own, as the
+compiled loop's do) into a private per-user cache, keyed by everything the library depends on:
+the source, the defines, the flags, the compiler and the CPU's feature flags. A large
+parameter's step runs on torch's intra-op threads through the libgomp torch already loaded,
+splitting rows (codes) or runs of elements without changing a bit. Without a C compiler
+:func:`kernel` raises, and :mod:`.fused` leaves the step to the reference with one warning.
+Why a C loop and not inductor's C++: ``docs/design.md``, "Lean 16-bit updates".
 """
 
 from __future__ import annotations
@@ -48,8 +28,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mixprec._core.update.state_codes import _largest, _layout
-
 __all__ = ["PER_THREAD", "all_finite", "available", "count_step", "kernel", "run"]
 
 _SOURCE = Path(__file__).with_name("cpu_kernel.c")
@@ -59,10 +37,6 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-
           "-ffp-contract=off", "-std=gnu11", "-shared", "-fPIC")  # fmt: skip
 #: what a build leaves out when the full flags fail: OpenMP (one thread), then -march=native
 _FALLBACKS = (("-fopenmp",), ("-fopenmp", "-march=native"))
-_LOW = {torch.bfloat16: 1, torch.float16: 2}
-_GRAD = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_STATE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_UPDATE = {"nearest": 0, "kahan": 1, "stochastic": 2}
 _LOADED: dict[tuple, ctypes.CDLL] = {}
 _STEPS: dict[tuple, Callable[..., None]] = {}
 _LOCK = threading.Lock()
@@ -95,34 +69,6 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor() + platform.machine()
-
-
-def _state_defines(name: str, kind: Any) -> list[str]:
-    """-D flags of one state: a dtype, or a (format, kind) of codes, with a third item where
-    the state is read from fp32 values this once (see :mod:`.fused`)."""
-    if not isinstance(kind, tuple):
-        return [f"-D{name}={_STATE[kind]}"]
-    fmt, k = kind[:2]
-    bits, mag, m, emin = _layout(fmt, k)
-    e4m3 = int(fmt == "8-bit" and k == "signed")
-    return [f"-D{name}={bits}", f"-D{name}K={int(k == 'sqrt')}", f"-D{name}MAG={mag}",
-            f"-D{name}MB={m}", f"-D{name}EMIN={emin}", f"-D{name}E4M3={e4m3}",
-            f"-D{name}LARGEST={_largest(mag, m, emin)!r}f",
-            f"-D{name}SRC={int(len(kind) == 3)}"]  # fmt: skip
-
-
-def _defines(key: tuple) -> list[str]:
-    """The -D flags of a compile key of :class:`.fused.FusedUpdates` (see its ``_kind``)."""
-    if key[0] == "adam":
-        _, update, decoupled, low, grad, s1, s2 = key
-        out = ["-DADAM", *(["-DDECOUPLED"] if decoupled else [])]
-        states = _state_defines("S1", s1) + _state_defines("S2", s2)
-    else:
-        _, update, momentum, nesterov, low, grad, *rest = key
-        out = [*(["-DMOMENTUM"] if momentum else []), *(["-DNESTEROV"] if nesterov else [])]
-        states = _state_defines("S1", rest[0]) if rest else []
-    return [*out, f"-DUPDATE={_UPDATE[update]}", f"-DW16={_LOW[low]}",
-            f"-DG={_GRAD[grad]}", *states]  # fmt: skip
 
 
 def _cache() -> Path:
@@ -163,21 +109,21 @@ def _build(defines: list[str]) -> Path:
     raise RuntimeError("building the fused update failed: " + " | ".join(errors))
 
 
-def _library(key: tuple) -> ctypes.CDLL:
-    """The library of compile key ``key`` (``("finite",)``: the finite check alone), built on
-    first use (raises if it cannot be)."""
+def _library(key: Any) -> ctypes.CDLL:
+    """The library of a :class:`.spec.StepKind` (``("finite",)``: the finite check alone),
+    built on first use (raises if it cannot be)."""
     lib = _LOADED.get(key)
     if lib is None:
         with _LOCK:
             lib = _LOADED.get(key)
             if lib is None:
-                defines = ["-DFINITE_ONLY"] if key == ("finite",) else _defines(key)
+                defines = ["-DFINITE_ONLY"] if key == ("finite",) else key.defines()
                 lib = _LOADED[key] = ctypes.CDLL(str(_build(defines)))
     return lib
 
 
-def kernel(key: tuple) -> Callable[..., None]:
-    """The compiled step of compile key ``key`` (see :func:`_library`)."""
+def kernel(key: Any) -> Callable[..., None]:
+    """The compiled step of a :class:`.spec.StepKind` (see :func:`_library`)."""
     fn = _STEPS.get(key)
     if fn is None:
         fn = _library(key).mixprec_step
@@ -227,7 +173,7 @@ def _ptr(t: Any) -> int | None:
 
 
 def run(
-    key: tuple,
+    key: Any,
     rows: int,
     cols: int,
     tensors: tuple[Tensor, Tensor | None, Tensor],
@@ -237,11 +183,9 @@ def run(
     mix: int,
 ) -> None:
     """One step of ``rows`` x ``cols`` elements: ``tensors`` = (weight, compensation or None,
-    gradient), ``states`` = up to two states (a tensor, or (codes, scales[, fp32 values to read
-    instead of the codes]) of coded states), ``scalars`` = the fp32 scalars of :mod:`.fused`'s
-    step of this kind. On torch's intra-op thread count (:func:`torch.get_num_threads`) where
-    each thread gets at least :data:`PER_THREAD` elements: by rows for coded states (their
-    blocks lie in one row), by runs of elements otherwise."""
+    gradient), ``states`` = up to two states (a tensor, (codes, scales), or (fp32 values read
+    this once, codes, scales)), ``scalars`` = :func:`.spec.scalars` of this kind; on torch's
+    intra-op threads, each taking at least :data:`PER_THREAD` elements."""
     fn = kernel(key)
     coded = any(isinstance(st, tuple) for st in states)
     if not coded:
@@ -252,7 +196,7 @@ def run(
     ptrs: list[int | None] = [_ptr(w), _ptr(c), _ptr(g)]
     for st in (*states, None, None)[:2]:
         if isinstance(st, tuple):
-            codes, scale, *src = st
+            *src, codes, scale = st
             ptrs += [_ptr(codes), _ptr(scale), _ptr(src[0]) if src else None]
         else:
             ptrs += [_ptr(st), None, None]

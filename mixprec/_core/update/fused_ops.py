@@ -1,9 +1,9 @@
-"""The fused update's steps written in torch ops, for :func:`torch.compile`.
+"""The one-pass update's steps written in torch ops, for :func:`torch.compile`.
 
-Each function builds one kind of step (:func:`adam`, :func:`sgd`) from the update mode; the
-dispatcher (:mod:`.fused`) compiles it once per kind, and inductor turns it into one loop:
-Triton on a GPU, C++ on a CPU. The formulas are the eager ones of torch's single-tensor
-optimizers, :mod:`.state_codes` and :mod:`.rounding`, op for op; :mod:`.cpu_kernels` writes the
+:func:`build` makes the step of one :class:`.spec.StepKind`, reading its scalars by name
+(:func:`.spec.index`); :mod:`.fused` compiles it once per kind, and inductor turns it into one
+loop: Triton on a GPU, C++ on a CPU. The formulas are the eager ones of torch's single-tensor
+optimizers, :mod:`.state_codes` and :mod:`.rounding`, op for op; ``cpu_kernel.c`` writes the
 same expressions in C. Two pitfalls of compiling them are handled here: inductor drops
 ``float(bf16(w))`` as a no-op round trip unless ``emulate_precision_casts`` is set (Kahan's
 residual needs it, see :data:`OPTIONS`), and it multiplies by the reciprocal of a
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mixprec._core.update.spec import Held, StepKind, index
 from mixprec._core.update.state_codes import (
     _E4M3,
     _E4M3_MAX,
@@ -27,7 +28,7 @@ from mixprec._core.update.state_codes import (
     _unblocked,
 )
 
-__all__ = ["OPTIONS", "adam", "sgd"]
+__all__ = ["OPTIONS", "build"]
 
 _MASK = 0xFFFFFFFF
 _M1, _M2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers, as in rounding
@@ -53,22 +54,22 @@ def _random_bits(n: int, base: Tensor, mix: Tensor, device: torch.device, bits: 
     return h >> (32 - bits)
 
 
-def _decoded(st: Any, shape: tuple[int, int]) -> Tensor:
-    """The fp32 values (``shape``: rows, row length) of a state: a tensor widened, or codes
-    and scales decoded as :meth:`QuantizedState.dequantize` does (``st`` = (codes, scale,
-    format, kind))."""
+def _decoded(st: Any, held: Held, shape: tuple[int, int]) -> Tensor:
+    """The fp32 values (``shape``: rows, row length) of a state: a tensor widened, or codes and
+    scales (``st`` = (codes, scale)) decoded as :meth:`QuantizedState.dequantize` does."""
     if isinstance(st, Tensor):
         return st.float()
-    if len(st) == 5:  # fp32 now, codes from this step on
+    if held.from_fp32:  # fp32 now, codes from this step on
         return st[0].float()
-    codes, scale, fmt, kind = st
+    codes, scale = st
+    fmt, kind = held.fmt, held.kind
     bits, mag, m, emin = _layout(fmt, kind)
     if fmt == "8-bit" and kind == "signed":
         vals = _blocked(codes.view(_E4M3).view(shape).float(), shape)
         return _unblocked(vals * scale.view(*vals.shape[:-1], 1), shape)
     if bits == 8:
         code = codes.view(shape).to(torch.int32)
-    else:  # two codes per byte, low nibble first (an even count: see _kind)
+    else:  # two codes per byte, low nibble first (an even row length: see spec)
         c = codes.to(torch.int32)
         code = torch.stack((c & 15, c >> 4), dim=-1).view(shape)
     code = _blocked(code, shape)
@@ -92,14 +93,15 @@ def _div(a: Any, b: Any) -> Tensor:
     return (a / b).float()
 
 
-def _store(st: Any, x: Tensor, shape: tuple[int, int], div: Tensor) -> None:
+def _store(st: Any, held: Held, x: Tensor, shape: tuple[int, int], div: Tensor) -> None:
     """Write fp32 ``x`` into a state: a tensor rounded to its dtype, or codes and scales as
     :meth:`QuantizedState.store_` computes them. ``div``: the largest code's value (448 for
     E4M3), a tensor input, so no constant is folded into a reciprocal (see :func:`_div`)."""
     if isinstance(st, Tensor):
         st.copy_(x)
         return
-    codes, scale, fmt, kind = st[-4:]
+    codes, scale = st[-2:]
+    fmt, kind = held.fmt, held.kind
     bits, mag, m, emin = _layout(fmt, kind)
     v = _blocked(x, shape)
     if kind == "sqrt":
@@ -143,38 +145,40 @@ def _write_weight(
         comp.copy_(w32 - low.float())
 
 
-def adam(update: str, decoupled: bool) -> Callable[..., None]:
-    def step(w, comp, g, m, v, sc, base, mix):  # type: ignore[no-untyped-def]
-        # sc: [1 - lr*wd (decoupled) or 1, wd (coupled) or 0, +-1 (maximize), 1 - beta1,
-        #      beta2, 1 - beta2, -lr / bc1, sqrt(bc2), eps, m's and v's largest code]
+def build(kind: StepKind) -> Callable[..., None]:
+    """The step of ``kind``: ``step(w, comp, g, *states, sc, base, mix)`` (one state ``None``
+    for plain SGD)."""
+    i, (h1, h2) = index(kind.optimizer), (*kind.states, Held(), Held())[:2]
+    if kind.optimizer == "adam":
+
+        def step(w, comp, g, m, v, sc, base, mix):  # type: ignore[no-untyped-def]
+            w32 = w.float() if comp is None else w.float() + comp.float()
+            g32 = g.float() * sc[i["sign"]]
+            if kind.decoupled:
+                w32 = w32 * sc[i["decay"]]
+            else:  # torch skips a zero weight decay
+                wd = sc[i["coupled_wd"]]
+                g32 = torch.where(wd != 0, g32 + w32 * wd, g32)
+            m32 = torch.lerp(_decoded(m, h1, w.shape), g32, sc[i["one_minus_beta1"]])
+            v32 = _decoded(v, h2, w.shape) * sc[i["beta2"]] + sc[i["one_minus_beta2"]] * g32 * g32
+            denom = v32.sqrt() / sc[i["sqrt_bc2"]] + sc[i["eps"]]
+            w32 = w32 + sc[i["neg_step_size"]] * (m32 / denom)
+            _store(m, h1, m32, w.shape, sc[len(i)])
+            _store(v, h2, v32, w.shape, sc[len(i) + 1])
+            _write_weight(kind.update, w, comp, w32, base, mix)
+
+        return step
+
+    def sgd_step(w, comp, g, buf, sc, base, mix):  # type: ignore[no-untyped-def]
         w32 = w.float() if comp is None else w.float() + comp.float()
-        g32 = g.float() * sc[2]
-        if decoupled:
-            w32 = w32 * sc[0]
-        else:
-            g32 = torch.where(sc[1] != 0, g32 + w32 * sc[1], g32)  # torch skips a zero wd
-        shape = w.shape
-        m32 = torch.lerp(_decoded(m, shape), g32, sc[3])
-        v32 = _decoded(v, shape) * sc[4] + sc[5] * g32 * g32
-        w32 = w32 + sc[6] * (m32 / (v32.sqrt() / sc[7] + sc[8]))
-        _store(m, m32, shape, sc[9])
-        _store(v, v32, shape, sc[10])
-        _write_weight(update, w, comp, w32, base, mix)
+        g32 = g.float() * sc[i["sign"]]
+        g32 = torch.where(sc[i["wd"]] != 0, g32 + w32 * sc[i["wd"]], g32)  # torch skips wd 0
+        if kind.momentum:
+            mom = sc[i["momentum"]]
+            b32 = _decoded(buf, h1, w.shape) * mom + g32 * sc[i["one_minus_dampening"]]
+            _store(buf, h1, b32, w.shape, sc[len(i)])
+            g32 = g32 + b32 * mom if kind.nesterov else b32
+        w32 = w32 + g32 * sc[i["neg_lr"]]
+        _write_weight(kind.update, w, comp, w32, base, mix)
 
-    return step
-
-
-def sgd(update: str, momentum: bool, nesterov: bool) -> Callable[..., None]:
-    def step(w, comp, g, buf, sc, base, mix):  # type: ignore[no-untyped-def]
-        # sc: [+-1 (maximize), wd, momentum, 1 - dampening, -lr, the buffer's largest code]
-        w32 = w.float() if comp is None else w.float() + comp.float()
-        g32 = g.float() * sc[0]
-        g32 = torch.where(sc[1] != 0, g32 + w32 * sc[1], g32)  # torch skips a zero wd
-        if momentum:
-            b32 = _decoded(buf, w.shape) * sc[2] + g32 * sc[3]
-            _store(buf, b32, w.shape, sc[5])
-            g32 = g32 + b32 * sc[2] if nesterov else b32
-        w32 = w32 + g32 * sc[4]
-        _write_weight(update, w, comp, w32, base, mix)
-
-    return step
+    return sgd_step

@@ -145,6 +145,25 @@ class LeanUpdate(ReleasedGradients):
         if self.hooks:  # released, or "auto" until its first step decides
             register_released(params, self)
 
+    def explain(self) -> str:
+        """Which backend stepped each parameter at its last step, and why
+        (:func:`~mixprec._core.update.spec.choose`), a line per parameter."""
+        rows = []
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                choice = self.fused.choices.get(id(p))
+                if p.dtype not in _LOW:
+                    what = "the optimizer's own step (an fp32 parameter)"
+                else:
+                    what = (
+                        "not stepped yet"
+                        if choice is None
+                        else f"{choice.backend}: {choice.reason}"
+                    )
+                dtype = str(p.dtype).removeprefix("torch.")
+                rows.append(f"group {gi}, parameter {pi} {tuple(p.shape)} {dtype}: {what}")
+        return "\n".join(rows)
+
     def params(self) -> list[Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
