@@ -19,7 +19,6 @@ if _CAPABILITY and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     )
 
 
-
 @pytest.fixture
 def one_thread():
     """One torch thread for the test: emulated FP8 GEMMs are many small calls, which
