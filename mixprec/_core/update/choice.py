@@ -209,5 +209,7 @@ def _checked(
             "eps); set update='nearest', 'kahan' or 'stochastic', or drop them."
         )
     # an update mode does its arithmetic in fp32; 16-bit arithmetic may lose eps
-    _warn_vanishing_eps([o if p.update is None else None for o, p in zip(optimizers, plans)], dtype)
+    if any(p.update is None for p in plans):
+        own = [o if p.update is None else None for o, p in zip(optimizers, plans)]
+        _warn_vanishing_eps(own, dtype)
     return plans

@@ -97,9 +97,10 @@ class FusedUpdates:
         return all_finite(g)
 
     @torch.no_grad()
-    def step(self, lean: Any, group: dict, params: list[Tensor]) -> list[Tensor]:
+    def step(self, lean: Any, group: dict, params: list[Tensor], drop: bool = False) -> list:
         """Step what a backend takes of ``params`` (of ``group`` of ``lean``, the
-        :class:`~mixprec._core.update.lean.LeanUpdate`); return those left to the reference."""
+        :class:`~mixprec._core.update.lean.LeanUpdate`), freeing each one's gradient where
+        ``drop``; return those left to the reference."""
         rest = []
         for p in params:
             local = p.to_local() if hasattr(p, "to_local") else p
@@ -107,6 +108,8 @@ class FusedUpdates:
             self.choices[id(p)] = choice
             if choice.kind is None or not self._run(choice, lean, group, p, local):
                 rest.append(p)
+            elif drop:
+                p.grad = None
         return rest
 
     def _run(self, choice: Choice, lean: Any, group: dict, p: Tensor, local: Tensor) -> bool:

@@ -1,42 +1,13 @@
-"""Memory-lean 16-bit updates: an fp32 step on temporaries, written back by nearest rounding,
-Kahan compensation or stochastic rounding.
+"""Memory-lean 16-bit updates: the optimizer's fp32 step, written back to 16-bit weights by
+nearest rounding, Kahan compensation or stochastic rounding (Zamirai et al. 2020, Collage 2024).
 
-Design (Zamirai et al. 2020, Collage 2024; ``docs/design.md``, "Lean 16-bit updates"):
-
-* **One wrapper for any per-parameter optimizer.** Pure 16-bit training loses every update
-  smaller than half an ulp of the weight. Rather than re-implementing SGD and AdamW, the
-  wrapped optimizer runs its own (fused / foreach) fp32 math on *temporaries*: for a chunk of
-  16-bit parameters we widen ``w32 = w (+ c)`` and the gradients into one flat fp32 buffer,
-  move the parameters' optimizer state onto those temporaries (16-bit moments widened), call
-  the inner ``step()`` with only that chunk in its ``param_groups``, then write back:
-
-  - ``"nearest"``: ``w = round(w32)`` -- the plain ablation;
-  - ``"kahan"``: ``w = round(w32)``, ``c = round16(w32 - w)``. The residual is exact in fp32
-    and the 16-bit compensation buffer keeps its top 8 (bf16) / 11 (fp16) bits: the weight
-    behaves like a 16+8-bit number, at +2 bytes per parameter;
-  - ``"stochastic"``: ``w = SR(w32)``, unbiased (``E[w] = w32``), no extra memory
-    (:mod:`mixprec._core.update.rounding`: bf16 by torchao's integer trick, fp16 between the two
-    neighbours).
-
-  The math is the optimizer's own, so any optimizer whose update is per parameter works (SGD
-  with momentum / nesterov / weight decay, Adam, AdamW, RMSprop, Adagrad, ...). Optimizers that
-  couple parameters across a step (LBFGS, global-norm schemes inside ``step``) do not, because
-  the inner ``step()`` is called once per chunk.
-* **Chunks bound the transient memory.** The fp32 temporaries exist for one chunk at a time
-  (``chunk_elements``: 2**20 elements on a CPU, 2**24 on GPUs; a larger parameter is a chunk of
-  its own), allocated after the backward freed its activations. Where
-  :mod:`mixprec._core.update.fused` can take a parameter it skips the temporaries altogether.
-* **State dtype per key.** ``state_dtype="auto"`` (default) stores first moments
-  (``exp_avg``, ``momentum_buffer``) in the parameter's 16-bit dtype and everything else --
-  notably Adam's second moment -- in fp32: with ``beta2 = 0.999`` a bf16 ``exp_avg_sq`` cannot
-  move by less than 2**-9 of itself per step, so ``v <- 0.999 v`` rounds back to ``v`` and the
-  second moment stops decaying (tests/core/test_lean.py measures it). A dtype applies to every
-  floating state tensor; a dict maps keys to dtypes (unlisted keys fp32).
-* **Reproducible randomness, whatever the layout.** Element ``i``'s random bits hash (``seed``,
-  step count, the parameter's position, ``i`` in the whole parameter) (``rounding``), so
-  chunks, released gradients and FSDP2's dim-0 shards (stepped through their local tensors)
-  round alike; skipped steps do not count. :meth:`LeanUpdate.state_dict` has the step count
-  and compensation buffers: a resume is bit-exact.
+:class:`LeanUpdate` steps each 16-bit parameter in one pass where a backend takes it
+(:mod:`.fused`); the rest -- any per-parameter optimizer -- are the reference: widened with
+their gradients and states into fp32 temporaries a chunk at a time, stepped by the wrapped
+optimizer's own ``step()``, then narrowed and rounded back. States are stored per key as the
+recipe says (first moments 16-bit and second moments fp32 by default, or 8/4-bit codes); the
+stochastic rounding's bits hash (seed, step, parameter, element index), so every layout
+rounds alike and a resume is bit-exact. ``docs/design.md``, "Lean 16-bit updates".
 """
 
 from __future__ import annotations
@@ -77,17 +48,12 @@ def _local(t: Tensor) -> Tensor:
 
 
 class LeanUpdate(ReleasedGradients):
-    """Steps ``optimizer``'s 16-bit parameters in fp32 chunk by chunk; see the module docstring.
-
-    Args:
-        optimizer: the wrapped optimizer; its ``param_groups`` hold the 16-bit model
-            parameters (no fp32 masters). fp32 parameters in it are stepped as they are.
-        update: ``"nearest"``, ``"kahan"`` or ``"stochastic"``.
-        state_dtype: see the module docstring (default ``"auto"``).
-        seed: seed of the rounding of ``"stochastic"``.
-        chunk_elements: parameters per fp32 temporary chunk (whole parameters only); None picks
-            2**20 on CPU and 2**24 elsewhere.
-    """
+    """Steps ``optimizer``'s 16-bit parameters (its ``param_groups`` hold the model's own, no
+    fp32 masters; fp32 ones are stepped as they are) with ``update`` (``"nearest"``,
+    ``"kahan"`` or ``"stochastic"``, seeded by ``seed``), states held as ``state_dtype`` says
+    (:class:`.state_codes.StatePolicy`), gradients ``release``-d in backward (True, False or
+    ``"auto"``) and one-pass ``kernels`` (the recipe's). Built from an
+    :class:`.choice.UpdatePlan`, whose recipe checked every field."""
 
     def __init__(
         self,
@@ -96,29 +62,14 @@ class LeanUpdate(ReleasedGradients):
         *,
         state_dtype: StateDtype = "auto",
         seed: int = 0,
-        chunk_elements: int | None = None,
         release: bool | str = False,
         kernels: str = "auto",
     ):
-        if update not in UPDATES:
-            raise ValueError(
-                f"update={update!r} is not an update mode; expected one of "
-                f"{UPDATES} (or None for the optimizer's own 16-bit step)."
-            )
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"update_seed must be an int, received {seed!r}.")
-        if chunk_elements is not None and (
-            isinstance(chunk_elements, bool)
-            or not isinstance(chunk_elements, int)
-            or chunk_elements < 1
-        ):
-            raise ValueError(f"chunk_elements must be an int >= 1, received {chunk_elements!r}.")
         self.optimizer = optimizer
         self.update = update
         self.state_dtype = state_dtype
         self._dtype_for = StatePolicy(state_dtype)
         self.seed = seed
-        self.chunk_elements = chunk_elements
         self.compensation: dict[Tensor, Tensor] = {}
         self.steps = 0  # steps taken (not skipped): a key of the stochastic rounding
         self._ordinal: dict[int, int] = {}  # id(param) -> its position, a rounding key
@@ -188,15 +139,8 @@ class LeanUpdate(ReleasedGradients):
                 own = [p for p in ready if p.dtype not in _LOW]
                 if own:
                     result = self._inner_step(groups, gi, own)
-                for chunk in self._chunks([p for p in ready if p.dtype in _LOW]):
-                    fresh = chunk[0].device.type == "cpu" and not all(
-                        self.optimizer.state.get(p) for p in chunk
-                    )
-                    result = self._step_chunk(groups, gi, chunk)
-                    for p in chunk if drop else ():
-                        p.grad = None
-                    if fresh:  # its fp32 state was made, narrowed and freed: see trim_heap
-                        trim_heap()
+                low = [p for p in ready if p.dtype in _LOW]
+                result = self._step_params(groups, gi, low, drop) if low else result
             self.steps += 1
         finally:
             for g, plist in zip(groups, saved):
@@ -237,8 +181,7 @@ class LeanUpdate(ReleasedGradients):
             return self.optimizer.step()
 
     def _chunk_size(self, device: torch.device) -> int:
-        if self.chunk_elements is not None:
-            return self.chunk_elements
+        """Elements per fp32 temporary chunk (a larger parameter is a chunk of its own)."""
         return 2**20 if device.type == "cpu" else 2**24
 
     def _chunks(self, params: list[Tensor]) -> list[list[Tensor]]:
@@ -260,10 +203,28 @@ class LeanUpdate(ReleasedGradients):
                 chunks.append(current)
         return chunks
 
+    def _step_params(self, groups: list[dict], index: int, params: list[Tensor], drop: bool) -> Any:
+        """Step 16-bit ``params`` of group ``index``: in one pass each where a backend takes
+        them (:mod:`.fused`), the rest chunk by chunk on fp32 temporaries (the reference);
+        ``drop``: free each gradient once its parameter is stepped."""
+        rest = (
+            self.fused.step(self, groups[index], params, drop)
+            if "fused" in self.__dict__
+            else params
+        )
+        result = None
+        for chunk in self._chunks(rest) if rest else ():
+            fresh = chunk[0].device.type == "cpu" and not all(
+                self.optimizer.state.get(p) for p in chunk
+            )
+            result = self._step_chunk(groups, index, chunk)
+            for p in chunk if drop else ():
+                p.grad = None
+            if fresh:  # its fp32 state was made, narrowed and freed: see trim_heap
+                trim_heap()
+        return result
+
     def _step_chunk(self, groups: list[dict], index: int, chunk: list[Tensor]) -> Any:
-        chunk = self.fused.step(self, groups[index], chunk) if "fused" in self.__dict__ else chunk
-        if not chunk:
-            return None  # every parameter took one compiled pass (core/update/fused.py)
         device, low = chunk[0].device, chunk[0].dtype
         locs = [_local(p) for p in chunk]  # the weights this rank steps (its shard under FSDP)
         numels = [p.numel() for p in locs]

@@ -1,37 +1,12 @@
-"""Gradients released in backward: each 16-bit parameter stepped as soon as its gradient is
-complete, and the gradient freed (``Recipe(gradients="released")``, "lean" without loss scaling).
+"""Gradients released in backward: each 16-bit parameter stepped in its post-accumulate-grad
+hook and its gradient freed (``Recipe(gradients="released")``), so the gradients never exist
+all at once.
 
-Design (the "optimizer in backward" of PyTorch's tutorials and of GaLore/LOMO, on mixprec's
-update modes): a ``register_post_accumulate_grad_hook`` on every 16-bit parameter runs the update
-mode's chunk step on that parameter alone, then frees its gradient, so the gradients never exist
-all at once: the training state loses their 2 bytes per parameter. What this costs, and why each
-is refused loudly rather than done wrong:
-
-* **No whole-step skip.** A step is skipped as a whole only if every gradient is checked before
-  any weight moves; here the earlier parameters are already stepped when a later gradient turns
-  out non-finite. A non-finite gradient leaves its own parameter and state unchanged, and the
-  step warns with the count. Loss scaling needs whole-step skips, so it holds the gradients
-  (``gradients="auto"`` does so by itself; ``"released"`` with a loss scale is refused).
-* **No clipping, no accumulation, no DDP.** A global norm needs every gradient at once;
-  accumulation needs gradients to outlive a backward (a second gradient before ``step()`` is
-  refused before it is applied); DDP reduces gradients after they are accumulated, which is
-  after the step here. Each raises with the fix: ``gradients="held"``.
-
-``gradients="auto"`` (the "lean" recipe without loss scaling) releases only where the loop
-allows it, decided by the loop itself rather than guessed at ``initialize``: its first step
-holds the gradients and watches. A clip (``torch.nn.utils.clip_grad_norm_`` /
-``clip_grad_value_`` on these parameters, ``opt.clip_grad_norm_``) or a second gradient before
-``step()`` (accumulation) keeps them held for good -- the held path, bit for bit, said once in
-a warning; a first step with neither releases them from the next backward on. That first step
-frees each gradient as soon as its chunk is stepped, so its peak stays the released one: the
-optimizer states it creates take the place of the gradients it consumes. A clip or an
-accumulation after the release raises, as under ``"released"``. Integrations that know their
-loop up front (``MixprecTrainer`` clipping by default, Lightning's ``gradient_clip_val``,
-accumulation) ask for ``"held"`` themselves and say so.
-
-The fp32 scratch of the chunk steps lives for one backward (freed, and the C heap trimmed, by an
-autograd callback at its end); ``optimizer.step()`` then steps what still holds a gradient (fp32
-parameters) and closes the step.
+What needs every gradient -- a whole-step skip, clipping, accumulation, DDP -- is refused with
+the fix, not done wrong; a non-finite gradient leaves its own parameter unchanged and the step
+warns. ``gradients="auto"`` lets the loop decide: its first step holds the gradients and
+watches for a clip or a second gradient, and releases them from the next backward on if it sees
+neither. ``docs/design.md``, "Gradients released in backward".
 """
 
 from __future__ import annotations
@@ -92,7 +67,7 @@ def all_finite(g: Tensor) -> bool:
 
 class ReleasedGradients:
     """The release half of :class:`~mixprec._core.update.lean.LeanUpdate` (a mixin: it reads the
-    updater's ``optimizer``, ``_step_chunk``, ``_free_scratch``, ``nonfinite``, ``_released``,
+    updater's ``optimizer``, ``_step_params``, ``_free_scratch``, ``nonfinite``, ``_released``,
     ``release``, ``_ordinal`` and ``add_params``)."""
 
     optimizer: torch.optim.Optimizer
@@ -147,18 +122,7 @@ class ReleasedGradients:
                 self._released.add(id(p))
             return
         if id(p) in self._released:
-            if self.release_mode == "auto":
-                raise RuntimeError(
-                    "A parameter received a second gradient before optimizer.step(). "
-                    + _AUTO_RELEASED.format(what="accumulate into")
-                )
-            raise RuntimeError(
-                "A parameter received a second gradient before optimizer.step(): with "
-                "gradients='released' each parameter is stepped in backward, so gradients "
-                "cannot be accumulated over several backward passes. Use a recipe with "
-                "gradients='auto' or 'held' (e.g. Recipe('lean', gradients='held')) to "
-                "accumulate."
-            )
+            raise RuntimeError(self._second_gradient())
         if not self._released:  # the first of this backward: free the scratch at its end
             torch.autograd.Variable._execution_engine.queue_callback(self._free_scratch)
         self._released.add(id(p))
@@ -176,7 +140,7 @@ class ReleasedGradients:
         saved = [g["params"] for g in groups]
         fresh = p.device.type == "cpu" and not self.optimizer.state.get(p)
         try:
-            self._step_chunk(groups, index, [p])
+            self._step_params(groups, index, [p], False)
         finally:
             for g, plist in zip(groups, saved):
                 g["params"] = plist
@@ -184,6 +148,19 @@ class ReleasedGradients:
         if fresh:  # its first state was made, narrowed and freed: holes that stay resident
             trim_heap()  # (see trim_heap); later steps reuse their own holes, and trimming
             # each one would hand pages back that the next parameter faults in again
+
+    def _second_gradient(self) -> str:
+        """Why a second gradient of a released parameter before the step is refused."""
+        if self.release_mode == "auto":
+            return "A parameter received a second gradient before optimizer.step(). " + (
+                _AUTO_RELEASED.format(what="accumulate into")
+            )
+        return (
+            "A parameter received a second gradient before optimizer.step(): with "
+            "gradients='released' each parameter is stepped in backward, so gradients "
+            "cannot be accumulated over several backward passes. Use a recipe with "
+            "gradients='auto' or 'held' (e.g. Recipe('lean', gradients='held')) to accumulate."
+        )
 
     def _group_of(self, groups: list[dict], p: Tensor) -> int:
         """The index of ``p``'s group, from a table of each parameter's (group, position) made

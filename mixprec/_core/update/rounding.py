@@ -1,26 +1,11 @@
 """Stochastic rounding of fp32 values to bf16 or fp16: unbiased (``E[out] == x``), seeded.
 
-Design: the rounding that ``update="stochastic"`` writes 16-bit weights back with
-(:mod:`mixprec._core.update.lean`), also public as :func:`mixprec.numerics.stochastic_round`.
-
-* **bf16: the integer trick** of torchao's ``bf16_stochastic_round``: add 16 random bits below
-  the bf16 mantissa of the fp32 bit pattern, then truncate. One integer pass, in place, and
-  the result is exactly a bf16 value, so the copy to bf16 is lossless.
-* **fp16 (any dtype): the two neighbours.** Pick the far neighbour with probability
-  ``|error| / gap`` (subnormals included), so the expectation is ``x``.
-* **Two sources of random bits.** :func:`stochastic_round` (public) draws from a
-  ``torch.Generator``, 48 bits at a time (``random_(0, 2**48)`` on int64 gives three uniform
-  16-bit lanes): a third of the draws of one per element. The weight updates
-  (:func:`keyed_round_`) use a **counter-based hash** instead: the bits of element ``i`` are
-  ``hash(key, i)``, with the key made of (seed, step, parameter) and ``i`` the element's index
-  in the *whole* parameter. A stream that advances with every element drawn would round a
-  parameter differently when it is sharded, chunked or stepped in another order (one shard per
-  rank under FSDP, one parameter at a time when gradients are released); a hash of the global
-  index rounds every element the same way whatever the layout, and a resume needs only the
-  step count. The hash is the ``lowbias32`` integer finalizer (two multiply-xorshift rounds,
-  in wrapping int32 arithmetic, logical shifts by masking) with a second key xor-ed between
-  the rounds, so keys do not merely shift one sequence; its top 16 bits (bf16) or 24 bits
-  (fp16) are the random bits. About a dozen int32 passes, in place on two scratch buffers.
+bf16 by torchao's integer trick (16 random bits added below the mantissa, then truncated),
+fp16 between its two neighbours. The weight updates (:func:`keyed_round_`) take their bits from
+a counter-based hash of (seed, step, parameter) and each element's index in the whole
+parameter, so sharded, chunked and released steps round alike and a resume needs only the step
+count; :func:`stochastic_round` (public) draws from a ``torch.Generator``.
+``docs/design.md``, "Lean 16-bit updates".
 """
 
 from __future__ import annotations
@@ -117,11 +102,14 @@ def round_keys(seed: int, step: int, ordinal: int) -> tuple[int, int]:
 
 def shard_offset(p: Tensor) -> int:
     """Where the local tensor of ``p`` starts in the whole parameter, in elements: 0 for a plain
-    tensor, the first row's offset for a DTensor sharded along dim 0 (FSDP2), whose local rows
-    are then one contiguous run of the whole tensor's elements."""
+    tensor (see :func:`_dtensor_offset` for a DTensor)."""
     placements = getattr(p, "placements", None)
-    if placements is None:
-        return 0
+    return 0 if placements is None else _dtensor_offset(p, placements)
+
+
+def _dtensor_offset(p: Tensor, placements: Any) -> int:
+    """The first row's offset of a DTensor sharded along dim 0 (FSDP2), whose local rows are
+    one contiguous run of the whole tensor's elements."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

@@ -1,35 +1,11 @@
 """Optimizer states in 8 or 4 bits: block-wise scaled minifloat codes.
 
-Design (bitsandbytes' block-wise 8-bit optimizers, torchao's low-bit optimizers and the 4-bit
-study of Li et al. 2023; ``docs/design.md``, "Optimizer states in fewer bits"):
-
-* **Blocks of one row.** A row is one index of dimension 0 (a weight matrix's output row, a
-  convolution's output channel); it is split into blocks of :data:`BLOCK` elements, and each
-  block keeps one fp32 scale, its largest magnitude. A block never spans two rows, so a tensor
-  sharded along dimension 0 (FSDP2's shards) has the same blocks on every rank as in one
-  process, and an outlier only coarsens its own block. Small tensors (fewer than
-  :data:`MIN_NUMEL` elements, or one dimension: biases, norm scales) are not worth a code and
-  stay in float32, as bitsandbytes and torchao keep them.
-* **Minifloat codes, not a table.** Each element is stored as a small float relative to its
-  block's scale: a sign (first moments), ``E`` exponent bits and ``M`` mantissa bits. The 8-bit
-  first moment is torch's own ``float8_e4m3fn`` cast; the other codes are read off the fp32 bit
-  pattern with integer shifts (round to nearest). Against a 256-entry code table searched with
-  ``bucketize`` (bitsandbytes' dynamic map), either costs 10-20x less on a CPU (measured: 1-2
-  ms against 24 ms per million elements) and the relative error is the same in every binade.
-  A first moment below the smallest code is an exact zero; the block's largest element is its
-  scale, exact.
-* **Second moments keep their dynamic range by storing their square root** (``"sqrt"`` kind):
-  Adam divides by ``sqrt(v)``, so the square root is what needs a constant relative precision,
-  and it halves the exponent range to cover. A square root below the smallest code (2**-16 of
-  its block's largest in 8 bits) is rounded *up* to it, zero included: a too-large denominator
-  shrinks that element's step, a zero one would divide the first moment by ``eps``.
-* **Formats.** ``"8-bit"``: first moments sign + E4M3, square roots E4M4; ``"4-bit"``: sign +
-  E2M1 and E3M1, two codes per byte. With the fp32 scale per 256 elements: 1.016 and 0.516
-  bytes per element.
-
-The codes are rounded to nearest, not stochastically: a second moment decays by ``1 - beta2``
-(0.1%) a step, far below its rounding step, and stochastic rounding would add an independent
-error every step that the moving average keeps for ``1 / (1 - beta2)`` steps.
+Each block of :data:`BLOCK` elements of one row (an index of dimension 0, so FSDP2's shards
+have the same blocks) keeps one fp32 scale, its largest magnitude; each element is a small
+float relative to it (first moments signed, E4M3 in 8 bits as torch's ``float8_e4m3fn``;
+second moments as their square root, rounded up rather than to zero), read off the fp32 bit
+pattern with integer shifts and rounded to nearest. Tensors under :data:`MIN_NUMEL` elements
+or of one dimension stay fp32. ``docs/design.md``, "Optimizer states in fewer bits".
 """
 
 from __future__ import annotations
