@@ -62,13 +62,6 @@ def test_initialize_hands_each_wrapper_its_plan():
     assert opt.lean is not None and not opt.lean.compensation  # nearest: no Kahan buffers
 
 
-def test_a_plan_refuses_what_the_recipe_refuses():
-    with pytest.raises(ValueError, match="replaces fp32 master weights"):
-        UpdatePlan(masters=True, update="kahan")
-    with pytest.raises(ValueError, match="apply to an update mode"):
-        UpdatePlan(masters=False, optimizer_states="8-bit")
-
-
 def test_the_wrapper_takes_a_plan_not_a_dict_of_keywords():
     opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(TypeError, match="plan is an UpdatePlan"):

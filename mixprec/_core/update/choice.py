@@ -30,7 +30,8 @@ __all__ = ["UpdatePlan", "update_plans"]
 
 @dataclasses.dataclass(frozen=True)
 class UpdatePlan:
-    """How one optimizer's step writes the model's weights, in the Recipe's words.
+    """How one optimizer's step writes the model's weights, in the Recipe's words (built from
+    a recipe whose rules, ``mixprec._recipe_rules``, checked these fields).
 
     Args:
         masters: step fp32 master copies of the 16-bit weights (the Recipe's ``masters``).
@@ -53,24 +54,6 @@ class UpdatePlan:
     update_seed: int = 0
     gradients: str = "held"
     kernels: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.update is not None and self.masters:
-            raise ValueError(
-                f"update={self.update!r} replaces fp32 master weights: it needs "
-                "masters=False (the O3 default)."
-            )
-        if self.update is None and (
-            self.optimizer_states != "auto" or self.update_seed != 0 or self.gradients != "held"
-        ):
-            raise ValueError(
-                "optimizer_states, update_seed and released gradients apply to an update "
-                "mode; set update='nearest', 'kahan' or 'stochastic' as well."
-            )
-        if self.gradients not in ("held", "released", "auto"):
-            raise ValueError(
-                f"gradients={self.gradients!r}: expected 'held', 'released' or 'auto'."
-            )
 
     @property
     def release(self) -> bool | str:

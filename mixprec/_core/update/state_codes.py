@@ -293,7 +293,6 @@ def _load_codes(out: Tensor, codes: Tensor, bits: int) -> None:
 
 StateDtype = str | torch.dtype | dict | None
 _FIRST_MOMENTS = ("exp_avg", "momentum_buffer")
-_STATE_KINDS = (torch.float32, torch.float16, torch.bfloat16, *FORMATS)
 
 
 class StatePolicy:
@@ -305,29 +304,10 @@ class StatePolicy:
     a closure, so an optimizer holding it pickles (``copy.deepcopy``, ``torch.save``).
     """
 
-    def __init__(self, state_dtype: StateDtype) -> None:
-        if state_dtype is None or state_dtype == "auto":
-            self.table, self.every = None, None
-        elif isinstance(state_dtype, dict):
-            bad = {
-                k: v
-                for k, v in state_dtype.items()
-                if not isinstance(k, str) or v not in _STATE_KINDS
-            }
-            if bad:
-                raise ValueError(
-                    f"state_dtype has invalid entries {bad}; keys are state names "
-                    f"such as 'exp_avg', values one of {_STATE_KINDS}."
-                )
-            self.table, self.every = dict(state_dtype), None
-        elif isinstance(state_dtype, (str, torch.dtype)) and state_dtype in _STATE_KINDS:
-            self.table, self.every = None, state_dtype
-        else:
-            raise ValueError(
-                f"state_dtype={state_dtype!r} is not allowed; use 'auto' (first moments "
-                "16-bit, the rest fp32), '8-bit' or '4-bit' (block-wise codes), torch.float32, "
-                "torch.bfloat16, torch.float16, or a dict {state key: one of these}."
-            )
+    def __init__(self, state_dtype: StateDtype) -> None:  # checked by the recipe's rules
+        auto = state_dtype is None or state_dtype == "auto"
+        self.table = dict(state_dtype) if isinstance(state_dtype, dict) else None
+        self.every = None if auto or self.table is not None else state_dtype
 
     def __call__(self, key: str, low: torch.dtype) -> Any:
         if self.every is not None:
