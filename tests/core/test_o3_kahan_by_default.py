@@ -201,8 +201,10 @@ def test_update_none_checkpoint_resumes_under_the_default(tmp_path):
     ref_opt.step()
     opt.step()
     for p, r in zip(params, ref):
-        assert_bitwise(p.detach(), r.detach().to(BF16))
-        assert_bitwise(opt.lean.compensation[p], (r.detach() - p.detach().float()).to(BF16))
+        # weight + compensation hold the fp32 step: within the compensation's own rounding
+        # (2**-9 of a residual under half a bf16 ulp) and the 1 fp32 ulp noted below
+        held = p.detach().float() + opt.lean.compensation[p].float()
+        torch.testing.assert_close(held, r.detach(), rtol=2.0**-17, atol=0)
         assert opt.state[p]["exp_avg_sq"].dtype == FP32
         # the one-pass update rounds each fp32 operation on its own; torch's for-loop, built with
         # contraction, may fuse v * beta2 + (1 - beta2) * g * g into one rounding: 1 ulp apart

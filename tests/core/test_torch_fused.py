@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import mixprec
+from mixprec._core.update import spec
 
 BF16 = torch.bfloat16
 
@@ -42,6 +43,8 @@ def _step(level, opt_fn, **recipe):
 
 @pytest.mark.parametrize("level", ["O2", "O3"])
 def test_defaults_run_torchs_fused_kernel_and_leave_the_groups_as_built(level, monkeypatch):
+    """O2's masters and O3's reference (its chunk path) step through torch's fused kernel."""
+    monkeypatch.setattr(spec, "CPU_BACKEND", "chunk")
     calls = _counting(monkeypatch, "_fused_adamw_")
     opt = _step(level, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     assert calls, "the fused kernel did not run"
@@ -50,6 +53,7 @@ def test_defaults_run_torchs_fused_kernel_and_leave_the_groups_as_built(level, m
 
 
 def test_sgd_defaults_run_the_fused_sgd_kernel(monkeypatch):
+    monkeypatch.setattr(spec, "CPU_BACKEND", "chunk")  # the reference's fp32 temporaries
     calls = _counting(monkeypatch, "_fused_sgd_")
     _step("O3", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), update="kahan")
     assert calls

@@ -10,8 +10,8 @@ and the step count are tensor inputs, so a schedule never recompiles; every size
 class (1-D views, or (rows, row length) where codes keep blocks in a row). Numerics: the
 reference's formula on the same fp32 operands, each operation rounded on its own; a skipped
 step never reaches the updater. A build that fails (no C compiler, a dtype the backend lacks)
-leaves that kind to the reference and says so once. ``docs/design.md``, "Lean 16-bit
-updates", has the measurements that chose each backend.
+leaves that kind to the reference and says so once. The measurements that chose each
+backend: ``docs/design.md``, "Lean 16-bit updates".
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ What needs every gradient -- a whole-step skip, clipping, accumulation, DDP -- i
 the fix, not done wrong; a non-finite gradient leaves its own parameter unchanged and the step
 warns. ``gradients="auto"`` lets the loop decide: its first step holds the gradients and
 watches for a clip or a second gradient, and releases them from the next backward on if it sees
-neither. ``docs/design.md``, "Gradients released in backward".
+neither. ``docs/design.md``, "Optimizer states in fewer bits", its subsection on released gradients.
 """
 
 from __future__ import annotations
