@@ -15,9 +15,8 @@ does not support runs on the reference. ``docs/design.md``, "Lean 16-bit updates
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -58,8 +57,7 @@ def index(optimizer: str) -> dict[str, int]:
     return {name: i for i, name in enumerate(SCALARS[optimizer])}
 
 
-@dataclasses.dataclass(frozen=True)
-class Held:
+class Held(NamedTuple):
     """How one state is held: a ``dtype``, or codes of ``fmt`` and ``kind``
     (:mod:`.state_codes`); ``from_fp32``: codes wanted, fp32 values held (a checkpoint that
     saved the state decoded): read as fp32 this once and written as codes."""
@@ -90,8 +88,7 @@ class Held:
                 f"-D{name}SRC={int(self.from_fp32)}"]  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True)
-class StepKind:
+class StepKind(NamedTuple):
     """One kind of one-pass step (see the module docstring)."""
 
     optimizer: str  # "adam" or "sgd"
@@ -147,8 +144,7 @@ def scalars(kind: StepKind, group: dict, state: dict) -> list[float]:
     return [named[k] for k in SCALARS[kind.optimizer]] + [h.largest for h in kind.states]
 
 
-@dataclasses.dataclass(frozen=True)
-class Choice:
+class Choice(NamedTuple):
     """Which backend steps a parameter, the kind it steps, and why."""
 
     backend: str  # "c", "compiled" or "chunk"
