@@ -3,8 +3,9 @@
 Read this package on its own. Its modules, in the order a step meets them: :mod:`.choice` (one
 ``UpdatePlan`` per optimizer, from the Recipe), :mod:`.step` (the optimizer wrapper's
 hand-over), :mod:`.release` (gradients stepped and freed in backward), :mod:`.lean` (the update
-modes: the chunked fp32 step and its write-back), :mod:`.fused` (one compiled pass per
-parameter; on a CPU a C loop, :mod:`.cpu_kernels`), :mod:`.torch_fused` (torch's fused
+modes, and their reference: the chunked fp32 step and its write-back), :mod:`.spec` (a kind of
+one-pass step, and which backend runs it), :mod:`.fused` (the one pass per parameter; on a CPU
+a C loop, :mod:`.cpu_kernels`), :mod:`.torch_fused` (torch's fused
 Adam/AdamW/SGD kernels for fp32 steps, O2's masters included), :mod:`.rounding` (stochastic
 rounding by keyed random bits), :mod:`.state_codes` (8- and 4-bit optimizer states) and
 :mod:`.heap` (freed heap pages handed back). It imports from the rest of the core only
@@ -24,19 +25,18 @@ scale; ``p`` large enough that its states are coded, see :data:`.state_codes.MIN
    the next backward on ``p``'s post-accumulate-grad hook (:class:`.release.ReleasedGradients`,
    the base of ``LeanUpdate``) steps ``p`` alone and frees the gradient at once, so the
    gradients never exist all at once.
-3. The fp32 math: :class:`.lean.LeanUpdate` widens ``p``, its gradient and its states into fp32
-   temporaries (one chunk of parameters at a time), decodes ``exp_avg`` and ``exp_avg_sq``
-   from their codes (:class:`.state_codes.QuantizedState`), and runs AdamW's own ``step()`` on
-   them through torch's fused kernel (:func:`.torch_fused.fused_by_default`). Where
-   :mod:`.fused` takes ``p`` (from its second step, codes included) the same math
-   is one compiled loop over ``p``'s memory with no temporaries.
+3. The step: :func:`.spec.choose` picks the backend for ``p`` -- on a CPU the C loop of
+   :mod:`.cpu_kernels`, on a GPU :func:`torch.compile` of :mod:`.fused_ops`, the reference
+   (:mod:`.lean`'s chunks of fp32 temporaries, the optimizer's own ``step()``) for what neither
+   takes -- and :mod:`.fused` runs it: ``p``, its gradient and its codes (:class:`.state_codes.
+   QuantizedState`; on the first step, zeros) are read once, AdamW's fp32 math runs per element,
+   and everything is written back once.
 4. The rounding: ``p = SR(w32)``, stochastic, with random bits hashed from (seed, step,
-   parameter, element index) (:func:`.rounding.keyed_round_`), so chunks, released hooks and
-   FSDP shards round alike.
+   parameter, element index) (:mod:`.rounding`), so chunks, released hooks and FSDP shards
+   round alike.
 5. The coded states: ``exp_avg`` goes back as sign + E4M3 codes and ``exp_avg_sq`` as the
-   square root in E4M4, one fp32 scale per 256 elements of a row
-   (:func:`.state_codes.store_state`, chosen per key by :class:`.state_codes.StatePolicy`).
-   The first step's fp32 temporaries leave holes in the C heap: :func:`.heap.trim_heap`.
+   square root in E4M4, one fp32 scale per 256 elements of a row (:mod:`.state_codes`,
+   chosen per key by :class:`.state_codes.StatePolicy`).
 6. A non-finite gradient: released gradients cannot skip the whole step (earlier parameters
    already moved), so :mod:`.release` leaves ``p`` and its states as they were and the step
    warns with the count of such parameters.
@@ -47,9 +47,9 @@ gradient stays on ``p.grad`` until ``step()``, where the wrapper's verdict comes
 (:mod:`mixprec._core._gradients`). Then :mod:`.lean` widens ``w32 = p + c`` (``c`` the bf16
 compensation buffer), ``exp_avg`` from bf16 and ``exp_avg_sq`` as the fp32 it is kept in
 (``"auto"`` of :class:`.state_codes.StatePolicy`), steps, and writes back ``p = round(w32)``
-and ``c = round16(w32 - p)``; :mod:`.fused` does the same in one pass. A skipped step never
-reaches :func:`.step.inner_step`: ``p``, ``c``, the states and the rounding step count stay
-untouched.
+and ``c = round16(w32 - p)``: the reference; :mod:`.fused` does the same in one pass. A
+skipped step never reaches :func:`.step.inner_step`: ``p``, ``c``, the states and the
+rounding step count stay untouched.
 
 **What a checkpoint stores.** :meth:`.lean.LeanUpdate.export_states` turns each coded state
 into plain tensors and integers (:meth:`.state_codes.QuantizedState.to_dict`), and
