@@ -10,7 +10,6 @@ modified in place and returned. The levels and update modes: ``docs/recipes.md``
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -269,7 +268,7 @@ def _wrap_optimizers(
     """One wrapper per optimizer, sharing the loss slots (a scaler per loss); state loaded
     into the plain optimizer before initialize moves onto what the wrapper steps."""
     scaling = recipe.scaling(dtype)
-    scaler = functools.partial(LossScaler, enabled=False) if scaling is None else scaling.scaler
+    scaler = LossScaler.disabled if scaling is None else scaling.scaler
     slots = [LossSlot(scaler()) for _ in range(recipe.num_losses)]
     scale_given = scaling is not None and scaling.init_scale != 2.0**16
     carried = [take_state(o) for o in opt_list]

@@ -139,7 +139,20 @@ class LossScaler:
                 f"init_scale={init_scale!r} is outside [min_scale, max_scale] = "
                 f"[{min_scale!r}, {max_scale!r}]; change init_scale or the bounds."
             )
-        self.scale = self.init_scale if enabled else 1.0
+        self._start()
+
+    @classmethod
+    def disabled(cls) -> LossScaler:
+        """``LossScaler(enabled=False)`` (fixed at 1.0), its unused defaults left unchecked."""
+        scaler = cls.__new__(cls)
+        for field in dataclasses.fields(LossScaling):
+            setattr(scaler, field.name, field.default)
+        scaler.enabled = scaler.dynamic = False
+        scaler._start()
+        return scaler
+
+    def _start(self) -> None:
+        self.scale = self.init_scale if self.enabled else 1.0
         self.growth_tracker = 0
         self.hysteresis_tracker = self.hysteresis
         self.steps = 0
@@ -234,7 +247,7 @@ class LossScaler:
                     f"spec None disables loss scaling and takes no options; "
                     f"received {sorted(kwargs)}."
                 )
-            return cls(enabled=False)
+            return cls.disabled()
         if isinstance(spec, str) and spec == "dynamic":
             return cls(dynamic=True, **kwargs)
         if (

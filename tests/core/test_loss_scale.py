@@ -599,3 +599,8 @@ def test_no_cuda_sync():  # pragma: no cover - CPU-only CI
         found_non_finite(grads, found)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_disabled_is_the_unchecked_disabled_scaler():
+    assert LossScaler.disabled().state_dict() == LossScaler(enabled=False).state_dict()
+    assert LossScaler.from_spec(None).state_dict() == LossScaler(enabled=False).state_dict()
