@@ -214,7 +214,8 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
     # -- gradients (the rest: mixprec._core._gradients) -----------------------------------------
     def backward(self, loss: Tensor, loss_id: int = 0, **kwargs: Any) -> None:
         """``scale_loss(loss, self, loss_id)`` then ``backward()`` in one call."""
-        with scale_loss(loss, self, loss_id=loss_id) as scaled:
+        _check_loss(loss)
+        with _scaled(loss, [self], loss_id) as scaled:
             scaled.backward(**kwargs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -378,6 +379,13 @@ def scale_loss(
             "different loss scalers; initialize every model and optimizer a loss "
             "touches in one call (lists of models and optimizers)."
         )
+    with _scaled(loss, opts, loss_id) as scaled:
+        yield scaled
+
+
+@contextlib.contextmanager
+def _scaled(loss: Tensor, opts: list[MixedPrecisionOptimizer], loss_id: int) -> Iterator[Tensor]:
+    """:func:`scale_loss` for a checked loss and optimizers of one initialize call."""
     slot = opts[0].slot(loss_id)
     unsynced = all(o.unsynced_backward for o in opts)  # DDP.no_sync(): see _gradients
     for o in opts:
