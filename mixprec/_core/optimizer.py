@@ -234,14 +234,9 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
                 "MixedPrecisionOptimizer.step does not take a closure: "
                 "compute the loss, call backward(loss), then step()."
             )
-        found = self._settle()
-        self.step_skipped = found
-        if found:
-            self.skipped_steps += 1
-            self._drop_grads()
-            if self.lean is not None:
-                self.lean._end_released()
-            return None
+        self.step_skipped = self._settle()
+        if self.step_skipped:
+            return self._skip_step()
         for hook in self._optimizer_step_pre_hooks.values():
             hook(self, (), {})
         self._adopt_model_writes()
@@ -269,12 +264,16 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
             if p._version != seen and not rounds_to(master, p):
                 master.copy_(p)
 
-    def _drop_grads(self) -> None:
+    def _skip_step(self) -> None:
+        """A non-finite gradient: count the skip and drop this step's gradients."""
+        self.skipped_steps += 1
         for p in self.master_params():
             p.grad = None
         for p, _ in self._pairs:
             p.grad = None
         self._stash.clear()
+        if self.lean is not None:
+            self.lean._end_released()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._stash.clear()
