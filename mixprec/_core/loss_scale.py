@@ -207,8 +207,11 @@ class LossScaler:
         self.steps += 1
         self.skipped_steps += found_inf
         self.last_step_skipped = found_inf
-        if not self.dynamic:
-            return
+        if self.dynamic:
+            self._adjust(found_inf)
+
+    def _adjust(self, found_inf: bool) -> None:
+        """The dynamic rule (the class docstring's): back off on overflow, grow when clean."""
         if found_inf:
             self.growth_tracker = 0
             self.hysteresis_tracker -= 1
