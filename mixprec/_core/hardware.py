@@ -358,8 +358,12 @@ def warn_if_slow(
         return
     report = _report(_resolve_device(device))
     support = report.dtypes[_NAMES[dtype]]
-    if support.fast or (dtype, report.device) in _warned:
-        return
+    if not support.fast and (dtype, report.device) not in _warned:
+        _warn_slow(dtype, report, user_stacklevel() if stacklevel is None else stacklevel)
+
+
+def _warn_slow(dtype: torch.dtype, report: HardwareReport, stacklevel: int) -> None:
+    support = report.dtypes[_NAMES[dtype]]
     _warned.add((dtype, report.device))
     alternative = default_dtype(report.device)
     if alternative == dtype or not report.dtypes[_NAMES[alternative]].fast:
@@ -369,7 +373,7 @@ def warn_if_slow(
         f"{dtype} {what} on {report.device} ({report.name}): {support.reason}. "
         f"Suggested alternative: {alternative}.",
         category=MixprecPerformanceWarning,
-        stacklevel=user_stacklevel() if stacklevel is None else stacklevel,
+        stacklevel=stacklevel + 1,  # as seen from warn_if_slow
     )
 
 
