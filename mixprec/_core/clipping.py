@@ -108,12 +108,16 @@ def _warn_if_bound(originals: tuple[Any, ...]) -> None:
         if any(value is f for f in originals)
     ]
     if names:
-        warnings.warn(
-            f"{', '.join(names)} in your script is torch's own function, imported before "
-            "mixprec created fp32 master weights: on a model's 16-bit parameters it finds no "
-            "gradients (they live on the masters) and clips nothing. Call "
-            "opt.clip_grad_norm_(max_norm), or torch.nn.utils.clip_grad_norm_(...) by its "
-            "full name, which reaches the masters.",
-            MixprecWarning,
-            stacklevel=2,
-        )
+        _warn_bound(names)
+
+
+def _warn_bound(names: list[str]) -> None:
+    warnings.warn(
+        f"{', '.join(names)} in your script is torch's own function, imported before "
+        "mixprec created fp32 master weights: on a model's 16-bit parameters it finds no "
+        "gradients (they live on the masters) and clips nothing. Call "
+        "opt.clip_grad_norm_(max_norm), or torch.nn.utils.clip_grad_norm_(...) by its "
+        "full name, which reaches the masters.",
+        MixprecWarning,
+        stacklevel=3,  # as seen from _warn_if_bound
+    )
