@@ -4,10 +4,10 @@
     python benchmarks/bench_attention_size.py --threads 2 --rounds 7
 
 Forward plus backward of one causal bf16 attention call, eager, at each (batch x heads, T, head
-size): torch's ``F.scaled_dot_product_attention`` and ``mixprec._core.kernels.decomposed_attention``
-take turns in every round; the ratio is the median of the per-round ratios (below 1: the
-decomposition is faster). "work" counts the multiply-adds of ``q @ k^T``, the size that
-``kernels.MIN_DECOMPOSED_WORK`` is compared with.
+size): torch's ``F.scaled_dot_product_attention`` and
+``mixprec._core.attention.decomposed_attention`` take turns in every round; the ratio is the
+median of the per-round ratios (below 1: the decomposition is faster). "work" counts the
+multiply-adds of ``q @ k^T``, the size that ``attention.MIN_DECOMPOSED_WORK`` is compared with.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from mixprec._core import kernels
+from mixprec._core import attention
 
 
 def _time(fn: Callable, q: torch.Tensor, n: int) -> float:
@@ -42,7 +42,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"threshold {kernels.MIN_DECOMPOSED_WORK} multiply-adds\n"
+        f"threshold {attention.MIN_DECOMPOSED_WORK} multiply-adds\n"
     )
     print("| batch x heads | T | head size | work | fused (us) | decomposed (us) | ratio |")
     print("|---|---|---|---|---|---|---|")
@@ -56,7 +56,7 @@ def main() -> None:
                 fused, ours = [], []
                 for r in range(args.rounds + 1):  # round 0 warms up
                     a = _time(F.scaled_dot_product_attention, q, n)
-                    b = _time(kernels.decomposed_attention, q, n)
+                    b = _time(attention.decomposed_attention, q, n)
                     if r:
                         fused.append(a)
                         ours.append(b)

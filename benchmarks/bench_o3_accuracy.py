@@ -71,8 +71,8 @@ class Run:
                 warnings.simplefilter("ignore")  # "bf16 is slow on this CPU": known, measured
                 model, opt = mixprec.initialize(model, opt, recipe)
         self.model, self.opt = model, opt
-        lean = getattr(opt, "lean", None)
-        self.update = None if lean is None else lean.update
+        updater = getattr(opt, "updater", None)
+        self.update = None if updater is None else updater.update
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
         t0 = time.perf_counter()

@@ -5,7 +5,7 @@
 One AdamW step of a ``--size`` million-element bf16 weight (a 1024-column matrix), timed
 kernel by kernel in one process, rounds interleaved (median of ``--rounds``): torch's fused
 fp32 AdamW (``torch._fused_adamw_``, what ``AdamW(fused=True)`` runs) on fp32 weight, gradient
-and states; then mixprec's C loops (:mod:`mixprec._core.update.cpu_kernels`) for each kind of
+and states; then mixprec's C loops (:mod:`mixprec._core.update.c_loop`) for each kind of
 update step a recipe makes: O3's Kahan update (bf16 weight and compensation, bf16 ``exp_avg``,
 fp32 ``exp_avg_sq``), stochastic rounding with the same states, ``"lean"`` (stochastic rounding,
 8-bit states) and ``"lean"`` with 4-bit states; with ``--inductor``, the same steps compiled by
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from bench_overhead import machine
 
-from mixprec._core.update import cpu_kernels, fused_ops, spec
+from mixprec._core.update import c_loop, compiled_step, spec
 from mixprec._core.update.spec import Held, StepKind
 from mixprec._core.update.state_codes import QuantizedState
 
@@ -84,17 +84,17 @@ def _scalars(key: StepKind) -> torch.Tensor:
 def c_step(key: StepKind, rows: int, cols: int):
     w, comp, grad, states = operands(key, rows, cols)
     shape = (rows, cols) if key.coded else (1, rows * cols)
-    cpu_kernels.kernel(key)  # built before the clock starts
+    c_loop.kernel(key)  # built before the clock starts
     sc = _scalars(key)
-    return lambda: cpu_kernels.run(key, *shape, (w, comp, grad), states, sc, 12345, 678)
+    return lambda: c_loop.run(key, *shape, (w, comp, grad), states, sc, 12345, 678)
 
 
 def inductor_step(key: StepKind, rows: int, cols: int):
     w, comp, grad, states = operands(key, rows, cols)
     view = (rows, cols) if key.coded else (-1,)
     states = [s if isinstance(s, tuple) else s.view(view) for s in states]
-    fn = torch.compile(fused_ops.build(key), dynamic=True, fullgraph=True,
-                       options=fused_ops.OPTIONS)  # fmt: skip
+    fn = torch.compile(compiled_step.build(key), dynamic=True, fullgraph=True,
+                       options=compiled_step.OPTIONS)  # fmt: skip
     base, mix, sc = torch.tensor(12345), torch.tensor(678), _scalars(key)
     args = (w.view(view), None if comp is None else comp.view(view), grad.view(view), *states)
     fn(*args, sc, base, mix)  # the compile
@@ -123,8 +123,8 @@ def floor_step(n: int):
     """The exact sqrt + two divisions per element alone, built as the update kernels are."""
     folder = Path(tempfile.mkdtemp(prefix="mixprec-floor-"))
     (folder / "floor.c").write_text(FLOOR_C)
-    flags = [f for f in cpu_kernels._FLAGS if f != "-fopenmp"]
-    cmd = [cpu_kernels._compiler(), *flags, str(folder / "floor.c"), "-o", str(folder / "f.so")]
+    flags = [f for f in c_loop._FLAGS if f != "-fopenmp"]
+    cmd = [c_loop._compiler(), *flags, str(folder / "floor.c"), "-o", str(folder / "f.so")]
     subprocess.run([*cmd, "-lm"], check=True)
     fn = ctypes.CDLL(str(folder / "f.so")).floor_step
     fn.argtypes = [ctypes.c_int64, *(ctypes.c_void_p,) * 3, ctypes.c_float, ctypes.c_float]

@@ -27,7 +27,7 @@ from mixprec._core.optimizer_view import OptimizerView, as_torch_optimizer
 from mixprec._core.policy import Policy, get_policy
 from mixprec._core.resume import resume_carried, take_state
 from mixprec._core.storage import ACCEPT_16BIT_ATTR, cast_storage, keep_frozen, restore_fp32
-from mixprec._core.update.choice import UpdatePlan, update_plans
+from mixprec._core.update.choice import UpdatePlan, resolved_for, update_plans
 from mixprec.fp8 import layers as fp8_layers
 from mixprec.recipe import Recipe, as_recipe
 
@@ -106,7 +106,7 @@ def initialize(
         _apply_plan(model_list, recipe)
         recipe = "O1"
     device = _device_of(model_list)
-    recipe = as_recipe(recipe, dtype)
+    recipe = as_recipe(recipe, dtype).resolve(device)  # every "auto" the device decides
     low = recipe.resolved_dtype(device)
     if recipe.level != "O0":
         warn_if_slow(low, device)
@@ -274,11 +274,13 @@ def _wrap_optimizers(
     carried = [take_state(o) for o in opt_list]
     try:
         wrapped = [
-            MixedPrecisionOptimizer(o, slots, plan, fp32_values=fp32_values)
+            MixedPrecisionOptimizer(
+                o, slots, plan, fp32_values=fp32_values, recipe=resolved_for(recipe, plan)
+            )
             for o, plan in zip(opt_list, plans)
         ]
         for w in wrapped:
-            for p, comp in w.lean.compensation.items() if w.lean is not None else ():
+            for p, comp in w.updater.compensation.items() if w.updater is not None else ():
                 given = fp32_values.get(id(p))
                 if given is not None and given.shape == p.shape:
                     comp.copy_((given.float() - p.detach().float()).to(comp.dtype))

@@ -194,7 +194,16 @@ def _states(r: Any, own: bool, weight: torch.dtype, states: int) -> tuple[str, f
         return f"1 x {word(first)} + {rest} x fp32", _bytes(first) + 4 * rest if states else 0
     if isinstance(r.optimizer_states, (torch.dtype, str)):
         return f"{states} x {word(r.optimizer_states)}", states * _bytes(r.optimizer_states)
-    return word(r.optimizer_states), float(sum(_bytes(d) for _, d in r.optimizer_states))
+    table = dict(r.optimizer_states)  # {state name: kind}, the unnamed ones fp32
+    names = _STATE_NAMES.get(states)
+    if names is None:  # an optimizer whose state names the table does not know
+        return word(r.optimizer_states), float(sum(_bytes(d) for d in table.values()))
+    kinds = [table.get(n, torch.float32) for n in names]
+    return " + ".join(f"{n} {word(k)}" for n, k in zip(names, kinds)), sum(map(_bytes, kinds))
+
+
+#: the states of the optimizer ``table(states=...)`` stands for: AdamW's two, SGD's momentum
+_STATE_NAMES = {2: ("exp_avg", "exp_avg_sq"), 1: ("momentum_buffer",), 0: ()}
 
 
 def _activations(r: Any, low: torch.dtype) -> str:

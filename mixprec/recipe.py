@@ -268,6 +268,26 @@ class Recipe:
             return dtype if self.compute == "16-bit" else torch.float32
         return self.reduce_dtype
 
+    def resolve(self, device: Any = None) -> Recipe:
+        """This recipe as it runs on ``device``: every ``"auto"`` that the device decides made
+        concrete -- ``dtype``, ``loss_scale``, ``reduce_dtype``, ``update`` where no update mode
+        can run, ``gradients`` where they cannot be released -- so ``print(recipe.resolve())``
+        shows what "auto" became. What an optimizer decides (``update``, ``optimizer_states``)
+        is resolved per optimizer (``opt.recipe``); a ``gradients="auto"`` that can release
+        stays ``"auto"`` until the loop's first step decides (``opt.recipe`` after it)."""
+        low = self.resolved_dtype(device)
+        modes = self.weights == "16-bit" and not self.masters
+        fields: dict[str, Any] = dict(
+            dtype=None if low == torch.float32 else low,
+            loss_scale=self.scaling(low),
+            reduce_dtype=self.reduced_in(low),
+        )
+        if self.update == "auto" and not modes:
+            fields["update"] = None
+        if self.gradients == "auto" and not self.releases_gradients(low):
+            fields["gradients"] = "held"
+        return dataclasses.replace(self, **fields)
+
     def policy(self, dtype: torch.dtype | None = None) -> Policy:
         """The root module's :class:`~mixprec.Policy`: parameter, compute and output dtype."""
         low = dtype or self.resolved_dtype()

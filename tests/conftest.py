@@ -33,8 +33,8 @@ def one_thread():
 @pytest.fixture
 def decompose_small_attention(monkeypatch):
     """mixprec's decomposed attention at any size: ``kernels="auto"`` picks it only from a
-    measured size up (``kernels.MIN_DECOMPOSED_WORK``), and the tests of its semantics use tiny
+    measured size up (``attention.MIN_DECOMPOSED_WORK``), and the tests of its semantics use tiny
     tensors."""
-    from mixprec._core import kernels
+    from mixprec._core import attention
 
-    monkeypatch.setattr(kernels, "MIN_DECOMPOSED_WORK", 0)
+    monkeypatch.setattr(attention, "MIN_DECOMPOSED_WORK", 0)

@@ -69,7 +69,7 @@ def _use_mixprec() -> None:
         with mixprec.autocast(mixprec.Recipe("O1", BF16, fp8=fp8)):
             plain(torch.randn(4, 16)).float().sum().backward()
     assert not torch.nn.modules.module._global_forward_pre_hooks
-    assert mixprec._core.dispatch.registered()
+    assert mixprec._core._autocast_rules.registered()
 
 
 def _assert_same(ref, got, where: str) -> None:

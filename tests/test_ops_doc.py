@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
-from mixprec._core import cast_table, dispatch
+from mixprec._core import _autocast_rules, cast_table
 from mixprec._core.cast_table import FP32, PYTHON_FUNCTIONS, rule_for
 from mixprec._core.torch_lists import torch_rule
 
@@ -486,7 +486,7 @@ def test_o3_bfloat16_running_mean_stops_moving_within_a_few_percent():
 
 
 def _has_aten_op(name: str) -> bool:
-    return bool(dispatch._overloads(name))
+    return bool(_autocast_rules._overloads(name))
 
 
 def test_python_functions_are_exactly_the_entries_without_an_aten_op():
@@ -576,7 +576,7 @@ def test_the_cuda_statements_follow_torch_lists_and_torch_defaults():
     # mixprec's fp32_inside kernels sit on the CUDA key as on the CPU one
     with mixprec.autocast(BF16):
         pass
-    registered = dispatch.registered()
+    registered = _autocast_rules.registered()
     for qualname in ("_softmax", "_log_softmax", "native_layer_norm", "group_norm"):
         assert ("cuda", qualname) in registered and ("cpu", qualname) in registered
     # torch's defaults the page quotes
@@ -587,7 +587,7 @@ def test_the_cuda_statements_follow_torch_lists_and_torch_defaults():
 
 def test_attention_decomposes_on_cpu_only():
     q = torch.empty(2, 2, 4, 8, dtype=BF16, device="meta", requires_grad=True)
-    from mixprec._core.kernels import can_decompose_attention
+    from mixprec._core.attention import can_decompose_attention
 
     assert not can_decompose_attention(q, q, q)
     cpu = torch.zeros(2, 2, 256, 16, dtype=BF16, requires_grad=True)

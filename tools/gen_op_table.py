@@ -12,8 +12,8 @@ from __future__ import annotations
 import pathlib
 import sys
 
+from mixprec._core._autocast_rules import FP32_INSIDE_OPS
 from mixprec._core.cast_table import DEFAULT_TABLE, FP32, PYTHON_FUNCTIONS, table_markdown
-from mixprec._core.dispatch import FP32_INSIDE_OPS
 
 BEGIN, END = "<!-- op-table:begin -->", "<!-- op-table:end -->"
 TARGET = pathlib.Path(__file__).resolve().parent.parent / "docs" / "ops.md"

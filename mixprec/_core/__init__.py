@@ -7,11 +7,11 @@ Data flows down this list (see ``docs/design.md``):
 * :mod:`~mixprec._core.cast_table` -- the op rules (16-bit / fp32 / promote), as data that the
   engine, the graph pass and the docs all read; :mod:`~mixprec._core.torch_lists` holds torch's
   own autocast lists, so the differences are known;
-* :mod:`~mixprec._core.engine` and :mod:`~mixprec._core.dispatch` -- the eager engine:
+* :mod:`~mixprec._core.engine` and :mod:`~mixprec._core.regions` -- the eager engine:
   ``autocast`` regions, module boundaries and ``set_policy``; a region's push and pop of torch's
   Autocast dispatch state, and the registrations at first use;
   :mod:`~mixprec._core.traced` -- the engine's frames under ``torch.compile``;
-  :mod:`~mixprec._core.kernels` -- faster 16-bit formulations of a few ops;
+  :mod:`~mixprec._core.attention` -- faster 16-bit formulations of a few ops;
 * :mod:`~mixprec._core.loss_scale` -- static and dynamic loss scaling;
 * :mod:`~mixprec._core.optimizer` -- fp32 master weights, unscale and finite check, skipped steps,
   ``scale_loss`` (its gradient machinery in ``_gradients``, its checkpoint in

@@ -1,6 +1,6 @@
 """The engine's per-thread region stack, and which frame a kernel run by backward belongs to.
 
-A mixprec region pushes a :class:`Frame` on this thread's stack (:mod:`mixprec._core.dispatch`);
+A mixprec region pushes a :class:`Frame` on this thread's stack (:mod:`mixprec._core.regions`);
 the autocast kernels read the top one. Backward recomputation (activation checkpointing) finds
 the frame of its forward by autograd node number: a region records the numbers of the nodes it
 created as a span, and a kernel run by backward takes the innermost span holding the node being
@@ -87,7 +87,7 @@ def outside_regions() -> Iterator[None]:
 
 
 # Under torch.compile the frame push and pop are graph nodes, set by mixprec._core.traced when
-# mixprec registers with dynamo (mixprec._core.dispatch.enable): (enter, exit).
+# mixprec registers with dynamo (mixprec._core.regions.enable): (enter, exit).
 _traced: list[Callable] = []
 
 

@@ -37,8 +37,8 @@ class CheckpointState:
         over the masters), with :meth:`mixprec_state_dict` under ``param_groups[0]["mixprec"]``,
         which ``torch.optim.Optimizer.load_state_dict`` keeps (:mod:`mixprec._core.resume`)."""
         inner = self.optimizer.state_dict()
-        if self.lean is not None:
-            inner = self.lean.export_states(inner)
+        if self.updater is not None:
+            inner = self.updater.export_states(inner)
         return pack_state_dict(inner, self.mixprec_state_dict())
 
     def fp32_state_dict(self, state_dict: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -61,8 +61,8 @@ class CheckpointState:
             "step_skipped": self.step_skipped,
             "state_steps": state_steps(self.optimizer.state),  # to tell a stale entry
         }
-        if self.lean is not None:
-            own["lean"] = self.lean.state_dict()
+        if self.updater is not None:
+            own["lean"] = self.updater.state_dict()
         return own
 
     @torch.no_grad()
@@ -82,11 +82,11 @@ class CheckpointState:
         own = drop_stale(inner, own)
         if own is not None:
             self._check_own(own)
-            if self.lean is not None:
-                self.lean.load_state_dict(own.get("lean"))
+            if self.updater is not None:
+                self.updater.load_state_dict(own.get("lean"))
         self.optimizer.load_state_dict(inner)
-        if self.lean is not None:
-            self.lean.restore_state_dtypes(inner)
+        if self.updater is not None:
+            self.updater.restore_state_dtypes(inner)
         if own is None:
             return
         for (p, m), saved in zip(self._pairs, own["masters"]):
@@ -116,7 +116,7 @@ class CheckpointState:
                 f"optimizer has {len(self.slots)} (num_losses)."
             )
         saved = own.get("lean")
-        if self.lean is None and saved is not None:  # its compensation would be dropped
+        if self.updater is None and saved is not None:  # its compensation would be dropped
             raise ValueError(
                 f"The checkpoint was saved with update={saved.get('update')!r}, this "
                 "optimizer uses update=None; initialize with the same update mode to resume "

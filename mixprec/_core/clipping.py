@@ -26,13 +26,13 @@ __all__ = ["refuse_released", "register_masters", "register_released"]
 # id(model parameter) -> (weak ref to it, weak ref to its master); by id, since tensors compare
 # element-wise (no WeakKeyDictionary)
 _master_of: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-# id(parameter) -> (weak ref to it, weak ref to the LeanUpdate that may release its gradient)
+# id(parameter) -> (weak ref to it, weak ref to the ModeUpdater that may release its gradient)
 _released: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
 def register_released(params: list[Tensor], owner: Any) -> None:
     """Record parameters whose gradients ``owner`` (a
-    :class:`~mixprec._core.update.lean.LeanUpdate`) releases in backward, now
+    :class:`~mixprec._core.update.modes.ModeUpdater`) releases in backward, now
     (``gradients="released"``) or once its first step has shown that the loop allows it
     (``"auto"``): a clip of them asks the owner (``_clip_refusal``)."""
     if params:

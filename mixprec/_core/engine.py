@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree
 
-from mixprec._core import _frames, dispatch
-from mixprec._core._autocast_kernels import cast_leaf, sync
+from mixprec._core import _frames, regions
+from mixprec._core._autocast_rules import cast_leaf, sync
 from mixprec._core._frames import Frame
 from mixprec._core._keywords import refuse_moved_keywords
 from mixprec._core._warnings import MixprecWarning
@@ -130,7 +130,7 @@ class autocast:
         recipe: ``torch.bfloat16``/``torch.float16``, any policy spelling, or a
             :class:`mixprec.Recipe` (its compute dtype and outputs, its ``kernels`` -- ``"auto"``
             swaps in mixprec's kernels where they were measured faster, see
-            :mod:`mixprec._core.kernels` -- and its ``fp8``: the Linears of the first module
+            :mod:`mixprec._core.attention` -- and its ``fp8``: the Linears of the first module
             called in the region that the FP8 config chooses run their GEMMs in FP8 there,
             :mod:`mixprec.fp8`). None uses the global policy. A policy whose compute dtype is
             float32 disables the engine.
@@ -174,7 +174,7 @@ class autocast:
 
                 warn_if_slow(self.policy.compute_dtype)
             frame = _frame_for(self.policy, self.kernels)
-            saved = dispatch.push(frame, cache_enabled=self.cache_enabled)
+            saved = regions.push(frame, cache_enabled=self.cache_enabled)
             self._stack.append((frame, saved))
             if self.fp8 is not None:
                 fp8_layers.enter_region(self.fp8)
@@ -185,7 +185,7 @@ class autocast:
             if self.fp8 is not None:
                 fp8_layers.exit_region()
             frame, saved = self._stack.pop()
-            dispatch.pop(frame, saved)
+            regions.pop(frame, saved)
 
 
 def is_active() -> bool:
@@ -270,7 +270,7 @@ def _traced_region(frame: Frame, forward: Any, args: tuple, kwargs: dict) -> Any
     graph node of :mod:`mixprec._core.traced`, which keeps it across a break."""
     dtype, on = frame.dtype or torch.bfloat16, frame.dtype is not None
     with torch.autocast("cpu", dtype=dtype, enabled=on):
-        if "cuda" not in dispatch._devices():
+        if "cuda" not in regions._devices():
             return _in_frame(frame, forward, args, kwargs)
         with torch.autocast("cuda", dtype=dtype, enabled=on):
             return _in_frame(frame, forward, args, kwargs)
@@ -295,11 +295,11 @@ def _run(spec: Boundary, forward: Any, args: tuple, kwargs: dict) -> Any:
     elif torch.compiler.is_dynamo_compiling() or torch.compiler.is_compiling():
         output = _compiled_region(frame, forward, args, kwargs)
     else:
-        saved = dispatch.push(frame)
+        saved = regions.push(frame)
         try:
             output = forward(*args, **kwargs)
         finally:
-            dispatch.pop(frame, saved)
+            regions.pop(frame, saved)
     if output is None or not spec.cast_outputs:
         return output
     return cast_tree(output, spec.policy.output_dtype)
@@ -310,12 +310,12 @@ def _compiled_region(frame: Frame, forward: Any, args: tuple, kwargs: dict) -> A
     if (
         torch.compiler.is_dynamo_compiling()
         and not torch.compiler.is_exporting()  # export: push() records the casts
-        and dispatch.ready_for_dynamo()
+        and regions.ready_for_dynamo()
     ):
         return _traced_region(frame, forward, args, kwargs)
-    saved = dispatch.push(frame)  # run eagerly (dynamo before torch 2.13; export)
+    saved = regions.push(frame)  # run eagerly (dynamo before torch 2.13; export)
     output = forward(*args, **kwargs)  # no try block: dynamo cannot resume a frame inside one
-    dispatch.pop(frame, saved)
+    regions.pop(frame, saved)
     return output
 
 
@@ -389,7 +389,7 @@ def install_boundary(module: nn.Module) -> None:
     """Make ``module`` compute under its own policy (idempotent)."""
     if has_boundary(module):
         return
-    dispatch.enable()  # mixprec's first use: its registrations with torch
+    regions.enable()  # mixprec's first use: its registrations with torch
     sync(first=True)  # now, not while a compiler traces the first forward
     module.__dict__["forward"] = _Forward(module, module.__dict__.get("forward"))
 

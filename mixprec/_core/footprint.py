@@ -128,9 +128,9 @@ def footprint(
     if pairs:
         counts["masters"] = _nbytes([m for _, m in pairs], seen)
         counts["grads"] += _nbytes(getattr(optimizer, "_grad_buffers", {}).values(), seen)
-    lean = getattr(optimizer, "lean", None)
-    if lean is not None:
-        counts["compensation"] = _nbytes(lean.compensation.values(), seen)
+    updater = getattr(optimizer, "updater", None)
+    if updater is not None:
+        counts["compensation"] = _nbytes(updater.compensation.values(), seen)
     if inner is not None:
         counts["optimizer_state"] = _nbytes(_state_tensors(inner), seen)
     return Footprint(params=sum(p.numel() for p in params), bytes=counts, peak_bytes=peak)

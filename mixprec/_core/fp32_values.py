@@ -40,20 +40,20 @@ class LoadRefresh:
                 for name, fp32 in m.__dict__.get(FROZEN_ATTR, {}).items():
                     p = m._parameters[name]
                     self.masters[id(p)] = (weakref.ref(p), fp32)
-        self.lean: dict[int, tuple[weakref.ref, Any]] = {}
+        self.updaters: dict[int, tuple[weakref.ref, Any]] = {}
         for o in optimizers:
             for p, master in o._pairs:
                 self.masters[id(p)] = (weakref.ref(p), master)
-            if o.lean is not None:
+            if o.updater is not None:
                 for g in o.param_groups:
                     for p in g["params"]:
-                        self.lean[id(p)] = (weakref.ref(p), o.lean)
+                        self.updaters[id(p)] = (weakref.ref(p), o.updater)
         self.pending: list[tuple[Tensor, Any, Tensor]] = []
 
     def __getstate__(self) -> dict[str, Any]:
         # weakrefs do not pickle, and a pickled model is a copy with other parameters: its
         # hooks refresh nothing (torch.save(model) must keep working after initialize)
-        return {"masters": {}, "lean": {}, "pending": []}
+        return {"masters": {}, "updaters": {}, "pending": []}
 
     def before(
         self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any
@@ -62,7 +62,7 @@ class LoadRefresh:
             src = state_dict.get(prefix + name)
             if p is None or not isinstance(src, Tensor):
                 continue
-            for table in (self.masters, self.lean):
+            for table in (self.masters, self.updaters):
                 hit = table.get(id(p))
                 if hit is not None and hit[0]() is p:
                     same = src.dtype == p.dtype and torch.equal(src, p.detach())
@@ -77,7 +77,7 @@ class LoadRefresh:
                     continue  # a 16-bit copy of this very master (a resume): keep its precision
                 target.copy_(src)
                 continue
-            comp = target.compensation.get(p)  # a LeanUpdate's Kahan buffer
+            comp = target.compensation.get(p)  # a ModeUpdater's Kahan buffer
             if comp is not None and not same and src.dtype.itemsize > p.dtype.itemsize:
                 # a wider load (pretrained fp32): the residual of rounding it, except where
                 # w + c already is the loaded value (fp32_state_dict of the state restored
@@ -112,9 +112,9 @@ def fp32_state_dict(
     ``initialize``) ``c`` comes back too, and a resume is bit for bit.
     """
     masters = {} if optimizer is None else {id(p): m for p, m in optimizer._pairs}
-    lean = None if optimizer is None else getattr(optimizer, "lean", None)
-    if lean is not None:
-        masters.update({id(p): kahan_fp32(p, c) for p, c in lean.compensation.items()})
+    updater = None if optimizer is None else getattr(optimizer, "updater", None)
+    if updater is not None:
+        masters.update({id(p): kahan_fp32(p, c) for p, c in updater.compensation.items()})
     for m in model.modules():
         for name, fp32 in m.__dict__.get(FROZEN_ATTR, {}).items():
             p = m._parameters.get(name)

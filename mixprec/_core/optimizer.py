@@ -3,7 +3,7 @@
 Design (``docs/design.md``, "Master weights and the optimizer"): it wraps any
 ``torch.optim.Optimizer``, puts an fp32 master of each 16-bit parameter into the inner
 optimizer's ``param_groups``, steps them and copies them back into the 16-bit weights; without
-masters the plan's update mode steps the 16-bit weights (:mod:`mixprec._core.update.lean`). A
+masters the plan's update mode steps the 16-bit weights (:mod:`mixprec._core.update.modes`). A
 non-finite gradient skips the step, leaving weights, masters and state bitwise unchanged. What
 happens to gradients between a backward and ``step()`` is the mixin
 :mod:`mixprec._core._gradients`; the checkpoint layout, :mod:`mixprec._core._optimizer_state`.
@@ -22,13 +22,13 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from mixprec._core import dispatch
+from mixprec._core import _frames, regions
 from mixprec._core._gradients import SETTLE_HOOKS, GradientChecks, LossSlot
 from mixprec._core._optimizer_state import CheckpointState
 from mixprec._core.clipping import refuse_released, register_masters
 from mixprec._core.update.choice import UpdatePlan
-from mixprec._core.update.lean import LeanUpdate
-from mixprec._core.update.step import inner_step, updater
+from mixprec._core.update.modes import ModeUpdater
+from mixprec._core.update.step import inner_step, make_updater
 
 __all__ = ["SETTLE_HOOKS", "MixedPrecisionOptimizer", "StepGuard", "rounds_to", "scale_loss"]
 
@@ -53,8 +53,9 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
 
     ``plan``: how the step writes the weights, an :class:`~mixprec._core.update.choice.UpdatePlan`
     in the Recipe's words (default: fp32 masters). Without masters, its ``update`` mode runs the
-    memory-lean 16-bit step; see :mod:`mixprec._core.update.lean`. ``lean`` is the
-    :class:`~mixprec._core.update.lean.LeanUpdate` (None without).
+    memory-lean 16-bit step; see :mod:`mixprec._core.update.modes`. ``updater`` is the
+    :class:`~mixprec._core.update.modes.ModeUpdater` (None without). ``recipe``: the
+    :class:`mixprec.Recipe` it runs, every ``"auto"`` resolved (``print(opt.recipe)``).
 
     What happens to gradients between a backward and ``step()`` (widen, unscale, check, settle
     the verdicts) is :class:`~mixprec._core._gradients.GradientChecks`; ``state_dict`` and
@@ -69,6 +70,7 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         *,
         master_dtype: torch.dtype = torch.float32,
         fp32_values: dict[int, Tensor] | None = None,
+        recipe: Any = None,
     ):
         if not isinstance(optimizer, Optimizer):
             raise TypeError(
@@ -103,10 +105,20 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         for group in optimizer.param_groups:
             group["params"] = [self._master_for(p) for p in group["params"]]
         del self._given
-        dispatch.enable()  # mixprec's first use: its registrations with torch
+        regions.enable()  # mixprec's first use: its registrations with torch
         register_masters(self._pairs)  # torch's clip_grad_norm_ on model params reaches these
         self._versions = [p._version for p, _ in self._pairs]
-        self.lean: LeanUpdate | None = updater(optimizer, plan)
+        self.updater: ModeUpdater | None = make_updater(optimizer, plan)
+        self._recipe = recipe
+
+    @property
+    def recipe(self) -> Any:
+        """The :class:`mixprec.Recipe` this optimizer runs, every ``"auto"`` resolved: by the
+        device and the optimizer at ``initialize``, ``gradients="auto"`` by the first step."""
+        recipe, updater = self._recipe, self.updater
+        if recipe is None or updater is None or recipe.gradients != "auto" or updater.deciding:
+            return recipe
+        return recipe.replace(gradients="released" if updater.release else "held")
 
     # -- delegation: schedulers and user code see the inner optimizer's groups and state -------
     param_groups = property(
@@ -121,9 +133,9 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         gradients, so a pickled copy starts with none checked. An update mode is refused: its
         rounding keys and released-gradient hooks belong to the parameters' identities, which
         pickling does not keep."""
-        if self.lean is not None:
+        if self.updater is not None:
             raise TypeError(
-                f"A MixedPrecisionOptimizer with an update mode (update={self.lean.update!r}) "
+                f"A MixedPrecisionOptimizer with an update mode (update={self.updater.update!r}) "
                 "cannot be pickled whole: its per-parameter keys and hooks follow the "
                 "parameters' identities. Copy it with copy.deepcopy((model, optimizer)), or "
                 "save optimizer.state_dict() with model.state_dict() (mixprec.save_checkpoint)."
@@ -166,8 +178,8 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         params = [params] if isinstance(params, Tensor) else list(params)
         masters = [self._master_for(p) for p in params]
         self.optimizer.add_param_group({**param_group, "params": masters})
-        if self.lean is not None:
-            self.lean.add_params(masters)
+        if self.updater is not None:
+            self.updater.add_params(masters)
 
     def master_params(self) -> list[Tensor]:
         """The tensors the inner optimizer steps (fp32 masters or fp32 model parameters)."""
@@ -242,7 +254,7 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         self._adopt_model_writes()
         self._in_step = True
         try:
-            result = inner_step(self.optimizer, self.plan, self.lean)
+            result = inner_step(self.optimizer, self.plan, self.updater)
         finally:
             self._in_step = False
         if self._pairs:
@@ -272,16 +284,16 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         for p, _ in self._pairs:
             p.grad = None
         self._stash.clear()
-        if self.lean is not None:
-            self.lean._end_released()
+        if self.updater is not None:
+            self.updater._end_released()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._stash.clear()
         self._deferred = None
         self._found.clear()  # the verdicts were about the gradients dropped here
         self._late.clear()
-        if self.lean is not None:
-            self.lean._zero_released()
+        if self.updater is not None:
+            self.updater._zero_released()
         params: Iterable[Tensor] = [*self.master_params(), *(p for p, _ in self._pairs)]
         for p in params:
             if p.grad is None:
@@ -336,8 +348,8 @@ class StepGuard:
             )
         if wrapper is not None and wrapper.holds_its_gradients():
             parts = ["the inf/NaN check that skips a step", "the loss scaler's update"]
-            if wrapper.lean is not None:
-                parts.append(f"update={wrapper.lean.update!r} (fp32 arithmetic, then rounding)")
+            if wrapper.updater is not None:
+                parts.append(f"update={wrapper.updater.update!r} (fp32 arithmetic, then rounding)")
             skipped = ", ".join(parts[:-1]) + " and " + parts[-1]
             what = (
                 "would move its fp32 masters and not the model's 16-bit weights (only the "
@@ -364,7 +376,7 @@ def scale_loss(
 
     On exit the gradients are unscaled into fp32 master gradients and checked for inf/NaN (no
     host sync); the next ``step()`` acts on the verdict. The block runs outside any open mixprec
-    region (:func:`dispatch.outside_regions`)."""
+    region (:func:`._frames.outside_regions`)."""
     opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     if not opts or not all(isinstance(o, MixedPrecisionOptimizer) for o in opts):
         raise TypeError(
@@ -391,7 +403,7 @@ def _scaled(loss: Tensor, opts: list[MixedPrecisionOptimizer], loss_id: int) -> 
         o.prepare_backward()
     try:
         scaled = slot.scaler.scale_loss(loss)
-        with dispatch.outside_regions():
+        with _frames.outside_regions():
             yield scaled
     except BaseException:
         for o in opts:  # the backward failed: give back the grads stashed for accumulation

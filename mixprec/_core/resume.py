@@ -162,11 +162,11 @@ def _saved_compensation(
 ) -> tuple[list[Tensor | None], int]:
     """The saved compensation where the model held 16-bit weights (the whole tensor), and per
     element where ``w + c`` is the fp32 value it held; elsewhere the residual in the buffer."""
-    assert opt.lean is not None
+    assert opt.updater is not None
     out: list[Tensor | None] = []
     stale = 0
-    for p, s in zip(opt.lean.params(), saved):
-        comp = opt.lean.compensation.get(p)
+    for p, s in zip(opt.updater.params(), saved):
+        comp = opt.updater.compensation.get(p)
         if comp is None or s is None or s.shape != comp.shape:
             out.append(s)
             continue
@@ -206,10 +206,10 @@ def resume_carried(
     opt._check_own(own)
     own = dict(own)
     own["masters"], stale = _saved_masters(opt, own["masters"])
-    lean = own.get("lean")
-    if opt.lean is not None and lean is not None and lean.get("compensation") is not None:
-        comps, stale_comps = _saved_compensation(opt, lean["compensation"], values)
-        own["lean"] = {**lean, "compensation": comps}
+    updater = own.get("lean")
+    if opt.updater is not None and updater is not None and updater.get("compensation") is not None:
+        comps, stale_comps = _saved_compensation(opt, updater["compensation"], values)
+        own["lean"] = {**updater, "compensation": comps}
         stale += stale_comps
     if stale:
         warnings.warn(
@@ -230,7 +230,7 @@ def _warn_no_entry(opt: Any, values: dict[int, Tensor], given: bool) -> None:
     lost = []
     if opt._pairs and all(torch.equal(m, m.to(p.dtype).to(m.dtype)) for p, m in opt._pairs):
         lost.append("the fp32 masters start from the model's 16-bit weights")
-    comps = {} if opt.lean is None else opt.lean.compensation
+    comps = {} if opt.updater is None else opt.updater.compensation
     if comps and all(
         torch.equal(v, v.to(p.dtype).to(v.dtype)) for p in comps for v in [values.get(id(p), p)]
     ):

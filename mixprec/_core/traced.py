@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from mixprec._core import _autocast_kernels, _frames, cast_table
-from mixprec._core._autocast_kernels import FP32_INSIDE_OPS
+from mixprec._core import _autocast_rules, _frames, cast_table
+from mixprec._core._autocast_rules import FP32_INSIDE_OPS
 from mixprec._core._frames import Frame, _state
 from mixprec._core.hardware import MixprecPerformanceWarning
 
@@ -77,8 +77,8 @@ def enter(
 ) -> None:
     """The push of a region, as a graph node; ``in_autocast``: inside torch.autocast regions
     of the frame's setting (a module boundary), which dynamo carries across a graph break."""
-    if _autocast_kernels._synced[0] != cast_table._version[0]:
-        _autocast_kernels.sync(first=True)
+    if _autocast_rules._synced[0] != cast_table._version[0]:
+        _autocast_rules.sync(first=True)
     compiling = _compilation()
     if compiling is None:  # run as it stands (a backend that runs dynamo's graph eagerly)
         _frames._enter(_frame(dtype, kernels, fp32_inside))
@@ -178,7 +178,7 @@ def _add_callbacks(dynamo: Any) -> None:
 
 def dynamo_traces_autocast_setters() -> bool:
     """torch >= 2.13's dynamo records torch.set_autocast_dtype and autocast_increment_nesting in
-    the graph; older ones graph-break on them, half-way through :func:`dispatch.push`."""
+    the graph; older ones graph-break on them, half-way through :func:`.regions.push`."""
     rules = getattr(
         sys.modules.get("torch._dynamo.trace_rules"), "torch_c_binding_in_graph_functions", {}
     )

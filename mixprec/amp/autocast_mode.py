@@ -7,7 +7,7 @@ and so do ``torch.compile``, ``torch.export`` and activation checkpointing, whic
 ``{op: rule}`` mapping) runs the region under mixprec's cast table -- float32 softmax, norms,
 reductions and losses on CPU as on CUDA, promotion instead of an error for an fp16/bf16 mix,
 the user's ``mixprec.register_op`` rules -- by pushing a mixprec engine frame for this device
-type only (:mod:`mixprec._core.dispatch`).
+type only (:mod:`mixprec._core.regions`).
 
 Fixed here: ``is_autocast_available("foo")`` answers False instead of raising, and a region
 nested in one of another 16-bit dtype clears torch's weight-cast cache on entry and exit (torch
@@ -25,14 +25,14 @@ import torch
 from torch.amp.autocast_mode import autocast as _TorchAutocast
 from torch.amp.autocast_mode import custom_bwd, custom_fwd
 
-from mixprec._core import cast_table, dispatch
-from mixprec._core.dispatch import Frame
+from mixprec._core import _autocast_rules, cast_table, regions
+from mixprec._core._frames import Frame
 
 __all__ = ["autocast", "custom_bwd", "custom_fwd", "is_autocast_available"]
 
 # torch < 2.5 has no such class: there dynamo treats every autocast alike
 _Unmanaged: type = getattr(torch.amp.autocast_mode, "_UnmanagedAutocast", _TorchAutocast)
-_TABLE_DEVICES = tuple(dispatch._KEYS)  # device types that carry mixprec's autocast kernels
+_TABLE_DEVICES = tuple(_autocast_rules._KEYS)  # device types that carry mixprec's autocast kernels
 
 # regions entered so far per (device type, dtype): GradScaler reads it to notice a bfloat16
 # run (a process-wide tally, like torch's own autocast state of the thread that runs it)
@@ -164,7 +164,7 @@ class autocast(_TorchAutocast):
             scope = cast_table.cast_rules(self._overrides)
             scope.__enter__()
         frame = Frame(self.fast_dtype, "torch")
-        saved = dispatch.push(frame, cache_enabled=self._cache_enabled, devices=(self.device,))
+        saved = regions.push(frame, cache_enabled=self._cache_enabled, devices=(self.device,))
         self._frames.append((frame, saved, scope))
         return self
 
@@ -180,7 +180,7 @@ class autocast(_TorchAutocast):
             return super().__exit__(exc_type, exc_val, exc_tb)
         frame, saved, scope = self._frames.pop()
         try:
-            dispatch.pop(frame, saved)
+            regions.pop(frame, saved)
         finally:
             if scope is not None:
                 scope.__exit__(exc_type, exc_val, exc_tb)

@@ -248,11 +248,11 @@ def _memory_claim(base: ModeResult, mixed: dict[str, ModeResult]) -> str:
     measured = {n: r for n, r in mixed.items() if r.peak_bytes is not None}
     if base.peak_bytes is None or not measured:
         return "Memory: not measured on this device."
-    lean = min(measured, key=lambda n: measured[n].peak_bytes)
-    saved = 1 - measured[lean].peak_bytes / base.peak_bytes if base.peak_bytes else 0.0
+    leanest = min(measured, key=lambda n: measured[n].peak_bytes)
+    saved = 1 - measured[leanest].peak_bytes / base.peak_bytes if base.peak_bytes else 0.0
     if saved <= 0:
         return f"Memory: no mixed mode used less peak memory than fp32 ({_mb(base)})."
     return (
-        f"Memory: {lean} uses {saved:.0%} less peak memory than fp32 "
-        f"({_mb(measured[lean])} vs {_mb(base)})."
+        f"Memory: {leanest} uses {saved:.0%} less peak memory than fp32 "
+        f"({_mb(measured[leanest])} vs {_mb(base)})."
     )

@@ -20,8 +20,8 @@ import torch
 
 import mixprec
 from mixprec._core import engine
+from mixprec._core._autocast_rules import float_dtypes
 from mixprec._core.cast_table import rule_for
-from mixprec._core.dispatch import float_dtypes
 
 __all__ = [
     "REGISTERED",

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 import mixprec
-from mixprec._core import dispatch, engine
+from mixprec._core import _frames, engine
 from mixprec._core._gradients import LossSlot
 from mixprec._core.loss_scale import LossScaler
 from mixprec._core.optimizer import MixedPrecisionOptimizer
@@ -218,7 +218,7 @@ class AmpHandle:
             return
         if self._region is not None:
             frame = self._region._stack[-1][0] if self._region._stack else None
-            if frame is None or dispatch.top() is not frame:
+            if frame is None or _frames.top() is not frame:
                 raise RuntimeError(
                     "amp handles were deactivated out of order, or from another thread: "
                     "deactivate the most recently created handle (amp.init) first, on the "

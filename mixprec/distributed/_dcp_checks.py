@@ -41,15 +41,15 @@ STATE_FIELDS = (
 def describe(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     """What the checkpoint of ``model`` holds, compared on load."""
     recipe, low = model.__dict__.get(RECIPE_ATTR, (None, None))
-    lean = getattr(optimizer, "lean", None)
+    updater = getattr(optimizer, "updater", None)
     return {
         "format": FORMAT,
-        "layout": "16-bit shards" if lean is not None else "fp32 master shards",
+        "layout": "16-bit shards" if updater is not None else "fp32 master shards",
         "recipe": None if recipe is None else str(recipe),
         "fields": {} if recipe is None else {f: _word(getattr(recipe, f)) for f in STATE_FIELDS},
         "dtype": None if low is None else str(low),
-        "update": None if lean is None else lean.update,
-        "state_dtype": None if lean is None else _word(lean.state_dtype),
+        "update": None if updater is None else updater.update,
+        "state_dtype": None if updater is None else _word(updater.state_dtype),
         "world_size": _world_size(model),
     }
 

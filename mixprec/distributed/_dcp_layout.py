@@ -192,7 +192,7 @@ def sharded_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    lean, inner, names = optimizer.lean, optimizer.optimizer, _named(model)
+    updater, inner, names = optimizer.updater, optimizer.optimizer, _named(model)
     params = [p for g in inner.param_groups for p in g["params"]]
     coded = _coded_everywhere(inner, params)
     states: dict[str, Any] = {}
@@ -208,7 +208,9 @@ def sharded_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
         if ext:
             info["extra_state"][names[p]] = ext
     comps = {
-        names[p]: _like_param(c, p) for p, c in lean.compensation.items() if isinstance(p, DTensor)
+        names[p]: _like_param(c, p)
+        for p, c in updater.compensation.items()
+        if isinstance(p, DTensor)
     }
     info["compensation"] = sorted(comps)
     info["param_groups"] = [
@@ -221,7 +223,7 @@ def sharded_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
         "skipped_steps": optimizer.skipped_steps,
         "step_skipped": optimizer.step_skipped,
     }
-    info["lean"] = {"update": lean.update, "seed": lean.seed, "steps": lean.steps}
+    info["lean"] = {"update": updater.update, "seed": updater.seed, "steps": updater.steps}
     return {
         "model": get_model_state_dict(model),
         "optimizer": {"state": states},
@@ -285,7 +287,7 @@ def sharded_template(model: nn.Module, optimizer: Any, info: dict[str, Any]) -> 
             else:
                 out[k] = _like_param(torch.empty_like(loc, dtype=_dtype(d["dtype"])), p)
         states[fqn] = out
-    buffers = optimizer.lean.compensation
+    buffers = optimizer.updater.compensation
     comps = {
         fqn: _like_param(torch.empty_like(buffers.get(params[fqn], _local(params[fqn]))), p)
         for fqn in info["compensation"]
@@ -304,12 +306,12 @@ def commit_sharded(
     from torch.distributed.tensor import DTensor
 
     params = dict(model.named_parameters())
-    inner, lean = optimizer.optimizer, optimizer.lean
+    inner, updater = optimizer.optimizer, optimizer.updater
     set_model_state_dict(model, loaded["model"])
     inner.state.clear()
     for fqn, lay in info["layout_of"].items():
         p = params[fqn]
-        local_states = lean is not None and p.dtype in _LOW  # stepped through its shard
+        local_states = updater is not None and p.dtype in _LOW  # stepped through its shard
         st: dict[str, Any] = {}
         for k, d in lay.items():
             v = loaded["optimizer"]["state"][fqn][k]
@@ -337,13 +339,13 @@ def commit_sharded(
         for k, v in saved.items():
             if k != "params":
                 g[k] = v
-    if lean is not None:
+    if updater is not None:
         comps = {params[f]: loaded["compensation"][f] for f in info["compensation"]}
-        lean.load_state_dict(
+        updater.load_state_dict(
             {
                 **info["lean"],
                 "compensation": [
-                    None if p not in comps else comps[p].to_local() for p in lean.params()
+                    None if p not in comps else comps[p].to_local() for p in updater.params()
                 ],
             }
         )

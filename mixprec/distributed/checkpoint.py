@@ -123,7 +123,7 @@ def _save_sharded(path: Path, model: nn.Module, optimizer: MixedPrecisionOptimiz
         if dist.get_rank() == 0:
             (path / ".metadata").unlink(missing_ok=True)
         dist.barrier()
-    if optimizer.lean is not None:  # 16-bit shards stepped by an update mode
+    if optimizer.updater is not None:  # 16-bit shards stepped by an update mode
         state = layout.sharded_state(model, optimizer)
     else:
         state = _dcp_state(model, optimizer)
@@ -147,11 +147,11 @@ def _load_sharded(path: Path, model: nn.Module, optimizer: MixedPrecisionOptimiz
     here = checks.describe(model, optimizer)
     if info is not None:
         checks.check_description(info, here, path)
-    if optimizer.lean is not None:
+    if optimizer.updater is not None:
         if info is None or "layout_of" not in info:
             raise ValueError(
                 f"{path} was not saved from a model stepped by an update mode (16-bit "
-                f"shards); this one uses update={optimizer.lean.update!r}. Prepare the model "
+                f"shards); this one uses update={optimizer.updater.update!r}. Prepare the model "
                 "with the recipe it was saved with. Nothing was loaded."
             )
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -268,7 +268,7 @@ def _kahan_full_values(model: nn.Module, optimizer: Any) -> dict[str, Tensor]:
     name (a collective): without them the export would be the rounded weights."""
     from torch.distributed.tensor import DTensor
 
-    comps = getattr(getattr(optimizer, "lean", None), "compensation", {})
+    comps = getattr(getattr(optimizer, "updater", None), "compensation", {})
     out = {}
     for name, p in model.named_parameters():
         comp = comps.get(p)

@@ -206,7 +206,7 @@ def initialize_fsdp(
     inner = recipe.replace(gradients="held") if modes else _inner_recipe(recipe)
     model, opt = initialize(model, optimizer, inner, low)
     gather_in_fp8(model, recipe.fp8)  # tensorwise FP8 layers: their weights gathered in FP8
-    if opt.lean is not None and opt.lean.compensation:
+    if opt.updater is not None and opt.updater.compensation:
         _start_compensation(model, opt, fp32_values)
     sync_verdicts(opt, mesh.get_group())
     return model, opt
@@ -254,7 +254,7 @@ def _start_compensation(
     """Kahan compensation of each shard starts from the residual of its pre-cast fp32 rows, as
     ``initialize`` starts it for an unsharded model."""
     for name, p in model.named_parameters():
-        comp, value = opt.lean.compensation.get(p), fp32_values.get(name)
+        comp, value = opt.updater.compensation.get(p), fp32_values.get(name)
         if comp is None or value is None:
             continue
         start = shard_offset(p)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from mixprec._core import kernels
+from mixprec._core import attention
 from mixprec.graph import casts, paint
 
 __all__ = ["PassResult", "auto_attention", "rewrite"]
@@ -32,9 +32,9 @@ class PassResult:
 def auto_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
     """``scaled_dot_product_attention`` that takes mixprec's measured-faster path when it applies.
 
-    Same rule as the eager engine with ``kernels="auto"`` (see :mod:`mixprec._core.kernels`).
+    Same rule as the eager engine with ``kernels="auto"`` (see :mod:`mixprec._core.attention`).
     """
-    out = kernels.try_decomposed_attention(args, kwargs)
+    out = attention.try_decomposed_attention(args, kwargs)
     if out is not None:
         return out
     return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)

@@ -23,7 +23,7 @@ import bench_state
 import bench_update_kernels
 import torch
 
-from mixprec._core.update import cpu_kernels
+from mixprec._core.update import c_loop
 
 
 def test_bench_fp8_smoke_on_cpu(tmp_path, capsys):
@@ -201,12 +201,12 @@ def test_bench_nanogpt_edits_train_py_by_one_line_per_mode_and_makes_its_corpus(
     amp = bench_nanogpt.patched(NANOGPT_LINES, "torch-autocast").splitlines()
     assert amp[0].startswith("ctx = torch.autocast('cpu', torch.bfloat16) if True else")
     assert amp[1:] == NANOGPT_LINES.splitlines()[1:]
-    lean = bench_nanogpt.patched(NANOGPT_LINES, "lean").splitlines()
-    assert lean[2] == (
+    lines = bench_nanogpt.patched(NANOGPT_LINES, "lean").splitlines()
+    assert lines[2] == (
         "import mixprec; model, optimizer = mixprec.initialize(model, optimizer, 'lean', "
         "torch.bfloat16)"
     )
-    assert [lean[0], lean[1], lean[3]] == NANOGPT_LINES.splitlines()
+    assert [lines[0], lines[1], lines[3]] == NANOGPT_LINES.splitlines()
     with pytest.raises(SystemExit, match="configure_optimizers line was not found"):
         bench_nanogpt.patched("print()\n", "O2")
     bench_nanogpt.corpus(tmp_path, 5000)
@@ -215,7 +215,7 @@ def test_bench_nanogpt_edits_train_py_by_one_line_per_mode_and_makes_its_corpus(
     assert len(ids) == 4500 and int(ids.max()) < meta["vocab_size"] == len(meta["itos"])
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here")
+@pytest.mark.skipif(not c_loop.available(), reason="no C compiler here")
 def test_bench_update_kernels_times_every_kind_and_its_bandwidth(capsys):
     bench_update_kernels.main(["--size", "0.02", "--rounds", "1"])
     text = capsys.readouterr().out

@@ -67,7 +67,7 @@ def test_kahan_buffers_start_from_the_fp32_values_either_way(hold):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = mixprec.initialize(model, opt, "O3", BF16)
     for p, value in zip(model.parameters(), fp32):
-        comp = opt.lean.compensation[p]
+        comp = opt.updater.compensation[p]
         assert torch.equal(comp, (value - p.float()).to(BF16))
     if held is not None:  # what was taken before initialize keeps its fp32 values, stepped
         opt.backward(model(torch.randn(4, 8)).float().square().mean())

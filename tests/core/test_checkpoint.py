@@ -222,7 +222,7 @@ def test_the_optimizer_pickles_whole_after_training_or_says_why_not(level):
 
     model, opt = build(level, BF16)
     train(model, opt, range(K))
-    if opt.lean is not None:
+    if opt.updater is not None:
         with pytest.raises(TypeError, match=r"update='kahan'.*copy\.deepcopy\(\(model, optim"):
             pickle.dumps((model, opt))
         other, other_opt = copy.deepcopy((model, opt))

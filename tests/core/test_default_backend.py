@@ -10,7 +10,7 @@ import warnings
 import torch
 
 import mixprec
-from mixprec._core.update import cpu_kernels, spec
+from mixprec._core.update import c_loop, spec
 
 
 def test_the_suites_backend_switches_are_a_fresh_interpreters():
@@ -31,10 +31,10 @@ def test_a_users_lean_step_runs_the_c_loop_here():
         warnings.simplefilter("always")
         opt.backward(model(torch.randn(4, 64)).float().square().mean())
         opt.step()
-    lines = opt.lean.explain().splitlines()
+    lines = opt.updater.explain().splitlines()
     assert len(lines) == 4
-    if cpu_kernels.available():
+    if c_loop.available():
         assert all(line.endswith("c: one pass") for line in lines), lines
-        assert opt.lean.fused.fused_steps == 4
+        assert opt.updater.fused.fused_steps == 4
     else:
         assert any("could not be compiled" in str(w.message) for w in seen)

@@ -1,4 +1,4 @@
-"""Tests for mixprec._core.engine and mixprec._core.kernels: regions, gradients, the cast cache,
+"""Tests for mixprec._core.engine and mixprec._core.attention: regions, gradients, the cast cache,
 module policy boundaries, attention, a model-level run and the public import surface."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
-from mixprec._core import dispatch, engine, kernels
+from mixprec._core import _frames, attention, engine
 from mixprec._core.engine import set_policy
 from mixprec._core.policy import set_global_policy
 from mixprec.bench.models import GPT, GPTConfig
@@ -32,10 +32,10 @@ def _clean_engine_state():
     """Every test starts and must end outside any region with torch.autocast off."""
     set_global_policy(None)
     cpu_dtype = torch.get_autocast_dtype("cpu")
-    assert not dispatch._state.frames
+    assert not _frames._state.frames
     yield
     set_global_policy(None)
-    assert not dispatch._state.frames, "a region leaked out of the test"
+    assert not _frames._state.frames, "a region leaked out of the test"
     assert not engine.is_active()
     assert not torch.is_autocast_enabled("cpu")
     assert torch.get_autocast_dtype("cpu") == cpu_dtype
@@ -461,7 +461,7 @@ def test_boundary_pops_when_forward_raises_outside_region():
         probe(rn(2, 4))
     assert probe.seen == [(BF16, True, True)]
     assert not engine.is_active() and not torch.is_autocast_enabled("cpu")
-    assert not dispatch._state.frames
+    assert not _frames._state.frames
 
 
 def test_boundary_pops_when_forward_raises_in_nested_boundaries_in_region():
@@ -473,7 +473,7 @@ def test_boundary_pops_when_forward_raises_in_nested_boundaries_in_region():
         with pytest.raises(ValueError):
             outer(rn(2, 4))
         # back in the bf16 region exactly
-        assert engine.is_active() and len(dispatch._state.frames) == 1
+        assert engine.is_active() and len(_frames._state.frames) == 1
         assert torch.get_autocast_dtype("cpu") == BF16 and torch.is_autocast_enabled("cpu")
         assert nn.Linear(4, 4)(rn(2, 4)).dtype == BF16
     assert inner.seen == [(F32, False, False)]
@@ -510,7 +510,7 @@ def test_boundary_shared_by_threads():
             if wait_for is not None:
                 assert wait_for.wait(10)
             results[name] = gate(x)
-            results[name + "_after"] = (engine.is_active(), len(dispatch._state.frames))
+            results[name + "_after"] = (engine.is_active(), len(_frames._state.frames))
         except Exception as e:  # noqa: BLE001 - pragma: no cover - reported below
             errors.append(f"{name}: {e!r}")
         finally:
@@ -628,7 +628,7 @@ def qkv(q_shape, kv_shape, dtype=F32, seed=0):
 @pytest.mark.parametrize("shapes", ATTN_SHAPES, ids=str)
 def test_decomposed_attention_fp32_matches_sdpa(causal, shapes):
     q, k, v = qkv(*shapes)
-    ours = kernels.decomposed_attention(q, k, v, is_causal=causal)
+    ours = attention.decomposed_attention(q, k, v, is_causal=causal)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     assert ours.shape == ref.shape and ours.dtype == F32
     assert torch.allclose(ours, ref, atol=1e-5, rtol=1e-5)
@@ -638,7 +638,7 @@ def test_decomposed_attention_scale_and_value_width():
     q, k = rn(2, 5, 8, seed=1), rn(2, 6, 8, seed=2)
     v = rn(2, 6, 3, seed=3)
     for causal in (False, True):
-        ours = kernels.decomposed_attention(q, k, v, is_causal=causal, scale=0.3)
+        ours = attention.decomposed_attention(q, k, v, is_causal=causal, scale=0.3)
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3)
         assert ours.shape == (2, 5, 3) and torch.allclose(ours, ref, atol=1e-5, rtol=1e-5)
 
@@ -647,7 +647,7 @@ def test_decomposed_attention_scale_and_value_width():
 @pytest.mark.parametrize("shapes", ATTN_SHAPES[:3], ids=str)
 def test_decomposed_attention_bf16_close_to_sdpa(causal, shapes):
     q, k, v = qkv(*shapes, dtype=BF16)
-    ours = kernels.decomposed_attention(q, k, v, is_causal=causal)
+    ours = attention.decomposed_attention(q, k, v, is_causal=causal)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
     assert ours.dtype == BF16
     assert (ours.float() - ref).abs().max().item() < 2e-2
@@ -655,8 +655,8 @@ def test_decomposed_attention_bf16_close_to_sdpa(causal, shapes):
 
 def test_decomposed_attention_causal_is_not_the_full_attention():
     q, k, v = qkv((1, 1, 6, 4), (1, 1, 6, 4))
-    causal = kernels.decomposed_attention(q, k, v, is_causal=True)
-    full = kernels.decomposed_attention(q, k, v, is_causal=False)
+    causal = attention.decomposed_attention(q, k, v, is_causal=True)
+    full = attention.decomposed_attention(q, k, v, is_causal=False)
     assert torch.allclose(causal[..., 0, :], v[..., 0, :])  # row 0 only sees key 0
     assert torch.allclose(causal[..., -1, :], full[..., -1, :], atol=1e-6)
     assert not torch.allclose(causal, full)
@@ -665,7 +665,7 @@ def test_decomposed_attention_causal_is_not_the_full_attention():
 @pytest.mark.parametrize("causal", [False, True])
 def test_decomposed_attention_gradients(causal):
     q, k, v = (t.requires_grad_() for t in qkv((2, 3, 6, 8), (2, 3, 6, 8), dtype=BF16))
-    kernels.decomposed_attention(q, k, v, is_causal=causal).float().sum().backward()
+    attention.decomposed_attention(q, k, v, is_causal=causal).float().sum().backward()
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
     F.scaled_dot_product_attention(qf, kf, vf, is_causal=causal).sum().backward()
     for t, ref in ((q, qf), (k, kf), (v, vf)):
@@ -680,7 +680,7 @@ def _plain_decomposition(q, k, v, is_causal=False, scale=None):
     alpha = scale if scale is not None else E**-0.5
     q3, k3, v3 = q.reshape(-1, L, E), k.reshape(-1, S, E), v.reshape(-1, S, v.shape[-1])
     if is_causal:
-        bias = kernels._causal_bias(L, S, q.dtype, q.device).expand(q3.shape[0], L, S)
+        bias = attention._causal_bias(L, S, q.dtype, q.device).expand(q3.shape[0], L, S)
         scores = torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=alpha)
     else:
         scores = torch.bmm(q3, k3.transpose(1, 2)).mul_(alpha)
@@ -692,11 +692,11 @@ def _plain_decomposition(q, k, v, is_causal=False, scale=None):
 def test_lean_attention_is_bitwise_the_plain_decomposition_across_chunks(
     causal, scale, monkeypatch
 ):
-    monkeypatch.setattr(kernels, "_CHUNK_ELEMENTS", 3 * 16 * 16)  # 3 heads a chunk, 7 chunks
+    monkeypatch.setattr(attention, "_CHUNK_ELEMENTS", 3 * 16 * 16)  # 3 heads a chunk, 7 chunks
     heads = rn(2, 16, 3, 10, 8, seed=4).to(BF16)  # (batch, T, q/k/v, heads, head dim)
     grad = rn(2, 10, 16, 8, seed=5).to(BF16)
     results = []
-    for f in (_plain_decomposition, kernels.decomposed_attention):
+    for f in (_plain_decomposition, attention.decomposed_attention):
         x = heads.clone().requires_grad_()
         q, k, v = (t.transpose(1, 2) for t in x.unbind(2))  # non-contiguous, as in a GPT
         out = f(q, k, v, is_causal=causal, scale=scale)
@@ -704,7 +704,7 @@ def test_lean_attention_is_bitwise_the_plain_decomposition_across_chunks(
         results.append((out.detach(), x.grad))
     with torch.no_grad():
         q, k, v = (t.transpose(1, 2) for t in heads.unbind(2))
-        no_grad = kernels.decomposed_attention(q, k, v, is_causal=causal, scale=scale)
+        no_grad = attention.decomposed_attention(q, k, v, is_causal=causal, scale=scale)
     (out0, g0), (out1, g1) = results
     assert torch.equal(out0, out1) and torch.equal(g0, g1) and torch.equal(no_grad, out0)
 
@@ -717,7 +717,7 @@ def test_lean_attention_saves_q_k_v_and_not_the_probabilities():
         saved.append(t.numel())
         return t
 
-    for f, expected in ((_plain_decomposition, None), (kernels.decomposed_attention, 3)):
+    for f, expected in ((_plain_decomposition, None), (attention.decomposed_attention, 3)):
         saved.clear()
         q, k, v = (t.transpose(1, 2) for t in x.unbind(2))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -733,7 +733,7 @@ def test_lean_attention_has_a_second_derivative():
     q, k, v = (t.requires_grad_() for t in qkv((1, 2, 5, 4), (1, 2, 5, 4), dtype=F32))
     q.data, k.data, v.data = q.data.to(BF16), k.data.to(BF16), v.data.to(BF16)
     derivatives = []
-    for f in (_plain_decomposition, kernels.decomposed_attention):
+    for f in (_plain_decomposition, attention.decomposed_attention):
         (gq,) = torch.autograd.grad(f(q, k, v, is_causal=True).square().sum(), q, create_graph=True)
         derivatives.append(torch.autograd.grad(gq.float().sum(), (k, v)))
     for a, b in zip(*derivatives):
@@ -743,7 +743,7 @@ def test_lean_attention_has_a_second_derivative():
 
 def test_can_decompose_attention_conditions(decompose_small_attention):
     q, k, v = qkv((2, 3, 4, 8), (2, 3, 4, 8), dtype=BF16)
-    ok = kernels.can_decompose_attention
+    ok = attention.can_decompose_attention
     assert not ok(q, k, v)  # inference: the fused kernel is faster forward-only
     q.requires_grad_()
     assert ok(q, k, v) and ok(q, k, v, is_causal=True, scale=0.5)
@@ -766,11 +766,11 @@ def test_can_decompose_attention_conditions(decompose_small_attention):
 def test_can_decompose_attention_from_the_measured_size_up():
     """Smaller attention is launch-bound: the fused kernel's one call beats the decomposition's
     extra kernels there. The size counts the multiply-adds of ``q @ k^T``."""
-    at = kernels.MIN_DECOMPOSED_WORK // (4 * 8)  # batch x heads 4, head size 8: L x S
+    at = attention.MIN_DECOMPOSED_WORK // (4 * 8)  # batch x heads 4, head size 8: L x S
     for L, S, decomposes in ((256, at // 256, True), (256, at // 256 - 1, False), (8, 8, False)):
         q = torch.zeros(2, 2, L, 8, dtype=BF16, requires_grad=True)
         k = v = torch.zeros(2, 2, S, 8, dtype=BF16)
-        assert kernels.can_decompose_attention(q, k, v) == decomposes, (L, S)
+        assert attention.can_decompose_attention(q, k, v) == decomposes, (L, S)
     small = torch.zeros(1, 2, 8, 16, dtype=BF16, requires_grad=True)
     with mixprec.autocast(BF16):
         out = F.scaled_dot_product_attention(small, small, small, is_causal=True)
@@ -791,7 +791,7 @@ def test_region_attention_fused_vs_auto(decompose_small_attention):
         with mixprec.autocast(mixprec.Recipe("O1", BF16, kernels="auto")):
             auto = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         want_fused = F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal)
-        want_auto = kernels.decomposed_attention(qb, kb, vb, is_causal=causal)
+        want_auto = attention.decomposed_attention(qb, kb, vb, is_causal=causal)
         assert fused.dtype == auto.dtype == BF16
         assert torch.equal(fused, want_fused)
         assert torch.equal(auto, want_auto)
@@ -805,9 +805,9 @@ def test_region_attention_positional_arguments(causal, decompose_small_attention
         positional = F.scaled_dot_product_attention(q, k, v, None, 0.0, causal)
         with_scale = F.scaled_dot_product_attention(q, k, v, None, 0.0, causal, scale=0.25)
     qb, kb, vb = q.detach().bfloat16(), k.bfloat16(), v.bfloat16()
-    assert torch.equal(positional, kernels.decomposed_attention(qb, kb, vb, is_causal=causal))
+    assert torch.equal(positional, attention.decomposed_attention(qb, kb, vb, is_causal=causal))
     assert torch.equal(
-        with_scale, kernels.decomposed_attention(qb, kb, vb, is_causal=causal, scale=0.25)
+        with_scale, attention.decomposed_attention(qb, kb, vb, is_causal=causal, scale=0.25)
     )
 
 
@@ -816,7 +816,7 @@ def test_region_attention_keyword_tensors(decompose_small_attention):
     v.requires_grad_()
     with mixprec.autocast(BF16):
         out = F.scaled_dot_product_attention(query=q, key=k, value=v, is_causal=True)
-    want = kernels.decomposed_attention(
+    want = attention.decomposed_attention(
         q.bfloat16(), k.bfloat16(), v.detach().bfloat16(), is_causal=True
     )
     assert torch.equal(out, want)
@@ -875,7 +875,8 @@ def test_public_names():
 
 def test_import_does_not_initialize_cuda():
     code = (
-        "import torch, mixprec, mixprec._core.engine, mixprec._core.kernels, mixprec.bench.models\n"
+        "import torch, mixprec, mixprec._core.engine, mixprec._core.attention\n"
+        "import mixprec.bench.models\n"
         "assert not torch.cuda.is_initialized(), 'CUDA initialized'\n"
         "from mixprec import *\n"
         "print('ok', len(mixprec.__all__))\n"

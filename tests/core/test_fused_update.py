@@ -1,6 +1,6 @@
 """The fused update (core/update/fused.py): one compiled pass per parameter, numerically the
 chunk path up to fp32 rounding order. Each test runs both ways a CPU can step: the C loops of
-core/update/cpu_kernels.py (the default) and torch.compile's (inductor's C++ here, the source
+core/update/c_loop.py (the default) and torch.compile's (inductor's C++ here, the source
 a GPU's Triton comes from), picked by spec.CPU_BACKEND. The compiling tests are few and use
 tiny tensors (each compiled kind of step costs seconds on a 2-core CPU)."""
 
@@ -14,7 +14,7 @@ import torch
 from training_helpers import assert_bitwise
 
 import mixprec
-from mixprec._core.update import cpu_kernels, fused, fused_ops, spec
+from mixprec._core.update import c_loop, compiled_step, fused, spec
 from mixprec._core.update.rounding import keyed_bits_, round_keys
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -27,7 +27,7 @@ ULP_BOUND = 4
 @pytest.fixture(params=["c", "compiled"])
 def backend(request, monkeypatch):
     """What steps a parameter in one pass on this CPU: the C loop or torch.compile's."""
-    if request.param == "c" and not cpu_kernels.available():
+    if request.param == "c" and not c_loop.available():
         pytest.skip("no C compiler on this machine")
     monkeypatch.setattr(spec, "CPU_BACKEND", request.param)
     return request.param
@@ -100,14 +100,14 @@ def test_fused_differs_from_the_chunk_path_by_fp32_rounding_order_only(
         sched = torch.optim.lr_scheduler.StepLR(opt, 10, gamma=0.8)
         _train(model, opt, 3, sched=sched)  # states made, then the graphs compiled
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        libraries = len(cpu_kernels._LOADED)
+        libraries = len(c_loop._LOADED)
         _train(model, opt, 97, start=3, sched=sched)
         runs[mode] = model, opt
     model, opt = runs["on"]
-    assert opt.lean.fused.fused_steps == 100 * 4  # the first step included
+    assert opt.updater.fused.fused_steps == 100 * 4  # the first step included
     # no recompile for a new step count, lr or parameter size
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    assert len(cpu_kernels._LOADED) == libraries
+    assert len(c_loop._LOADED) == libraries
     diff = torch.cat([ulps(p, q).flatten() for p, q in zip(runs["off"][0].parameters(),
                                                            model.parameters())])  # fmt: skip
     assert diff.max() <= ULP_BOUND, diff.max()
@@ -131,7 +131,7 @@ def test_lean_with_8bit_codes_and_released_gradients(monkeypatch, backend):
             )
         _train(*runs[mode], 2)
     (a, aopt), (b, bopt) = runs["off"], runs["on"]
-    assert bopt.lean.release and bopt.lean.fused.fused_steps == 2 * 4
+    assert bopt.updater.release and bopt.updater.fused.fused_steps == 2 * 4
     diff = torch.cat([ulps(p, q).flatten() for p, q in zip(a.parameters(), b.parameters())])
     # a code that rounds the other way (its fp32 value an ulp apart) moves an element's step by
     # up to an eighth of itself: 2 ulps of the weight at most here
@@ -151,8 +151,8 @@ def test_keyed_bits_are_the_rounding_modules(fused_on):
     want = keyed_bits_(h, tmp, [(n, offset, key)], mix, 16)
     base = torch.tensor((offset + key) & 0xFFFFFFFF)
     mixt = torch.tensor(mix & 0xFFFFFFFF)
-    eager = fused_ops._random_bits(n, base, mixt, h.device, 16)
-    compiled = torch.compile(fused_ops._random_bits, dynamic=True, fullgraph=True)
+    eager = compiled_step._random_bits(n, base, mixt, h.device, 16)
+    compiled = torch.compile(compiled_step._random_bits, dynamic=True, fullgraph=True)
     assert torch.equal(eager.to(torch.int32), want)
     assert torch.equal(compiled(n, base, mixt, h.device, 16).to(torch.int32), want)
 
@@ -167,10 +167,10 @@ def test_fused_resume_is_bit_for_bit(fused_on):
     again.load_state_dict(weights)
     aopt.load_state_dict(sd)
     _train(again, aopt, 2, start=2)
-    assert aopt.lean.fused.fused_steps > 0
+    assert aopt.updater.fused.fused_steps > 0
     for p, q in zip(model.parameters(), again.parameters()):
         assert_bitwise(p.detach(), q.detach())
-        assert_bitwise(opt.lean.compensation[p], aopt.lean.compensation[q])
+        assert_bitwise(opt.updater.compensation[p], aopt.updater.compensation[q])
         for k, v in opt.state[p].items():
             assert_bitwise(v, aopt.state[q][k])
 
@@ -178,15 +178,15 @@ def test_fused_resume_is_bit_for_bit(fused_on):
 def test_skipped_fp16_step_leaves_everything_bit_identical(fused_on):
     model, opt = _build("adamw", "kahan", dtype=FP16)
     _train(model, opt, 2)
-    assert opt.lean.fused.fused_steps > 0
+    assert opt.updater.fused.fused_steps > 0
     params = list(model.parameters())
 
     def snapshot():
         return (
             [p.detach().clone() for p in params],
-            [opt.lean.compensation[p].clone() for p in params],
+            [opt.updater.compensation[p].clone() for p in params],
             [{k: v.clone() for k, v in opt.state[p].items()} for p in params],
-            opt.lean.steps,
+            opt.updater.steps,
         )
 
     before = snapshot()
@@ -217,9 +217,9 @@ def test_no_compiler_falls_back_to_the_chunk_path_saying_so_once(fused_on, monke
     monkeypatch.setattr(fused, "_COMPILED", {})
     monkeypatch.setattr(fused, "_FAILED", set())
     monkeypatch.setattr(torch, "compile", broken)
-    monkeypatch.setattr(cpu_kernels, "_LOADED", {})
-    monkeypatch.setattr(cpu_kernels, "_STEPS", {})
-    monkeypatch.setattr(cpu_kernels, "_compiler", no_compiler)
+    monkeypatch.setattr(c_loop, "_LOADED", {})
+    monkeypatch.setattr(c_loop, "_STEPS", {})
+    monkeypatch.setattr(c_loop, "_compiler", no_compiler)
     ref, ropt = _build("adamw", "nearest")
     _reference(monkeypatch, False, fused_on)
     _train(ref, ropt, 3)
@@ -228,7 +228,7 @@ def test_no_compiler_falls_back_to_the_chunk_path_saying_so_once(fused_on, monke
     with pytest.warns(UserWarning, match="could not be compiled") as record:
         _train(model, opt, 3)
     assert sum("could not be compiled" in str(w.message) for w in record) == 1
-    assert opt.lean.fused.fused_steps == 0
+    assert opt.updater.fused.fused_steps == 0
     for p, q in zip(ref.parameters(), model.parameters()):
         assert_bitwise(p.detach(), q.detach())
 
@@ -243,7 +243,9 @@ def test_a_recipe_with_torchs_kernels_never_compiles_an_update(monkeypatch):
         recipe = mixprec.Recipe("O3", BF16, update="nearest", kernels=kernels)
         model, opt = mixprec.initialize(model, opt, recipe)
         _train(model, opt, 3)
-        runs.append((opt.lean.fused.fused_steps, [p.detach().clone() for p in model.parameters()]))
+        runs.append(
+            (opt.updater.fused.fused_steps, [p.detach().clone() for p in model.parameters()])
+        )
     assert runs[0][0] > 0 and runs[1][0] == 0 == runs[2][0]
     for a, b in zip(runs[1][1], runs[2][1]):
         assert_bitwise(a, b)
@@ -259,4 +261,4 @@ def test_a_users_explicit_choice_of_torchs_loop_is_respected(choice, fused_on):
         warnings.simplefilter("ignore")
         model, opt = mixprec.initialize(model, opt, mixprec.Recipe("O3", BF16))
     _train(model, opt, 3)
-    assert (opt.lean.fused.fused_steps > 0) == (False not in choice.values())
+    assert (opt.updater.fused.fused_steps > 0) == (False not in choice.values())

@@ -13,7 +13,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._functorch.aot_autograd import make_boxed_func
 
 import mixprec
-from mixprec._core import dispatch, traced
+from mixprec._core import _frames, traced
 from mixprec._core.hardware import MixprecPerformanceWarning
 
 BF16 = torch.bfloat16
@@ -30,7 +30,7 @@ SEEN: list[tuple[int, bool, torch.dtype]] = []
 @torch._dynamo.disable
 def _look(h: torch.Tensor, w: torch.Tensor) -> None:
     """Eager code at a graph break: the stack's depth, autocast's switch, a matmul's dtype."""
-    SEEN.append((dispatch.depth(), torch.is_autocast_enabled("cpu"), (h @ w.t()).dtype))
+    SEEN.append((_frames.depth(), torch.is_autocast_enabled("cpu"), (h @ w.t()).dtype))
 
 
 class _Net(nn.Module):
@@ -83,7 +83,7 @@ def test_a_region_split_by_a_graph_break_runs_as_in_eager_mode(backend, level):
     want.sum().backward()
     for call in range(3):
         got = compiled(x)
-        assert dispatch.depth() == 0, dispatch._state.frames
+        assert _frames.depth() == 0, _frames._state.frames
         assert SEEN[-1] == (1, True, BF16)  # the break's eager code ran inside the region
         if backend == "inductor":
             torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-2)
@@ -91,7 +91,7 @@ def test_a_region_split_by_a_graph_break_runs_as_in_eager_mode(backend, level):
             assert torch.equal(got, want)
         x.grad = None
         got.sum().backward()
-        assert dispatch.depth() == 0
+        assert _frames.depth() == 0
         torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-3, rtol=1e-2)
         if call == 0:
             frames = counter.frame_count
@@ -110,7 +110,7 @@ def test_a_whole_region_in_one_graph_records_no_frame_ops():
     out = torch.compile(model, backend=backend)(X.clone().requires_grad_(True))
     out.sum().backward()
     assert graphs and _frame_ops(graphs) == []  # no run-time cost
-    assert torch.equal(out, model(X)) and dispatch.depth() == 0
+    assert torch.equal(out, model(X)) and _frames.depth() == 0
 
 
 def test_a_split_region_keeps_its_push_and_pop_as_ops():
@@ -119,17 +119,17 @@ def test_a_split_region_keeps_its_push_and_pop_as_ops():
     torch.compile(_model(True), backend=backend)(X)
     ops = _frame_ops(graphs)
     assert ops.count("enter") >= 1 and ops.count("exit") == ops.count("enter")
-    assert dispatch.depth() == 0
+    assert _frames.depth() == 0
 
 
 def test_a_compiled_split_model_inside_an_eager_region_keeps_the_outer_frame():
     torch._dynamo.reset()
     model = _model(True)
     with mixprec.autocast(BF16):  # (a float16 one fails dynamo's global-state check: torch's)
-        outer = dispatch.top()
+        outer = _frames.top()
         torch.compile(model, backend="aot_eager")(X)
-        assert dispatch._state.frames == [outer]
-    assert dispatch.depth() == 0
+        assert _frames._state.frames == [outer]
+    assert _frames.depth() == 0
 
 
 def test_a_split_mixprec_autocast_region_says_what_it_loses(monkeypatch):
@@ -147,7 +147,7 @@ def test_a_split_mixprec_autocast_region_says_what_it_loses(monkeypatch):
 
     with pytest.warns(MixprecPerformanceWarning, match="split a mixprec.autocast region"):
         torch.compile(f, backend="aot_eager")(X)
-    assert SEEN[-1] == (1, False, torch.float32) and dispatch.depth() == 0
+    assert SEEN[-1] == (1, False, torch.float32) and _frames.depth() == 0
     torch._dynamo.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("error", MixprecPerformanceWarning)
@@ -164,7 +164,7 @@ def test_torch_compile_of_plain_code_after_a_split_region_is_plain():
             return (x @ x.t()).softmax(-1)
 
     assert torch.equal(torch.compile(plain, backend="aot_eager")(X), plain(X))
-    assert plain(X).dtype == BF16 and dispatch.depth() == 0
+    assert plain(X).dtype == BF16 and _frames.depth() == 0
 
 
 def test_a_module_policy_nested_in_a_compiled_model_compiles_to_one_graph():
@@ -180,4 +180,4 @@ def test_a_module_policy_nested_in_a_compiled_model_compiles_to_one_graph():
     torch._dynamo.reset()
     got = torch.compile(model, backend="aot_eager")(X)
     assert got.dtype == torch.float32 and torch.equal(got, model(X))
-    assert dispatch.depth() == 0
+    assert _frames.depth() == 0

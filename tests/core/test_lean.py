@@ -48,7 +48,7 @@ def sgd(params, **kw):
 def widened(opt, p):
     """The fp32 value the update starts from: ``w + c`` (Kahan; ``c`` starts as the residual of
     rounding the fp32 initialisation), else ``w``."""
-    comp = opt.lean.compensation.get(p)
+    comp = opt.updater.compensation.get(p)
     return p.detach().float() + (0 if comp is None else comp.float())
 
 
@@ -218,7 +218,7 @@ def test_one_step_equals_the_fp32_step_rounded(update, opt_fn, kernel, monkeypat
         assert p.dtype == BF16
         assert_bitwise(p.detach(), r.detach().to(BF16))  # round to nearest of the fp32 step
         if update == "kahan":
-            c = opt.lean.compensation[p]
+            c = opt.updater.compensation[p]
             assert c.dtype == BF16
             assert_bitwise(c, (r.detach() - p.detach().float()).to(BF16))
     # the state is the fp32 optimizer's, bitwise (optimizer_states=fp32)
@@ -241,7 +241,7 @@ def test_every_mode_trains_with_sgd_and_adamw(update, opt_fn):
             assert st["exp_avg"].dtype == BF16 and st["exp_avg_sq"].dtype == FP32
         else:
             assert st["momentum_buffer"].dtype == BF16
-    comps = opt.lean.compensation
+    comps = opt.updater.compensation
     assert (len(comps) == len(list(model.parameters()))) == (update == "kahan")
     assert all(c.dtype == BF16 for c in comps.values())
 
@@ -269,12 +269,12 @@ def test_bf16_second_moment_stops_decaying_which_is_why_auto_keeps_it_fp32():
     for state_dtype in ("auto", BF16):
         p = nn.Parameter(torch.ones(4, dtype=BF16))
         opt = torch.optim.Adam([p], lr=1e-3, betas=(0.9, 0.999))
-        lean = mixprec._core.update.lean.LeanUpdate(opt, "kahan", state_dtype=state_dtype)
+        updater = mixprec._core.update.modes.ModeUpdater(opt, "kahan", state_dtype=state_dtype)
         p.grad = torch.ones_like(p)
-        lean.step()
+        updater.step()
         for _ in range(200):
             p.grad = torch.zeros_like(p)
-            lean.step()
+            updater.step()
         out[state_dtype] = opt.state[p]["exp_avg_sq"].float()
     expect = (1 - 0.999) * 0.999**200
     torch.testing.assert_close(out["auto"], torch.full((4,), expect), rtol=1e-5, atol=0)
@@ -332,7 +332,7 @@ def test_resume_from_state_dict_is_bit_exact(update, tmp_path):
     train(resumed, ropt, 4, seed=10)
     for a, b in zip(model.parameters(), resumed.parameters()):
         assert_bitwise(a.detach(), b.detach())
-    for a, b in zip(opt.lean.compensation.values(), ropt.lean.compensation.values()):
+    for a, b in zip(opt.updater.compensation.values(), ropt.updater.compensation.values()):
         assert_bitwise(a, b)
     for a, b in zip(model.parameters(), resumed.parameters()):
         for k in opt.state[a]:
@@ -373,7 +373,7 @@ def test_chunking_does_not_change_the_result(update, dtype, monkeypatch):
     runs = []
     for chunk in (2**20, 20):  # one chunk vs a chunk per parameter or two
         model, opt = build(update, adamw, dtype)
-        opt.lean._chunk_size = lambda device, chunk=chunk: chunk
+        opt.updater._chunk_size = lambda device, chunk=chunk: chunk
         train(model, opt, 3)
         runs.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*runs):
@@ -408,7 +408,7 @@ def test_released_and_held_gradients_round_alike():
         model = make_model(0)
         recipe = mixprec.Recipe("lean", BF16, gradients=gradients)
         model, opt = initialize(model, adamw(model.parameters()), recipe)
-        assert opt.lean.release == (gradients == "released")
+        assert opt.updater.release == (gradients == "released")
         train(model, opt, 4)
         runs.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*runs):
@@ -419,7 +419,7 @@ def _retained_bytes(opt, model) -> int:
     """Bytes of the tensors reachable from ``opt`` (through containers and object attributes)
     that are none of what a training state keeps: weights, optimizer state, compensation."""
     kept = {t.untyped_storage().data_ptr() for t in model.parameters()}
-    kept |= {c.untyped_storage().data_ptr() for c in opt.lean.compensation.values()}
+    kept |= {c.untyped_storage().data_ptr() for c in opt.updater.compensation.values()}
     for st in opt.state.values():
         for v in st.values():
             parts = (v.codes, v.scale) if hasattr(v, "codes") else (v,)
@@ -494,7 +494,7 @@ def test_a_deep_copy_of_model_and_optimizer_trains_on_alike(recipe):
         for p, before in zip(twin.parameters(), at_copy):
             assert_bitwise(p.detach(), before)
         train(twin, twin_opt, 2, seed=4)
-    if opt.lean.release:  # the copy steps in backward too, and refuses clipping
+    if opt.updater.release:  # the copy steps in backward too, and refuses clipping
         twin_opt.backward(mse(twin, *batch()))
         assert all(p.grad is None for p in twin.parameters())
         with pytest.raises(RuntimeError, match="released in backward"):
@@ -511,13 +511,13 @@ def test_a_checkpoint_with_generator_states_loads_with_a_warning():
     rounding goes on from a step count of its own, said out loud."""
     _, opt = build("stochastic", adamw)
     sd = opt.state_dict()
-    lean = sd["param_groups"][0]["mixprec"]["lean"]
-    del lean["steps"]
-    lean["generators"] = {"cpu": torch.Generator().get_state()}
+    updater = sd["param_groups"][0]["mixprec"]["lean"]
+    del updater["steps"]
+    updater["generators"] = {"cpu": torch.Generator().get_state()}
     _, other = build("stochastic", adamw)
     with pytest.warns(UserWarning, match="keyed by the step count"):
         other.load_state_dict(sd)
-    assert other.lean.steps == 2**32
+    assert other.updater.steps == 2**32
 
 
 @pytest.mark.parametrize("update", MODES)
@@ -535,7 +535,7 @@ def test_add_param_group_gets_compensation():
         model, torch.optim.SGD(first, lr=0.1), mixprec.Recipe("O3", BF16, update="kahan")
     )
     opt.add_param_group({"params": rest})
-    assert set(opt.lean.compensation) == set(model.parameters())
+    assert set(opt.updater.compensation) == set(model.parameters())
     train(model, opt, 2)
 
 
@@ -600,7 +600,7 @@ def test_validation_errors():
     with pytest.raises(ValueError, match=r"Recipe\(update_seed='7'\): expected an int"):
         R("O3", BF16, update="stochastic", update_seed="7")
     _m, o = initialize(*make(), R("O2", BF16, masters=False, update="kahan"))  # allowed
-    assert o.lean is not None and o.master_params()[0].dtype in (BF16, FP32)
+    assert o.updater is not None and o.master_params()[0].dtype in (BF16, FP32)
 
 
 def test_fp32_state_dict_adds_the_compensation():
@@ -608,12 +608,12 @@ def test_fp32_state_dict_adds_the_compensation():
     train(model, opt, 3)
     sd = mixprec.fp32_state_dict(model, opt)
     for name, p in model.named_parameters():
-        c = opt.lean.compensation[p]
+        c = opt.updater.compensation[p]
         assert sd[name].dtype == FP32
         total = p.detach().float() + c.float()
         plain = total.to(BF16) == p.detach()  # elsewhere w + c is half-way: one ulp toward w
         assert torch.equal(sd[name][plain], total[plain])
         assert torch.equal(sd[name].to(BF16), p.detach())
-    assert any(c.abs().sum() > 0 for c in opt.lean.compensation.values())
+    assert any(c.abs().sum() > 0 for c in opt.updater.compensation.values())
     fresh = make_model()
     fresh.load_state_dict(sd)  # loads into a plain fp32 model

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import mixprec
-from mixprec._core import engine, kernels
+from mixprec._core import attention, engine
 from mixprec._core.hardware import MixprecPerformanceWarning
 from mixprec.bench.models import GPT, GPTConfig
 from mixprec.compat.apex import amp
@@ -339,13 +339,13 @@ def decompositions(monkeypatch, decompose_small_attention):
     """Counts the calls of mixprec's decomposed attention (the kernel whose backward failed),
     which the tiny model here runs only with the size threshold lifted."""
     calls = []
-    real = kernels.decomposed_attention
+    real = attention.decomposed_attention
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "decomposed_attention", counted)
+    monkeypatch.setattr(attention, "decomposed_attention", counted)
     return calls
 
 

@@ -53,19 +53,19 @@ def build(opt_fn, dtype=BF16, seed=0, **kw):
 @pytest.mark.parametrize("opt_fn", [sgd, adam, adamw], ids=["sgd", "adam", "adamw"])
 def test_o3_bf16_defaults_to_kahan_with_auto_state(opt_fn):
     model, opt = build(opt_fn)
-    assert opt.lean is not None and opt.lean.update == "kahan"
-    assert opt.lean.state_dtype == "auto" and opt.master_params() == list(model.parameters())
+    assert opt.updater is not None and opt.updater.update == "kahan"
+    assert opt.updater.state_dtype == "auto" and opt.master_params() == list(model.parameters())
     losses = train(model, opt, 20)
     assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.6 * losses[0]
     for p in model.parameters():
         assert p.dtype == BF16 and p.grad is None
-        assert opt.lean.compensation[p].dtype == BF16
+        assert opt.updater.compensation[p].dtype == BF16
         st = opt.state[p]
         if opt_fn is sgd:
             assert st["momentum_buffer"].dtype == BF16
         else:  # first moment bf16, second fp32: a bf16 v never decays with beta2 = 0.999
             assert st["exp_avg"].dtype == BF16 and st["exp_avg_sq"].dtype == FP32
-    assert any(c.abs().sum() > 0 for c in opt.lean.compensation.values())
+    assert any(c.abs().sum() > 0 for c in opt.updater.compensation.values())
 
 
 @pytest.mark.parametrize("opt_fn", [sgd, adamw], ids=["sgd", "adamw"])
@@ -76,7 +76,7 @@ def test_the_default_is_explicit_kahan_bit_for_bit(opt_fn):
     train(ref, ref_opt, 5)
     for a, b in zip(model.parameters(), ref.parameters()):
         assert_bitwise(a.detach(), b.detach())
-        assert_bitwise(opt.lean.compensation[a], ref_opt.lean.compensation[b])
+        assert_bitwise(opt.updater.compensation[a], ref_opt.updater.compensation[b])
 
 
 @pytest.mark.parametrize("opt_fn", [sgd, adam], ids=["sgd", "adam"])
@@ -84,7 +84,7 @@ def test_explicit_update_none_is_the_optimizers_own_bf16_step(opt_fn):
     """The old O3 default, kept behind ``update=None``: the wrapped optimizer steps the bf16
     weights in bf16 arithmetic, exactly as the same torch optimizer on a bf16 copy does."""
     model, opt = build(opt_fn, update=None)
-    assert opt.lean is None
+    assert opt.updater is None
     plain = [p.detach().clone().requires_grad_() for p in model.parameters()]
     plain_opt = opt_fn(plain)
     g = torch.Generator().manual_seed(3)
@@ -104,11 +104,11 @@ def test_explicit_update_none_is_the_optimizers_own_bf16_step(opt_fn):
 
 def test_fp16_default_is_unchanged():
     _, opt = build(sgd, FP16)
-    assert opt.lean is None  # fp16 SGD: its own fp16 step
+    assert opt.updater is None  # fp16 SGD: its own fp16 step
     _, opt = build(adamw, FP16)
-    assert opt.lean.update == "kahan"  # fp16 Adam: eps rounds to 0 in fp16 arithmetic
+    assert opt.updater.update == "kahan"  # fp16 Adam: eps rounds to 0 in fp16 arithmetic
     _, opt = build(lambda ps: torch.optim.RMSprop(ps, lr=1e-3), FP16)
-    assert opt.lean.update == "kahan"  # eps=1e-8 rounds to 0 in fp16
+    assert opt.updater.update == "kahan"  # eps=1e-8 rounds to 0 in fp16
 
 
 def test_sparse_gradients_keep_the_optimizers_own_step():
@@ -119,10 +119,10 @@ def test_sparse_gradients_keep_the_optimizers_own_step():
     model = nn.Sequential(emb, head)
     opts = [torch.optim.SparseAdam(list(emb.parameters()), lr=0.05), adam(head.parameters())]
     model, opts = initialize(model, opts, "O3", BF16)
-    assert opts[0].lean is None and opts[1].lean.update == "kahan"
+    assert opts[0].updater is None and opts[1].updater.update == "kahan"
     emb2 = nn.Embedding(20, 8, sparse=True)
     _, o = initialize(emb2, torch.optim.SGD(emb2.parameters(), lr=0.1), "O3", BF16)
-    assert o.lean is None
+    assert o.updater is None
     ids, y = torch.randint(0, 20, (8, 3)), torch.randn(8, 3, 1)
     losses = []
     for _ in range(20):
@@ -138,7 +138,9 @@ def test_sparse_gradients_keep_the_optimizers_own_step():
 
 def test_optimizer_states_and_seed_apply_to_the_default_update():
     _, opt = build(adamw, optimizer_states=BF16, update_seed=3)
-    assert opt.lean.update == "kahan" and opt.lean.state_dtype == BF16 and opt.lean.seed == 3
+    assert (
+        opt.updater.update == "kahan" and opt.updater.state_dtype == BF16 and opt.updater.seed == 3
+    )
     with pytest.raises(ValueError, match=r"Recipe\(optimizer_states=.*\): applies to an update"):
         build(adamw, update=None, optimizer_states=BF16)  # explicitly no update mode
     with pytest.raises(ValueError, match=r"apply to an update mode"):
@@ -180,8 +182,8 @@ def test_update_none_checkpoint_resumes_under_the_default(tmp_path):
     model, opt = build(adam, seed=7)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
-    assert opt.lean.update == "kahan"
-    assert all(torch.equal(c, torch.zeros_like(c)) for c in opt.lean.compensation.values())
+    assert opt.updater.update == "kahan"
+    assert all(torch.equal(c, torch.zeros_like(c)) for c in opt.updater.compensation.values())
     params = list(model.parameters())
     for p, q in zip(params, old.parameters()):
         assert_bitwise(p.detach(), q.detach())
@@ -203,7 +205,7 @@ def test_update_none_checkpoint_resumes_under_the_default(tmp_path):
     for p, r in zip(params, ref):
         # weight + compensation hold the fp32 step: within the compensation's own rounding
         # (2**-9 of a residual under half a bf16 ulp) and the 1 fp32 ulp noted below
-        held = p.detach().float() + opt.lean.compensation[p].float()
+        held = p.detach().float() + opt.updater.compensation[p].float()
         torch.testing.assert_close(held, r.detach(), rtol=2.0**-17, atol=0)
         assert opt.state[p]["exp_avg_sq"].dtype == FP32
         # the one-pass update rounds each fp32 operation on its own; torch's for-loop, built with

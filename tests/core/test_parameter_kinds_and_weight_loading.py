@@ -96,7 +96,7 @@ def test_fp16_o3_with_adamw_and_no_update_mode_trains():
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = mixprec.initialize(model, opt, "O3", torch.float16)
-    assert opt.lean is not None  # the update runs in fp32 temporaries
+    assert opt.updater is not None  # the update runs in fp32 temporaries
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
     losses = _train(model, [opt], [(x, y)] * 30, lambda m, a, b: (m(a).float() - b).pow(2).mean())

@@ -178,7 +178,7 @@ FUSED = ["O3-bf16-kahan", "O3-bf16-stochastic", "O3-fp16-kahan", "lean-bf16", "O
 def test_the_update_modes_resume_through_the_one_pass_update(config, straight_runs):
     """The resumes above of the update modes ran the default one-pass update, not only the
     reference."""
-    assert straight_runs(config)[1].lean.fused.fused_steps > 0
+    assert straight_runs(config)[1].updater.fused.fused_steps > 0
 
 
 def _resume_is_bit_exact(config, order, form, straight_runs):
@@ -194,7 +194,7 @@ def _resume_is_bit_exact(config, order, form, straight_runs):
     assert (scaler.scale, scaler.hysteresis_tracker, scaler.growth_tracker) == (8.0, 1, 0)
     assert (opt.skipped_steps, opt.step_skipped) == (3, True)
     if CONFIGS[config].level == "O3":
-        assert (opt.lean is None) == ("none" in config)
+        assert (opt.updater is None) == ("none" in config)
     weights = mixprec.fp32_state_dict(model, opt) if form == "fp32_state_dict" else None
     ckpt = saved({"model": weights or model.state_dict(), "opt": opt.state_dict()})
     del model, opt
@@ -300,7 +300,7 @@ def test_a_half_way_kahan_value_rounds_back_to_its_weight(dtype):
     )
     with torch.no_grad():
         model.weight.copy_(w.view(1, 4))
-        opt.lean.compensation[model.weight].copy_(c.view(1, 4))
+        opt.updater.compensation[model.weight].copy_(c.view(1, 4))
     exported = mixprec.fp32_state_dict(model, opt)
     assert exported["weight"].dtype == FP32
     fresh = nn.Linear(4, 1, bias=False)
@@ -311,7 +311,7 @@ def test_a_half_way_kahan_value_rounds_back_to_its_weight(dtype):
         mixprec.Recipe("O3", dtype, update="kahan"),
     )
     assert_bitwise(fresh.weight.detach(), model.weight.detach())
-    assert_bitwise(fresh_opt.lean.compensation[fresh.weight], c.view(1, 4))
+    assert_bitwise(fresh_opt.updater.compensation[fresh.weight], c.view(1, 4))
 
 
 # ------------------------------------------------------------------ what cannot be exact says so

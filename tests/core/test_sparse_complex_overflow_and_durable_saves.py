@@ -106,7 +106,7 @@ def test_fp16_o3_default_update_is_fp32_math_when_eps_vanishes(optim):
     # before (RMSprop, no betas): 16-bit arithmetic, NaN weights, 14 of 15 steps skipped
     model = _mlp()
     model, opt = mixprec.initialize(model, optim(model.parameters(), lr=1e-3), "O3", FP16)
-    assert opt.lean is not None and opt.lean.update == "kahan"
+    assert opt.updater is not None and opt.updater.update == "kahan"
     losses = _train_losses(model, opt)
     assert opt.skipped_steps == 0
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
@@ -119,7 +119,7 @@ def test_fp16_o3_explicit_update_none_still_warns_for_rmsprop():
         _, opt = mixprec.initialize(
             model, torch.optim.RMSprop(model.parameters()), mixprec.Recipe("O3", FP16, update=None)
         )
-    assert opt.lean is None
+    assert opt.updater is None
 
 
 # -- sparse and complex gradients under overflow ------------------------------------------------

@@ -184,21 +184,21 @@ def test_lean_codes_the_large_states_and_keeps_the_rest_fp32():
 def test_a_non_finite_gradient_leaves_weights_and_codes_bit_identical(dtype, gradients):
     """Held gradients (fp16's loss scaling holds them under "auto"): the whole step is skipped."""
     model, opt = _lean(dtype, gradients=gradients)
-    assert not opt.lean.release
+    assert not opt.updater.release
     x, y = _batch()
     for _ in range(3):
         _step(model, opt, x, y)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     q = opt.state[model[0].weight]["exp_avg"]
     codes, scale = q.codes.clone(), q.scale.clone()
-    steps = opt.lean.steps
+    steps = opt.updater.steps
     _step(model, opt, x, y, poison=model[0].weight)
     assert opt.step_skipped and opt.skipped_steps == 1
     for k, v in model.state_dict().items():
         assert_bitwise(v, before[k])
     assert opt.state[model[0].weight]["exp_avg"] is q
     assert torch.equal(q.codes, codes) and torch.equal(q.scale, scale)
-    assert opt.lean.steps == steps  # the skipped step is not counted: same rounding keys
+    assert opt.updater.steps == steps  # the skipped step is not counted: same rounding keys
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
@@ -206,7 +206,7 @@ def test_released_gradients_step_in_backward_and_a_non_finite_one_leaves_its_par
     """Each kind of non-finite value: a check that loses a sign (max instead of max of |g|)
     lets -inf through, and the weight becomes NaN with no warning."""
     model, opt = _lean(BF16, gradients="released")
-    assert opt.lean.release
+    assert opt.updater.release
     x, y = _batch()
     before = [p.detach().clone() for p in model.parameters()]
     (model(x).float() - y).pow(2).mean().backward()
@@ -252,7 +252,7 @@ def test_auto_releases_after_a_first_step_without_clipping_bit_for_bit_as_held()
     x, y = _batch()
     held, held_opt = _lean(gradients="held")
     model, opt = _lean()
-    assert opt.lean.release_mode == "auto" and not opt.lean.release  # the first step watches
+    assert opt.updater.release_mode == "auto" and not opt.updater.release  # the first step watches
     for step in range(4):
         _step(held, held_opt, x, y)
         opt.backward((model(x).float() - y).pow(2).mean())
@@ -260,7 +260,7 @@ def test_auto_releases_after_a_first_step_without_clipping_bit_for_bit_as_held()
         opt.step()
         assert all(p.grad is None for p in model.parameters())  # the first step freed them too
         opt.zero_grad()
-        assert opt.lean.release
+        assert opt.updater.release
         for p, q in zip(model.parameters(), held.parameters()):
             assert_bitwise(p.detach(), q.detach())
     assert_tree_bitwise(opt.fp32_state_dict(), held_opt.fp32_state_dict())
@@ -288,10 +288,10 @@ def test_auto_holds_once_the_first_step_clips_or_accumulates_and_says_so(how):
         _loop_step(model, opt, x, y, how)
     for _ in range(2):
         _loop_step(model, opt, x, y, how)  # held for good
-    assert not opt.lean.release
-    assert opt.lean.held_for == ("accumulation" if how == "accumulate" else "clipping")
+    assert not opt.updater.release
+    assert opt.updater.held_for == ("accumulation" if how == "accumulate" else "clipping")
     with pytest.raises(ValueError, match="release must be"):
-        opt.lean._init_release("sometimes")
+        opt.updater._init_release("sometimes")
 
 
 def test_a_plain_torch_optimizer_loads_the_dequantized_states():
@@ -354,7 +354,7 @@ def test_lean_trains_a_compiled_model(gradients):
     for _ in range(15):
         loss = (compiled(x).float() - y).pow(2).mean()
         opt.backward(loss)
-        assert all((p.grad is None) == opt.lean.release for p in model.parameters())
+        assert all((p.grad is None) == opt.updater.release for p in model.parameters())
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))

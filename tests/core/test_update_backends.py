@@ -1,6 +1,6 @@
 """Every backend of the one-pass 16-bit update against the chunk path, the reference: the C
-loop (core/update/cpu_kernels.py, a CPU's default) and torch.compile of
-core/update/fused_ops.py (inductor's C++ here, the source of a GPU's Triton loop), picked by
+loop (core/update/c_loop.py, a CPU's default) and torch.compile of
+core/update/compiled_step.py (inductor's C++ here, the source of a GPU's Triton loop), picked by
 ``spec.CPU_BACKEND``, as torch's test_optim checks its foreach and fused kernels against its
 for-loop. One parametrized test steps the same parameters with the same gradients both ways
 and compares weights, compensation and states after every step, over the options torch's
@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.optim import SGD, Adam, AdamW
 
 import mixprec
-from mixprec._core.update import cpu_kernels, fused, spec
+from mixprec._core.update import c_loop, fused, spec
 from mixprec._core.update.release import all_finite
 from mixprec._core.update.spec import Held, StepKind
 from mixprec._core.update.state_codes import QuantizedState, _layout
@@ -173,7 +173,7 @@ def _snapshot(model: torch.nn.Module, opt: Any) -> list[tuple[str, Any, Any]]:
     for i, p in enumerate(model.parameters()):
         w = p.detach()
         out.append((f"p{i}", w.clone(), w.dtype))
-        comp = opt.lean.compensation.get(p)
+        comp = opt.updater.compensation.get(p)
         if comp is not None:
             out.append((f"p{i}+c", (w.float() + comp.float(), comp.clone()), "kahan"))
         for k, v in sorted(opt.state[p].items()):
@@ -201,8 +201,8 @@ def _sync(ref: tuple, run: tuple) -> None:
     (a, aopt), (b, bopt) = ref, run
     for p, q in zip(a.parameters(), b.parameters()):
         q.copy_(p)
-        if p in aopt.lean.compensation:
-            bopt.lean.compensation[q].copy_(aopt.lean.compensation[p])
+        if p in aopt.updater.compensation:
+            bopt.updater.compensation[q].copy_(aopt.updater.compensation[p])
         for k, v in aopt.state[p].items():
             w = bopt.state[q][k]
             if isinstance(v, QuantizedState):
@@ -297,10 +297,10 @@ def _run_pair(case: Case, monkeypatch: pytest.MonkeyPatch) -> tuple[int, list[li
     each step), compared after every step (:func:`_assert_close`) and then made equal
     (:func:`_sync`); returns the backend's fused step count and both runs' snapshots after
     each step."""
-    if case.backend == "c" and not cpu_kernels.available():
+    if case.backend == "c" and not c_loop.available():
         pytest.skip("no C compiler on this machine")
     monkeypatch.setattr(spec, "MIN_NUMEL", 0)  # the compiled loop at every size
-    monkeypatch.setattr(cpu_kernels, "PER_THREAD", 256)  # a thread per 256 elements at most
+    monkeypatch.setattr(c_loop, "PER_THREAD", 256)  # a thread per 256 elements at most
     ref, run = _build(case), _build(case)
     seen = []
     threads = torch.get_num_threads()
@@ -323,7 +323,7 @@ def _run_pair(case: Case, monkeypatch: pytest.MonkeyPatch) -> tuple[int, list[li
                     _decode_states(opt)
     finally:
         torch.set_num_threads(threads)
-    return run[1].lean.fused.fused_steps, seen
+    return run[1].updater.fused.fused_steps, seen
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -401,7 +401,7 @@ def test_a_non_finite_gradient_under_lean_leaves_its_parameter_bit_identical(
     gradients): one inf or NaN anywhere in a gradient does what the chunk path does -- that
     parameter left alone and the user told, or the whole step skipped -- and its weight,
     compensation, states and codes stay bit for bit as they were."""
-    if not cpu_kernels.available():
+    if not c_loop.available():
         pytest.skip("no C compiler on this machine")
     runs = {}
     for backend in ("chunk", "c"):
@@ -433,7 +433,7 @@ def test_a_non_finite_gradient_under_lean_leaves_its_parameter_bit_identical(
             if hook is not None:
                 hook.remove()
             told.append([(w.category, str(w.message)) for w in caught])
-        runs[backend] = before, _snapshot(model, opt), told, opt.step_skipped, opt.lean
+        runs[backend] = before, _snapshot(model, opt), told, opt.step_skipped, opt.updater
     ref, got = runs["chunk"], runs["c"]
     assert got[4].fused.fused_steps > 0  # the fused path stepped the finite steps
     assert got[2] == ref[2] and got[3] == ref[3]  # told alike, skipped alike
@@ -452,7 +452,7 @@ def test_the_fused_finite_check_sees_one_inf_or_nan_anywhere(dtype, monkeypatch)
     and the updater's check built on it: an inf or NaN at the first element, in the middle,
     at the end of the vector body, in the tail or last makes it non-finite, at every size;
     the largest finite value, subnormals and -0.0 do not."""
-    if not cpu_kernels.available():
+    if not c_loop.available():
         pytest.skip("no C compiler on this machine")
     monkeypatch.setattr(spec, "CPU_BACKEND", "c")
     check = fused.FusedUpdates("stochastic")
@@ -461,13 +461,13 @@ def test_the_fused_finite_check_sees_one_inf_or_nan_anywhere(dtype, monkeypatch)
         g = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
         special = torch.tensor([info.max, -info.max, info.tiny / 2, -0.0]).to(dtype)
         g[torch.linspace(0, n - 1, min(n, 4)).long()] = special[: min(n, 4)]
-        assert cpu_kernels.all_finite(g) is True and check.finite(g) and all_finite(g), n
+        assert c_loop.all_finite(g) is True and check.finite(g) and all_finite(g), n
         body = n - n % 64
         for at in sorted({0, n // 2, max(body - 1, 0), min(body, n - 1), n - 1}):
             for bad in (INF, -INF, NAN):
                 h = g.clone()
                 h[at] = bad
-                assert cpu_kernels.all_finite(h) is False, (n, at, bad)
+                assert c_loop.all_finite(h) is False, (n, at, bad)
                 assert not check.finite(h) and not all_finite(h), (n, at, bad)
 
 
@@ -478,33 +478,33 @@ def test_the_library_cache_key_covers_everything_a_build_depends_on(tmp_path, mo
     """A C library is built for the source, the defines of its kind of step, the flags, the
     compiler and the CPU it runs on (``-march=native``): a change of any of them picks another
     library path, not the one built for something else; the same inputs pick the same one."""
-    monkeypatch.setattr(cpu_kernels.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(c_loop.tempfile, "gettempdir", lambda: str(tmp_path))
     monkeypatch.setattr(
-        cpu_kernels.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0)
+        c_loop.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0)
     )
-    monkeypatch.setattr(cpu_kernels.os, "replace", lambda src, dst: None)  # nothing is built
-    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: "/usr/bin/cc")
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "flags : avx2")
+    monkeypatch.setattr(c_loop.os, "replace", lambda src, dst: None)  # nothing is built
+    monkeypatch.setattr(c_loop, "_compiler", lambda: "/usr/bin/cc")
+    monkeypatch.setattr(c_loop, "_cpu_flags", lambda: "flags : avx2")
     m, v = Held(fmt="8-bit", kind="signed"), Held(fmt="8-bit", kind="sqrt")
     codes = StepKind("adam", "kahan", BF16, BF16, (m, v), decoupled=True)
     defines = codes.defines()
-    first = cpu_kernels._build(defines)
-    assert cpu_kernels._build(list(defines)) == first
-    source = tmp_path / "cpu_kernel.c"
-    source.write_bytes(cpu_kernels._SOURCE.read_bytes() + b"\n")
+    first = c_loop._build(defines)
+    assert c_loop._build(list(defines)) == first
+    source = tmp_path / "c_loop.c"
+    source.write_bytes(c_loop._SOURCE.read_bytes() + b"\n")
     resumed = codes._replace(states=(m, v._replace(from_fp32=True)))  # one define: S2SRC
     changes = {
         "the defines": (None, None, resumed.defines()),
         "the CPU": ("_cpu_flags", lambda: "flags : avx2 avx512f", defines),
         "the compiler": ("_compiler", lambda: "/usr/bin/clang", defines),
-        "the flags": ("_FLAGS", (*cpu_kernels._FLAGS, "-mno-avx512f"), defines),
+        "the flags": ("_FLAGS", (*c_loop._FLAGS, "-mno-avx512f"), defines),
         "the source": ("_SOURCE", source, defines),
     }
     paths = {first}
     for what, (name, value, given) in changes.items():
         with monkeypatch.context() as m:
             if value is not None:
-                m.setattr(cpu_kernels, name, value)
-            lib = cpu_kernels._build(given)
+                m.setattr(c_loop, name, value)
+            lib = c_loop._build(given)
         assert lib.parent == first.parent and lib not in paths, what
         paths.add(lib)

@@ -12,7 +12,7 @@ from torch import nn
 
 import mixprec
 from mixprec._core import traced
-from tests.core.test_dispatch import _Block, _Net
+from tests.core.test_regions import _Block, _Net
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 

@@ -95,7 +95,7 @@ def gathered_state(model, opt) -> tuple[dict[str, torch.Tensor], dict[str, list[
     rank, compensation ``c.``; and per state which ranks hold it in codes."""
     out: dict[str, torch.Tensor] = {}
     coded: dict[str, list[bool]] = {}
-    comps = opt.lean.compensation if opt.lean is not None else {}
+    comps = opt.updater.compensation if opt.updater is not None else {}
     for n, p in model.named_parameters():
         out[f"w.{n}"] = p.detach().full_tensor().float()
         for k, v in sorted(opt.optimizer.state.get(p, {}).items()):

@@ -778,7 +778,7 @@ def _train_updates(recipe: Recipe, steps: int, how: str) -> dict:
             for k, p in params.items()
         },
         "dtypes": sorted({str(p.dtype) for p in params.values()}),
-        "released": bool(opt.lean is not None and opt.lean.release),
+        "released": bool(opt.updater is not None and opt.updater.release),
         "skipped": opt.skipped_steps,
     }
     if how == "fsdp":
@@ -931,9 +931,9 @@ def _local_state(model: nn.Module, opt: MixedPrecisionOptimizer) -> torch.Tensor
                 parts += [v.codes, v.scale]
             elif isinstance(v, torch.Tensor):
                 parts.append(v.to_local() if hasattr(v, "to_local") else v)
-    if opt.lean is not None:
-        parts += list(opt.lean.compensation.values())
-        parts.append(torch.tensor(float(opt.lean.steps)))
+    if opt.updater is not None:
+        parts += list(opt.updater.compensation.values())
+        parts.append(torch.tensor(float(opt.updater.steps)))
     parts += [torch.tensor(float(opt.skipped_steps))]
     return flat(parts)
 
@@ -1125,7 +1125,7 @@ def scenario_dcp_bad_input() -> dict:
         }
     model, opt = _dcp_build(DCP_RECIPES["lean"], 7)  # the good one still loads
     mpd.load_checkpoint(good, model, opt)
-    out["good_loads"] = opt.lean.steps == 2
+    out["good_loads"] = opt.updater.steps == 2
     # saved before the first step (no optimizer state yet): loads, and both go on alike
     before = root / "dcp_before_step"
     runs = [_dcp_build(DCP_RECIPES["lean"], 0), _dcp_build(DCP_RECIPES["lean"], 7)]

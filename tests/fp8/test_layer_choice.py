@@ -338,7 +338,7 @@ def test_mixprec_check_reports_fp8():
 def test_auto_under_compile_judges_undecided_layers_by_shape_without_graph_breaks():
     from torch._dynamo.utils import counters
 
-    from mixprec._core import dispatch
+    from mixprec._core import _frames
 
     model = mixprec.initialize(gpt(), None, mixprec.Recipe("O2", fp8=True))
     compiled = torch.compile(model, backend="aot_eager")
@@ -346,7 +346,7 @@ def test_auto_under_compile_judges_undecided_layers_by_shape_without_graph_break
     counters.clear()
     with torch.no_grad():
         out = compiled(tokens())
-    assert dict(counters["graph_break"]) == {} and not dispatch._state.frames
+    assert dict(counters["graph_break"]) == {} and not _frames._state.frames
     assert all(c.pending for n, c in fp8_plan(model).items() if n != "head")
     with torch.no_grad():
         # too small for an H100 by shape alone: the compiled graph ran the 16-bit Linears

@@ -83,7 +83,7 @@ def test_nanogpt_loop_runs_lean_as_held_bit_for_bit(grad_accum, grad_clip):
     held, _, held_losses, held_norms = nanogpt(
         mixprec.Recipe("lean", gradients="held"), grad_accum, grad_clip
     )
-    assert opt.lean.release == (not needs) and opt.lean.release_mode == "auto"
+    assert opt.updater.release == (not needs) and opt.updater.release_mode == "auto"
     assert all(p.dtype == BF16 for p in model.parameters())
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
     assert losses == held_losses and norms == held_norms
@@ -158,7 +158,7 @@ def test_mixprec_trainer_runs_lean_with_its_default_clipping(hf_example, tmp_pat
         mixprec.Recipe("lean", gradients="held"), output_dir=str(tmp_path / "b")
     )
     opt = trainer.mixprec_optimizer
-    assert opt.lean.release_mode == "held" and not opt.lean.release
+    assert opt.updater.release_mode == "held" and not opt.updater.release
     layer = trainer.model.bert.encoder.layer[0].attention.self.query.weight
     assert layer.dtype == BF16
     assert all(math.isfinite(v) for v in losses) and min(losses[1:]) < losses[0]
@@ -169,7 +169,7 @@ def test_mixprec_trainer_runs_lean_with_its_default_clipping(hf_example, tmp_pat
     released, free_losses, free_norms = _hf(
         "lean", output_dir=str(tmp_path / "c"), max_grad_norm=0.0
     )
-    assert released.mixprec_optimizer.lean.release
+    assert released.mixprec_optimizer.updater.release
     assert free_norms == [] and len(free_losses) == 4 and all(map(math.isfinite, free_losses))
 
 
@@ -225,7 +225,7 @@ def test_lightning_plugin_runs_lean_with_clipping_and_accumulation():
     with pytest.warns(UserWarning, match="MixprecPrecision.*gradient_clip_val=1.0.*accumulate"):
         model, opt = _lightning("lean", **loop)
     held, _ = _lightning(mixprec.Recipe("lean", gradients="held"), **loop)
-    assert opt.lean.release_mode == "held"
+    assert opt.updater.release_mode == "held"
     assert all(p.dtype == BF16 for p in model.parameters())  # O3: norms in bf16 as well
     assert len(model.losses) == 12 and all(map(math.isfinite, model.losses))
     assert sum(model.losses[-3:]) < sum(model.losses[:3])
@@ -235,4 +235,4 @@ def test_lightning_plugin_runs_lean_with_clipping_and_accumulation():
     unclipped, _ = _lightning(mixprec.Recipe("lean", gradients="held"), accumulate_grad_batches=2)
     assert unclipped.losses != model.losses  # the clip changed the trajectory
     plain, plain_opt = _lightning("lean")  # Lightning's default: no clipping, no accumulation
-    assert plain_opt.lean.release and all(map(math.isfinite, plain.losses))
+    assert plain_opt.updater.release and all(map(math.isfinite, plain.losses))

@@ -334,12 +334,12 @@ def test_a_torch_optimizer_state_resumes_in_either_order(level, kw):
     for order, (m, o) in runs.items():
         got = o.state_dict()
         assert len(got["state"]) == len(want["state"]), order
-        assert (o.lean is not None) == (level == "O3" and not kw), order  # bf16 O3: kahan
+        assert (o.updater is not None) == (level == "O3" and not kw), order  # bf16 O3: kahan
         for i, s in want["state"].items():  # the state sits on what the wrapper steps
             assert torch.equal(got["state"][i]["step"], s["step"]), order
             # the optimizer's own step casts its state to the weights' dtype; an update mode
             # keeps the saved fp32 state exactly until its step stores it per state_dtype
-            dtype = o.master_params()[i].dtype if o.lean is None else torch.float32
+            dtype = o.master_params()[i].dtype if o.updater is None else torch.float32
             assert torch.equal(got["state"][i]["exp_avg"], s["exp_avg"].to(dtype)), order
             assert torch.equal(got["state"][i]["exp_avg_sq"], s["exp_avg_sq"].to(dtype)), order
         for _ in range(2):
@@ -527,7 +527,7 @@ def test_o3_fp16_warns_when_adam_eps_vanishes():
     with warnings.catch_warnings():  # the default for fp16 Adam is an fp32 update: no warning
         warnings.simplefilter("error", RuntimeWarning)
         _, opt = initialize(model, torch.optim.AdamW(model.parameters()), "O3", torch.float16)
-        assert opt.lean is not None
+        assert opt.updater is not None
     model = nn.Sequential(nn.Linear(4, 4))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)

@@ -15,6 +15,7 @@ import mixprec
 from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec._core.storage import restore_fp32
 from mixprec._core.update.choice import UpdatePlan, update_plans
+from mixprec._initialize import RECIPE_ATTR
 
 BF16, FP16 = torch.bfloat16, torch.float16
 PKG = pathlib.Path(mixprec.__file__).resolve().parent
@@ -38,7 +39,9 @@ def test_each_optimizer_gets_a_plan_in_the_recipes_words():
     adam = torch.optim.AdamW(model["a"].parameters(), lr=1e-3)
     sparse = torch.optim.SGD(model["e"].parameters(), lr=1e-3)
     plans = update_plans(mixprec.Recipe("O3", FP16), [adam, sparse], [model], FP16)
-    assert plans == [UpdatePlan(masters=False, update="kahan"), UpdatePlan(masters=False)]
+    auto = (("exp_avg", FP16), ("momentum_buffer", FP16))  # "auto": first moments 16-bit
+    kahan = UpdatePlan(masters=False, update="kahan", optimizer_states=auto)
+    assert plans == [kahan, UpdatePlan(masters=False)]
     lean = mixprec.Recipe("lean", BF16, update_seed=3)
     (plan,) = update_plans(lean, [adam], [model], BF16)
     assert plan == UpdatePlan(
@@ -58,8 +61,66 @@ def test_initialize_hands_each_wrapper_its_plan():
     _, opt = mixprec.initialize(
         model, torch.optim.AdamW(model.parameters()), mixprec.Recipe("O3", BF16, update="nearest")
     )
-    assert opt.plan == UpdatePlan(masters=False, update="nearest")
-    assert opt.lean is not None and not opt.lean.compensation  # nearest: no Kahan buffers
+    auto = (("exp_avg", BF16), ("momentum_buffer", BF16))
+    assert opt.plan == UpdatePlan(masters=False, update="nearest", optimizer_states=auto)
+    assert opt.updater is not None and not opt.updater.compensation  # nearest: no Kahan buffers
+
+
+@pytest.mark.parametrize(
+    ("recipe", "dtype", "optimizer", "expected"),
+    [
+        ("O2", BF16, "adamw", "O2 bf16 update=none reduce_dtype=bf16 loss_scale=none"),
+        ("O2", FP16, "adamw", "O2 fp16 update=none reduce_dtype=fp16 loss_scale=dynamic"),
+        (
+            "O3",
+            FP16,
+            "adamw",
+            "O3 fp16 update=kahan optimizer_states=exp_avg:fp16,momentum_buffer:fp16 "
+            "update_seed=0 reduce_dtype=fp16 loss_scale=dynamic",
+        ),
+        ("O3", FP16, "sgd", "O3 fp16 update=none reduce_dtype=fp16 loss_scale=dynamic"),
+        (
+            "lean",
+            FP16,
+            "adamw",
+            "lean fp16 update_seed=0 gradients=held reduce_dtype=fp16 loss_scale=dynamic",
+        ),
+    ],
+)
+def test_each_auto_is_resolved_once_into_the_recipe_the_optimizer_prints(
+    recipe, dtype, optimizer, expected
+):
+    model = _model()
+    opt = (
+        torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if optimizer == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=0.1)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fp16 on a CPU without fast fp16
+        model, opt = mixprec.initialize(model, opt, recipe, dtype)
+    assert str(opt.recipe) == expected
+    assert mixprec.Recipe(str(opt.recipe)) == opt.recipe  # the printed line is the recipe
+    assert model.__dict__[RECIPE_ATTR][0] == mixprec.Recipe(recipe, dtype).resolve()
+
+
+def test_lean_gradients_auto_resolves_at_the_end_of_the_first_step():
+    model = _model()
+    model, opt = mixprec.initialize(model, torch.optim.AdamW(model.parameters()), "lean", BF16)
+    assert opt.recipe.gradients == "auto"  # the first step decides
+    for _ in range(2):
+        opt.backward(model(torch.randn(3, 4)).float().square().mean())
+        opt.step()
+        opt.zero_grad()
+    assert opt.recipe.gradients == "released"
+    model = _model()
+    model, opt = mixprec.initialize(model, torch.optim.AdamW(model.parameters()), "lean", BF16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "auto" says once that it holds them
+        opt.backward(model(torch.randn(3, 4)).float().square().mean())
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+    assert opt.recipe.gradients == "held"
 
 
 def test_the_wrapper_takes_a_plan_not_a_dict_of_keywords():

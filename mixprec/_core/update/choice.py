@@ -24,8 +24,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from mixprec._core._warnings import MixprecNumericsWarning, user_stacklevel
+from mixprec._core.update.state_codes import FIRST_MOMENTS
 
-__all__ = ["UpdatePlan", "update_plans"]
+__all__ = ["UpdatePlan", "resolved_for", "update_plans"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +143,7 @@ def update_plans(
         return [UpdatePlan(masters=recipe.masters) for _ in optimizers]
     released = recipe.releases_gradients(dtype)
     given = dict(
-        optimizer_states=recipe.optimizer_states,
+        optimizer_states=_resolved_states(recipe.optimizer_states, dtype),
         update_seed=recipe.update_seed or 0,
         kernels=recipe.kernels,
         gradients=("released" if recipe.gradients == "released" else "auto")
@@ -174,6 +175,29 @@ def update_plans(
             )
         plans.append(_plan(update, given))  # states and seed go where a mode runs
     return _checked(plans, optimizers, fields, dtype)
+
+
+def _resolved_states(states: Any, dtype: torch.dtype) -> Any:
+    """``optimizer_states="auto"`` as what it means: first moments in ``dtype``, the others
+    (unnamed) fp32."""
+    if states != "auto":
+        return states
+    return tuple(sorted((key, dtype) for key in FIRST_MOMENTS))
+
+
+def resolved_for(recipe: Any, plan: UpdatePlan) -> Any:
+    """``recipe`` (resolved for the device: :meth:`mixprec.Recipe.resolve`) as the optimizer of
+    ``plan`` runs it: its ``update``, ``optimizer_states``, ``update_seed`` and ``gradients``."""
+    if plan.masters or recipe.weights != "16-bit":
+        return recipe
+    if plan.update is None:  # the optimizer's own 16-bit step
+        return recipe.replace(update=None, optimizer_states="auto", update_seed=None)
+    return recipe.replace(
+        update=plan.update,
+        optimizer_states=plan.optimizer_states,
+        update_seed=plan.update_seed,
+        gradients=plan.gradients,
+    )
 
 
 def _plan(update: str | None, given: dict[str, Any]) -> UpdatePlan:

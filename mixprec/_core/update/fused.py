@@ -4,8 +4,8 @@ For torch's ``Adam``, ``AdamW`` and ``SGD`` under an update mode, the step of on
 parameter -- widen ``w (+ c)``, the optimizer's fp32 math, the write-back (nearest, Kahan or
 stochastic), states decoded and re-coded in the same pass -- is one kind of step
 (:class:`.spec.StepKind`), and :func:`.spec.choose` says which backend runs it: the C loop on a
-CPU (:mod:`.cpu_kernels`), :func:`torch.compile` of :mod:`.fused_ops` elsewhere (Triton on a
-GPU), or the reference (:mod:`.lean`'s chunk path) for what neither supports. Hyperparameters
+CPU (:mod:`.c_loop`), :func:`torch.compile` of :mod:`.compiled_step` elsewhere (Triton on a
+GPU), or the reference (:mod:`.modes`'s chunk path) for what neither supports. Hyperparameters
 and the step count are tensor inputs, so a schedule never recompiles; every size is one shape
 class (1-D views, or (rows, row length) where codes keep blocks in a row). Numerics: the
 reference's formula on the same fp32 operands, each operation rounded on its own; a skipped
@@ -28,7 +28,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from mixprec._core._warnings import MixprecPerformanceWarning, user_stacklevel
 from mixprec._core.update import spec
-from mixprec._core.update.fused_ops import OPTIONS, build
+from mixprec._core.update.compiled_step import OPTIONS, build
 from mixprec._core.update.release import all_finite
 from mixprec._core.update.rounding import round_keys, shard_offset
 from mixprec._core.update.spec import Choice, StepKind
@@ -67,7 +67,7 @@ def _first_state(kind: StepKind, state: dict, local: Tensor) -> None:
 
 def _own_code(fn: Callable[..., None]) -> Callable[..., None]:
     """``fn`` with a code object of its own: dynamo keeps at most ``recompile_limit`` (8)
-    graphs per code object, and every kind built by :func:`.fused_ops.build` shares its code."""
+    graphs per code object, and every kind built by :func:`.compiled_step.build` shares its code."""
     code = fn.__code__
     own = code.replace(co_name=f"{code.co_name}_{len(_COMPILED) + len(_FAILED)}")
     return types.FunctionType(own, fn.__globals__, own.co_name, fn.__defaults__, fn.__closure__)
@@ -89,35 +89,35 @@ class FusedUpdates:
         """Whether every element of gradient ``g`` is finite: one C pass where a CPU parameter
         is stepped by the C loop, torch ops otherwise."""
         if self.kernels != "torch" and spec.CPU_BACKEND == "c":
-            from mixprec._core.update import cpu_kernels
+            from mixprec._core.update import c_loop
 
-            done = cpu_kernels.all_finite(g)
+            done = c_loop.all_finite(g)
             if done is not None:
                 return done
         return all_finite(g)
 
     @torch.no_grad()
-    def step(self, lean: Any, group: dict, params: list[Tensor], drop: bool = False) -> list:
+    def step(self, updater: Any, group: dict, params: list[Tensor], drop: bool = False) -> list:
         """Step what a backend takes of ``params`` (of ``group`` of ``lean``, the
-        :class:`~mixprec._core.update.lean.LeanUpdate`), freeing each one's gradient where
+        :class:`~mixprec._core.update.modes.ModeUpdater`), freeing each one's gradient where
         ``drop``; return those left to the reference."""
         rest = []
         for p in params:
             local = p.to_local() if hasattr(p, "to_local") else p
-            choice = spec.choose(lean, group, p, local, _FAILED)
+            choice = spec.choose(updater, group, p, local, _FAILED)
             self.choices[id(p)] = choice
-            if choice.kind is None or not self._run(choice, lean, group, p, local):
+            if choice.kind is None or not self._run(choice, updater, group, p, local):
                 rest.append(p)
             elif drop:
                 p.grad = None
         return rest
 
-    def _run(self, choice: Choice, lean: Any, group: dict, p: Tensor, local: Tensor) -> bool:
-        kind, state = choice.kind, lean.optimizer.state[p]
+    def _run(self, choice: Choice, updater: Any, group: dict, p: Tensor, local: Tensor) -> bool:
+        kind, state = choice.kind, updater.optimizer.state[p]
         first = not state and bool(kind.states)
         if first:
             _first_state(kind, state, local)
-        if not self._pass(kind, choice.backend, lean, group, p, local, state):
+        if not self._pass(kind, choice.backend, updater, group, p, local, state):
             if first:
                 state.clear()  # the reference's first step makes it
             return False
@@ -125,7 +125,7 @@ class FusedUpdates:
         return True
 
     def _pass(
-        self, kind: StepKind, backend: str, lean: Any, group: dict, p: Tensor, local: Tensor,
+        self, kind: StepKind, backend: str, updater: Any, group: dict, p: Tensor, local: Tensor,
         state: dict,
     ) -> bool:  # fmt: skip
         if kind.optimizer == "adam" and state["step"].device.type != "cpu":
@@ -139,9 +139,9 @@ class FusedUpdates:
                           device=local.device)  # fmt: skip
         keys = (0, 0)
         if kind.update == "stochastic":
-            key, mix = round_keys(lean.seed, lean.steps, lean._ordinal[id(p)])
+            key, mix = round_keys(updater.seed, updater.steps, updater._ordinal[id(p)])
             keys = ((shard_offset(p) + key) & _MASK, mix & _MASK)
-        comp = lean.compensation.get(p)
+        comp = updater.compensation.get(p)
         tensors = (local.view(view), None if comp is None else comp.view(view), g.view(view))
         states = [x for x, _ in operands]
         run = self._run_c if backend == "c" else self._run_compiled
@@ -151,26 +151,26 @@ class FusedUpdates:
             if coded_now is not None:
                 state[k] = coded_now
         if kind.optimizer == "adam":
-            from mixprec._core.update.cpu_kernels import count_step
+            from mixprec._core.update.c_loop import count_step
 
             count_step(state["step"])
         return True
 
     def _run_c(self, kind: StepKind, tensors: tuple, states: list, sc: Tensor, keys: tuple) -> bool:
-        """The step through :mod:`.cpu_kernels` (a C loop); False where it cannot be built."""
-        from mixprec._core.update import cpu_kernels
+        """The step through :mod:`.c_loop` (a C loop); False where it cannot be built."""
+        from mixprec._core.update import c_loop
 
-        first = kind not in cpu_kernels._STEPS  # its library is built (or loaded) now
+        first = kind not in c_loop._STEPS  # its library is built (or loaded) now
         t0 = time.perf_counter()
         try:
-            cpu_kernels.kernel(kind)
+            c_loop.kernel(kind)
         except Exception as exc:  # noqa: BLE001 -- no C compiler, a failed build, ...
             return self._failed(kind, exc)
         if first:
             self.compile_seconds += time.perf_counter() - t0
         w = tensors[0]
         rows, cols = (w.shape[0], w.shape[1]) if kind.coded else (1, w.numel())
-        cpu_kernels.run(kind, rows, cols, tensors, states, sc, *keys)
+        c_loop.run(kind, rows, cols, tensors, states, sc, *keys)
         return True
 
     def _run_compiled(

@@ -66,7 +66,7 @@ def all_finite(g: Tensor) -> bool:
 
 
 class ReleasedGradients:
-    """The release half of :class:`~mixprec._core.update.lean.LeanUpdate` (a mixin: it reads the
+    """The release half of :class:`~mixprec._core.update.modes.ModeUpdater` (a mixin: it reads the
     updater's ``optimizer``, ``_step_params``, ``_free_scratch``, ``nonfinite``, ``_released``,
     ``release``, ``_ordinal`` and ``add_params``)."""
 

@@ -3,13 +3,13 @@
 A parameter's step under an update mode is a :class:`StepKind`: the optimizer and the flags
 that change its code, the update mode, the weight's and gradient's dtypes, and how each state
 is held (:class:`Held`). Every backend is derived from it: the C loop's defines
-(:meth:`StepKind.defines`), the compiled function (:mod:`.fused_ops`, built from its fields)
+(:meth:`StepKind.defines`), the compiled function (:mod:`.compiled_step`, built from its fields)
 and the step's scalars, named once in :data:`SCALARS`, filled by name (:func:`scalars`) and
 read by name (:func:`index`). A kind is hashable: it is the compile key.
 
 :func:`choose` decides for one parameter which backend steps it -- ``"c"`` (the C loop, on a
 CPU), ``"compiled"`` (:func:`torch.compile`: Triton on a GPU) or ``"chunk"`` (the reference:
-the optimizer's own step on fp32 temporaries, :mod:`.lean`) -- and says why. What a backend
+the optimizer's own step on fp32 temporaries, :mod:`.modes`) -- and says why. What a backend
 does not support runs on the reference. ``docs/design.md``, "Lean 16-bit updates".
 """
 
@@ -262,27 +262,27 @@ def _refusal(optimizer: Any, group: dict, local: Tensor, update: str) -> str | N
     return None
 
 
-def choose(lean: Any, group: dict, p: Tensor, local: Tensor, failed: set) -> Choice:
+def choose(updater: Any, group: dict, p: Tensor, local: Tensor, failed: set) -> Choice:
     """Which backend steps ``p`` (of ``group`` of ``lean``, a
-    :class:`~mixprec._core.update.lean.LeanUpdate`; ``local``: its tensor on this rank) this
+    :class:`~mixprec._core.update.modes.ModeUpdater`; ``local``: its tensor on this rank) this
     step, and why. ``failed``: the kinds whose build failed here."""
-    optimizer = lean.optimizer
-    backend = _backend(local, lean.fused.kernels)
+    optimizer = updater.optimizer
+    backend = _backend(local, updater.fused.kernels)
     if backend == "chunk":
-        return _chunk("the recipe's kernels='torch'" if lean.fused.kernels == "torch" else
+        return _chunk("the recipe's kernels='torch'" if updater.fused.kernels == "torch" else
                       "mixprec._core.update.spec.CPU_BACKEND is 'chunk'")  # fmt: skip
     if backend == "compiled" and local.numel() < MIN_NUMEL:
         return _chunk(f"{local.numel()} elements: below the {MIN_NUMEL} a compile is worth")
-    why = _refusal(optimizer, group, local, lean.update)
+    why = _refusal(optimizer, group, local, updater.update)
     g = _gradient(p, local) if why is None else why
     if isinstance(g, str):
         return _chunk(g)
-    states = _states(optimizer, group, optimizer.state.get(p) or {}, lean._dtype_for, local)
+    states = _states(optimizer, group, optimizer.state.get(p) or {}, updater._dtype_for, local)
     if isinstance(states, str):
         return _chunk(states)
     kind = StepKind(
         "adam" if isinstance(optimizer, Adam) else "sgd",
-        lean.update,
+        updater.update,
         local.dtype,
         g.dtype,
         states,

@@ -292,7 +292,7 @@ def _load_codes(out: Tensor, codes: Tensor, bits: int) -> None:
 
 
 StateDtype = str | torch.dtype | dict | None
-_FIRST_MOMENTS = ("exp_avg", "momentum_buffer")
+FIRST_MOMENTS = ("exp_avg", "momentum_buffer")  # held in 16 bits by "auto"
 
 
 class StatePolicy:
@@ -314,7 +314,7 @@ class StatePolicy:
             return self.every
         if self.table is not None:
             return self.table.get(key, torch.float32)
-        return low if key in _FIRST_MOMENTS else torch.float32
+        return low if key in FIRST_MOMENTS else torch.float32
 
 
 def store_state(key: str, v: Tensor, fmt: str, prev: Any) -> QuantizedState:

@@ -14,20 +14,20 @@ from typing import Any
 from torch.optim import Optimizer
 
 from mixprec._core.update.choice import UpdatePlan
-from mixprec._core.update.lean import LeanUpdate
-from mixprec._core.update.torch_fused import fused_by_default
+from mixprec._core.update.fp32_step import fused_by_default
+from mixprec._core.update.modes import ModeUpdater
 
-__all__ = ["inner_step", "updater"]
+__all__ = ["inner_step", "make_updater"]
 
 
-def updater(optimizer: Optimizer, plan: UpdatePlan) -> LeanUpdate | None:
-    """The :class:`LeanUpdate` that steps ``optimizer``'s 16-bit parameters, or None where the
+def make_updater(optimizer: Optimizer, plan: UpdatePlan) -> ModeUpdater | None:
+    """The :class:`ModeUpdater` that steps ``optimizer``'s 16-bit parameters, or None where the
     plan keeps fp32 masters or lets the optimizer step the 16-bit weights itself. It registers
     its parameters, and those of groups added later, as released unless the plan holds their
     gradients ("auto" until its first step)."""
     if plan.update is None:
         return None
-    return LeanUpdate(
+    return ModeUpdater(
         optimizer,
         plan.update,
         state_dtype=plan.states,
@@ -37,12 +37,12 @@ def updater(optimizer: Optimizer, plan: UpdatePlan) -> LeanUpdate | None:
     )
 
 
-def inner_step(optimizer: Optimizer, plan: UpdatePlan, lean: LeanUpdate | None) -> Any:
+def inner_step(optimizer: Optimizer, plan: UpdatePlan, updater: ModeUpdater | None) -> Any:
     """One step of the wrapped optimizer on a finite gradient: the lean update's, torch's fused
-    kernel over O2's fp32 masters (by default, see :mod:`~mixprec._core.update.torch_fused`),
+    kernel over O2's fp32 masters (by default, see :mod:`~mixprec._core.update.fp32_step`),
     or the optimizer's own."""
-    if lean is not None:
-        return lean.step()
+    if updater is not None:
+        return updater.step()
     if plan.masters:
         with fused_by_default(optimizer):
             return optimizer.step()

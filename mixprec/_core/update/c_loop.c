@@ -1,10 +1,10 @@
 /* mixprec's fused update for CPUs: one pass over a parameter's memory per step.
  *
- * Built by cpu_kernels.py with the -D defines of one spec.StepKind (the optimizer, the
+ * Built by c_loop.py with the -D defines of one spec.StepKind (the optimizer, the
  * update mode, the dtype of the weight, the gradient and each state, each scalar's position
  * SC_*), compiled with the
  * machine's C compiler at -O3 -march=native, vectorized by the compiler. Every expression is
- * the one fused_ops.py hands to torch.compile and state_codes.py runs eagerly, in the same order,
+ * the one compiled_step.py hands to torch.compile and state_codes.py runs eagerly, in the same order,
  * so the result is torch's up to fp32 rounding order (no contraction into FMA: -ffp-contract=off).
  *
  * Defines: ADAM (else SGD), DECOUPLED, MOMENTUM, NESTEROV; UPDATE 0 nearest, 1 kahan,
@@ -212,7 +212,7 @@ static inline void write_weight(uint16_t *w, uint16_t *c, int64_t i, uint32_t h,
 
 #ifdef ADAM
 /* the scalars, each at the position spec.py's SCALARS gives it (the SC_* defines):
- * fused_ops.py's adam step, term for term */
+ * compiled_step.py's adam step, term for term */
 #define STEP_ELEM(i, h, M_IN, V_IN, M_OUT, V_OUT)                                            \
     {                                                                                        \
         float w32 = W_IN(w, c, i);                                                           \
@@ -236,7 +236,7 @@ static inline void write_weight(uint16_t *w, uint16_t *c, int64_t i, uint32_t h,
     s_step = sc[SC_NEG_STEP_SIZE], s_bc2 = sc[SC_SQRT_BC2], s_eps = sc[SC_EPS];                 \
     (void)s_dec; (void)s_wd;
 #else
-/* the scalars at their SC_* positions (spec.py): fused_ops.py's sgd step */
+/* the scalars at their SC_* positions (spec.py): compiled_step.py's sgd step */
 #ifdef MOMENTUM  /* the buffer b = momentum * b + (1 - dampening) * g, stored */
 #define BUFFER(M_IN, M_OUT) float m32 = M_IN * s_mom + g32 * s_damp; M_OUT;
 #ifdef NESTEROV

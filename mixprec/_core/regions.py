@@ -20,35 +20,10 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mixprec._core import cast_table, traced
-from mixprec._core._autocast_kernels import _ExportMode, _synced, sync
+from mixprec._core._autocast_rules import _ExportMode, _synced, sync
 from mixprec._core._frames import Frame, _enter, _open, _seq, _span_of, _spans, _state, _traced
 
-# Not used here: read through this module by amp.autocast_mode, compat.amp_casts and
-# .amp_handle, optimizer, tools/gen_op_table.py and tests (_state too); import from their homes.
-from mixprec._core._autocast_kernels import (  # isort: skip
-    _KEYS as _KEYS,
-    FP32_INSIDE_OPS,
-    _overloads as _overloads,
-    float_dtypes,
-    registered,
-)
-from mixprec._core._frames import depth, outside_regions, top  # isort: skip
-
-__all__ = [
-    "FP32_INSIDE_OPS",
-    "Frame",
-    "after_import",
-    "depth",
-    "enable",
-    "float_dtypes",
-    "outside_regions",
-    "pop",
-    "push",
-    "ready_for_dynamo",
-    "registered",
-    "sync",
-    "top",
-]
+__all__ = ["after_import", "enable", "pop", "push", "ready_for_dynamo"]
 
 
 @dataclass

@@ -3,7 +3,7 @@
 :func:`build` makes the step of one :class:`.spec.StepKind`, reading its scalars by name
 (:func:`.spec.index`); :mod:`.fused` compiles it once per kind, and inductor turns it into one
 loop: Triton on a GPU, C++ on a CPU. The formulas are the eager ones of torch's single-tensor
-optimizers, :mod:`.state_codes` and :mod:`.rounding`, op for op; ``cpu_kernel.c`` writes the
+optimizers, :mod:`.state_codes` and :mod:`.rounding`, op for op; ``c_loop.c`` writes the
 same expressions in C. Two pitfalls of compiling them are handled here: inductor drops
 ``float(bf16(w))`` as a no-op round trip unless ``emulate_precision_casts`` is set (Kahan's
 residual needs it, see :data:`OPTIONS`), and it multiplies by the reciprocal of a

@@ -1,7 +1,7 @@
 """Memory-lean 16-bit updates: the optimizer's fp32 step, written back to 16-bit weights by
 nearest rounding, Kahan compensation or stochastic rounding (Zamirai et al. 2020, Collage 2024).
 
-:class:`LeanUpdate` steps each 16-bit parameter in one pass where a backend takes it
+:class:`ModeUpdater` steps each 16-bit parameter in one pass where a backend takes it
 (:mod:`.fused`); the rest -- any per-parameter optimizer -- are the reference: widened with
 their gradients and states into fp32 temporaries a chunk at a time, stepped by the wrapped
 optimizer's own ``step()``, then narrowed and rounded back. States are stored per key as the
@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from mixprec._core.clipping import register_released
+from mixprec._core.update.fp32_step import fused_by_default
 from mixprec._core.update.fused import FusedUpdates
 from mixprec._core.update.heap import trim_heap
 from mixprec._core.update.release import ReleasedGradients
@@ -31,9 +32,8 @@ from mixprec._core.update.state_codes import (
     quantizable,
     store_state,
 )
-from mixprec._core.update.torch_fused import fused_by_default
 
-__all__ = ["UPDATES", "LeanUpdate", "StateDtype"]
+__all__ = ["UPDATES", "ModeUpdater", "StateDtype"]
 
 UPDATES = ("nearest", "kahan", "stochastic")
 _LOW = (torch.float16, torch.bfloat16)
@@ -47,7 +47,7 @@ def _local(t: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- the updater
 
 
-class LeanUpdate(ReleasedGradients):
+class ModeUpdater(ReleasedGradients):
     """Steps ``optimizer``'s 16-bit parameters (its ``param_groups`` hold the model's own, no
     fp32 masters; fp32 ones are stepped as they are) with ``update`` (``"nearest"``,
     ``"kahan"`` or ``"stochastic"``, seeded by ``seed``), states held as ``state_dtype`` says

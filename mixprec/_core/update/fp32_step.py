@@ -6,8 +6,9 @@ Design (``docs/design.md``, "Master weights and the optimizer"):
   ``fused=None``) runs on a CPU as a Python loop over parameters (torch picks ``foreach`` only
   on CUDA-like devices and never picks ``fused`` by itself). The steps mixprec runs on fp32
   tensors -- O2's master step, and an update mode's fp32 temporaries
-  (:class:`~mixprec._core.update.lean.LeanUpdate`) -- go through torch's fused kernel instead, which
-  CPU and CUDA have for all three: one pass over each tensor, 2.5-3.5x faster on a CPU.
+  (:class:`~mixprec._core.update.modes.ModeUpdater`) -- go through torch's fused kernel
+  instead, which CPU and CUDA have for all three: one pass over each tensor, 2.5-3.5x faster
+  on a CPU.
 * :func:`fused_by_default` sets ``group["fused"] = True`` for the one ``step()`` and puts
   ``None`` back, so the optimizer's ``state_dict`` and ``param_groups`` are what the user built.
 * An explicit ``foreach=`` or ``fused=`` (True or False) is respected. A group is left to

@@ -19,7 +19,7 @@ import torch
 from torch._C import DispatchKey, DispatchKeySet
 from torch.overrides import TorchFunctionMode
 
-from mixprec._core import cast_table, kernels
+from mixprec._core import attention, cast_table
 from mixprec._core._frames import Frame, _frame_for_kernel, _state, top
 from mixprec._core.cast_table import FP32, FP32_INSIDE_OPS, LOWER, NATIVE_PROMOTE, PROMOTE
 from mixprec._core.torch_lists import TORCH_AUTOCAST, torch_rule
@@ -141,7 +141,7 @@ def _lower(
 ) -> Any:
     args, kwargs = _cast_all(args, kwargs, low)
     if frame is not None and frame.kernels == "auto" and name == "scaled_dot_product_attention":
-        out = kernels.try_decomposed_attention(args, kwargs)
+        out = attention.try_decomposed_attention(args, kwargs)
         if out is not None:
             return out
     return op(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""The fused update's C loops (core/update/cpu_kernels.py): codes written as state_codes.py
+"""The fused update's C loops (core/update/c_loop.py): codes written as state_codes.py
 writes them, bit for bit; the same result split over threads; and "auto" on a CPU fusing what
 it can, coded states and small parameters included."""
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import mixprec
-from mixprec._core.update import cpu_kernels, spec
+from mixprec._core.update import c_loop, spec
 from mixprec._core.update.spec import Held, StepKind
 from mixprec._core.update.state_codes import QuantizedState
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler here")
+pytestmark = pytest.mark.skipif(not c_loop.available(), reason="no C compiler here")
 
 BF16 = torch.bfloat16
 
@@ -55,7 +55,7 @@ def test_codes_are_state_codes_bit_for_bit(fmt):
     m = QuantizedState.quantize(torch.randn(rows, cols), fmt, "signed")
     v = QuantizedState.quantize(torch.rand(rows, cols), fmt, "sqrt")
     states = [(m.codes, m.scale), (v.codes, v.scale)]
-    cpu_kernels.run(key, rows, cols, (w, None, g), states, _scalars(0.0, 0.0), 0, 0)
+    c_loop.run(key, rows, cols, (w, None, g), states, _scalars(0.0, 0.0), 0, 0)
     want_m = QuantizedState.quantize(g.clone(), fmt, "signed")
     want_v = QuantizedState.quantize(g * g, fmt, "sqrt")
     for got, want in ((m, want_m), (v, want_v)):
@@ -64,7 +64,7 @@ def test_codes_are_state_codes_bit_for_bit(fmt):
     assert not w.any()  # lr 0
 
     before = [QuantizedState.quantize(s.dequantize(), fmt, s.kind) for s in (m, v)]
-    cpu_kernels.run(key, rows, cols, (w, None, g), states, _scalars(1.0, 1.0), 0, 0)
+    c_loop.run(key, rows, cols, (w, None, g), states, _scalars(1.0, 1.0), 0, 0)
     for got, want in zip((m, v), before):
         assert torch.equal(got.codes, want.codes)
         assert torch.equal(got.scale, want.scale)
@@ -89,12 +89,12 @@ def test_threads_split_the_step_without_changing_a_bit(fmt, monkeypatch):
     sc = torch.tensor([0.99, 0, 1, 0.1, 0.999, 0.001, -1e-2, 0.3, 1e-8, 0, 0])
     outs = []
     threads = torch.get_num_threads()
-    monkeypatch.setattr(cpu_kernels, "PER_THREAD", 1000)
+    monkeypatch.setattr(c_loop, "PER_THREAD", 1000)
     try:
         for n in (1, 3):
             torch.set_num_threads(n)
             w, states = w0.clone(), copy.deepcopy(states0)
-            cpu_kernels.run(key, rows, cols, (w, None, g), states, sc, 123, 456)
+            c_loop.run(key, rows, cols, (w, None, g), states, sc, 123, 456)
             flat = [t for s in states for t in (s if isinstance(s, tuple) else (s,))]
             outs.append([w, *flat])
     finally:
@@ -126,7 +126,7 @@ def test_auto_on_a_cpu_fuses_coded_states_and_small_parameters(monkeypatch):
             opt.zero_grad()
         runs[mode] = model, opt
     model, opt = runs["auto"]
-    assert opt.lean.fused.fused_steps == 3 * 4  # every step, all four parameters
+    assert opt.updater.fused.fused_steps == 3 * 4  # every step, all four parameters
     assert isinstance(opt.state[model[0].weight]["exp_avg"], QuantizedState)
     for p, q in zip(runs["off"][0].parameters(), model.parameters()):
         a, b = p.detach().float(), q.detach().float()
@@ -142,26 +142,26 @@ def test_the_finite_check_sees_every_inf_and_nan(dtype):
     g = torch.randn(1000).to(dtype)
     g[3] = torch.finfo(dtype).max
     g[4] = -torch.finfo(dtype).max
-    assert cpu_kernels.all_finite(g) is True
+    assert c_loop.all_finite(g) is True
     for at in (0, 17, 999):
         for bad in (float("inf"), float("-inf"), float("nan")):
             h = g.clone()
             h[at] = bad
-            assert cpu_kernels.all_finite(h) is False, (at, bad)
-    assert cpu_kernels.all_finite(g[::2]) is None  # not contiguous: torch ops decide
+            assert c_loop.all_finite(h) is False, (at, bad)
+    assert c_loop.all_finite(g[::2]) is None  # not contiguous: torch ops decide
 
 
 def test_a_library_folder_others_may_write_into_is_refused(tmp_path, monkeypatch):
     """A library is loaded into the process: a cache folder that another user could have
     written into is refused with the fix, and nothing is built there."""
-    monkeypatch.setattr(cpu_kernels.tempfile, "gettempdir", lambda: str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "_LOADED", {})
-    monkeypatch.setattr(cpu_kernels, "_STEPS", {})
-    folder = cpu_kernels._cache()
+    monkeypatch.setattr(c_loop.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(c_loop, "_LOADED", {})
+    monkeypatch.setattr(c_loop, "_STEPS", {})
+    folder = c_loop._cache()
     assert oct(folder.stat().st_mode & 0o777) == "0o700"
     folder.chmod(0o777)
     with pytest.raises(RuntimeError, match="others may write into it; remove it"):
-        cpu_kernels.kernel(_adam("nearest", BF16, Held(dtype=BF16), Held(dtype=torch.float32)))
+        c_loop.kernel(_adam("nearest", BF16, Held(dtype=BF16), Held(dtype=torch.float32)))
     assert not list(folder.iterdir())
 
 
@@ -181,14 +181,14 @@ def test_16_bit_rounding_is_torchs_bit_for_bit(dtype):
     key = StepKind("sgd", "nearest", dtype, torch.float32, ())
     sc = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])  # +g, no decay, -lr = 1
     w = torch.zeros(g.numel(), dtype=dtype)
-    cpu_kernels.run(key, 1, g.numel(), (w, None, g), [], sc, 0, 0)
+    c_loop.run(key, 1, g.numel(), (w, None, g), [], sc, 0, 0)
     want = (torch.zeros_like(g) + g).to(dtype)  # the step's w + g: -0.0 becomes +0.0
     same = (w.view(torch.int16) == want.view(torch.int16)) | (w.isnan() & want.isnan())
     assert same.all(), (g[~same][:5], w[~same][:5], want[~same][:5])
 
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     w = every.clone()
-    cpu_kernels.run(key, 1, w.numel(), (w, None, torch.zeros(w.numel())), [], sc, 0, 0)
+    c_loop.run(key, 1, w.numel(), (w, None, torch.zeros(w.numel())), [], sc, 0, 0)
     want = (every.float() + torch.zeros(w.numel())).to(dtype)  # -0.0 + 0 is +0.0
     kept = (w.view(torch.int16) == want.view(torch.int16)) | (w.isnan() & want.isnan())
     assert kept.all()

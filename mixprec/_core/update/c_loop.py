@@ -1,4 +1,4 @@
-"""The one-pass update on a CPU: ``cpu_kernel.c``, built per kind of step by the machine's C
+"""The one-pass update on a CPU: ``c_loop.c``, built per kind of step by the machine's C
 compiler and called through :mod:`ctypes` (which releases the GIL).
 
 One source, specialised by the defines of a :class:`.spec.StepKind` and compiled with
@@ -30,7 +30,7 @@ from torch import Tensor
 
 __all__ = ["PER_THREAD", "all_finite", "available", "count_step", "kernel", "run"]
 
-_SOURCE = Path(__file__).with_name("cpu_kernel.c")
+_SOURCE = Path(__file__).with_name("c_loop.c")
 #: -ffp-contract=off: no FMA, so the fp32 math rounds as torch's eager ops do;
 #: -fno-math-errno / -fno-trapping-math: sqrt and the selects vectorize (no errno, no traps)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",

@@ -1,5 +1,5 @@
 """torch's fused Adam/AdamW/SGD for mixprec's fp32 steps where the user left foreach and fused
-at None (core/update/torch_fused.py); an explicit choice is the user's."""
+at None (core/update/fp32_step.py); an explicit choice is the user's."""
 
 from __future__ import annotations
 
