@@ -184,10 +184,13 @@ def initialize_fsdp(
             f"{type(optimizer_fn).__name__}. (fully_shard replaces the parameters, "
             "so an optimizer built before it would hold stale ones.)"
         )
-    recipe = _fsdp_recipe(as_recipe(recipe, dtype))
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
+    recipe = _fsdp_recipe(as_recipe(recipe, dtype))
     low = recipe.resolved_dtype(device)
+    if recipe.reduce_dtype == "auto":  # FSDP's: the gathered parameters' dtype (fp32 at O0, O1)
+        recipe = recipe.replace(reduce_dtype=low if recipe.weights == "16-bit" else torch.float32)
+    recipe = recipe.resolve(device)  # every other "auto", once
     if mesh is None:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     common: dict[str, Any] = dict(mesh=mesh)
@@ -275,7 +278,7 @@ def _shard(
     innermost first, then the root, with the recipe's parameter and reduce dtypes; with an
     update mode (``modes``) the parameters are already 16-bit and are gathered as they are."""
     low_params = recipe.weights == "16-bit"
-    reduce = None if recipe.reduce_dtype in ("auto", None) else recipe.reduce_dtype
+    reduce = recipe.reduce_dtype  # resolved by initialize_fsdp
     policy = fsdp_mp_policy(Policy(compute_dtype=low if low_params else _F32), reduce_dtype=reduce)
     if modes:  # the 16-bit shards are the weights: all-gathered as stored
         policy = MixedPrecisionPolicy(
