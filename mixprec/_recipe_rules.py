@@ -132,14 +132,19 @@ def _check_update(r: Any) -> None:
                     "applies to an update mode; set update='nearest', 'kahan' or 'stochastic' "
                     "(16-bit weights without masters) as well.",
                 )
-    if r.gradients == "released" and (not modes or r.update is None):
+    if r.gradients == "released":
+        _check_released(r, modes)
+
+
+def _check_released(r: Any, modes: bool) -> None:
+    if not modes or r.update is None:
         _fail(
             "gradients",
             "released",
             "a released gradient is stepped in backward by an update mode (16-bit weights, no "
             "masters, update not None). Use Recipe('lean'), or gradients='held'.",
         )
-    if r.gradients == "released" and (r.loss_scale not in ("auto", None) or r.num_losses > 1):
+    if r.loss_scale not in ("auto", None) or r.num_losses > 1:
         _fail(
             "gradients",
             "released",

@@ -13,11 +13,12 @@ of the fused update built or loaded -- is on the path as a user's first step mee
 * ``O2``: ``mixprec.initialize(model, opt, "O2", torch.bfloat16)``, a forward,
   ``opt.backward(loss)``, ``opt.clip_grad_norm_(1.0)``, ``opt.step()``;
 * ``lean``: ``initialize`` with ``"lean"``, then three steps (forward, backward, clip, step,
-  ``zero_grad``), so that the released-gradient path and the fused update run; its C source
+  ``zero_grad``), so that the fused update and the first step's decision of ``gradients="auto"``
+  run (the clip keeps the gradients held); its C source
   (a ``.c`` file of the package that an entered module names) is reported beside it.
 
-Nothing in mixprec is switched: the default configuration (the test suite's conftest, which
-turns the fused update off, is not imported).
+Nothing in mixprec is switched: the default configuration a user gets (the test suite's
+conftest, which pins thread counts, is not imported).
 
 What counts. A *file entered* is a mixprec module in which any code ran during the step (a
 module imported at first use counts). A *function executed* is a ``def`` or a ``lambda``

@@ -45,6 +45,14 @@ def _by_device(tensors: list[Tensor]) -> dict[torch.device, list[Tensor]]:
     return out
 
 
+def _flag(flags: dict[torch.device, Tensor], device: torch.device) -> Tensor:
+    """This call's verdict flag on ``device`` (made on first use)."""
+    flag = flags.get(device)
+    if flag is None:
+        flag = flags[device] = torch.zeros(1, device=device)
+    return flag
+
+
 def _version(grad: Tensor) -> int:
     """A gradient's version counter; for a DTensor (FSDP2) that of its local shard, which is
     what in-place accumulation bumps (the DTensor's own counter stays 0)."""
@@ -136,49 +144,43 @@ class GradientChecks:
 
     def _unscale(self, scale: float) -> Tensor | None:
         """After a backward: unscale fresh grads into master grads; return the verdict flag."""
-        fresh: dict[torch.device, list[Tensor]] = {}
-        targets: list[tuple[Tensor, Tensor]] = []
-        call_flags: dict[torch.device, Tensor] = {}
+        flags: dict[torch.device, Tensor] = {}  # this call's, one per device
+        targets = self._widened(scale, flags) if self._pairs else []
+        fresh = {} if scale == 1.0 else _by_device([g for _, g in targets])
+        for p in self._own_params():
+            if p.grad is not None:
+                fresh.setdefault(p.grad.device, []).append(p.grad)
+                targets.append((p, p.grad))
+        if targets:
+            for device, grads in fresh.items():
+                unscale_and_check_(grads, 1.0 / scale, _flag(flags, device))
+            self._accumulate(targets)
+        for device, flag in flags.items():
+            self._found_for(device).add_(flag)
+        if len(flags) <= 1:
+            return next(iter(flags.values()), None)
+        return torch.tensor([sum(read_flags(list(flags.values())))])  # one sync per device
 
-        def flag_for(device: torch.device) -> Tensor:
-            if device not in call_flags:
-                call_flags[device] = torch.zeros(1, device=device)
-            return call_flags[device]
-
-        def flags_of(call_flags: dict[torch.device, Tensor]) -> Tensor | None:
-            for device, flag in call_flags.items():
-                self._found_for(device).add_(flag)
-            flags = list(call_flags.values())
-            if len(flags) <= 1:
-                return flags[0] if flags else None
-            return torch.tensor([sum(read_flags(flags))])  # several devices: one sync each
-
+    def _widened(self, scale: float, flags: dict[torch.device, Tensor]) -> list[tuple]:
+        """The 16-bit model grads widened: ``(master, fp32 grad)`` targets. Without a scale the
+        16-bit grads are checked where they are (half the bytes of an fp32 pass); with one,
+        widening comes first (fp16 would underflow). A master gradient written since its
+        check (clipping by hand, a hook) is checked as it is."""
         if scale == 1.0:
-            # Nothing to unscale: check the 16-bit grads where they are (half the bytes of an
-            # fp32 pass), then widen. With a scale, widening comes first (fp16 would underflow).
             low = [p.grad for p, _ in self._pairs if p.grad is not None]
             for device, grads in _by_device(low).items():
-                unscale_and_check_(grads, 1.0, flag_for(device))
-        widened = self._widen()
-        for g, master in widened:
-            if scale != 1.0:
-                fresh.setdefault(g.device, []).append(g)
-            targets.append((master, g))
-        for p in self._own_params():
-            g = p.grad
-            if g is not None:
-                fresh.setdefault(g.device, []).append(g)
-                targets.append((p, g))
-        # a master gradient written since its check (clipping by hand, a hook): checked as is
+                unscale_and_check_(grads, 1.0, _flag(flags, device))
+        targets = [(master, g) for g, master in self._widen()]
         changed = [m for _, m in self._pairs if self._unchecked(m)]
         for device, grads in _by_device([m.grad for m in changed]).items():
-            unscale_and_check_(grads, 1.0, flag_for(device))
+            unscale_and_check_(grads, 1.0, _flag(flags, device))
         for m in changed:
             self._checked[id(m)] = (weakref.ref(m.grad), _version(m.grad))
-        if not targets:
-            return flags_of(call_flags)
-        for device, grads in fresh.items():
-            unscale_and_check_(grads, 1.0 / scale, flag_for(device))
+        return targets
+
+    def _accumulate(self, targets: list[tuple[Tensor, Tensor]]) -> None:
+        """Each fresh gradient into its target's ``.grad``, added to what is there (an
+        accumulation, a stashed gradient), and recorded as checked."""
         stash, checked = self._stash, self._checked
         for target, g in targets:
             stashed = stash.pop(target, None) if stash else None
@@ -192,7 +194,6 @@ class GradientChecks:
             else:
                 grad.add_(g)
             checked[id(target)] = (weakref.ref(grad), _version(grad))
-        return flags_of(call_flags)
 
     def _widen(self) -> list[tuple[Tensor, Tensor]]:
         """Move 16-bit model grads into fp32 tensors; return ``(fp32 grad, master)`` pairs: kept

@@ -141,6 +141,13 @@ def update_plans(
     with ``update="auto"`` decided per optimizer where 16-bit weights have no masters."""
     if recipe.weights != "16-bit" or recipe.masters:  # the recipe's rules: no update mode here
         return [UpdatePlan(masters=recipe.masters) for _ in optimizers]
+    return _mode_plans(recipe, optimizers, models, dtype)
+
+
+def _mode_plans(
+    recipe: Any, optimizers: list[Optimizer], models: list[nn.Module], dtype: torch.dtype
+) -> list[UpdatePlan]:
+    """:func:`update_plans` where an update mode can run (16-bit weights, no masters)."""
     released = recipe.releases_gradients(dtype)
     given = dict(
         optimizer_states=_resolved_states(recipe.optimizer_states, dtype),
@@ -191,8 +198,9 @@ def resolved_for(recipe: Any, plan: UpdatePlan) -> Any:
     if plan.masters or recipe.weights != "16-bit":
         return recipe
     if plan.update is None:  # the optimizer's own 16-bit step
-        return recipe.replace(update=None, optimizer_states="auto", update_seed=None)
-    return recipe.replace(
+        return dataclasses.replace(recipe, update=None, optimizer_states="auto", update_seed=None)
+    return dataclasses.replace(
+        recipe,
         update=plan.update,
         optimizer_states=plan.optimizer_states,
         update_seed=plan.update_seed,

@@ -115,12 +115,15 @@ class ReleasedGradients:
         """Step ``p`` alone as soon as its gradient is complete, then free the gradient (a
         ``register_post_accumulate_grad_hook``; see the module docstring). While "auto"
         decides, only watch: a second gradient before the step is an accumulation."""
-        if not self.release:
-            if self.deciding:
-                if id(p) in self._released:
-                    self.held_for = self.held_for or "accumulation"
-                self._released.add(id(p))
-            return
+        if self.release:
+            self._step_one(p)
+        elif self.deciding:
+            if id(p) in self._released:
+                self.held_for = self.held_for or "accumulation"
+            self._released.add(id(p))
+
+    def _step_one(self, p: Tensor) -> None:
+        """:meth:`_step_released` once gradients are released."""
         if id(p) in self._released:
             raise RuntimeError(self._second_gradient())
         if not self._released:  # the first of this backward: free the scratch at its end

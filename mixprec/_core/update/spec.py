@@ -263,7 +263,7 @@ def _refusal(optimizer: Any, group: dict, local: Tensor, update: str) -> str | N
 
 
 def choose(updater: Any, group: dict, p: Tensor, local: Tensor, failed: set) -> Choice:
-    """Which backend steps ``p`` (of ``group`` of ``lean``, a
+    """Which backend steps ``p`` (of ``group`` of ``updater``, a
     :class:`~mixprec._core.update.modes.ModeUpdater`; ``local``: its tensor on this rank) this
     step, and why. ``failed``: the kinds whose build failed here."""
     optimizer = updater.optimizer
