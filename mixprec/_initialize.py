@@ -21,7 +21,7 @@ from mixprec._core import engine
 from mixprec._core._gradients import LossSlot
 from mixprec._core.fp32_values import install_load_refresh
 from mixprec._core.hardware import warn_if_slow
-from mixprec._core.loss_scale import DYNAMIC_OPTIONS, LossScaler
+from mixprec._core.loss_scale import LossScaler
 from mixprec._core.optimizer import MixedPrecisionOptimizer, StepGuard
 from mixprec._core.optimizer_view import OptimizerView, as_torch_optimizer
 from mixprec._core.policy import Policy, get_policy
@@ -42,30 +42,6 @@ _LEVELS = ("O0", "O1", "O2", "O3")
 LEVEL_SPELLINGS = "'O0', 'O1', 'O2' or 'O3' (the letter O, not zero; any case: 'o2' is 'O2')"
 _MARK = "_mixprec_initialized"
 RECIPE_ATTR = "_mixprec_recipe"  # (recipe, the 16-bit dtype it runs in) on each model prepared
-
-_SAME_NAME = (
-    "loss_scale",
-    "num_losses",
-    "fp32_inside",
-    "kernels",
-    "fp8",
-    "activations",
-    "update",
-    "update_seed",
-)
-#: keywords of the old API -> the Recipe field that replaces each (refused by initialize_fsdp
-#: and the Lightning plugin)
-MOVED: dict[str, str] = {
-    "level": "name",
-    "policy": "name",
-    "keep_norm_fp32": "keep_fp32",
-    "keep_frozen_fp32": "frozen_masters",
-    "master_weights": "masters",
-    "cast_model_outputs": "outputs",
-    "state_dtype": "optimizer_states",
-    **{k: k for k in _SAME_NAME},
-    **{k: f"loss_scale=mixprec.LossScaling({k}=...)" for k in ("init_scale", *DYNAMIC_OPTIONS)},
-}
 
 
 def level_name(level: Any) -> str:

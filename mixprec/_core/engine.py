@@ -22,7 +22,6 @@ from torch.utils import _pytree
 from mixprec._core import _frames, regions
 from mixprec._core._autocast_rules import cast_leaf, sync
 from mixprec._core._frames import Frame
-from mixprec._core._keywords import refuse_moved_keywords
 from mixprec._core._warnings import MixprecWarning
 from mixprec._core.activations import ActivationConfig, SavedTensorStorage
 from mixprec._core.cast_table import FP32_INSIDE_OPS
@@ -147,7 +146,6 @@ class autocast:
         torch.bfloat16
     """
 
-    @refuse_moved_keywords("autocast", {"kernels": "kernels", "fp8": "fp8"}, "{entry}({recipe})")
     def __init__(
         self, recipe: Any = None, *, enabled: bool = True, cache_enabled: bool = True
     ) -> None:

@@ -19,7 +19,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mixprec import _initialize as initialize
 from mixprec._core import engine, optimizer
-from mixprec._core._keywords import refuse_moved_keywords
 from mixprec._core._warnings import MixprecNumericsWarning
 from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec._initialize import _MARK, RECIPE_ATTR  # set by initialize on each model
@@ -217,11 +216,6 @@ def _broadcast_masters(
             dist.broadcast(t, src=src, group=group)
 
 
-@refuse_moved_keywords(
-    "wrap_ddp",
-    {"comm_dtype": "reduce_dtype"},
-    "initialize(model, optimizer, {recipe}), then wrap_ddp(model, optimizer)",
-)
 def wrap_ddp(
     model: nn.Module,
     optimizers: MixedPrecisionOptimizer | Sequence[MixedPrecisionOptimizer] | None = None,

@@ -59,13 +59,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from mixprec._core._keywords import refuse_moved_keywords
 from mixprec._core.norms import is_norm
 from mixprec._core.optimizer import MixedPrecisionOptimizer
 from mixprec._core.policy import Policy, PolicyLike, as_policy
 from mixprec._core.storage import cast_buffers, cast_storage, restore_fp32
 from mixprec._core.update.rounding import shard_offset
-from mixprec._initialize import _MARK, MOVED, initialize
+from mixprec._initialize import _MARK, initialize
 from mixprec.distributed.fp8_gather import gather_in_fp8
 from mixprec.distributed.verdicts import require_process_group, sync_verdicts
 from mixprec.recipe import Recipe, as_recipe
@@ -141,11 +140,6 @@ def _check_model(model: nn.Module) -> None:
         )
 
 
-@refuse_moved_keywords(
-    "initialize_fsdp",
-    {**MOVED, "reduce_dtype": "reduce_dtype", "keep_norm_fp32": "keep_fp32"},
-    "{entry}(model, optimizer_fn, {recipe})",
-)
 def initialize_fsdp(
     model: nn.Module,
     optimizer_fn: Callable[[Iterable[nn.Parameter]], Optimizer],

@@ -20,16 +20,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from mixprec._core._keywords import refuse_moved_keywords
 from mixprec.graph.caches import has_cache_switch
 from mixprec.graph.convert import GRAPH_ATTR
 
 __all__ = ["backend", "compile"]
 
 
-@refuse_moved_keywords(
-    "backend", {"fp32_inside": "fp32_inside", "kernels": "kernels"}, "{entry}({recipe})"
-)
 def backend(
     recipe: Any = None,
     *,
@@ -126,9 +122,6 @@ class _Compiled(nn.Module):
 _entries = itertools.count()
 
 
-@refuse_moved_keywords(
-    "compile", {"fp32_inside": "fp32_inside", "kernels": "kernels"}, "{entry}(model, {recipe})"
-)
 def compile(
     model: nn.Module,
     recipe: Any = None,

@@ -32,7 +32,6 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from mixprec._core._keywords import refuse_moved_keywords
 from mixprec._core._warnings import MixprecWarning
 from mixprec._core.policy import Policy, PolicyLike, as_policy, global_policy
 from mixprec.graph import paint
@@ -239,10 +238,6 @@ def graph_settings(spec: Any) -> tuple[Policy, dict[str, Any]]:
     return _default_policy(spec), {"fp32_inside": False, "kernels": "auto"}
 
 
-_GRAPH_MOVED = {"fp32_inside": "fp32_inside", "kernels": "kernels", "policy": "name"}
-
-
-@refuse_moved_keywords("convert", _GRAPH_MOVED, "{entry}(model, example_inputs, {recipe})")
 def convert(
     model: nn.Module,
     example_inputs: Any,

@@ -34,7 +34,6 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from mixprec._core import engine
-from mixprec._core._keywords import refuse_moved_keywords
 from mixprec._core.cast_table import FP32, resolve_op, rule_for
 from mixprec._core.fp32_values import fp32_state_dict
 from mixprec._core.hardware import default_dtype
@@ -228,11 +227,6 @@ def _load_checkpoint(checkpoint: Any) -> Mapping[str, Tensor]:
     return checkpoint
 
 
-@refuse_moved_keywords(
-    "for_inference",
-    {"output_dtype": "outputs", "policy": "name"},
-    "{entry}(model, {recipe}, example_inputs)",
-)
 def for_inference(
     model: nn.Module,
     recipe: Any = None,

@@ -29,9 +29,7 @@ import torch
 from torch import Tensor
 
 import mixprec
-from mixprec._core._keywords import refuse_moved_keywords
 from mixprec._core.optimizer import MixedPrecisionOptimizer
-from mixprec._initialize import MOVED
 from mixprec.integrations._loop import hold_for_loop
 from mixprec.recipe import Recipe, as_recipe
 
@@ -54,7 +52,6 @@ class MixprecPrecision(_Precision):
         dtype: the 16-bit dtype; None: the recipe's, else the best one for the device.
     """
 
-    @refuse_moved_keywords("MixprecPrecision", MOVED, "{entry}({recipe})")
     def __init__(self, recipe: Recipe | str = "O1", dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.recipe = as_recipe(recipe, dtype)

@@ -50,7 +50,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mixprec._core._keywords import refuse_moved_keywords
 from mixprec._core.engine import set_policy
 from mixprec._core.policy import Policy, get_policy
 from mixprec.fp8.config import FP8Config
@@ -82,9 +81,6 @@ def _as_batches(batch: Any) -> list[tuple[Any, Any]]:
     return out
 
 
-@refuse_moved_keywords(
-    "tune", {"fp8": "fp8", "dtype": "recipe"}, "{entry}(model, batch, loss_fn, {recipe})"
-)
 def tune(
     model: nn.Module,
     batch: Any,
