@@ -506,20 +506,6 @@ def test_a_deep_copy_of_model_and_optimizer_trains_on_alike(recipe):
         assert_bitwise(a.detach(), b.detach())
 
 
-def test_a_checkpoint_with_generator_states_loads_with_a_warning():
-    """Older checkpoints carried torch.Generator states: weights and states load exactly, and the
-    rounding goes on from a step count of its own, said out loud."""
-    _, opt = build("stochastic", adamw)
-    sd = opt.state_dict()
-    updater = sd["param_groups"][0]["mixprec"]["lean"]
-    del updater["steps"]
-    updater["generators"] = {"cpu": torch.Generator().get_state()}
-    _, other = build("stochastic", adamw)
-    with pytest.warns(UserWarning, match="keyed by the step count"):
-        other.load_state_dict(sd)
-    assert other.updater.steps == 2**32
-
-
 @pytest.mark.parametrize("update", MODES)
 def test_fp16_parameters(update):
     model, opt = build(update, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), FP16)

@@ -24,7 +24,7 @@ from mixprec._core.update.fp32_step import fused_by_default
 from mixprec._core.update.fused import FusedUpdates
 from mixprec._core.update.heap import trim_heap
 from mixprec._core.update.release import ReleasedGradients
-from mixprec._core.update.rounding import keyed_round_, round_keys, saved_steps, shard_offset
+from mixprec._core.update.rounding import keyed_round_, round_keys, shard_offset
 from mixprec._core.update.state_codes import (
     QuantizedState,
     StateDtype,
@@ -418,7 +418,7 @@ class ModeUpdater(ReleasedGradients):
             if mine is not None:
                 mine.copy_(saved)
         self.seed = int(sd.get("seed", self.seed))
-        self.steps = saved_steps(sd, self.update)
+        self.steps = int(sd["steps"])
 
     def export_states(self, sd: dict[str, Any]) -> dict[str, Any]:
         """``sd`` (the inner optimizer's state dict) with each quantized state as plain tensors

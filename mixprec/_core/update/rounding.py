@@ -11,18 +11,14 @@ count; :func:`stochastic_round` (public) draws from a ``torch.Generator``.
 from __future__ import annotations
 
 import sys
-import warnings
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from mixprec._core._warnings import MixprecWarning, user_stacklevel
-
 __all__ = [
     "keyed_round_",
     "round_keys",
-    "saved_steps",
     "shard_offset",
     "stochastic_round",
     "stochastic_round_bf16_",
@@ -205,23 +201,3 @@ def stochastic_round(
             x.detach().clone(memory_format=torch.contiguous_format), generator
         ).to(dtype)
     return stochastic_round_to(x, dtype, generator)
-
-
-def saved_steps(sd: dict[str, Any], update: str) -> int:
-    """The step count of a saved state; a checkpoint of a version that rounded with a
-    ``torch.Generator`` continues on its own stream of keys, and says so."""
-    if "steps" in sd:
-        return int(sd["steps"])
-    if sd.get("generators") and update == "stochastic":
-        warnings.warn(
-            "This checkpoint was saved by a mixprec version whose stochastic rounding drew "
-            "from a torch.Generator; rounding is now keyed by the step count, which the "
-            "checkpoint lacks. Weights, states and compensation are restored exactly; the "
-            "rounding continues on a stream of its own (step count 2**32 on), so the run "
-            "differs from an uninterrupted run of the old version. Save again to resume "
-            "bit for bit from here on.",
-            MixprecWarning,
-            stacklevel=user_stacklevel(),
-        )
-        return 2**32
-    return 0
