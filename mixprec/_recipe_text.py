@@ -213,6 +213,27 @@ def _activations(r: Any, low: torch.dtype) -> str:
     return word(a)
 
 
+def loop_bytes(r: Any, states: int, low: torch.dtype) -> dict[str, float]:
+    """Bytes per parameter of the training state in each loop shape: ``plain`` (forward,
+    backward, step), ``clip`` (a global-norm clip before the step), ``accumulate`` (several
+    backward passes per step) and ``fsdp2`` (per rank, per parameter of its shard); and
+    ``first_step``, the plain loop's first step (``gradients="auto"`` holds them while it
+    decides).
+
+    Gradients released in backward are held where the loop clips or accumulates. Under FSDP2
+    an update mode shards the 16-bit weights, their states and the held gradients; without one
+    the fp32 shards are the master weights, stepped by the optimizer's own fp32 step."""
+    rows = _rows(r, states, low)
+    plain = float(sum(b for _, _, b in rows))
+    weight = low if r.weights == "16-bit" else torch.float32
+    released = not r.masters and r.releases_gradients(low)
+    held = plain + (_bytes(weight) if released else 0.0)
+    modes = r.weights == "16-bit" and not r.masters and r.update is not None
+    fsdp = held if modes else 4.0 + 4.0 + 4.0 * states
+    first = held if released and r.gradients == "auto" else plain  # "auto" holds while deciding
+    return dict(plain=plain, first_step=first, clip=held, accumulate=held, fsdp2=fsdp)
+
+
 def render_table(r: Any, states: int, low: torch.dtype) -> str:
     """The table of :meth:`mixprec.Recipe.table`."""
     rows = _rows(r, states, low)
@@ -225,4 +246,15 @@ def render_table(r: Any, states: int, low: torch.dtype) -> str:
     lines += [f"  {name:<{width}}  {held}" for name, held, b in rows if not b]
     total = sum(b for _, _, b in rows)
     lines.append(f"  {'total':<{width}}  {'':<{held_width}} {total:>5.1f} B/param")
+    loops = loop_bytes(r, states, low)
+    first = (
+        ""
+        if loops["first_step"] == loops["plain"]
+        else f" (its first step {loops['first_step']:.1f})"
+    )
+    lines.append(
+        f"  by loop shape: plain {loops['plain']:.1f}{first}, clip {loops['clip']:.1f}, "
+        f"accumulate {loops['accumulate']:.1f}, FSDP2 {loops['fsdp2']:.1f} B/param (per rank, "
+        "of its shard)"
+    )
     return "\n".join(lines)

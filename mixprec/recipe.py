@@ -21,7 +21,7 @@ from mixprec._core.loss_scale import LossScaling
 from mixprec._core.names import LEVELS
 from mixprec._core.policy import Policy, _dtype, as_policy
 from mixprec._recipe_rules import check_fields
-from mixprec._recipe_text import SHORT, parse, render_table, word
+from mixprec._recipe_text import SHORT, loop_bytes, parse, render_table, word
 from mixprec.fp8.config import as_fp8_config
 
 __all__ = ["DEFAULTS", "NAMES", "LossScaling", "Recipe", "as_recipe", "level_recipe"]
@@ -312,6 +312,13 @@ class Recipe:
         """Each tensor class with its dtype and bytes per parameter, for an optimizer with
         ``states`` states per parameter (AdamW: 2, SGD with momentum: 1)."""
         return render_table(self, states, dtype or self.resolved_dtype())
+
+    def loop_bytes(self, states: int = 2, dtype: torch.dtype | None = None) -> dict[str, float]:
+        """Bytes per parameter of the training state in each loop shape users have: ``plain``,
+        ``clip`` (global-norm clipping), ``accumulate`` (several backward passes a step) and
+        ``fsdp2`` (per rank, of its shard), and ``first_step`` (the plain loop's first step), as
+        the last line of :meth:`table` states them."""
+        return loop_bytes(self, states, dtype or self.resolved_dtype())
 
 
 def as_recipe(spec: Any, dtype: Any = None) -> Recipe:
