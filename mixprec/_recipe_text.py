@@ -221,15 +221,16 @@ def loop_bytes(r: Any, states: int, low: torch.dtype) -> dict[str, float]:
     decides).
 
     Gradients released in backward are held where the loop clips or accumulates. Under FSDP2
-    an update mode shards the 16-bit weights, their states and the held gradients; without one
-    the fp32 shards are the master weights, stepped by the optimizer's own fp32 step."""
+    an update mode the recipe names (``"lean"``; not ``update="auto"``) shards the 16-bit
+    weights, their states and the held gradients; otherwise the fp32 shards are the master
+    weights, stepped by the optimizer's own fp32 step."""
     rows = _rows(r, states, low)
     plain = float(sum(b for _, _, b in rows))
     weight = low if r.weights == "16-bit" else torch.float32
     released = not r.masters and r.releases_gradients(low)
     held = plain + (_bytes(weight) if released else 0.0)
-    modes = r.weights == "16-bit" and not r.masters and r.update is not None
-    fsdp = held if modes else 4.0 + 4.0 + 4.0 * states
+    named = r.weights == "16-bit" and not r.masters and r.update not in ("auto", None)
+    fsdp = held if named else 4.0 + 4.0 + 4.0 * states  # FSDP2 shards fp32 unless one is named
     first = held if released and r.gradients == "auto" else plain  # "auto" holds while deciding
     return dict(plain=plain, first_step=first, clip=held, accumulate=held, fsdp2=fsdp)
 
