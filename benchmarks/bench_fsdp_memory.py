@@ -2,6 +2,7 @@
 
     python benchmarks/bench_fsdp_memory.py                       # fp32, O2, lean on 1, 2, 4 ranks
     python benchmarks/bench_fsdp_memory.py --modes lean --ranks 2 --json out.json
+    python benchmarks/bench_fsdp_memory.py --meta     # the model built on the meta device
 
 For each (mode, ranks) a fresh ``torchrun --standalone --nproc_per_node=R`` (gloo, one thread per
 rank) runs :func:`rank_child` in every rank: imports and ``init_process_group`` (the runtime:
@@ -15,7 +16,8 @@ rank's share of the parameters (parameters / R):
 
 * ``peak``: the whole process's ``VmHWM`` minus the runtime -- it includes building the full,
   unsharded fp32 model on every rank before ``fully_shard`` (4 B per model parameter, i.e.
-  4 x R bytes per sharded parameter);
+  4 x R bytes per sharded parameter), unless ``--meta`` builds it under
+  ``torch.device("meta")`` and ``initialize_fsdp`` fills each rank's shards module by module;
 * ``train``: ``VmHWM`` reset (``/proc/self/clear_refs``) after ``initialize_fsdp``, read after
   the steps, minus the runtime: the training state alone (shards, gradients, optimizer states,
   one unit's gathered weights and the activations, < 1 %).
@@ -24,6 +26,7 @@ rank's share of the parameters (parameters / R):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -54,7 +57,7 @@ def _reset_peak() -> bool:
         return False
 
 
-def rank_child(mode: str, steps: int = 3, scale: float = 1.0) -> dict:
+def rank_child(mode: str, steps: int = 3, scale: float = 1.0, meta: bool = False) -> dict:
     """One rank: runtime, model, ``initialize_fsdp``, ``steps`` steps; its bytes per parameter.
 
     Joins the process group torchrun's environment names (``MASTER_ADDR``, ``RANK``, ...)."""
@@ -71,7 +74,8 @@ def rank_child(mode: str, steps: int = 3, scale: float = 1.0) -> dict:
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         runtime = _rss("VmRSS")
-        model, batch = make_model("mlp", scale)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model, batch = make_model("mlp", scale)
         params = sum(p.numel() for p in model.parameters())
         model, opt = mpd.initialize_fsdp(
             model,
@@ -94,6 +98,7 @@ def rank_child(mode: str, steps: int = 3, scale: float = 1.0) -> dict:
         share = params / world
         return dict(
             mode=mode,
+            meta=meta,
             ranks=world,
             rank=rank,
             params=params,
@@ -115,7 +120,12 @@ def _read(path: str) -> dict:
 
 
 def measure(
-    modes: list[str], ranks: list[int], steps: int, scale: float, mmap: int | None = None
+    modes: list[str],
+    ranks: list[int],
+    steps: int,
+    scale: float,
+    mmap: int | None = None,
+    meta: bool = False,
 ) -> list[dict]:
     """Every (mode, R) in a fresh torchrun; one row per (mode, R): the worst rank's figures."""
     rows = []
@@ -126,7 +136,7 @@ def measure(
                     sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc_per_node={r}", os.path.abspath(__file__), "--rank-child", mode,
                     "--steps", str(steps), "--scale", str(scale), "--out", tmp,
-                ]  # fmt: skip
+                ] + (["--meta"] if meta else [])  # fmt: skip
                 env = {**os.environ, "OMP_NUM_THREADS": "1"}
                 if mmap is not None:  # a fixed threshold: freed large blocks go back to the OS
                     env["MALLOC_MMAP_THRESHOLD_"] = str(mmap)
@@ -149,14 +159,15 @@ def measure(
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| mode | ranks | expected state (B/param/rank) | measured, training (B/param/rank) | "
-        "training MiB/rank | whole-process peak (B/param/rank) | peak MiB/rank |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | built | ranks | expected state (B/param/rank) | measured, training "
+        "(B/param/rank) | training MiB/rank | whole-process peak (B/param/rank) | peak MiB/rank |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         train, mib = r["train_bytes_per_param"], r["train_mib"]
         lines.append(
-            f"| {r['mode']} | {r['ranks']} | {EXPECTED[r['mode']]:.1f} | "
+            f"| {r['mode']} | {'meta' if r.get('meta') else 'whole'} | {r['ranks']} | "
+            f"{EXPECTED[r['mode']]:.1f} | "
             f"{'-' if train is None else f'{train:.1f}'} | "
             f"{'-' if mib is None else f'{mib:.0f}'} | "
             f"{r['peak_bytes_per_param']:.1f} | {r['peak_mib']:.0f} |"
@@ -172,16 +183,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scale", type=float, default=1.0, help="shrink the model (< 1)")
     p.add_argument("--mmap-threshold", type=int, metavar="BYTES",
                    help="glibc's MALLOC_MMAP_THRESHOLD_ for the ranks")  # fmt: skip
+    p.add_argument("--meta", action="store_true", help="build the model on the meta device")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--rank-child", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rank_child:
-        res = rank_child(args.rank_child, args.steps, args.scale)
+        res = rank_child(args.rank_child, args.steps, args.scale, args.meta)
         with open(os.path.join(args.out, f"rank{res['rank']}.json"), "w") as f:
             json.dump(res, f)
         return
-    rows = measure(args.modes, args.ranks, args.steps, args.scale, args.mmap_threshold)
+    rows = measure(args.modes, args.ranks, args.steps, args.scale, args.mmap_threshold, args.meta)
     mmap = "" if args.mmap_threshold is None else f" · MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}"
     print(
         f"\n{datetime.date.today()} · {machine('cpu')} · torch {torch.__version__} · gloo, "

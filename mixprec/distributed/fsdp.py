@@ -65,6 +65,7 @@ from mixprec._core.policy import Policy, PolicyLike, as_policy
 from mixprec._core.storage import cast_buffers, cast_storage, restore_fp32
 from mixprec._core.update.rounding import shard_offset
 from mixprec._initialize import _MARK, initialize
+from mixprec.distributed import meta_init
 from mixprec.distributed.fp8_gather import gather_in_fp8
 from mixprec.distributed.verdicts import require_process_group, sync_verdicts
 from mixprec.recipe import Recipe, as_recipe
@@ -153,7 +154,10 @@ def initialize_fsdp(
     """Shard ``model`` with FSDP2 under a recipe and return ``(model, optimizer)``.
 
     Args:
-        model: an unsharded, uninitialized module (on its device).
+        model: an unsharded, uninitialized module: on its device, or built under
+            ``torch.device("meta")`` so no rank holds the whole model (its modules'
+            ``reset_parameters()`` then fill each rank's shards; see
+            :mod:`mixprec.distributed.meta_init`).
         optimizer_fn: builds the optimizer from the sharded parameters, e.g.
             ``lambda params: torch.optim.AdamW(params, lr=3e-4)``.
         recipe: a :class:`mixprec.Recipe` or name (see the module docstring's table); its
@@ -179,7 +183,12 @@ def initialize_fsdp(
             "so an optimizer built before it would hold stale ones.)"
         )
     first = next(model.parameters(), None)
-    device = first.device if first is not None else torch.device("cpu")
+    meta = meta_init.is_meta(model)  # built on the meta device: filled shard by shard
+    if meta:
+        meta_init.check(model)
+        device = meta_init.device_for(mesh.device_type if mesh is not None else None)
+    else:
+        device = first.device if first is not None else torch.device("cpu")
     recipe = _fsdp_recipe(as_recipe(recipe, dtype))
     low = recipe.resolved_dtype(device)
     if recipe.reduce_dtype == "auto":  # FSDP's: the gathered parameters' dtype (fp32 at O0, O1)
@@ -193,6 +202,8 @@ def initialize_fsdp(
     modes = _update_mode(recipe)
     fp32_values = _cast_16bit(model, recipe, low) if modes else {}
     _shard(model, recipe, low, units, common, modes)
+    if meta:  # the fp32 values: each 16-bit shard's own rows, made as it is filled
+        fp32_values = meta_init.materialize(model, device, keep=bool(fp32_values))
     optimizer = optimizer_fn(model.parameters())
     if not isinstance(optimizer, Optimizer):
         raise TypeError(
@@ -254,7 +265,7 @@ def _start_compensation(
         comp, value = opt.updater.compensation.get(p), fp32_values.get(name)
         if comp is None or value is None:
             continue
-        start = shard_offset(p)
+        start = 0 if value.numel() == comp.numel() else shard_offset(p)  # a shard's own rows
         rows = value.reshape(-1)[start : start + comp.numel()].view(comp.shape)
         local = p.to_local() if hasattr(p, "to_local") else p
         comp.copy_((rows.float() - local.float()).to(comp.dtype))

@@ -749,9 +749,14 @@ def _train_updates(recipe: Recipe, steps: int, how: str) -> dict:
     """``steps`` steps on the global batch: ``how`` = "fsdp" (2 ranks, rows [rank::2] each),
     "single" (one process, the whole batch) or "micro" (one process, the ranks' rows as two
     micro-batches of half the loss each: the gradient arithmetic of 2-rank data parallelism)."""
-    model = wide_mlp(0)
-    if how == "fsdp":
+    if how == "fsdp-meta":  # built on the meta device, filled shard by shard
+        with torch.device("meta"):
+            model = wide_mlp(0)
+    else:
+        model = wide_mlp(0)
+    if how.startswith("fsdp"):
         model, opt = mpd.initialize_fsdp(model, _adamw, recipe)
+        how = "fsdp"
     else:
         model, opt = mixprec.initialize(model, _adamw(model.parameters()), recipe)
     for step in range(steps):
@@ -840,6 +845,35 @@ def scenario_fsdp_update_modes() -> dict:
         out["released_refused"] = ""
     except ValueError as e:
         out["released_refused"] = str(e)
+    return out
+
+
+class _RawParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+
+def scenario_fsdp_meta() -> dict:
+    """A model built on the meta device: each rank fills its own shards; the run equals the one
+    built on the device under the same seed (O2's fp32 shards, "lean", Kahan from its fp32
+    residual); a module it cannot fill is refused."""
+    steps, out = 3, {}
+    for name, recipe in {
+        "O2": Recipe("O2", BF16),
+        "lean": Recipe("lean", BF16),
+        "kahan": Recipe("O3", BF16, update="kahan"),
+    }.items():
+        built = _train_updates(recipe, steps, "fsdp")
+        meta = _train_updates(recipe, steps, "fsdp-meta")
+        out[name] = {"equal": _equal(built, meta), "max_diff": _max_diff(meta, built)}
+    with torch.device("meta"):
+        raw = nn.Sequential(nn.Linear(4, 4), _RawParameter())
+    try:
+        mpd.initialize_fsdp(raw, _adamw, Recipe("O2", BF16))
+        out["refused"] = ""
+    except ValueError as e:
+        out["refused"] = str(e)
     return out
 
 

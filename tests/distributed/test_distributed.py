@@ -202,6 +202,19 @@ def test_fsdp2_refuses_released_gradients(ranks):
         assert "gradients='held'" in res["released_refused"]
 
 
+@pytest.mark.parametrize("case", ["O2", "lean", "kahan"])
+def test_fsdp2_a_model_built_on_the_meta_device_trains_as_one_built_on_the_device(ranks, case):
+    for res in result(ranks, "fsdp_meta"):
+        assert res[case]["equal"], res[case]
+
+
+def test_fsdp2_refuses_a_meta_model_it_cannot_fill_with_the_fix(ranks):
+    for res in result(ranks, "fsdp_meta"):
+        text = res["refused"]
+        assert "'1' (_RawParameter)" in text and "reset_parameters()" in text, text
+        assert "build the model on a real device" in text
+
+
 def test_fsdp2_trains_gpt_to_the_same_loss_as_ddp(ranks):
     for res in result(ranks, "fsdp_gpt"):
         ddp, fsdp = res["ddp"], res["fsdp"]
