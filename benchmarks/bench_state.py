@@ -28,6 +28,21 @@ plain ``AdamW(params, lr)``.
 
     python benchmarks/bench_state.py --models mlp --race 5 \\
         --modes fp32+fused fp32 O2 O2+fused O3 O3+fused lean lean+fused
+
+``--loops`` measures each mode (default :data:`LOOP_MODES`) per step in the loop shapes users
+have (:data:`LOOPS`, a fresh process each): ``plain`` (forward, backward, step, zero_grad),
+``clip`` (``clip_grad_norm_(model.parameters(), 1.0)`` before every step, as nanoGPT, HF
+Trainer and Lightning do) and ``clip-accum`` (two micro-batches per step, each loss divided by
+2 and ``loss.backward()``-ed as nanoGPT does, then the clip and the step). The high-water mark
+is reset before every step (``5`` written to ``/proc/self/clear_refs``) and read after it, so
+each step's own peak is reported: step 1, the max of the later steps and the max of the first
+four, beside the total of the recipe's own :meth:`mixprec.Recipe.table` (mixprec modes) and
+the gap between the two; ``after trim`` is the resident set after the last step once glibc's
+``malloc_trim`` has handed the heap's free pages back (freed temporaries the heap kept are in
+the peaks, not in it). ``bf16-weights`` is the model cast to bf16 with torch's optimizer and
+no mixprec; ``torchao-adamw8bit`` uses ``bf16_stochastic_round=True`` where torchao has it.
+
+    python benchmarks/bench_state.py --loops --models mlp --json results_state_loops.json
 """
 
 from __future__ import annotations
@@ -65,6 +80,11 @@ RECIPES = {
     "lean-4bit-nearest": "lean optimizer_states=4-bit update=nearest",
 }
 MODES = ("fp32", "torch-autocast", *RECIPES, "torchao-adamw8bit")
+#: modes accepted but not run by default: the model cast to bf16, torch's optimizer, no mixprec
+EXTRA_MODES = ("bf16-weights",)
+#: ``--loops``: loop shapes, and the modes measured in them by default
+LOOPS = ("plain", "clip", "clip-accum")
+LOOP_MODES = ("fp32+fused", "bf16-weights+fused", "torchao-adamw8bit", "O3", "lean", "lean-4bit")
 #: modes whose loop clips the gradients by global norm (1.0) before every step
 CLIPS = ("lean-clip",)
 #: micro-batches (backward passes) per step; 1 where not named
@@ -110,8 +130,10 @@ def make_model(name: str, scale: float = 1.0) -> tuple[nn.Module, Any]:
 
 
 def _inputs(mode: str, x: torch.Tensor) -> torch.Tensor:
-    """torchao's optimizer steps a bf16 model with no mixprec boundary: bf16 inputs."""
-    return x.to(BF16) if mode == "torchao-adamw8bit" and x.is_floating_point() else x
+    """torchao's optimizer and ``bf16-weights`` step a bf16 model with no mixprec boundary:
+    bf16 inputs."""
+    bf16_model = mode.removesuffix(FUSED) in ("torchao-adamw8bit", "bf16-weights")
+    return x.to(BF16) if bf16_model and x.is_floating_point() else x
 
 
 def _loss(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -120,8 +142,19 @@ def _loss(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.float().flatten(0, 1), target.flatten())
 
 
-def _prepare(mode: str, model: nn.Module) -> tuple[nn.Module, Any, Any]:
-    """(model, optimizer, region) of ``mode``; the optimizer has ``backward`` for mixprec."""
+def _torchao_rounding() -> dict[str, bool]:
+    """``bf16_stochastic_round=True`` where this torchao's AdamW8bit has it, else nothing."""
+    import inspect
+
+    from torchao.optim import AdamW8bit
+
+    has = "bf16_stochastic_round" in inspect.signature(AdamW8bit).parameters
+    return {"bf16_stochastic_round": True} if has else {}
+
+
+def _prepare(mode: str, model: nn.Module, stochastic: bool = False) -> tuple[nn.Module, Any, Any]:
+    """(model, optimizer, region) of ``mode``; the optimizer has ``backward`` for mixprec.
+    ``stochastic``: torchao's bf16 update rounds stochastically where it can (``--loops``)."""
     import mixprec
 
     fused = mode.endswith(FUSED)
@@ -130,9 +163,12 @@ def _prepare(mode: str, model: nn.Module) -> tuple[nn.Module, Any, Any]:
         from torchao.optim import AdamW8bit
 
         model = model.to(BF16)
-        return model, AdamW8bit(model.parameters(), lr=1e-3), None
+        rounding = _torchao_rounding() if stochastic else {}
+        return model, AdamW8bit(model.parameters(), lr=1e-3, **rounding), None
+    if mode == "bf16-weights":
+        model = model.to(BF16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if fused else {}))
-    if mode in ("fp32", "torch-autocast"):
+    if mode in ("fp32", "torch-autocast", "bf16-weights"):
         region = torch.autocast("cpu", BF16) if mode == "torch-autocast" else None
         return model, opt, region
     model, opt = mixprec.initialize(model, opt, RECIPES[mode], BF16)
@@ -185,13 +221,13 @@ def child(name: str, mode: str, steps: int, scale: float) -> dict[str, Any]:
 
 
 class _KernelClock:
-    """Seconds spent in mixprec's C update loops (:func:`cpu_kernels.run`, wrapped while the
+    """Seconds spent in mixprec's C update loops (:func:`c_loop.run`, wrapped while the
     race runs): the update alone of a mode whose update runs inside the backward."""
 
     def __init__(self) -> None:
-        from mixprec._core.update import cpu_kernels
+        from mixprec._core.update import c_loop
 
-        self.module, self.real, self.seconds = cpu_kernels, cpu_kernels.run, 0.0
+        self.module, self.real, self.seconds = c_loop, c_loop.run, 0.0
 
     def __enter__(self) -> _KernelClock:
         def timed(*args: Any) -> None:
@@ -298,10 +334,202 @@ def measure(models: list[str], modes: list[str], steps: int, scale: float) -> li
     return rows
 
 
+#: bytes the probe of :func:`_peak_resets` allocates, frees, then expects the mark to drop by
+_PROBE = 64 << 20
+
+
+def _peak_resets() -> bool:
+    """Whether this kernel resets ``VmHWM`` on a write of "5" to ``/proc/self/clear_refs``: a
+    64 MiB buffer (mmapped, so handed back when freed) is touched and freed, and the mark must
+    drop by at least half of it when reset."""
+    probe = torch.ones(_PROBE // 4)
+    del probe
+    before = _rss("VmHWM")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return _rss("VmHWM") < before - _PROBE // 2
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _trimmed_rss() -> int:
+    """The resident set after glibc's ``malloc_trim(0)`` hands the heap's free pages back:
+    what the process still holds once freed temporaries are gone (the plain RSS where there is
+    no glibc)."""
+    import ctypes
+
+    with contextlib.suppress(AttributeError, OSError):
+        ctypes.CDLL(None).malloc_trim(0)
+    return _rss("VmRSS")
+
+
+def _is_mixprec(mode: str) -> bool:
+    return mode.removesuffix(FUSED) in RECIPES
+
+
+def recipe_total(mode: str) -> float | None:
+    """The total bytes per parameter that ``mixprec.Recipe(line, bf16).table()`` states for a
+    mixprec mode (AdamW: 2 states), as printed; None for the others."""
+    import re
+
+    import mixprec
+
+    if not _is_mixprec(mode):
+        return None
+    text = mixprec.Recipe(RECIPES[mode.removesuffix(FUSED)], BF16).table()
+    found = re.search(r"^\s*total\s+([0-9.]+) B/param$", text, re.MULTILINE)
+    if found is None:
+        raise RuntimeError(f"No total in the table of {mode}:\n{text}")
+    return float(found.group(1))
+
+
+def child_loop(name: str, mode: str, loop: str, steps: int, scale: float) -> dict[str, Any]:
+    """``mode`` in the loop shape ``loop`` (:data:`LOOPS`) in this process: per step, the peak
+    resident set during that step (the mark reset before it) minus the runtime, and the resident
+    set after it. Where the kernel refuses the reset, the peaks are cumulative (``per_step``
+    False). ``clip-accum`` calls ``loss.backward()`` as nanoGPT does; the other loops call
+    ``opt.backward(loss)`` for mixprec modes, as :func:`child` does."""
+    import torch._dynamo  # every torch optimizer imports it when built
+
+    import mixprec  # noqa: F401  its import is runtime, not state
+
+    if mode == "torchao-adamw8bit":
+        import torchao.optim  # noqa: F401  likewise runtime
+
+    per_step = _peak_resets()
+    runtime = _rss("VmRSS")
+    model, batch = make_model(name, scale)
+    params = sum(p.numel() for p in model.parameters())
+    model, opt, region = _prepare(mode, model, stochastic=True)
+    micro = 2 if loop == "clip-accum" else 1
+    plain_backward = loop == "clip-accum" or not hasattr(opt, "backward")
+    peaks, after, times = [], [], []
+    for _ in range(steps):
+        if per_step:
+            _reset_peak()
+        t0 = time.perf_counter()
+        for _ in range(micro):
+            x, y = batch()
+            x = _inputs(mode, x)
+            with region if region is not None else contextlib.nullcontext():
+                loss = _loss(name, model(x), y) / micro
+            if plain_backward:
+                loss.backward()
+            else:
+                opt.backward(loss)
+        if loop != "plain":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        peaks.append(_rss("VmHWM") - runtime)
+        after.append(_rss("VmRSS") - runtime)
+    extra = {"trimmed_bytes": _trimmed_rss() - runtime}
+    if mode == "torchao-adamw8bit":
+        extra["torchao_options"] = _torchao_rounding()
+    return dict(
+        model=name,
+        mode=mode,
+        loop=loop,
+        backward="loss.backward()" if plain_backward else "opt.backward(loss)",
+        params=params,
+        per_step=per_step,
+        runtime_bytes=runtime,
+        peak_bytes=peaks,
+        after_bytes=after,
+        step_s=times,
+        loss=float(loss.detach()) * micro,
+        **extra,
+    )
+
+
+def _loop_row(raw: dict[str, Any]) -> dict[str, Any]:
+    """The summary of one :func:`child_loop`: bytes per parameter (2 decimals) of step 1, the
+    max of the later steps and the max of the first four; the recipe table's total and the
+    gap (max_1_4 - table) for mixprec modes."""
+    bpp = [b / raw["params"] for b in raw["peak_bytes"]]
+    max_1_4 = round(max(bpp[:4]), 2)
+    total = recipe_total(raw["mode"])
+    return dict(
+        model=raw["model"],
+        mode=raw["mode"],
+        loop=raw["loop"],
+        backward=raw["backward"],
+        params=raw["params"],
+        step_1=round(bpp[0], 2),
+        steps_2_on_max=round(max(bpp[1:]), 2) if len(bpp) > 1 else None,
+        max_1_4=max_1_4,
+        table=total,
+        gap=None if total is None else round(max_1_4 - total, 2),
+        after_trim=round(raw["trimmed_bytes"] / raw["params"], 2),
+        per_step_bytes_per_param=[round(b, 2) for b in bpp],
+        after_step_bytes_per_param=[round(b / raw["params"], 2) for b in raw["after_bytes"]],
+        **{k: v for k, v in raw.items() if k not in ("model", "mode", "loop", "backward",
+                                                     "params")},
+    )  # fmt: skip
+
+
+def measure_loops(
+    models: list[str], modes: list[str], steps: int, scale: float
+) -> tuple[list[dict], list[str]]:
+    """(rows, notes) of ``--loops``: every mode x loop in a fresh process, one at a time."""
+    rows, notes = [], []
+    for name in models:
+        for mode in modes:
+            if mode.removesuffix(FUSED) == "torchao-adamw8bit" and not _has_torchao():
+                notes.append(f"{name} {mode}: skipped (import torchao fails)")
+                print(f"  {notes[-1]}", flush=True)
+                continue
+            for loop in LOOPS:
+                cmd = [sys.executable, __file__, "--child-loop", name, mode, loop]
+                cmd += ["--steps", str(steps), "--scale", str(scale)]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                if out.returncode:
+                    raise RuntimeError(f"{name} {mode} {loop} failed:\n{out.stderr[-3000:]}")
+                rows.append(_loop_row(json.loads(out.stdout.strip().splitlines()[-1])))
+                r = rows[-1]
+                print(f"  {name} {mode} {loop}: step 1 {r['step_1']:.2f}, "
+                      f"max_1_4 {r['max_1_4']:.2f} B/param", flush=True)  # fmt: skip
+    if rows and not all(r["per_step"] for r in rows):
+        notes.append(
+            "the kernel refused to reset VmHWM (/proc/self/clear_refs): the figures after step "
+            "1 are cumulative peaks, not each step's own"
+        )
+    return rows, notes
+
+
+def loop_table(rows: list[dict], steps: int) -> str:
+    def f(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    lines = [
+        f"| model | mode | loop | backward | step 1 | steps 2-{steps} max | max_1_4 | table "
+        "| gap | after trim |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['model']} | {r['mode']} | {r['loop']} | {r['backward']} | {f(r['step_1'])} | "
+        f"{f(r['steps_2_on_max'])} | {f(r['max_1_4'])} | {f(r['table'])} | {f(r['gap'])} | "
+        f"{f(r['after_trim'])} |"
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
 def _has_torchao() -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("torchao") is not None
+    if importlib.util.find_spec("torchao") is None:
+        return False
+    done = subprocess.run([sys.executable, "-c", "import torchao.optim"], capture_output=True,
+                          check=False)  # fmt: skip
+    return done.returncode == 0
 
 
 def table(rows: list[dict]) -> str:
@@ -317,18 +545,33 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    p.add_argument("--modes", nargs="+", default=list(MODES),
-                   choices=[*MODES, *(m + FUSED for m in MODES)])  # fmt: skip
-    p.add_argument("--steps", type=int, default=3)
+    known = (*MODES, *EXTRA_MODES)
+    p.add_argument("--modes", nargs="+", help="default: every mode (--loops: LOOP_MODES)",
+                   choices=[*known, *(m + FUSED for m in known)])  # fmt: skip
+    p.add_argument("--steps", type=int, help="training steps (default 3; --loops: 6)")
     p.add_argument("--scale", type=float, default=1.0, help="shrink the models (< 1)")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--race", type=int, metavar="ROUNDS",
                    help="instead: step times of --modes, one process, rounds")  # fmt: skip
+    p.add_argument("--loops", action="store_true",
+                   help="instead: per-step bytes of --modes in each of LOOPS")  # fmt: skip
     p.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
-    args = p.parse_args()
+    p.add_argument("--child-loop", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    if args.steps is None:
+        args.steps = 6 if args.loops or args.child_loop else 3
+    if args.modes is None:
+        args.modes = list(LOOP_MODES if args.loops else MODES)
+    if args.child_loop:
+        print(json.dumps(child_loop(*args.child_loop, args.steps, args.scale)))
+        return
+    if args.loops:
+        loops_main(args)
+        return
     if args.child:
         print(json.dumps(child(*args.child, args.steps, args.scale)))
         return
@@ -346,6 +589,38 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def loops_main(args: argparse.Namespace) -> None:
+    if args.steps < 2:
+        raise SystemExit("--loops needs --steps 2 or more (step 1 and the steps after it)")
+    rows, notes = measure_loops(args.models, args.modes, args.steps, args.scale)
+    header = dict(
+        date=str(datetime.date.today()),
+        machine=machine("cpu"),
+        torch=torch.__version__,
+        command=" ".join(["python benchmarks/bench_state.py", *args.argv]),
+        steps=args.steps,
+        scale=args.scale,
+        loops=list(LOOPS),
+        measure=(
+            "per step: VmHWM reset before the step (5 to /proc/self/clear_refs), VmHWM after "
+            "it (forward(s), backward(s), clip, step, zero_grad) minus the RSS after the "
+            "imports, / parameters; a fresh process per mode and loop"
+        ),
+        notes=notes,
+    )
+    print(
+        f"\n{header['date']} · {header['machine']} · torch {header['torch']} · bf16 · "
+        f"{args.steps} steps, a fresh process per mode and loop, the peak reset before each step"
+        f"{'' if all(r['per_step'] for r in rows) else ' (refused: cumulative peaks)'}\n"
+    )
+    print(loop_table(rows, args.steps))
+    for note in notes:
+        print(f"\nNote: {note}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**header, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,25 @@ def test_bench_state_trains_each_mode_and_counts_bytes_per_parameter(mode):
     assert f"| gpt | {mode} |" in bench_state.table([row])
 
 
+@pytest.mark.parametrize(
+    ("mode", "loop"), [("lean", "clip-accum"), ("bf16-weights+fused", "clip"), ("O3", "plain")]
+)
+def test_bench_state_loops_report_each_step_and_the_recipe_table(mode, loop):
+    """``--loops``' code path in tiny shapes: a peak per step, the summary and the table row."""
+    raw = bench_state.child_loop("mlp", mode, loop, steps=2, scale=0.05)
+    assert len(raw["peak_bytes"]) == 2 and raw["params"] > 0 and math.isfinite(raw["loss"])
+    assert raw["backward"] == ("loss.backward()" if loop == "clip-accum" or "+" in mode
+                               else "opt.backward(loss)")  # fmt: skip
+    row = bench_state._loop_row(raw)
+    assert row["max_1_4"] == max(row["step_1"], row["steps_2_on_max"])
+    if mode == "bf16-weights+fused":
+        assert row["table"] is None and row["gap"] is None
+    else:
+        assert row["table"] == {"lean": 4.0, "O3": 12.0}[mode]
+        assert row["gap"] == round(row["max_1_4"] - row["table"], 2)
+    assert f"| mlp | {mode} | {loop} |" in bench_state.loop_table([row], steps=2)
+
+
 def test_bench_memory_measures_one_mode_in_its_process():
     row = bench_memory.child("O3+fp8", torch.bfloat16, steps=1, batch=1)
     assert row["peak_mb"] > row["runtime_mb"] > 0 and row["added_mb"] > 0
