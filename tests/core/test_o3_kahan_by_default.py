@@ -54,7 +54,8 @@ def build(opt_fn, dtype=BF16, seed=0, **kw):
 def test_o3_bf16_defaults_to_kahan_with_auto_state(opt_fn):
     model, opt = build(opt_fn)
     assert opt.updater is not None and opt.updater.update == "kahan"
-    assert opt.updater.state_dtype == "auto" and opt.master_params() == list(model.parameters())
+    auto = {"exp_avg": BF16, "momentum_buffer": BF16}  # "auto", resolved: first moments
+    assert opt.updater.state_dtype == auto and opt.master_params() == list(model.parameters())
     losses = train(model, opt, 20)
     assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.6 * losses[0]
     for p in model.parameters():
