@@ -78,6 +78,8 @@ RECIPES = {
     "lean-held-accum": "lean gradients=held",  # accumulating, held as asked
     "lean-4bit": "lean optimizer_states=4-bit",
     "lean-4bit-nearest": "lean optimizer_states=4-bit update=nearest",
+    "lean-coded": "lean gradients=coded",  # gradients as 8-bit codes from backward to step
+    "lean-4bit-coded": "lean optimizer_states=4-bit gradients=coded",
 }
 MODES = ("fp32", "torch-autocast", *RECIPES, "torchao-adamw8bit")
 #: modes accepted but not run by default: the model cast to bf16, torch's optimizer, no mixprec

@@ -132,22 +132,23 @@ def _check_update(r: Any) -> None:
                     "applies to an update mode; set update='nearest', 'kahan' or 'stochastic' "
                     "(16-bit weights without masters) as well.",
                 )
-    if r.gradients == "released":
+    if r.gradients in ("released", "coded"):
         _check_released(r, modes)
 
 
 def _check_released(r: Any, modes: bool) -> None:
+    what = "a released" if r.gradients == "released" else "a coded"
     if not modes or r.update is None:
         _fail(
             "gradients",
-            "released",
-            "a released gradient is stepped in backward by an update mode (16-bit weights, no "
-            "masters, update not None). Use Recipe('lean'), or gradients='held'.",
+            r.gradients,
+            f"{what} gradient is stepped by an update mode (16-bit weights, no masters, update "
+            "not None). Use Recipe('lean'), or gradients='held'.",
         )
     if r.loss_scale not in ("auto", None) or r.num_losses > 1:
         _fail(
             "gradients",
-            "released",
+            r.gradients,
             "a loss-scaled step must be skippable as a whole, and several losses need their "
             "gradients summed: both need the gradients held. Use gradients='auto' (held with "
             "loss scaling) or 'held'.",

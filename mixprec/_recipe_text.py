@@ -166,6 +166,9 @@ def _rows(r: Any, states: int, low: torch.dtype) -> list[tuple[str, str, float]]
     rows.append(("update", word(update), _bytes(low) if kahan else 0))
     if r.masters:  # computed in 16 bits in backward, then held in fp32 on the masters
         rows.append(("gradients", f"{word(weight)}, then fp32 on the masters", _bytes(weight) + 4))
+    elif r.gradients == "coded":  # FP8 E4M3 codes with a float32 scale per block
+        rows.append(("gradients", "8-bit codes (E4M3, a scale per 256) from backward to step",
+                     1 + 4 / BLOCK))  # fmt: skip
     elif r.releases_gradients(low):  # one parameter's at a time
         held = "; held (+2 B) where the loop clips or accumulates" if r.gradients == "auto" else ""
         rows.append(("gradients", f"{word(weight)}, released in backward{held}", 0))
@@ -230,7 +233,9 @@ def loop_bytes(r: Any, states: int, low: torch.dtype) -> dict[str, float]:
     released = not r.masters and r.releases_gradients(low)
     held = plain + (_bytes(weight) if released else 0.0)
     named = r.weights == "16-bit" and not r.masters and r.update not in ("auto", None)
-    fsdp = held if named else 4.0 + 4.0 + 4.0 * states  # FSDP2 shards fp32 unless one is named
+    codes = 1 + 4 / BLOCK if r.gradients == "coded" else 0.0  # FSDP2 holds them 16-bit
+    held_fsdp = held - codes + (_bytes(weight) if codes else 0.0)
+    fsdp = held_fsdp if named else 4.0 + 4.0 + 4.0 * states  # fp32 shards unless one is named
     first = held if released and r.gradients == "auto" else plain  # "auto" holds while deciding
     return dict(plain=plain, first_step=first, clip=held, accumulate=held, fsdp2=fsdp)
 

@@ -138,7 +138,11 @@ class Recipe:
             loss scaling) or ``"auto"`` (released where that holds, held with loss scaling,
             and held where the training loop clips or accumulates: seen in the first step,
             which holds them, or told up front by an integration; see
-            :mod:`mixprec._core.update.release`).
+            :mod:`mixprec._core.update.release`), or ``"coded"`` (each gradient coded in 8 bits,
+            FP8 E4M3 with a scale per 256 elements, as its backward completes it, and the
+            16-bit one freed: 1 byte per parameter where clipping and accumulation work, the
+            clip's norm taken from the 16-bit values; update modes without loss scaling; see
+            :mod:`mixprec._core.update.coded`).
         reduce_dtype: the dtype gradients are reduced in across ranks (DDP, FSDP):
             ``"auto"`` (the 16-bit compute dtype; float32 at O0), a dtype, or None (the
             wrapper's own default: DDP's fp32 all-reduce hook).

@@ -319,6 +319,8 @@ class GradientChecks:
             hook(self)
         slots = [self.slots[i] for i in sorted(self._touched)]
         flags = list(self._found.values())
+        if self.updater is not None and self.updater.release_mode == "coded":
+            flags += self.updater.coded_flags()  # checked as they were coded
         late = list(self._late.values())
         if self.reduce_flags is not None:  # the same number of flags on every rank
             late = [self._late.get(d, torch.zeros_like(f)) for d, f in self._found.items()]

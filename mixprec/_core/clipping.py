@@ -83,11 +83,65 @@ def _wrap(original: Any) -> Any:
         if _master_of or _released:
             params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
             refuse_released(params)
+            owners = _coded_owners(params) if original.__name__ == "clip_grad_norm_" else {}
+            if owners:
+                return _clip_coded(params, owners, *args, **kwargs)
             parameters = [_swap(p) for p in params]
         return original(parameters, *args, **kwargs)
 
     clip._mixprec_wrapped = True  # type: ignore[attr-defined]
     return clip
+
+
+def _coded_owners(params: list[Tensor]) -> dict[int, Any]:
+    """id(parameter) -> the updater holding its gradient as codes (``gradients="coded"``)."""
+    out = {}
+    for p in params:
+        hit = _released.get(id(p))
+        owner = hit[1]() if hit is not None and hit[0]() is p else None
+        if owner is not None and owner.release_mode == "coded" and owner.has_codes(p):
+            out[id(p)] = owner
+    return out
+
+
+@torch.no_grad()
+def _clip_coded(
+    params: list[Tensor],
+    owners: dict[int, Any],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> Tensor:
+    """``clip_grad_norm_`` over parameters some of whose gradients are codes: the total norm
+    from each coded gradient's norm (taken from its 16-bit values as torch takes it) and the
+    others' (torch's way), stacked in the order torch stacks them; the coefficient scales the
+    held gradients now and the coded ones as the step decodes them."""
+    groups: dict[tuple, list[Tensor]] = {}  # torch's grouping: by device and dtype, in order
+    for p in params:
+        g = p.grad
+        if id(p) in owners:
+            norm = owners[id(p)].coded_norms([p], float(norm_type))[0]
+            groups.setdefault((norm.device, p.dtype), []).append(norm)
+        elif g is not None:
+            norm = torch.linalg.vector_norm(g, norm_type)
+            groups.setdefault((g.device, g.dtype), []).append(norm)
+    norms = [n for group in groups.values() for n in group]
+    first = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+            "by the non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if id(p) not in owners and p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device))
+    for owner in {id(o): o for o in owners.values()}.values():
+        owner.clip_coef = coef if owner.clip_coef is None else owner.clip_coef * coef
+    return total
 
 
 def _install() -> None:

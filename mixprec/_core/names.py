@@ -10,7 +10,8 @@ LEVELS = ("O0", "O1", "O2", "O3")
 #: how an update mode writes the fp32 result into 16-bit weights (``update=``; None and "auto"
 #: are the recipe's other values)
 UPDATE_MODES = ("nearest", "kahan", "stochastic")
-#: ``gradients=``: held until ``zero_grad``, released in backward, or decided by the first step
-GRADIENTS = ("held", "released", "auto")
+#: ``gradients=``: held until ``zero_grad``, released in backward, decided by the first step, or
+#: coded in 8 bits as they complete
+GRADIENTS = ("held", "released", "auto", "coded")
 #: the Recipe's True/False fields
 FLAGS = ("masters", "frozen_masters", "cast_inputs", "fp32_inside")

@@ -235,7 +235,8 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         refuse_released(self.master_params())
         if self._has_raw_grads():
             self._check_late()
-        grads = [p for p in self.master_params() if p.grad is not None]
+        coded = getattr(self.updater, "release_mode", None) == "coded"  # gradients as codes
+        grads = [p for p in self.master_params() if p.grad is not None or coded]
         return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type, foreach=True)
 
     @torch.no_grad()
@@ -302,6 +303,8 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
                 p.grad = None
             else:
                 p.grad.detach_().requires_grad_(False).zero_()
+        if set_to_none and self.updater is not None:
+            self.updater.gradients_freed()
 
 
 class StepGuard:

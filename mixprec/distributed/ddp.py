@@ -185,6 +185,12 @@ def _check_order(model: nn.Module) -> None:
 def _refuse_released(model: nn.Module) -> None:
     """DDP reduces gradients after they are accumulated; a released one is stepped first."""
     recipe, low = model.__dict__.get(RECIPE_ATTR, (None, None))
+    if recipe is not None and recipe.gradients == "coded":
+        raise ValueError(
+            f"Recipe {str(recipe)!r} codes each gradient in 8 bits as its backward completes "
+            "it, before DDP could reduce it. Initialize with gradients='held' (e.g. "
+            "Recipe('lean', gradients='held')) to train with DDP."
+        )
     if recipe is not None and recipe.releases_gradients(low):
         raise ValueError(
             f"Recipe {str(recipe)!r} releases gradients in backward: each parameter would be "

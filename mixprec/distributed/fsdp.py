@@ -235,9 +235,10 @@ def _fsdp_recipe(recipe: Recipe) -> Recipe:
                 "or drop optimizer_states (the fp32 shards are then the master weights)."
             )
         return recipe
-    if recipe.gradients == "released":
+    if recipe.gradients in ("released", "coded"):
         raise ValueError(
-            f"Recipe {str(recipe)!r}: gradients='released' steps each parameter in backward, "
+            f"Recipe {str(recipe)!r}: gradients={recipe.gradients!r} takes each gradient in "
+            "backward, "
             "but FSDP2 writes the reduce-scattered gradient shards after autograd's hooks have "
             "run. Use gradients='held' (or 'auto', which holds them under FSDP)."
         )

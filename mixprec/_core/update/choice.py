@@ -58,8 +58,10 @@ class UpdatePlan:
 
     @property
     def release(self) -> bool | str:
-        """``gradients`` as the updater takes it: True, False, or ``"auto"``."""
-        return "auto" if self.gradients == "auto" else self.gradients == "released"
+        """``gradients`` as the updater takes it: True, False, ``"auto"`` or ``"coded"``."""
+        if self.gradients in ("auto", "coded"):
+            return self.gradients
+        return self.gradients == "released"
 
     @property
     def states(self) -> Any:
@@ -149,18 +151,21 @@ def _mode_plans(
 ) -> list[UpdatePlan]:
     """:func:`update_plans` where an update mode can run (16-bit weights, no masters)."""
     released = recipe.releases_gradients(dtype)
+    coded = recipe.gradients == "coded"
     given = dict(
         optimizer_states=_resolved_states(recipe.optimizer_states, dtype),
         update_seed=recipe.update_seed or 0,
         kernels=recipe.kernels,
-        gradients=("released" if recipe.gradients == "released" else "auto")
+        gradients="coded"
+        if coded
+        else ("released" if recipe.gradients == "released" else "auto")
         if released
         else "held",
     )
     fields = [  # the update-mode fields the recipe sets, by name
         name
         for name, on in (
-            ("gradients", released),
+            ("gradients", released or coded),
             ("optimizer_states", recipe.optimizer_states != "auto"),
             ("update_seed", recipe.update_seed is not None),
         )
@@ -173,9 +178,9 @@ def _mode_plans(
     plans = []
     for o in optimizers:
         update = _default_update(o, dtype, sparse)
-        if update is None and recipe.gradients == "released":  # "auto" holds them here
+        if update is None and recipe.gradients in ("released", "coded"):  # "auto" holds them
             raise ValueError(
-                "Recipe(gradients='released'): gradients are released by an update "
+                f"Recipe(gradients={recipe.gradients!r}): such gradients are stepped by an update "
                 f"mode, but {type(o).__name__} here steps with its own 16-bit update "
                 "(sparse gradients, or fp16 without Adam's eps). Set update="
                 "'stochastic' or 'kahan', or gradients='held'."

@@ -1,26 +1,11 @@
 """torch's fused optimizer kernels for the steps mixprec runs in fp32, unless the user chose.
 
-Design (``docs/design.md``, "Master weights and the optimizer"):
-
-* A torch ``Adam``, ``AdamW`` or ``SGD`` built with its defaults (``foreach=None``,
-  ``fused=None``) runs on a CPU as a Python loop over parameters (torch picks ``foreach`` only
-  on CUDA-like devices and never picks ``fused`` by itself). The steps mixprec runs on fp32
-  tensors -- O2's master step, and an update mode's fp32 temporaries
-  (:class:`~mixprec._core.update.modes.ModeUpdater`) -- go through torch's fused kernel
-  instead, which CPU and CUDA have for all three: one pass over each tensor, 2.5-3.5x faster
-  on a CPU.
-* :func:`fused_by_default` sets ``group["fused"] = True`` for the one ``step()`` and puts
-  ``None`` back, so the optimizer's ``state_dict`` and ``param_groups`` are what the user built.
-* An explicit ``foreach=`` or ``fused=`` (True or False) is respected. A group is left to
-  torch's default wherever the fused kernel would refuse or behave otherwise: ``differentiable``
-  or ``capturable``, a non-fp32, complex or sparse parameter or gradient, a device without the
-  kernel, a state tensor of another dtype or device (an Adam ``step`` count kept on the host
-  while the parameters are on a GPU, as a non-fused step made it), or an optimizer subclass
-  (whose ``step`` may be its own).
-* Numerics: the fused kernel evaluates the same formula with the same fp32 operands in another
-  order (e.g. Adam's bias corrections folded into the step size), so results differ from
-  torch's loop by fp32 rounding, a few ulps of fp32 at most; the fp32 state layout is unchanged
-  (on a GPU, Adam's ``step`` count of a fresh state lives on the parameter's device).
+A torch ``Adam``, ``AdamW`` or ``SGD`` left at ``foreach=None, fused=None`` steps O2's masters
+and an update mode's fp32 temporaries through torch's fused kernel (one pass per tensor, 2.5-3.5x
+faster on a CPU): :func:`fused_by_default` sets ``group["fused"]`` for that one ``step()`` and
+puts it back. Where the kernel would refuse or behave otherwise (:func:`_fusable`) torch's
+default stays. Numerics: fp32 rounding order only. Design: ``docs/design.md``, "The fastest
+correct kernel by default".
 """
 
 from __future__ import annotations

@@ -56,13 +56,19 @@ def _operand(st: Any, held: spec.Held, view: tuple[int, ...]) -> tuple[Any, Any]
 
 
 def _first_state(kind: StepKind, state: dict, local: Tensor) -> None:
-    """The state torch's optimizer makes on a first step, in the recipe's storage: zeros (fp32
-    zeros that this step reads and writes as codes), and Adam's step count."""
+    """The state torch's optimizer makes on a first step, in the recipe's storage: zeros (codes
+    with zero block scales: no fp32 temporaries, whose freed blocks the C heap would keep
+    resident through the first step), and Adam's step count."""
     if kind.optimizer == "adam":
         state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
     for k, held in zip(kind.names, kind.states):
-        dtype = torch.float32 if held.from_fp32 else held.dtype
-        state[k] = torch.zeros(local.shape, dtype=dtype, device=local.device)
+        if held.fmt is not None:
+            q = QuantizedState.empty(local.shape, held.fmt, held.kind, local.device)
+            q.codes.zero_()
+            q.scale.zero_()
+            state[k] = q
+        else:
+            state[k] = torch.zeros(local.shape, dtype=held.dtype, device=local.device)
 
 
 def _own_code(fn: Callable[..., None]) -> Callable[..., None]:

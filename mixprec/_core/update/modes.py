@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from mixprec._core.clipping import register_released
+from mixprec._core.update.coded import CodedGradients
 from mixprec._core.update.fp32_step import fused_by_default
 from mixprec._core.update.fused import FusedUpdates
 from mixprec._core.update.heap import trim_heap
@@ -47,7 +48,7 @@ def _local(t: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- the updater
 
 
-class ModeUpdater(ReleasedGradients):
+class ModeUpdater(ReleasedGradients, CodedGradients):
     """Steps ``optimizer``'s 16-bit parameters (its ``param_groups`` hold the model's own, no
     fp32 masters; fp32 ones are stepped as they are) with ``update`` (``"nearest"``,
     ``"kahan"`` or ``"stochastic"``, seeded by ``seed``), states held as ``state_dtype`` says
@@ -74,7 +75,9 @@ class ModeUpdater(ReleasedGradients):
         self.steps = 0  # steps taken (not skipped): a key of the stochastic rounding
         self._ordinal: dict[int, int] = {}  # id(param) -> its position, a rounding key
         self._scratch: dict[tuple[str, torch.device], Tensor] = {}
-        self._init_release(release)  # False, True or "auto" (mixprec._core.update.release)
+        self._init_release(release)  # False, True, "auto" or "coded" (.release)
+        if release == "coded":
+            self._init_codes()  # (.coded)
         self.fused = FusedUpdates(update, kernels)  # one compiled pass per parameter
         self.add_params(p for g in optimizer.param_groups for p in g["params"])
 
@@ -141,12 +144,22 @@ class ModeUpdater(ReleasedGradients):
                     result = self._inner_step(groups, gi, own)
                 low = [p for p in ready if p.dtype in _LOW]
                 result = self._step_params(groups, gi, low, drop) if low else result
+                if self.release_mode == "coded":
+                    result = self._step_coded(groups, gi, plist, result)
             self.steps += 1
         finally:
             for g, plist in zip(groups, saved):
                 g["params"] = plist
             self._free_scratch()
             self._end_released()
+        return result
+
+    def _step_coded(self, groups: list[dict], index: int, plist: list[Tensor], result: Any) -> Any:
+        """Step the parameters of group ``index`` whose gradients are codes: one at a time,
+        decoded (and clipped) into a kept buffer, stepped, and freed."""
+        for p in [p for p in plist if self.has_codes(p)]:
+            p.grad = self.coded_grad(p)
+            result = self._step_params(groups, index, [p], True)
         return result
 
     def _buffer(self, name: str, numel: int, device: torch.device) -> Tensor:
@@ -165,6 +178,15 @@ class ModeUpdater(ReleasedGradients):
         on_cpu = any(device.type == "cpu" for _, device in self._scratch)
         self._scratch = {}
         if on_cpu:
+            trim_heap()
+
+    def gradients_freed(self) -> None:
+        """``zero_grad`` freed held 16-bit gradients: on a CPU, hand their pages back (see
+        trim_heap). The next backward's gradients, allocated between the step's own small
+        tensors, would otherwise land in fresh pages while these stay resident -- a little
+        more each step (measured: 6.8 -> 8.2 B/param and growing in a clipping loop)."""
+        params = self.params()
+        if self.release_mode != "released" and params and params[0].device.type == "cpu":
             trim_heap()
 
     def _free_buffer(self, numel: int, device: torch.device) -> Tensor:
@@ -207,11 +229,15 @@ class ModeUpdater(ReleasedGradients):
         """Step 16-bit ``params`` of group ``index``: in one pass each where a backend takes
         them (:mod:`.fused`), the rest chunk by chunk on fp32 temporaries (the reference);
         ``drop``: free each gradient once its parameter is stepped."""
+        fresh = bool(params) and params[0].device.type == "cpu"
+        fresh = fresh and not all(self.optimizer.state.get(p) for p in params)
         rest = (
             self.fused.step(self, groups[index], params, drop)
             if "fused" in self.__dict__
             else params
         )
+        if fresh and len(rest) < len(params):  # first states made in fp32 and coded: freed
+            trim_heap()  # blocks would stay resident (see trim_heap)
         result = None
         for chunk in self._chunks(rest) if rest else ():
             fresh = chunk[0].device.type == "cpu" and not all(

@@ -96,9 +96,13 @@ class ReleasedGradients:
     def _init_release(self, release: bool | str) -> None:
         """``release``: False (held), True (``gradients="released"``) or ``"auto"`` (held or
         released as the first step shows; see the module docstring)."""
-        if release not in (False, True, "auto"):
-            raise ValueError(f"release must be False, True or 'auto', received {release!r}.")
-        self.release_mode = "auto" if release == "auto" else "released" if release else "held"
+        if release not in (False, True, "auto", "coded"):
+            raise ValueError(
+                f"release must be False, True, 'auto' or 'coded', received {release!r}."
+            )
+        self.release_mode = (
+            release if release in ("auto", "coded") else "released" if release else "held"
+        )
         self.release = release is True  # whether gradients are released in backward now
         self.deciding = release == "auto"  # "auto" before the end of its first step
         self.held_for: str | None = None  # what "auto"'s first step did that needs them held
@@ -117,6 +121,8 @@ class ReleasedGradients:
         decides, only watch: a second gradient before the step is an accumulation."""
         if self.release:
             self._step_one(p)
+        elif self.release_mode == "coded":
+            self._code_grad(p)  # mixprec._core.update.coded
         elif self.deciding:
             if id(p) in self._released:
                 self.held_for = self.held_for or "accumulation"
@@ -184,7 +190,7 @@ class ReleasedGradients:
         if not self.release:
             if self.deciding:
                 self.held_for = self.held_for or "clipping"
-            return None
+            return None  # held, or coded (clipped through their codes)
         return _AUTO_RELEASED.format(what="clip") if self.release_mode == "auto" else RELEASED
 
     def _settle_release(self) -> bool:
@@ -213,11 +219,15 @@ class ReleasedGradients:
         accumulation."""
         if self.deciding:
             self._released.clear()
+        if self.release_mode == "coded":
+            self._drop_codes()
 
     def _end_released(self) -> None:
         """Close a step whose gradients were released: say what a non-finite gradient left."""
         self._settle_release()  # a skipped first step of "auto" decides as well
         self._released.clear()
+        if self.release_mode == "coded":
+            self._drop_codes()  # stepped, or skipped with the step
         if self.nonfinite:
             count, self.nonfinite = self.nonfinite, 0
             warnings.warn(

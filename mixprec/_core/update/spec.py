@@ -182,7 +182,7 @@ def _held(key: str, t: Any, want: Any, local: Tensor) -> Held | str:
 
 def _fresh(names: tuple[str, ...], group: dict, policy: Any, local: Tensor) -> Any:
     """The states a first step makes (zeros, as torch's optimizers start them), held as the
-    recipe stores them; codes are read from fp32 zeros this once."""
+    recipe stores them: codes of zero (zero block scales), never fp32 zeros coded."""
     if "momentum_buffer" in names and group.get("dampening"):
         return "its first step with dampening (torch's buffer starts as the gradient itself)"
     held = []
@@ -191,7 +191,7 @@ def _fresh(names: tuple[str, ...], group: dict, policy: Any, local: Tensor) -> A
         if isinstance(want, str) and quantizable(local):
             if want == "4-bit" and (local.numel() // local.shape[0]) % 2:
                 return "4-bit codes of an odd row length"
-            held.append(Held(fmt=want, kind=kind_of(k), from_fp32=True))
+            held.append(Held(fmt=want, kind=kind_of(k)))
         elif isinstance(want, str):
             held.append(Held(dtype=torch.float32))  # too small for codes: kept in fp32
         else:
