@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from training_helpers import assert_tree_bitwise
 
 import mixprec
 from mixprec._core.update.coded import BLOCK, code, decode, empty_codes
@@ -115,28 +116,13 @@ def test_a_non_finite_gradient_skips_the_whole_step_and_leaves_everything_as_it_
     for a, b in zip(weights, model.parameters()):
         assert torch.equal(a, b.detach())
     after = opt.state_dict()
-    _assert_same(states["state"], after["state"])  # moments, step counts
+    assert_tree_bitwise(states["state"], after["state"])  # moments, step counts
     assert opt.updater.steps == 2 and opt.skipped_steps == 1  # the rounding's step count too
     assert not opt.updater._codes  # dropped with the step
     opt.zero_grad()
     model(torch.randn(16, 64)).float().pow(2).mean().backward()
     opt.step()
     assert not opt.step_skipped  # the next finite step steps
-
-
-def _assert_same(a, b) -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _assert_same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _assert_same(x, y)
-    else:
-        assert a == b
 
 
 def test_coded_gradients_need_an_update_mode_and_no_loss_scaling():
