@@ -167,7 +167,8 @@ def _device_of(model_list: list[nn.Module]) -> torch.device:
                     f"initialize received a model on the 'meta' device ({name!r} is "
                     "a meta tensor): its parameters have no data to cast or copy into "
                     "fp32 masters. Materialize it first (model.to_empty(device=...) then "
-                    "load or initialize the weights), then call initialize."
+                    "load or initialize the weights), then call initialize; under FSDP2, "
+                    "mixprec.distributed.initialize_fsdp takes the meta model itself."
                 )
     first = next((p for m in model_list for p in m.parameters()), None)
     return first.device if first is not None else torch.device("cpu")
