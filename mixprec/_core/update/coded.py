@@ -117,8 +117,9 @@ def code(
     n = flat.numel()
     if scratch is None:
         scratch = Scratch.on(g.device, min(CHUNK, -(-n // BLOCK) * BLOCK))
-    for start in range(0, n, CHUNK):
-        m = min(CHUNK, n - start)
+    step = scratch.values.numel()  # a multiple of BLOCK
+    for start in range(0, n, step):
+        m = min(step, n - start)
         size = -(-m // BLOCK) * BLOCK
         y, c = scratch.values[:size], codes[start : start + size]
         s = scales[start // BLOCK : start // BLOCK + size // BLOCK]
@@ -191,9 +192,10 @@ class CodedGradients:
         buf, norm = self._buffers_for(p, g)
         if id(p) not in self._codes:
             torch_norm(g, self.norm_type, norm)
-            code(g, buf, scratch=self._scratch_for(g.device))
+            code(g, buf, scratch=self._scratch_for(g.device, g.numel()))
         else:  # accumulation: the fp32 sum, stochastically rounded; its norm in g's dtype
-            code(g, buf, self._generator(p, g.device), True, self._scratch_for(g.device))
+            scratch = self._scratch_for(g.device, g.numel())
+            code(g, buf, self._generator(p, g.device), True, scratch)
             torch_norm(self._decoded(buf, p.shape, g.dtype), self.norm_type, norm)
         self._codes[id(p)] = CodedGradient(*buf, p.shape, g.dtype, norm)
         p.grad = None
@@ -263,9 +265,10 @@ class CodedGradients:
         if out is None or out.numel() < n:
             out = torch.empty(n, dtype=dtype, device=codes.device)
             self._grad_buffer[codes.device, dtype] = out
-        scratch = self._scratch_for(codes.device)
-        for start in range(0, n, CHUNK):
-            m = min(CHUNK, n - start)
+        scratch = self._scratch_for(codes.device, n)
+        step = scratch.values.numel()
+        for start in range(0, n, step):
+            m = min(step, n - start)
             first, last = start // BLOCK, -(-(start + m) // BLOCK)
             part = scratch.values[: (last - first) * BLOCK]
             scratch.decode_(codes[first * BLOCK : last * BLOCK], part)
@@ -275,8 +278,12 @@ class CodedGradients:
             out[start : start + m].copy_(part[:m])
         return out[:n].view(shape)
 
-    def _scratch_for(self, device: torch.device) -> Scratch:
-        """The :class:`Scratch` kept for coding and decoding on ``device``."""
+    def _scratch_for(self, device: torch.device, numel: int) -> Scratch:
+        """The :class:`Scratch` for coding and decoding ``numel`` elements on ``device``: a
+        :data:`CHUNK` kept on a CPU (whose heap keeps freed holes), the whole gradient at once
+        elsewhere (a caching allocator reuses it; fewer kernel launches)."""
+        if device.type != "cpu":
+            return Scratch.on(device, -(-numel // BLOCK) * BLOCK)
         buf = self._chunk_scratch.get(device)
         if buf is None:
             buf = self._chunk_scratch[device] = Scratch.on(device)
