@@ -13,7 +13,7 @@ from torch import nn
 from training_helpers import assert_tree_bitwise
 
 import mixprec
-from mixprec._core.update.coded import BLOCK, code, decode, empty_codes
+from mixprec._core.update.coded import BLOCK, Scratch, code, decode, empty_codes
 
 BF16 = torch.bfloat16
 LR = 1e-3
@@ -89,6 +89,28 @@ def test_coding_errors_are_bounded_and_accumulation_is_unbiased():
     code(x, buf)
     code(x, buf, torch.Generator().manual_seed(0), add=True)  # one accumulation
     assert torch.allclose(decode(*buf, x.shape), 2 * x, rtol=2.0**-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n", [BLOCK, 1000, 3 * 2**18 + 17])
+def test_the_c_loop_codes_and_decodes_as_the_torch_ops_do_bit_for_bit(dtype, n):
+    from mixprec._core.update import c_loop
+
+    if not c_loop.available():
+        pytest.skip("no C compiler: the torch ops are the only path")
+    torch.manual_seed(n)
+    g = (torch.randn(n) * torch.logspace(-6, 2, n)[torch.randperm(n)]).to(dtype)
+    ref, fast = empty_codes(n, g.device), empty_codes(n, g.device)
+    code(g, ref)
+    code(g, fast, c_loop=True)
+    assert torch.equal(ref[0].view(torch.uint8), fast[0].view(torch.uint8))
+    assert torch.equal(ref[1], fast[1])
+    scratch = Scratch.on(g.device)
+    for coef in (None, 0.37):
+        out = torch.empty(n, dtype=BF16)
+        assert c_loop.decode_grad(ref[0].view(torch.uint8), ref[1], scratch.table, coef, out)
+        want = decode(*ref, g.shape) * (1.0 if coef is None else torch.tensor(coef))
+        assert torch.equal(out, want.to(BF16))
 
 
 def test_accumulation_adds_into_the_codes():

@@ -50,6 +50,63 @@ static inline uint16_t to_f16(float f) {  /* round to nearest even; NaN -> quiet
     return (uint16_t)(r | sign);
 }
 
+/* float -> float8_e4m3fn, round to nearest even, for |f| < 464 (store_block's values); NaN and
+ * larger to 0x7F (a NaN), the sign kept. */
+static inline uint8_t to_e4m3(float f) {
+    uint32_t b = f2u(f), sign = b & 0x80000000u;
+    b ^= sign;
+    uint32_t sub = f2u(u2f(b) + u2f(141u << 23)) - (141u << 23);
+    uint32_t nrm = (b + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((b >> 20) & 1u)) >> 20;
+    uint32_t r = b >= (1087u << 20) ? 0x7Fu : (b < (121u << 23) ? sub : nrm);
+    return (uint8_t)(r | (sign >> 24));
+}
+
+/* A gradient coded as float8_e4m3fn with a float32 scale per BLOCK (coded.py's code(), op for
+ * op: the block's largest magnitude / 448, 1 where it is 0; each value / its scale, rounded to
+ * nearest even). g: n elements, kind 2 bf16, 3 fp16, 4 fp32; the last block's padding codes 0. */
+#define CODE_BLOCKS(T, LOAD)                                                                 \
+    do {                                                                                     \
+        const T *x = (const T *)g;                                                           \
+        for (int64_t b0 = 0; b0 < n; b0 += BLOCK) {                                          \
+            int64_t len = n - b0 < BLOCK ? n - b0 : BLOCK;                                   \
+            float m = 0.0f;                                                                  \
+            for (int64_t i = 0; i < len; i++) {                                              \
+                float a = fabsf(LOAD(x[b0 + i]));                                            \
+                bad |= (f2u(a) & 0x7F800000u) == 0x7F800000u;                                \
+                m = a > m ? a : m;                                                           \
+            }                                                                                \
+            float s = m / 448.0f;                                                            \
+            s = s == 0.0f ? 1.0f : s;                                                        \
+            scales[b0 / BLOCK] = s;                                                          \
+            for (int64_t i = 0; i < len; i++) codes[b0 + i] = to_e4m3(LOAD(x[b0 + i]) / s);  \
+            for (int64_t i = len; i < BLOCK; i++) codes[b0 + i] = 0;                         \
+        }                                                                                    \
+    } while (0)
+#define AS_IS(v) (v)
+
+int mixprec_code_grad(int64_t n, const void *g, int kind, uint8_t *codes, float *scales) {
+    uint32_t bad = 0;  /* returns whether every element was finite, as mixprec_finite */
+    if (kind == 4) CODE_BLOCKS(float, AS_IS);
+    else if (kind == 2) CODE_BLOCKS(uint16_t, from_bf16);
+    else CODE_BLOCKS(uint16_t, from_f16);
+    return !bad;
+}
+
+/* The gradient decoded: table[code] * scale (* coef where use_coef), rounded to bf16 (kind 2)
+ * or fp16 (3) -- coded.py's _decoded, op for op. */
+void mixprec_decode_grad(int64_t n, const uint8_t *codes, const float *scales,
+                         const float *table, float coef, int use_coef, uint16_t *out, int kind) {
+    for (int64_t b0 = 0; b0 < n; b0 += BLOCK) {
+        int64_t len = n - b0 < BLOCK ? n - b0 : BLOCK;
+        const float s = scales[b0 / BLOCK];
+        for (int64_t i = 0; i < len; i++) {
+            float x = table[codes[b0 + i]] * s;
+            x = use_coef ? x * coef : x;
+            out[b0 + i] = kind == 2 ? to_bf16(x) : to_f16(x);
+        }
+    }
+}
+
 /* Whether every element of ``g`` (n elements; kind 2 bf16, 3 fp16, 4 fp32) is
  * finite: no exponent field of all ones. Built into every library (FINITE_ONLY: only this). */
 int mixprec_finite(int64_t n, const void *g, int kind) {
@@ -86,17 +143,6 @@ typedef uint16_t g_t;
 typedef uint16_t g_t;
 #define G_LOAD(p, i) from_f16((p)[i])
 #endif
-
-/* float -> float8_e4m3fn, round to nearest even, for |f| < 464 (store_block's values); NaN and
- * larger to 0x7F (a NaN), the sign kept. */
-static inline uint8_t to_e4m3(float f) {
-    uint32_t b = f2u(f), sign = b & 0x80000000u;
-    b ^= sign;
-    uint32_t sub = f2u(u2f(b) + u2f(141u << 23)) - (141u << 23);
-    uint32_t nrm = (b + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((b >> 20) & 1u)) >> 20;
-    uint32_t r = b >= (1087u << 20) ? 0x7Fu : (b < (121u << 23) ? sub : nrm);
-    return (uint8_t)(r | (sign >> 24));
-}
 
 /* One state: a value per element, and for codes the per-block scale and layout. */
 #define PLAIN_LOAD(K, p, i) ((K) == 0 ? ((const float *)(p))[i] \

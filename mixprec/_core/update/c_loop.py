@@ -28,7 +28,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["PER_THREAD", "all_finite", "available", "count_step", "kernel", "run"]
+__all__ = [
+    "PER_THREAD",
+    "all_finite",
+    "available",
+    "code_grad",
+    "count_step",
+    "decode_grad",
+    "kernel",
+    "run",
+]
 
 _SOURCE = Path(__file__).with_name("c_loop.c")
 #: -ffp-contract=off: no FMA, so the fp32 math rounds as torch's eager ops do;
@@ -153,6 +162,53 @@ def all_finite(g: Tensor) -> bool | None:
         fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         _STEPS["finite",] = fn
     return bool(fn(g.numel(), g.data_ptr(), kind))
+
+
+def _finite_lib_fn(name: str, restype: Any, argtypes: list) -> Callable[..., Any] | None:
+    """A function of the library built with FINITE_ONLY (no step kind), or None without one."""
+    fn = _STEPS.get((name,))
+    if fn is None:
+        try:
+            fn = getattr(_library(("finite",)), name)
+        except Exception:  # noqa: BLE001 -- no compiler: the caller uses torch ops
+            return None
+        fn.restype, fn.argtypes = restype, argtypes
+        _STEPS[name,] = fn
+    return fn
+
+
+_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def code_grad(g: Tensor, codes: Tensor, scales: Tensor) -> bool | None:
+    """Code the contiguous CPU gradient ``g`` into ``codes`` (E4M3) and ``scales`` in one pass
+    (:func:`.coded.code`'s arithmetic); returns whether every element was finite, or None where
+    this cannot (the caller uses torch ops)."""
+    kind = _FINITE_KINDS.get(g.dtype)
+    if kind is None or g.device.type != "cpu" or not g.is_contiguous():
+        return None
+    fn = _finite_lib_fn("mixprec_code_grad", ctypes.c_int, [_I64, _P, _I, _P, _P])
+    if fn is None:
+        return None
+    return bool(fn(g.numel(), g.data_ptr(), kind, codes.data_ptr(), scales.data_ptr()))
+
+
+def decode_grad(
+    codes: Tensor, scales: Tensor, table: Tensor, coef: float | None, out: Tensor
+) -> bool:
+    """Decode into the contiguous 16-bit CPU tensor ``out`` (times ``coef``) in one pass;
+    False where this cannot."""
+    kind = _FINITE_KINDS.get(out.dtype)
+    if kind not in (2, 3) or out.device.type != "cpu" or not out.is_contiguous():
+        return False
+    args = [_I64, _P, _P, _P, ctypes.c_float, _I, _P, _I]
+    fn = _finite_lib_fn("mixprec_decode_grad", None, args)
+    if fn is None:
+        return False
+    c = 1.0 if coef is None else coef
+    fn(out.numel(), codes.data_ptr(), scales.data_ptr(), table.data_ptr(), c, coef is not None,
+       out.data_ptr(), kind)  # fmt: skip
+    return True
 
 
 _SCALAR = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}

@@ -107,14 +107,23 @@ def code(
     generator: torch.Generator | None = None,
     add: bool = False,
     scratch: Scratch | None = None,
-) -> None:
+    c_loop: bool = False,
+) -> bool | None:
     """Write ``g`` (any float dtype) into ``out`` = (E4M3 codes, float32 block scales); with
     ``add``, ``g`` plus what ``out`` holds; with ``generator``, stochastically rounded (noise of
     one code step, see the module docstring). A chunk at a time, in place, through ``scratch``
-    (made here when not given)."""
+    (made here when not given); ``c_loop``: in one C pass on a CPU where it can (the same
+    arithmetic, op for op: nearest rounding, nothing added), which also says whether every
+    value was finite (returned; None where the torch ops ran)."""
     codes, scales = out
     flat = g.detach().reshape(-1)
     n = flat.numel()
+    if c_loop and not add and generator is None:
+        from mixprec._core.update.c_loop import code_grad
+
+        finite = code_grad(flat, codes.view(torch.uint8), scales)
+        if finite is not None:
+            return finite
     if scratch is None:
         scratch = Scratch.on(g.device, min(CHUNK, -(-n // BLOCK) * BLOCK))
     step = scratch.values.numel()  # a multiple of BLOCK
@@ -137,6 +146,7 @@ def code(
         if generator is not None:
             _dither_(y, generator)
         c.view(-1, BLOCK).copy_(y)
+    return None
 
 
 def _dither_(y: Tensor, generator: torch.Generator) -> None:
@@ -188,26 +198,31 @@ class CodedGradients:
             return
         if g.is_sparse:
             raise RuntimeError("gradients='coded' needs dense gradients; use gradients='held'.")
-        self._check(g)
         buf, norm = self._buffers_for(p, g)
+        scratch = self._scratch_for(g.device, g.numel())
         if id(p) not in self._codes:
             torch_norm(g, self.norm_type, norm)
-            code(g, buf, scratch=self._scratch_for(g.device, g.numel()))
+            finite = code(g, buf, scratch=scratch, c_loop=self._c_loop(g.device))
         else:  # accumulation: the fp32 sum, stochastically rounded; its norm in g's dtype
-            scratch = self._scratch_for(g.device, g.numel())
+            finite = None
             code(g, buf, self._generator(p, g.device), True, scratch)
             torch_norm(self._decoded(buf, p.shape, g.dtype), self.norm_type, norm)
+        self._check(g, finite)  # the C pass that coded it said; else one pass of its own
         self._codes[id(p)] = CodedGradient(*buf, p.shape, g.dtype, norm)
         p.grad = None
 
-    def _check(self, g: Tensor) -> None:
-        """Record whether ``g`` holds an inf/NaN: on a CPU one pass with no temporary (the C
-        loop's check; a gradient-sized temporary per parameter would leave heap holes), on
-        other devices a flag on the device (no host sync in backward)."""
+    def _check(self, g: Tensor, finite: bool | None = None) -> None:
+        """Record whether ``g`` holds an inf/NaN (``finite``: already known, from the C pass
+        that coded it): on a CPU one pass with no temporary (the C loop's check; a
+        gradient-sized temporary per parameter would leave heap holes), on other devices a flag
+        on the device (no host sync in backward)."""
         flag = self._coded_found.get(g.device)
         if flag is None:
             flag = self._coded_found[g.device] = torch.zeros((), device=g.device)
-        if g.device.type == "cpu":
+        if finite is not None:
+            if not finite:
+                flag.fill_(1.0)
+        elif g.device.type == "cpu":
             if not self.fused.finite(g):
                 flag.fill_(1.0)
         else:
@@ -266,6 +281,12 @@ class CodedGradients:
             out = torch.empty(n, dtype=dtype, device=codes.device)
             self._grad_buffer[codes.device, dtype] = out
         scratch = self._scratch_for(codes.device, n)
+        if self._c_loop(codes.device):
+            from mixprec._core.update.c_loop import decode_grad
+
+            c = None if coef is None else float(coef)
+            if decode_grad(codes.view(torch.uint8), scales, scratch.table, c, out[:n]):
+                return out[:n].view(shape)
         step = scratch.values.numel()
         for start in range(0, n, step):
             m = min(step, n - start)
@@ -277,6 +298,13 @@ class CodedGradients:
                 part.mul_(coef)
             out[start : start + m].copy_(part[:m])
         return out[:n].view(shape)
+
+    def _c_loop(self, device: torch.device) -> bool:
+        """Whether codes are made and read by the C loop here: a CPU, the recipe's kernels
+        "auto", the default backend (:data:`.spec.CPU_BACKEND`)."""
+        from mixprec._core.update import spec
+
+        return device.type == "cpu" and self.fused.kernels != "torch" and spec.CPU_BACKEND == "c"
 
     def _scratch_for(self, device: torch.device, numel: int) -> Scratch:
         """The :class:`Scratch` for coding and decoding ``numel`` elements on ``device``: a
