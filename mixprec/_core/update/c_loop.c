@@ -69,13 +69,13 @@ static inline uint8_t to_e4m3(float f) {
         const T *x = (const T *)g;                                                           \
         for (int64_t b0 = 0; b0 < n; b0 += BLOCK) {                                          \
             int64_t len = n - b0 < BLOCK ? n - b0 : BLOCK;                                   \
-            float m = 0.0f;                                                                  \
+            uint32_t mu = 0; /* |x| >= 0: ordered as its bits; inf and NaN above 0x7F7FFFFF */ \
             for (int64_t i = 0; i < len; i++) {                                              \
-                float a = fabsf(LOAD(x[b0 + i]));                                            \
-                bad |= (f2u(a) & 0x7F800000u) == 0x7F800000u;                                \
-                m = a > m ? a : m;                                                           \
+                uint32_t a = f2u(LOAD(x[b0 + i])) & 0x7FFFFFFFu;                             \
+                mu = a > mu ? a : mu;                                                        \
             }                                                                                \
-            float s = m / 448.0f;                                                            \
+            bad |= mu >= 0x7F800000u;                                                        \
+            float s = u2f(mu) / 448.0f;                                                      \
             s = s == 0.0f ? 1.0f : s;                                                        \
             scales[b0 / BLOCK] = s;                                                          \
             for (int64_t i = 0; i < len; i++) codes[b0 + i] = to_e4m3(LOAD(x[b0 + i]) / s);  \
@@ -92,15 +92,25 @@ int mixprec_code_grad(int64_t n, const void *g, int kind, uint8_t *codes, float 
     return !bad;
 }
 
-/* The gradient decoded: table[code] * scale (* coef where use_coef), rounded to bf16 (kind 2)
- * or fp16 (3) -- coded.py's _decoded, op for op. */
-void mixprec_decode_grad(int64_t n, const uint8_t *codes, const float *scales,
-                         const float *table, float coef, int use_coef, uint16_t *out, int kind) {
+/* float8_e4m3fn -> float, exactly (0x7F and 0xFF are NaN). */
+static inline float from_e4m3(uint8_t c) {
+    uint32_t sign = (uint32_t)(c & 0x80u) << 24, e = (c >> 3) & 0xFu, m = c & 7u;
+    float v = e ? u2f(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f; /* m 2**-9 */
+    v = (c & 0x7Fu) == 0x7Fu ? u2f(0x7FC00000u) : v;
+    return u2f(f2u(v) | sign);
+}
+
+/* The gradient decoded: the code's value * scale (* coef where use_coef), rounded to bf16
+ * (kind 2) or fp16 (3) -- coded.py's _decoded, op for op. */
+void mixprec_decode_grad(int64_t n, const uint8_t *codes, const float *scales, float coef,
+                         int use_coef, uint16_t *out, int kind) {
+    float tab[256];  /* every code's value, once a call (a lookup beats a branch per element) */
+    for (int c = 0; c < 256; c++) tab[c] = from_e4m3((uint8_t)c);
     for (int64_t b0 = 0; b0 < n; b0 += BLOCK) {
         int64_t len = n - b0 < BLOCK ? n - b0 : BLOCK;
         const float s = scales[b0 / BLOCK];
         for (int64_t i = 0; i < len; i++) {
-            float x = table[codes[b0 + i]] * s;
+            float x = tab[codes[b0 + i]] * s;
             x = use_coef ? x * coef : x;
             out[b0 + i] = kind == 2 ? to_bf16(x) : to_f16(x);
         }

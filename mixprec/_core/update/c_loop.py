@@ -193,21 +193,18 @@ def code_grad(g: Tensor, codes: Tensor, scales: Tensor) -> bool | None:
     return bool(fn(g.numel(), g.data_ptr(), kind, codes.data_ptr(), scales.data_ptr()))
 
 
-def decode_grad(
-    codes: Tensor, scales: Tensor, table: Tensor, coef: float | None, out: Tensor
-) -> bool:
-    """Decode into the contiguous 16-bit CPU tensor ``out`` (times ``coef``) in one pass;
-    False where this cannot."""
+def decode_grad(codes: Tensor, scales: Tensor, coef: float | None, out: Tensor) -> bool:
+    """Decode E4M3 ``codes`` with their block ``scales`` into the contiguous 16-bit CPU tensor
+    ``out`` (times ``coef``) in one pass; False where this cannot."""
     kind = _FINITE_KINDS.get(out.dtype)
     if kind not in (2, 3) or out.device.type != "cpu" or not out.is_contiguous():
         return False
-    args = [_I64, _P, _P, _P, ctypes.c_float, _I, _P, _I]
+    args = [_I64, _P, _P, ctypes.c_float, _I, _P, _I]
     fn = _finite_lib_fn("mixprec_decode_grad", None, args)
     if fn is None:
         return False
     c = 1.0 if coef is None else coef
-    fn(out.numel(), codes.data_ptr(), scales.data_ptr(), table.data_ptr(), c, coef is not None,
-       out.data_ptr(), kind)  # fmt: skip
+    fn(out.numel(), codes.data_ptr(), scales.data_ptr(), c, coef is not None, out.data_ptr(), kind)
     return True
 
 

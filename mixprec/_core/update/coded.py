@@ -285,7 +285,7 @@ class CodedGradients:
             from mixprec._core.update.c_loop import decode_grad
 
             c = None if coef is None else float(coef)
-            if decode_grad(codes.view(torch.uint8), scales, scratch.table, c, out[:n]):
+            if decode_grad(codes.view(torch.uint8), scales, c, out[:n]):
                 return out[:n].view(shape)
         step = scratch.values.numel()
         for start in range(0, n, step):
