@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-MODES = ("fp32", "torch-autocast", "O2", "O3", "lean")
+MODES = ("fp32", "torch-autocast", "O2", "O3", "lean", "lean gradients=coded")
 #: nanoGPT's configuration for the run (a small character model on a CPU, one thread)
 CONFIG = dict(
     device="cpu",
