@@ -86,12 +86,15 @@ class Scratch(NamedTuple):
     table: Tensor
 
     @classmethod
-    def on(cls, device: torch.device, numel: int = CHUNK) -> Scratch:
-        table = torch.arange(256, dtype=torch.uint8).view(_E4M3).float()
+    def on(cls, device: torch.device, numel: int = CHUNK, table: Tensor | None = None) -> Scratch:
+        """Buffers of ``numel`` elements on ``device``; ``table``: one made before there (a
+        copy to a GPU per gradient would wait for the host)."""
+        if table is None:
+            table = torch.arange(256, dtype=torch.uint8).view(_E4M3).float().to(device)
         return cls(
             torch.empty(numel, device=device),
             torch.empty(numel, dtype=torch.int32, device=device),
-            table.to(device),
+            table,
         )
 
     def decode_(self, codes: Tensor, out: Tensor) -> Tensor:
@@ -310,9 +313,11 @@ class CodedGradients:
         """The :class:`Scratch` for coding and decoding ``numel`` elements on ``device``: a
         :data:`CHUNK` kept on a CPU (whose heap keeps freed holes), the whole gradient at once
         elsewhere (a caching allocator reuses it; fewer kernel launches)."""
-        if device.type != "cpu":
-            return Scratch.on(device, -(-numel // BLOCK) * BLOCK)
         buf = self._chunk_scratch.get(device)
+        if device.type != "cpu":
+            table = None if buf is None else buf.table
+            buf = self._chunk_scratch[device] = Scratch.on(device, 0, table)  # the table, kept
+            return Scratch.on(device, -(-numel // BLOCK) * BLOCK, buf.table)
         if buf is None:
             buf = self._chunk_scratch[device] = Scratch.on(device)
         return buf
