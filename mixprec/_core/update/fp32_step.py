@@ -3,9 +3,8 @@
 A torch ``Adam``, ``AdamW`` or ``SGD`` left at ``foreach=None, fused=None`` steps O2's masters
 and an update mode's fp32 temporaries through torch's fused kernel (one pass per tensor, 2.5-3.5x
 faster on a CPU): :func:`fused_by_default` sets ``group["fused"]`` for that one ``step()`` and
-puts it back. Where the kernel would refuse or behave otherwise (:func:`_fusable`) torch's
-default stays. Numerics: fp32 rounding order only. Design: ``docs/design.md``, "The fastest
-correct kernel by default".
+puts it back; torch's default stays where the kernel would refuse or differ (:func:`_fusable`).
+Numerics: fp32 rounding order only. ``docs/design.md``, "Master weights and the optimizer".
 """
 
 from __future__ import annotations
