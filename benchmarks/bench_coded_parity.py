@@ -22,6 +22,7 @@ import statistics
 from typing import Any
 
 import torch
+from bench_parity import round_robin
 
 from mixprec.bench.runner import Trainer
 from mixprec.bench.workloads import WORKLOADS
@@ -68,15 +69,7 @@ def train(seed: int, steps: int, micro: int, log: Any = print) -> dict[str, list
         m: ClipAccumTrainer(wl, data, mode, torch.bfloat16, wl.batch_size, seed, options)
         for m, (mode, options) in MODES.items()
     }
-    evals: dict[str, list] = {m: [] for m in MODES}
-    for step in range(1, steps + 1):
-        for m, t in trainers.items():
-            t.step()
-            if step % wl.eval_every == 0 or step == steps:
-                evals[m].append((step, t.evaluate()))
-        if step % max(1, steps // 10) == 0:
-            log(f"  seed {seed}: step {step}/{steps}", flush=True)
-    return evals
+    return round_robin(wl, trainers, steps, log, f"seed {seed}")
 
 
 def table(runs: dict[int, dict[str, list]]) -> str:

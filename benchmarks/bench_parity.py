@@ -57,6 +57,20 @@ MODES: dict[str, tuple[str, dict[str, Any]]] = {
 DEFAULT_MODES = list(MODES)[:6]
 
 
+def round_robin(wl: Any, trainers: dict[str, Any], steps: int, log: Any, label: str) -> dict:
+    """``steps`` steps of each trainer in turn, evaluated every ``wl.eval_every`` steps and at
+    the end; per mode its ``(step, metric)`` evaluations."""
+    evals: dict[str, list[tuple[int, float]]] = {m: [] for m in trainers}
+    for step in range(1, steps + 1):
+        for m, t in trainers.items():
+            t.step()
+            if step % wl.eval_every == 0 or step == steps:
+                evals[m].append((step, t.evaluate()))
+        if step % max(1, steps // 10) == 0:
+            log(f"  {label}: step {step}/{steps}")
+    return evals
+
+
 def train(name: str, seed: int, modes: list[str], dtype: torch.dtype, steps: int | None,
           log: Any = print) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Train ``modes`` round-robin on workload ``name``; per mode its evaluations and skips."""
@@ -65,14 +79,7 @@ def train(name: str, seed: int, modes: list[str], dtype: torch.dtype, steps: int
     steps = steps or wl.steps
     trainers = {m: Trainer(wl, data, MODES[m][0], dtype, wl.batch_size, seed, MODES[m][1])
                 for m in modes}  # fmt: skip
-    evals: dict[str, list[tuple[int, float]]] = {m: [] for m in modes}
-    for step in range(1, steps + 1):
-        for m, t in trainers.items():
-            t.step()
-            if step % wl.eval_every == 0 or step == steps:
-                evals[m].append((step, t.evaluate()))
-        if step % max(1, steps // 10) == 0:
-            log(f"  {name} seed {seed}: step {step}/{steps}")
+    evals = round_robin(wl, trainers, steps, log, f"{name} seed {seed}")
     out = {}
     for m, t in trainers.items():
         reached = [

@@ -314,9 +314,8 @@ class CodedGradients:
         :data:`CHUNK` kept on a CPU (whose heap keeps freed holes), the whole gradient at once
         elsewhere (a caching allocator reuses it; fewer kernel launches)."""
         buf = self._chunk_scratch.get(device)
-        if device.type != "cpu":
-            table = None if buf is None else buf.table
-            buf = self._chunk_scratch[device] = Scratch.on(device, 0, table)  # the table, kept
+        if device.type != "cpu":  # buffers per gradient; the table kept (a size-0 Scratch)
+            buf = self._chunk_scratch[device] = buf or Scratch.on(device, 0)
             return Scratch.on(device, -(-numel // BLOCK) * BLOCK, buf.table)
         if buf is None:
             buf = self._chunk_scratch[device] = Scratch.on(device)

@@ -185,8 +185,9 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
         trim_heap). The next backward's gradients, allocated between the step's own small
         tensors, would otherwise land in fresh pages while these stay resident -- a little
         more each step (measured: 6.8 -> 8.2 B/param and growing in a clipping loop)."""
-        params = self.params()
-        if not self.release and params and params[0].device.type == "cpu":  # they were held
+        groups = self.optimizer.param_groups  # the first parameter's device, not a list of all
+        first = next((g["params"][0] for g in groups if g["params"]), None)
+        if not self.release and first is not None and first.device.type == "cpu":  # held
             trim_heap()
 
     def _free_buffer(self, numel: int, device: torch.device) -> Tensor:
