@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mixprec._core.recipe_change import adapt, announce
 from mixprec._core.resume import (
     MIXPREC_KEY,
     drop_stale,
@@ -56,6 +57,11 @@ class CheckpointState:
         and, with an update mode, its state (compensation, rounding step count)."""
         own: dict[str, Any] = {
             "masters": [m.detach().clone() for _, m in self._pairs],
+            "master_positions": [  # where each master sits in parameter-group order
+                i
+                for i, q in enumerate(q for g in self.optimizer.param_groups for q in g["params"])
+                if id(q) in self._master_ids
+            ],
             "scalers": [s.scaler.state_dict() for s in self.slots],
             "skipped_steps": self.skipped_steps,
             "step_skipped": self.step_skipped,
@@ -80,15 +86,20 @@ class CheckpointState:
         """
         inner, own = split_state_dict(state_dict)
         own = drop_stale(inner, own)
+        writes, report = [], []
         if own is not None:
+            inner, own, writes, report = adapt(self, inner, own)  # another recipe's layout
             self._check_own(own)
             if self.updater is not None:
                 self.updater.load_state_dict(own.get("lean"))
         self.optimizer.load_state_dict(inner)
         if self.updater is not None:
             self.updater.restore_state_dtypes(inner)
+        for p, value in writes:
+            p.copy_(value)
         if own is None:
             return
+        announce(self, report)
         for (p, m), saved in zip(self._pairs, own["masters"]):
             m.copy_(saved)
             p.copy_(saved)

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from mixprec._core._warnings import MixprecWarning
+from mixprec._core.recipe_change import adapt
 
 __all__ = [
     "MIXPREC_KEY",
@@ -202,6 +203,9 @@ def resume_carried(
         own = drop_stale(inner, own)  # None: stale, and said so
     if own is None:
         opt.load_state_dict(inner)
+        return
+    if adapt(opt, inner, own)[3]:  # another recipe's layout: carried as a load after initialize
+        opt.load_state_dict(pack_state_dict(inner, own))
         return
     opt._check_own(own)
     own = dict(own)

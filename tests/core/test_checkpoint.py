@@ -117,12 +117,14 @@ def test_load_state_dict_rejects_mismatched_checkpoints():
     train(model, opt, range(2))
     sd = copy.deepcopy(opt.state_dict())
     _, o3 = build("O3", FP16)
+    other = copy.deepcopy(sd)  # another level's masters are carried; these fit no weight here
+    other["param_groups"][0]["mixprec"]["masters"][0] = torch.zeros(3, 5)
     with pytest.raises(
         ValueError,
         match="The checkpoint has 4 master weights, this optimizer has "
         "0: was it saved at another level or model",
     ):
-        o3.load_state_dict(sd)
+        o3.load_state_dict(other)
     _, plain = build("O2", FP16)
     with pytest.raises(KeyError, match=r"Not an optimizer state dict.*received keys \['model'\]"):
         plain.load_state_dict({"model": sd})

@@ -339,11 +339,20 @@ def test_resume_from_state_dict_is_bit_exact(update, tmp_path):
             assert_bitwise(opt.state[a][k], ropt.state[b][k])
 
 
-def test_checkpoint_of_another_update_mode_is_rejected():
-    _, opt = build("kahan", adamw)
-    _, other = build("stochastic", adamw)
-    with pytest.raises(ValueError, match="update='kahan'"):
+def test_checkpoint_of_another_update_mode_folds_its_compensation():
+    """A Kahan checkpoint under stochastic rounding: each weight becomes weight + compensation
+    rounded to nearest (mixprec._core.recipe_change), and the change is reported."""
+    model, opt = build("kahan", adamw)
+    train(model, opt, 3)
+    want = [(p.detach().float() + opt.updater.compensation[p].float()).to(p.dtype)
+            for p in model.parameters()]  # fmt: skip
+    other_model, other = build("stochastic", adamw)
+    other_model.load_state_dict(model.state_dict())
+    with pytest.warns(UserWarning, match="'kahan' -> 'stochastic'"):
         other.load_state_dict(opt.state_dict())
+    for p, w in zip(other_model.parameters(), want):
+        assert_bitwise(p.detach(), w)
+    assert other.last_load_report[0] == "update: 'kahan' -> 'stochastic'"
 
 
 # ------------------------------------------------- other optimizers, chunks, fp16, errors

@@ -427,8 +427,12 @@ def test_state_of_other_weights_is_reported_and_the_model_wins(config):
     assert opt.loss_scale == 8.0  # the loss scaler's state still comes from the entry
 
 
-def test_a_checkpoint_of_another_level_is_refused_and_the_entry_given_back():
+def test_a_checkpoint_that_cannot_be_carried_is_refused_and_the_entry_given_back():
+    """Another level's checkpoint is carried over (tests/core/test_cross_recipe.py); one whose
+    masters fit no weight of this model is refused, and the caller's optimizer keeps it."""
     _, _, ckpt = _checkpoint("O2-bf16")
+    own = ckpt["opt"]["param_groups"][0]["mixprec"]
+    own["masters"][0] = torch.zeros(3, 5)  # a master of no weight here
     model, opt = plain(seed=7)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])

@@ -1,0 +1,164 @@
+"""A checkpoint of one recipe loaded under another: each saved state carried into what this
+optimizer holds, by one rule per state, and a report of what changed.
+
+Design: a saved optimizer state dict says how the weights were held (fp32 masters, or 16-bit
+weights with an update mode and, under Kahan, a compensation buffer) and how each optimizer
+state was stored (fp32, 16-bit, 8/4-bit codes). Where the loading optimizer holds them
+otherwise, :func:`adapt` rewrites mixprec's saved entry into the loader's layout before
+anything is checked or written; the rules:
+
+* fp32 masters into 16-bit weights without masters: each weight is its master rounded to
+  nearest and, under Kahan, its compensation is the remainder (``master - weight``, in the
+  compensation's dtype); the update mode's rounding step count starts at 0;
+* 16-bit weights into fp32 masters: each master is the weight (the model's, loaded first)
+  plus its saved compensation, widened exactly;
+* one update mode into another: a compensation the loader keeps no buffer for is folded into
+  the weight (``weight + compensation`` rounded to nearest); a Kahan loader without a saved
+  buffer starts from zero compensation (the weight is then exact as it is);
+* optimizer states: fp32 and 16-bit values are loaded as torch loads them and stored as the
+  loader's recipe stores them (``ModeUpdater.restore_state_dtypes``); 8/4-bit codes
+  are decoded to fp32 where the loader steps fp32 masters.
+
+What it cannot carry (another model, other parameter counts or shapes) is refused by the
+checks that follow, as for a checkpoint of the same recipe. The report goes out as one
+:class:`~mixprec._core._warnings.MixprecWarning` and stays on the optimizer as
+``last_load_report`` (a list of lines). ``docs/training.md``, "Checkpoints across recipes".
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mixprec._core._warnings import MixprecWarning
+from mixprec._core.update.state_codes import QuantizedState
+
+__all__ = ["adapt"]
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def adapt(opt: Any, inner: dict[str, Any], own: dict[str, Any]) -> tuple[dict, dict, list, list]:
+    """``(inner, own, writes, report)``: the saved state in ``opt``'s layout, the weight writes
+    to make once it is loaded (``(param, fp32 value)`` pairs, rounded into the parameter) and
+    the report's lines (empty: the checkpoint has ``opt``'s layout already)."""
+    saved_masters = own.get("masters", [])
+    saved_mode = own.get("lean")
+    writes: list[tuple[Tensor, Tensor]] = []
+    report: list[str] = []
+    if saved_masters and not opt._pairs and _low_params(opt):
+        own, writes = _masters_into_weights(opt, own, report)
+    elif not saved_masters and opt._pairs and "masters" in own:
+        inner, own = _weights_into_masters(opt, inner, own, report)
+    elif saved_mode is not None and not saved_masters and not opt._pairs:
+        own, writes = _mode_into_mode(opt, own, report)
+    return inner, own, writes, report
+
+
+def announce(opt: Any, report: list[str]) -> None:
+    """Keep ``report`` on ``opt`` and say it once, as one warning."""
+    opt.last_load_report = report
+    if report:
+        warnings.warn(
+            "This checkpoint was saved under another recipe; its state was carried over:\n  "
+            + "\n  ".join(report),
+            MixprecWarning,
+            stacklevel=4,
+        )
+
+
+def _low_params(opt: Any, own: dict | None = None) -> list[Tensor]:
+    """The parameters of ``opt`` that the saved masters of ``own`` belong to (by their saved
+    positions in parameter-group order), or every 16-bit one."""
+    params = [p for g in opt.optimizer.param_groups for p in g["params"]]
+    positions = (own or {}).get("master_positions")
+    if positions is None or any(i >= len(params) for i in positions):
+        return [p for p in params if p.dtype in _LOW]
+    return [params[i] for i in positions]
+
+
+def _masters_into_weights(opt: Any, own: dict, report: list[str]) -> tuple[dict, list]:
+    params, masters = _low_params(opt, own), own["masters"]
+    if len(params) != len(masters) or any(
+        p.shape != m.shape or p.dtype not in _LOW for p, m in zip(params, masters)
+    ):
+        return own, []  # another model: the count check that follows refuses it
+    updater = opt.updater
+    writes = list(zip(params, masters))
+    low = params[0].dtype
+    report.append(f"weights: fp32 masters -> {low} weights (nearest)")
+    if updater is None:
+        return {**own, "masters": []}, writes
+    comps, by_param = [], {id(q): m for q, m in writes}
+    for p in updater.params():
+        mine, master = updater.compensation.get(p), by_param.get(id(p))
+        if mine is None or master is None:  # no buffer; or a weight the model's load sets
+            comps.append(None if mine is None else torch.zeros_like(mine))
+            continue
+        rounded = master.to(p.dtype).float()
+        comps.append((master.float() - rounded).to(mine.dtype))
+    if any(c is not None for c in comps):
+        report.append("Kahan compensation: the masters' remainder (master - weight)")
+    mode = {"update": updater.update, "seed": updater.seed, "compensation": comps, "steps": 0}
+    report.append(f"update: fp32 masters -> update={updater.update!r}, rounding count from 0")
+    return {**own, "masters": [], "lean": mode}, writes
+
+
+def _weights_into_masters(opt: Any, inner: dict, own: dict, report: list[str]) -> tuple:
+    mode = own.get("lean") or {}
+    saved_comps = mode.get("compensation") or []
+    ids = [i for g in inner["param_groups"] for i in g["params"]]
+    groups = [p for g in opt.optimizer.param_groups for p in g["params"]]
+    if len(ids) != len(groups) or (saved_comps and len(saved_comps) != len(groups)):
+        return inner, own  # another model: the checks that follow refuse it
+    by_master = {id(m): p for p, m in opt._pairs}
+    masters = []
+    for pos, q in enumerate(groups):
+        p = by_master.get(id(q))
+        if p is None:
+            continue
+        value = p.detach().float()
+        comp = saved_comps[pos] if saved_comps else None
+        masters.append(value if comp is None else value + comp.to(value.device).float())
+    how = " + compensation" if any(c is not None for c in saved_comps) else ""
+    report.append(f"weights: 16-bit weights{how} -> fp32 masters (exact)")
+    state, decoded = {}, set()
+    for i, st in inner["state"].items():
+        state[i] = {}
+        for k, v in st.items():
+            if QuantizedState.is_dict(v):
+                v = QuantizedState.from_dict(v).dequantize()
+                decoded.add(k)
+            state[i][k] = v
+    for k in sorted(decoded):
+        report.append(f"{k}: codes -> fp32 (their decoded values)")
+    own = {k: v for k, v in own.items() if k != "lean"}
+    return {**inner, "state": state}, {**own, "masters": masters}
+
+
+def _mode_into_mode(opt: Any, own: dict, report: list[str]) -> tuple[dict, list]:
+    saved, updater = own["lean"], opt.updater
+    target = None if updater is None else updater.update
+    if saved.get("update") == target:
+        return own, []
+    comps = saved.get("compensation") or []
+    params = [p for g in opt.optimizer.param_groups for p in g["params"]]
+    if len(comps) != len(params):
+        return own, []  # another model: the checks that follow refuse it
+    writes, new = [], []
+    for p, c in zip(params, comps):
+        mine = None if updater is None else updater.compensation.get(p)
+        if c is not None and mine is None:  # folded into the weight
+            writes.append((p, p.detach().float() + c.to(p.device).float()))
+        new.append(None if mine is None else (c if c is not None else torch.zeros_like(mine)))
+    report.append(f"update: {saved.get('update')!r} -> {target!r}")
+    if writes:
+        report.append(
+            "Kahan compensation: folded into the weights (weight + compensation, nearest)"
+        )
+    if updater is None:
+        return {k: v for k, v in own.items() if k != "lean"}, writes
+    return {**own, "lean": {**saved, "update": target, "compensation": new}}, writes
