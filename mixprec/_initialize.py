@@ -28,6 +28,7 @@ from mixprec._core.policy import Policy, get_policy
 from mixprec._core.resume import resume_carried, take_state
 from mixprec._core.storage import ACCEPT_16BIT_ATTR, cast_storage, keep_frozen, restore_fp32
 from mixprec._core.update.choice import UpdatePlan, resolved_for, update_plans
+from mixprec._core.widening import install_widening
 from mixprec.fp8 import layers as fp8_layers
 from mixprec.recipe import Recipe, as_recipe
 
@@ -84,7 +85,7 @@ def initialize(
     device = _device_of(model_list)
     recipe = as_recipe(recipe, dtype).resolve(device)  # every "auto" the device decides
     low = recipe.resolved_dtype(device)
-    if recipe.level != "O0":
+    if recipe.compute == "16-bit":  # storage-only precision computes in fp32: fast anywhere
         warn_if_slow(low, device)
     plans = update_plans(recipe, opt_list, model_list, low)  # one per optimizer
     for m in model_list:
@@ -218,8 +219,11 @@ def _install_boundary(m: nn.Module, recipe: Recipe, dtype: torch.dtype) -> None:
             kernels=recipe.kernels,
             cast_outputs=recipe.outputs is not None,
             activations=recipe.activations,
+            widen=recipe.weights == "16-bit" and recipe.compute == "fp32",
         )
         engine.install_boundary(m)
+        if recipe.weights == "16-bit" and recipe.compute == "fp32":
+            install_widening(m)  # storage-only precision: weights widened per module
 
 
 def _install_storage_hooks(m: nn.Module, recipe: Recipe, dtype: torch.dtype) -> None:

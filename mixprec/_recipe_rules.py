@@ -92,8 +92,15 @@ def _check_dtype(r: Any) -> None:
 
 def _check_storage(r: Any) -> None:
     cast = r.weights == "16-bit"
-    if cast and r.compute == "fp32":
-        _fail("weights", r.weights, "16-bit weights need compute='16-bit'.")
+    if cast and r.compute == "fp32" and r.masters:
+        _fail(
+            "compute",
+            r.compute,
+            "16-bit weights with fp32 compute (storage-only precision) save memory only "
+            "without fp32 master weights, which this recipe keeps (masters=True). Allowed: "
+            "compute='fp32' with an update mode (Recipe('lean', torch.bfloat16, "
+            "compute='fp32'), or 'O3'), O0 for plain fp32, or compute='16-bit'.",
+        )
     if r.keep_fp32 == "none" and not cast:
         _fail("keep_fp32", r.keep_fp32, "modules stay float32 anyway: weights='fp32'.")
     if r.masters and not cast:

@@ -115,7 +115,7 @@ class Recipe:
         dtype: the 16-bit dtype (``torch.bfloat16`` or ``torch.float16``); None: chosen for
             the device when the recipe is applied (:func:`mixprec.default_dtype`).
         compute: ``"16-bit"`` (matmuls and convolutions in ``dtype``, by the cast table) or
-            ``"fp32"``.
+            ``"fp32"`` (with 16-bit weights: storage-only, :mod:`mixprec._core.widening`).
         weights: the model's parameters as stored: ``"fp32"`` or ``"16-bit"``.
         keep_fp32: modules whose parameters stay float32 when weights are 16-bit:
             ``"norms"`` (normalization layers) or ``"none"``.
@@ -261,8 +261,9 @@ class Recipe:
 
     def scaling(self, dtype: torch.dtype) -> LossScaling | None:
         """The loss scaling applied when the recipe runs in ``dtype``."""
-        if self.loss_scale == "auto":
-            return LossScaling() if dtype == torch.float16 and self.compute != "fp32" else None
+        if self.loss_scale == "auto":  # fp16 gradients: 16-bit compute or 16-bit weights
+            sixteen = self.compute != "fp32" or self.weights == "16-bit"
+            return LossScaling() if dtype == torch.float16 and sixteen else None
         return self.loss_scale
 
     def reduced_in(self, dtype: torch.dtype) -> torch.dtype | None:
@@ -307,9 +308,10 @@ class Recipe:
 
     def __str__(self) -> str:
         base = Recipe(self.name, self.dtype)
+        skip = ("fp32_inside", base.fp32_inside and self.compute == base.compute)  # implied
         implied = self.dtype is None or self.dtype == NAMES[self.name][1]
         words = [self.name] + ([] if implied else [SHORT[self.dtype]])
-        words += [f"{k}={word(v)}" for k, v in _changed(self, base)]
+        words += [f"{k}={word(v)}" for k, v in _changed(self, base) if (k, v) != skip]
         return " ".join(words)
 
     def table(self, states: int = 2, dtype: torch.dtype | None = None) -> str:
@@ -438,11 +440,8 @@ def _policy_reads_as(name: str) -> bool:
 
 
 def _given(r: Recipe) -> dict[str, Any]:
-    return {
-        f.name: getattr(r, f.name)
-        for f in dataclasses.fields(r)
-        if getattr(r, f.name) is not _PRESET
-    }
+    names = [f.name for f in dataclasses.fields(r)]
+    return {k: getattr(r, k) for k in names if getattr(r, k) is not _PRESET}
 
 
 def _given_only(r: Recipe, changes: dict[str, Any]) -> dict[str, Any]:
@@ -456,6 +455,8 @@ def _filled(given: dict[str, Any]) -> dict[str, Any]:
     """Every field: the given ones, normalised; the rest from the preset, then the defaults."""
     name, preset = _preset(given["name"])
     out = {**DEFAULTS, **preset, **given, "name": name}
+    if out["compute"] == "fp32" and "fp32_inside" not in given:
+        out["fp32_inside"] = False  # a preset's 16-bit compute option: nothing to apply
     if out["dtype"] is None:
         out["dtype"] = NAMES[name][1]  # the dtype the name implies, if any
     if out["dtype"] is not None:

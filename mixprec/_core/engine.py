@@ -33,6 +33,7 @@ from mixprec._core.policy import (
     get_policy,
     global_policy,
 )
+from mixprec._core.widening import WideningStorage
 from mixprec.fp8 import layers as fp8_layers
 
 __all__ = [
@@ -62,6 +63,8 @@ class Boundary:
         activations: how the subtree's saved tensors are stored (:mod:`mixprec._core.activations`).
         engine: run the subtree in an engine frame for ``policy``; False for a module whose casts
             are already explicit (a :func:`mixprec.convert` graph), which only needs the rest.
+        widen: storage-only precision: the subtree's 16-bit weights, widened for their modules'
+            forwards, are saved for backward as the parameters (:mod:`mixprec._core.widening`).
     """
 
     policy: Policy
@@ -71,6 +74,7 @@ class Boundary:
     cast_outputs: bool = True
     activations: ActivationConfig | None = None
     engine: bool = True
+    widen: bool = False
 
 
 def cast_tree(obj: Any, dtype: torch.dtype, *, only_low: bool = False) -> Any:
@@ -254,7 +258,7 @@ class _Forward:
             forward, args = type(module).forward, (module, *args)
         if spec is None:
             return forward(*args, **kwargs)
-        if spec.activations is not None:
+        if spec.activations is not None or spec.widen:
             return _run_with_storage(spec, forward, args, kwargs)
         return _run(spec, forward, args, kwargs)
 
@@ -317,13 +321,17 @@ def _compiled_region(frame: Frame, forward: Any, args: tuple, kwargs: dict) -> A
     return output
 
 
-def _open_storage(spec: Boundary) -> SavedTensorStorage:
-    hooks = SavedTensorStorage(spec.activations, spec.policy.compute_dtype)
+def _open_storage(spec: Boundary) -> Any:
+    hooks: Any = None
+    if spec.activations is not None:
+        hooks = SavedTensorStorage(spec.activations, spec.policy.compute_dtype)
+    if spec.widen:
+        hooks = WideningStorage(hooks)
     hooks.__enter__()
     return hooks
 
 
-def _close_storage(hooks: SavedTensorStorage) -> None:
+def _close_storage(hooks: Any) -> None:
     hooks.__exit__(None, None, None)
 
 

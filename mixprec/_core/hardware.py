@@ -70,6 +70,12 @@ _NAMES: dict[torch.dtype, str] = {dt: key for key, dt in _DTYPES.items()}
 _CUDA_FP16_TENSOR_CORES: tuple[int, int] = (7, 0)
 _CUDA_BF16_TENSOR_CORES: tuple[int, int] = (8, 0)
 _CUDA_FP8_TENSOR_CORES: tuple[int, int] = (8, 9)
+#: what a host where 16-bit compute is slow still gets: 16-bit storage with fp32 compute
+STORAGE_ONLY = (
+    "storage-only precision keeps the memory: Recipe('lean', {dtype}, compute='fp32') stores "
+    "{short} weights and 8-bit optimizer states (about 4 B/param of training state against "
+    "fp32's 16) and runs every matmul in float32"
+)
 _DEVICE_HELP = "None, a torch.device, or a device string like 'cpu', 'cuda', 'cuda:1', 'mps'"
 
 
@@ -135,7 +141,16 @@ class HardwareReport:
             f = self.fp8
             lines.append(f"{'float8':<10}{yes[f.supported]:<11}{yes[f.fast]:<6}{f.reason}")
         lines.append(f"best dtype: {self.best_dtype}")
+        slow = [s.dtype for s in self.dtypes.values() if s.supported and not s.fast]
+        if self.device == "cpu" and torch.bfloat16 in slow:
+            lines.append(f"bfloat16 compute is slow here; {storage_only(torch.bfloat16)}.")
         return "\n".join(lines)
+
+
+def storage_only(dtype: torch.dtype) -> str:
+    """The sentence that says what storage-only precision gives in ``dtype``."""
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+    return STORAGE_ONLY.format(dtype=f"torch.{_NAMES.get(dtype, 'bfloat16')}", short=short)
 
 
 def _cpu_support(flags: frozenset[str]) -> dict[str, DtypeSupport]:
@@ -369,9 +384,10 @@ def _warn_slow(dtype: torch.dtype, report: HardwareReport, stacklevel: int) -> N
     if alternative == dtype or not report.dtypes[_NAMES[alternative]].fast:
         alternative = report.best_dtype  # a fast 16-bit dtype, or plain float32
     what = "is not expected to be faster than float32" if support.supported else "is unsupported"
+    instead = f" Or, where memory is the aim, {storage_only(dtype)}." if support.supported else ""
     warnings.warn(
         f"{dtype} {what} on {report.device} ({report.name}): {support.reason}. "
-        f"Suggested alternative: {alternative}.",
+        f"Suggested alternative: {alternative}.{instead}",
         category=MixprecPerformanceWarning,
         stacklevel=stacklevel + 1,  # as seen from warn_if_slow
     )
