@@ -109,6 +109,11 @@ class CheckpointState:
         self.skipped_steps = int(own["skipped_steps"])
         self.step_skipped = bool(own.get("step_skipped", False))
 
+    def saved_by_another_recipe(self, inner: dict[str, Any], own: dict[str, Any]) -> bool:
+        """Whether mixprec's saved entry ``own`` (of optimizer state ``inner``) holds the
+        weights or the update otherwise than this optimizer (:mod:`mixprec._core.recipe_change`)."""
+        return bool(adapt(self, inner, own)[3])
+
     def _check_own(self, own: dict[str, Any]) -> None:
         missing = sorted({"masters", "scalers", "skipped_steps"} - set(own))
         if missing:

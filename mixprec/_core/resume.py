@@ -17,7 +17,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from mixprec._core._warnings import MixprecWarning
-from mixprec._core.recipe_change import adapt
 
 __all__ = [
     "MIXPREC_KEY",
@@ -204,7 +203,7 @@ def resume_carried(
     if own is None:
         opt.load_state_dict(inner)
         return
-    if adapt(opt, inner, own)[3]:  # another recipe's layout: carried as a load after initialize
+    if opt.saved_by_another_recipe(inner, own):  # carried as a load after initialize
         opt.load_state_dict(pack_state_dict(inner, own))
         return
     opt._check_own(own)

@@ -216,14 +216,21 @@ def test_update_none_checkpoint_resumes_under_the_default(tmp_path):
         )
 
 
-def test_a_kahan_checkpoint_is_refused_by_update_none():
+def test_a_kahan_checkpoint_under_update_none_folds_its_compensation():
+    """update=None keeps no compensation: each weight becomes weight + compensation, rounded
+    to nearest (mixprec._core.recipe_change), and the change is reported."""
     model, opt = build(adam)
     train(model, opt, 2)
     sd = opt.state_dict()
-    _, plain = build(adam, update=None)
-    with pytest.raises(ValueError, match=r"saved with update='kahan'.*uses update=None"):
+    want = [(p.detach().float() + opt.updater.compensation[p].float()).to(p.dtype)
+            for p in model.parameters()]  # fmt: skip
+    plain_model, plain = build(adam, update=None)
+    plain_model.load_state_dict(model.state_dict())
+    with pytest.warns(UserWarning, match="'kahan' -> None"):
         plain.load_state_dict(sd)
-    assert not plain.state  # refused before anything was loaded
+    for p, w in zip(plain_model.parameters(), want):
+        assert torch.equal(p.detach(), w)
+    assert plain.state  # the moments came with it
 
 
 # ------------------------------------------------- small updates: the old default stalls
