@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from mixprec._core._warnings import MixprecWarning
-from mixprec._core.update.state_codes import QuantizedState
+from mixprec._core.update.state_codes import QuantizedState, fp32_optimizer_state_dict
 
 __all__ = ["adapt"]
 
@@ -125,18 +125,12 @@ def _weights_into_masters(opt: Any, inner: dict, own: dict, report: list[str]) -
         masters.append(value if comp is None else value + comp.to(value.device).float())
     how = " + compensation" if any(c is not None for c in saved_comps) else ""
     report.append(f"weights: 16-bit weights{how} -> fp32 masters (exact)")
-    state, decoded = {}, set()
-    for i, st in inner["state"].items():
-        state[i] = {}
-        for k, v in st.items():
-            if QuantizedState.is_dict(v):
-                v = QuantizedState.from_dict(v).dequantize()
-                decoded.add(k)
-            state[i][k] = v
-    for k in sorted(decoded):
-        report.append(f"{k}: codes -> fp32 (their decoded values)")
+    decoded = {
+        k for st in inner["state"].values() for k, v in st.items() if QuantizedState.is_dict(v)
+    }
+    report += [f"{k}: codes -> fp32 (their decoded values)" for k in sorted(decoded)]
     own = {k: v for k, v in own.items() if k != "lean"}
-    return {**inner, "state": state}, {**own, "masters": masters}
+    return fp32_optimizer_state_dict(inner), {**own, "masters": masters}
 
 
 def _mode_into_mode(opt: Any, own: dict, report: list[str]) -> tuple[dict, list]:
