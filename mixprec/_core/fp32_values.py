@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from mixprec._core.optimizer import MixedPrecisionOptimizer, rounds_to
+from mixprec._core.recipe_change import carried_value
 from mixprec._core.resume import kahan_fp32, merge_compensation
 from mixprec._core.storage import FROZEN_ATTR
 
@@ -49,11 +50,12 @@ class LoadRefresh:
                     for p in g["params"]:
                         self.updaters[id(p)] = (weakref.ref(p), o.updater)
         self.pending: list[tuple[Tensor, Any, Tensor]] = []
+        self.optimizers = [weakref.ref(o) for o in optimizers]
 
     def __getstate__(self) -> dict[str, Any]:
         # weakrefs do not pickle, and a pickled model is a copy with other parameters: its
         # hooks refresh nothing (torch.save(model) must keep working after initialize)
-        return {"masters": {}, "updaters": {}, "pending": []}
+        return {"masters": {}, "updaters": {}, "pending": [], "optimizers": []}
 
     def before(
         self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any
@@ -84,6 +86,22 @@ class LoadRefresh:
                 # before). A 16-bit load keeps the buffer: it is a resume, whose optimizer
                 # state restored it.
                 comp.copy_(merge_compensation(src.to(p.device), p, comp))
+        for p, _, src, _ in pending:
+            self._complete(p, src)
+
+    def _complete(self, p: Tensor, src: Tensor) -> None:
+        """A checkpoint of another recipe loaded into the optimizer before this load: where
+        its rule adds a saved compensation to the 16-bit weight (``w + c`` into a master, or
+        folded into the weight), the weight is only known now."""
+        for ref in self.optimizers:
+            o = ref()
+            value = None if o is None else carried_value(o, p, src)
+            if value is None:
+                continue
+            master = o._model_to_master.get(p)
+            if master is not None:
+                master.copy_(value)
+            p.copy_(value)
 
 
 def install_load_refresh(

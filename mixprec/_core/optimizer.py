@@ -247,6 +247,7 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
                 "MixedPrecisionOptimizer.step does not take a closure: "
                 "compute the loss, call backward(loss), then step()."
             )
+        self.__dict__.pop("_carry_pending", None)  # kept for a model load before this step
         self.step_skipped = self._settle()
         if self.step_skipped:
             return self._skip_step()

@@ -10,14 +10,21 @@ anything is checked or written; the rules:
 * fp32 masters into 16-bit weights without masters: each weight is its master rounded to
   nearest and, under Kahan, its compensation is the remainder (``master - weight``, in the
   compensation's dtype); the update mode's rounding step count starts at 0;
-* 16-bit weights into fp32 masters: each master is the weight (the model's, loaded first)
-  plus its saved compensation, widened exactly;
+* 16-bit weights into fp32 masters: each master is the weight plus its saved compensation,
+  widened exactly;
 * one update mode into another: a compensation the loader keeps no buffer for is folded into
   the weight (``weight + compensation`` rounded to nearest); a Kahan loader without a saved
   buffer starts from zero compensation (the weight is then exact as it is);
+* loss scaling: where the checkpoint scaled its losses and this recipe does not (fp16 into
+  bf16), or the other way, each loss keeps this recipe's own scaler;
 * optimizer states: fp32 and 16-bit values are loaded as torch loads them and stored as the
   loader's recipe stores them (``ModeUpdater.restore_state_dtypes``); 8/4-bit codes
   are decoded to fp32 where the loader steps fp32 masters.
+
+A rule that adds a saved compensation to the model's 16-bit weight holds in either load
+order: where the model's state dict is loaded after the optimizer's (before any step), its
+16-bit load completes the value (:func:`carried_value`, read by
+:class:`~mixprec._core.fp32_values.LoadRefresh`).
 
 What it cannot carry (another model, other parameter counts or shapes) is refused by the
 checks that follow, as for a checkpoint of the same recipe. The report goes out as one
@@ -36,7 +43,7 @@ from torch import Tensor
 from mixprec._core._warnings import MixprecWarning
 from mixprec._core.update.state_codes import QuantizedState, fp32_optimizer_state_dict
 
-__all__ = ["adapt"]
+__all__ = ["adapt", "announce", "carried_value"]
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -55,7 +62,7 @@ def adapt(opt: Any, inner: dict[str, Any], own: dict[str, Any]) -> tuple[dict, d
         inner, own = _weights_into_masters(opt, inner, own, report)
     elif saved_mode is not None and not saved_masters and not opt._pairs:
         own, writes = _mode_into_mode(opt, own, report)
-    return inner, own, writes, report
+    return inner, _scalers(opt, own, report), writes, report
 
 
 def announce(opt: Any, report: list[str]) -> None:
@@ -96,7 +103,7 @@ def _masters_into_weights(opt: Any, own: dict, report: list[str]) -> tuple[dict,
     for p in updater.params():
         mine, master = updater.compensation.get(p), by_param.get(id(p))
         if mine is None or master is None:  # no buffer; or a weight the model's load sets
-            comps.append(None if mine is None else torch.zeros_like(mine))
+            comps.append(None if mine is None else mine.clone())  # (and its remainder)
             continue
         rounded = master.to(p.dtype).float()
         comps.append((master.float() - rounded).to(mine.dtype))
@@ -123,6 +130,8 @@ def _weights_into_masters(opt: Any, inner: dict, own: dict, report: list[str]) -
         value = p.detach().float()
         comp = saved_comps[pos] if saved_comps else None
         masters.append(value if comp is None else value + comp.to(value.device).float())
+        if comp is not None:
+            _pend(opt, p, comp)
     how = " + compensation" if any(c is not None for c in saved_comps) else ""
     report.append(f"weights: 16-bit weights{how} -> fp32 masters (exact)")
     decoded = {
@@ -147,6 +156,7 @@ def _mode_into_mode(opt: Any, own: dict, report: list[str]) -> tuple[dict, list]
         mine = None if updater is None else updater.compensation.get(p)
         if c is not None and mine is None:  # folded into the weight
             writes.append((p, p.detach().float() + c.to(p.device).float()))
+            _pend(opt, p, c)
         new.append(None if mine is None else (c if c is not None else torch.zeros_like(mine)))
     report.append(f"update: {saved.get('update')!r} -> {target!r}")
     if writes:
@@ -156,3 +166,34 @@ def _mode_into_mode(opt: Any, own: dict, report: list[str]) -> tuple[dict, list]
     if updater is None:
         return {k: v for k, v in own.items() if k != "lean"}, writes
     return {**own, "lean": {**saved, "update": target, "compensation": new}}, writes
+
+
+def _pend(opt: Any, p: Tensor, comp: Tensor) -> None:
+    """Keep ``comp`` for a 16-bit load of ``p`` into the model that may follow, until the
+    next step (``MixedPrecisionOptimizer.step`` drops what is left)."""
+    opt.__dict__.setdefault("_carry_pending", {})[id(p)] = comp
+
+
+def carried_value(opt: Any, p: Tensor, src: Tensor) -> Tensor | None:
+    """The fp32 value of ``p`` once the model's ``src`` is loaded into it after a checkpoint of
+    another recipe: ``src + compensation`` where that load (16-bit, before any step) carries
+    one, else None (an fp32 load is a value of its own)."""
+    comp = opt.__dict__.get("_carry_pending", {}).pop(id(p), None)
+    if comp is None or src.dtype != p.dtype or src.dtype not in _LOW:
+        return None
+    return src.to(p.device).float() + comp.to(p.device).float()
+
+
+def _scalers(opt: Any, own: dict, report: list[str]) -> dict:
+    """Keep this optimizer's loss scalers where the saved ones are of the other kind (enabled
+    or not): a bf16 recipe does not run an fp16 checkpoint's dynamic scale."""
+    saved = own.get("scalers") or []
+    if len(saved) != len(opt.slots):
+        return own  # another model or loss count: the checks that follow refuse it
+    kept = [s.scaler.state_dict() for s in opt.slots]
+    if all(bool(a.get("enabled")) == b["enabled"] for a, b in zip(saved, kept)):
+        return own
+    said = ", ".join(f"{a.get('scale', 1.0):g}" for a in saved)
+    mine = "disabled" if not kept[0]["enabled"] else f"init_scale={kept[0]['scale']:g}"
+    report.append(f"loss scale: saved {said} -> this recipe's own ({mine})")
+    return {**own, "scalers": kept}

@@ -147,3 +147,60 @@ def test_another_model_is_still_refused():
     _, opt = mixprec.initialize(other, torch.optim.AdamW(other.parameters()), "lean", BF16)
     with pytest.raises((ValueError, KeyError)):
         opt.load_state_dict(opt_sd)
+
+
+@pytest.mark.parametrize(("src", "dst"), PAIRS, ids=[f"{a}->{b}" for a, b in PAIRS])
+def test_either_load_order_gives_the_same_state(src, dst):
+    """The optimizer loaded before the model (after initialize) ends where the model-first
+    order does: w + c into a master, or folded into a weight, waits for the model's weight."""
+    _, _, model_sd, opt_sd = _saved(src)
+    states = []
+    for optimizer_first in (False, True):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, opt = mixprec.initialize(model, opt, dst, BF16)
+            pairs = [(model, model_sd), (opt, opt_sd)]
+            for target, sd in reversed(pairs) if optimizer_first else pairs:
+                target.load_state_dict(sd)
+        states.append(
+            (mixprec.fp32_state_dict(model, opt), [p.detach().clone() for p in model.parameters()])
+        )
+    (fp32_a, low_a), (fp32_b, low_b) = states
+    assert all(torch.equal(fp32_a[k], fp32_b[k]) for k in fp32_a)
+    assert all(torch.equal(a, b) for a, b in zip(low_a, low_b))
+
+
+def test_a_weight_without_a_saved_master_keeps_the_remainder_its_load_gave():
+    """O2 keeps LayerNorm in fp32 (no master); under O3 its fp32 value loads as a bf16 weight
+    plus the Kahan remainder, which the optimizer's load that follows keeps."""
+    _, _, model_sd, opt_sd = _saved("O2")
+    model, opt, _ = _resumed("O3", model_sd, opt_sd)
+    ref = model_sd["2.weight"].float()
+    remainder = ref - ref.to(BF16).float()
+    assert remainder.abs().max() > 0
+    err = mixprec.fp32_state_dict(model, opt)["2.weight"] - ref  # the remainder, in bf16
+    assert err.abs().max() <= remainder.abs().max() * 2**-8
+
+
+@pytest.mark.parametrize(("src", "dst"), [(torch.float16, BF16), (BF16, torch.float16)])
+def test_each_dtype_keeps_its_own_loss_scaling(src, dst):
+    """fp16's dynamic loss scale does not follow its checkpoint into bf16 (which scales
+    nothing), nor does bf16's disabled scaler into fp16; the report says which was kept."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = mixprec.initialize(model, opt, "O2", src)
+    _train(model, opt, _data(3))
+    model_sd, opt_sd = model.state_dict(), opt.state_dict()
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, opt = mixprec.initialize(model, opt, "O3", dst)
+    own = opt.slots[0].scaler.state_dict()
+    model.load_state_dict(model_sd)
+    with pytest.warns(mixprec.warnings.MixprecWarning, match="loss scale: saved"):
+        opt.load_state_dict(opt_sd)
+    assert opt.slots[0].scaler.state_dict() == own
+    assert opt.slots[0].scaler.enabled == (dst == torch.float16)
+    losses = _train(model, opt, _data(1) * 6)
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
