@@ -340,12 +340,7 @@ def _pick(
             f"({mixed[best].median_step / base.median_step:.2f}x fp32's against {cost:.2f}x); "
             "the Memory line compares their memory."
         )
-    levels = (
-        ""
-        if best is None
-        else f"; the 16-bit-compute levels took {mixed[best].median_step / base.median_step:.1f}x "
-        "fp32's median step at best"
-    )
+    levels = "" if best is None else _levels_cost(so, base, mixed, best)
     if low <= 1.0:
         return (
             f"Pick: {name}: it used {saved:.0%} less peak memory than fp32, and this run does "
@@ -355,3 +350,17 @@ def _pick(
         f"Pick: {name} where memory is the aim ({saved:.0%} less peak memory than fp32 for "
         f"{cost:.2f}x its median step), fp32 where step time is{levels}."
     )
+
+
+def _levels_cost(so: ModeResult, base: ModeResult, mixed: dict[str, ModeResult], best: str) -> str:
+    """What the 16-bit-compute levels would cost instead: their best step against fp32's, and
+    the leanest of them where it used less peak memory than storage-only."""
+    text = (
+        f"; the 16-bit-compute levels took {mixed[best].median_step / base.median_step:.1f}x "
+        "fp32's median step at best"
+    )
+    measured = {n: r for n, r in mixed.items() if r.peak_bytes is not None}
+    lean = min(measured, key=lambda n: measured[n].peak_bytes) if measured else None
+    if lean is not None and so.peak_bytes is not None and measured[lean].peak_bytes < so.peak_bytes:
+        text += f" (the leanest, {lean}, {_mb(measured[lean])} against its {_mb(so)})"
+    return text

@@ -140,6 +140,12 @@ def test_the_pick_follows_the_measured_numbers():
     _, pick = _verdict(0.020, 9 * 2**20)
     assert pick.startswith(f"Pick: {ROW} where memory is the aim (40% less peak memory than fp32")
     assert "fp32 where step time is; the 16-bit-compute levels took 16.9x" in pick
+    assert "(the leanest" not in pick  # O2's 11 MB is more than storage-only's 9 MB
+    _, pick = _verdict(0.020, 13 * 2**20)
+    assert (
+        "took 16.9x fp32's median step at best (the leanest, O2 bf16, 11 MB against its 13 MB)"
+        in pick
+    )
     # no memory saved: fp32
     _, pick = _verdict(0.016, 15 * 2**20)
     assert pick.startswith(f"Pick: fp32: {ROW} used no less peak memory than fp32")
