@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from mixprec._core import engine
 from mixprec._core._gradients import LossSlot
 from mixprec._core.fp32_values import install_load_refresh
-from mixprec._core.hardware import warn_if_slow
+from mixprec._core.hardware import set_storage_bytes, warn_if_slow
 from mixprec._core.loss_scale import LossScaler
 from mixprec._core.optimizer import MixedPrecisionOptimizer, StepGuard
 from mixprec._core.optimizer_view import OptimizerView, as_torch_optimizer
@@ -38,6 +38,16 @@ __all__ = ["MODEL_HOOKS", "RECIPE_ATTR", "initialize", "level_name"]
 #: optimizers that step its parameters. The distributed layer adds one that notices a later
 #: plain ``DDP(model)``; a registry keeps the core free of imports from the tools above it.
 MODEL_HOOKS: list[Callable[[nn.Module, list[MixedPrecisionOptimizer]], None]] = []
+
+
+def _storage_bytes(dtype: torch.dtype) -> dict[str, float]:
+    """Storage-only precision's bytes per parameter with AdamW, and fp32's, by their tables."""
+    table = Recipe("lean", dtype, compute="fp32").loop_bytes()
+    return dict(plain=table["plain"], clip=table["clip"], fp32=Recipe("O0").loop_bytes()["plain"])
+
+
+# the slow-hardware report and warning quote these (the same registry shape as MODEL_HOOKS)
+set_storage_bytes(_storage_bytes)
 
 _LEVELS = ("O0", "O1", "O2", "O3")
 LEVEL_SPELLINGS = "'O0', 'O1', 'O2' or 'O3' (the letter O, not zero; any case: 'o2' is 'O2')"

@@ -5,6 +5,11 @@ The rules are data (:data:`_CPU_RULES`) and small pure functions over CPU flags 
 /proc/cpuinfo, less what ``ONEDNN_MAX_CPU_ISA`` forbids) or a CUDA compute capability, so they
 are tested with faked inputs. Nothing touches CUDA at import; reports are cached per resolved
 device, and :func:`warn_if_slow` warns once per (dtype, device).
+
+Where a dtype's compute is slow the report and the warning say what storage-only precision
+gives instead, in bytes per parameter from the recipe's own table: :mod:`mixprec.recipe` hands
+that table over (:func:`set_storage_bytes`) when it loads, since the core imports nothing above
+it. Step time is measured, never stated here: ``mixprec demo`` races it against fp32.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import functools
 import os
 import platform
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +33,8 @@ __all__ = [
     "check",
     "default_dtype",
     "fp8_support",
+    "set_storage_bytes",
+    "storage_only",
     "warn_if_slow",
 ]
 
@@ -73,9 +81,15 @@ _CUDA_FP8_TENSOR_CORES: tuple[int, int] = (8, 9)
 #: what a host where 16-bit compute is slow still gets: 16-bit storage with fp32 compute
 STORAGE_ONLY = (
     "storage-only precision keeps the memory: Recipe('lean', {dtype}, compute='fp32') stores "
-    "{short} weights and 8-bit optimizer states (about 4 B/param of training state against "
-    "fp32's 16) and runs every matmul in float32"
+    "{short} weights and 8-bit optimizer states and runs every matmul in float32"
 )
+#: its bytes per parameter with AdamW against fp32's, from the recipe's table
+STORAGE_BYTES = (
+    ": {plain:.1f} B/param of training state with AdamW ({clip:.1f} where the loop clips or "
+    "accumulates) against fp32's {fp32:.1f}; `mixprec demo` measures its step time here"
+)
+#: ``"table"``: dtype -> the recipe table's bytes per parameter (:func:`set_storage_bytes`)
+_STORAGE_TABLE: dict[str, Callable[[torch.dtype], dict[str, float]]] = {}
 _DEVICE_HELP = "None, a torch.device, or a device string like 'cpu', 'cuda', 'cuda:1', 'mps'"
 
 
@@ -148,9 +162,19 @@ class HardwareReport:
 
 
 def storage_only(dtype: torch.dtype) -> str:
-    """The sentence that says what storage-only precision gives in ``dtype``."""
+    """The sentence that says what storage-only precision gives in ``dtype``: what it keeps in
+    16 bits and, once :mod:`mixprec.recipe` has loaded, its bytes per parameter."""
     short = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
-    return STORAGE_ONLY.format(dtype=f"torch.{_NAMES.get(dtype, 'bfloat16')}", short=short)
+    text = STORAGE_ONLY.format(dtype=f"torch.{_NAMES.get(dtype, 'bfloat16')}", short=short)
+    table = _STORAGE_TABLE.get("table")
+    return text if table is None else text + STORAGE_BYTES.format(**table(dtype))
+
+
+def set_storage_bytes(table: Callable[[torch.dtype], dict[str, float]]) -> None:
+    """Lets :func:`storage_only` quote ``table(dtype)``: the storage-only recipe's bytes per
+    parameter (``plain``, ``clip``) and fp32's (``fp32``) with AdamW, from
+    :meth:`mixprec.Recipe.loop_bytes` (the core cannot import the recipe)."""
+    _STORAGE_TABLE["table"] = table
 
 
 def _cpu_support(flags: frozenset[str]) -> dict[str, DtypeSupport]:

@@ -51,6 +51,7 @@ MODES = (
     "O2",
     "O3",
     "lean",
+    "storage-only",  # lean's storage with fp32 compute: Recipe("lean", dtype, compute="fp32")
     "graph",
     # compiled: torch.compile(model) on the eager mode's model, or the graph pass as a backend
     "fp32+compile",
@@ -66,7 +67,8 @@ MODES = (
 # the graph pass (mixprec.convert / mixprec.graph.compile) with O2's storage, or with O3's
 _GRAPH = {"graph": "O2", "graph+compile": "O2", "graph-O3": "O3", "graph+compile-O3": "O3"}
 _RECIPES = ("O1", "O2", "O3", "lean")  # mixprec.initialize with the named recipe
-_WRAPPED = (*_RECIPES, *_GRAPH)  # modes whose optimizer is mixprec's wrapper
+_FIELDS = {"storage-only": ("lean", {"compute": "fp32"})}  # a recipe with fields changed
+_WRAPPED = (*_RECIPES, *_FIELDS, *_GRAPH)  # modes whose optimizer is mixprec's wrapper
 
 
 def is_compiled(mode: str) -> bool:
@@ -137,8 +139,9 @@ class Trainer:
         model = wl.make_model(data)
         opt = wl.make_optimizer(model.parameters())
         self.scaler = None
-        if mode in _RECIPES:
-            recipe = mixprec.Recipe(mode, dtype, **(options or {}))
+        if mode in _RECIPES or mode in _FIELDS:
+            name, fields = _FIELDS.get(mode, (mode, {}))
+            recipe = mixprec.Recipe(name, dtype, **{**fields, **(options or {})})
             model, opt = mixprec.initialize(model, opt, recipe)
         elif mode in _GRAPH:
             from mixprec import graph

@@ -65,7 +65,9 @@ def _demo(args: argparse.Namespace) -> int:
             f"{chosen} is not fast on this CPU ({report.dtypes[str(chosen)[6:]].reason}); "
             f"to keep the run short the MLP is {width} wide (not 4096) and the rounds stop "
             f"once a 16-bit level has trained {args.budget:g} s (every mode runs the same "
-            "steps), to show their memory and accuracy."
+            "steps), to show their memory and accuracy. What such a CPU gets instead runs in "
+            f"the same rounds: storage-only precision, Recipe('lean', {chosen}, "
+            "compute='fp32') (16-bit weights and optimizer states, fp32 matmuls)."
         )
     results = demo.run_demo(
         steps=args.steps,

@@ -24,6 +24,11 @@ Design choices:
   budget, so the demo finishes in about its usual time; every mode still runs the same steps,
   so the accuracies compare. The verdict then says plainly that 16-bit costs time here. A
   ratio below 1 is never called a speed-up.
+* **What a slow host gets instead.** There a row of its own races storage-only precision
+  (``Recipe("lean", dtype, compute="fp32")``: 16-bit weights, 8-bit optimizer states, fp32
+  matmuls) in the same rounds, and the verdict picks between it, fp32 and the 16-bit levels
+  from this run's step ratios and peak memory, next to the recipe table's bytes per parameter.
+  Where the dtype is fast the rows are the levels alone.
 * Peak memory is measured after the rounds, one mode at a time (resident memory cannot be split
   between several live models).
 """
@@ -49,6 +54,7 @@ from mixprec.cli.progress import make_progress
 __all__ = [
     "HEADERS",
     "SLOW_WIDTH",
+    "STORAGE",
     "format_results",
     "pick_dtype",
     "run_demo",
@@ -60,6 +66,7 @@ SLOW_WIDTH = 512  # the MLP's width where 16-bit is emulated: 1/64 of the FLOPs 
 MIN_STEPS = 3  # a time budget never stops a mode before it has this many steps
 _MODE = {"O0": "fp32", "O1": "O1", "O2": "O2", "O3": "O3"}  # level -> runner mode
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+STORAGE = "storage-only"  # the runner's mode for Recipe("lean", dtype, compute="fp32")
 
 
 def _mlp(width: int, data: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -97,8 +104,9 @@ def run_demo(
 
     ``dtype`` None picks the fast 16-bit dtype :func:`mixprec.check` reports for the CPU. Where
     none is fast, bf16 runs anyway (for its memory), the MLP is ``SLOW_WIDTH`` wide unless
-    ``width`` says otherwise, and the rounds stop once a 16-bit level has trained ``budget``
-    seconds (and at least ``MIN_STEPS`` steps).
+    ``width`` says otherwise, the rounds stop once a 16-bit level has trained ``budget``
+    seconds (and at least ``MIN_STEPS`` steps), and storage-only precision in ``dtype`` runs
+    last in every round (its row: :data:`STORAGE`).
     """
     report = mixprec.check("cpu", verbose=False)
     dtype = pick_dtype(report, dtype)
@@ -110,8 +118,9 @@ def run_demo(
             f"repeat a level; received {list(levels)}."
         )
     width = width or (SLOW_WIDTH if slow else 4096)
-    modes = [_MODE[level] for level in levels]
+    modes = [_MODE[level] for level in levels] + ([STORAGE] if slow else [])
     names = {_MODE[level]: label(level, dtype) for level in levels}
+    names[STORAGE] = f"{STORAGE} {_SHORT.get(dtype, str(dtype))}"
     with make_progress(progress) as ui, warnings.catch_warnings():
         if slow:  # the caller has told the user already; do not repeat it per level
             warnings.simplefilter("ignore", MixprecPerformanceWarning)
@@ -192,11 +201,35 @@ NOTE = (
 
 def verdict(results: dict[str, ModeResult], report: Any, dtype: torch.dtype) -> str:
     """What mixed precision gets the user on this machine: one line per claim, each naming
-    the mode its numbers come from."""
+    the mode its numbers come from; with a storage-only row, its claim and which to pick."""
     names = list(results)
-    base, mixed = results[names[0]], {n: results[n] for n in names[1:]}
-    if not mixed:
+    base, others = results[names[0]], {n: results[n] for n in names[1:]}
+    mixed = {n: r for n, r in others.items() if r.mode != STORAGE}  # the 16-bit-compute levels
+    if not others:
         return "Only fp32 ran: nothing to compare."
+    lines, faster = _speed_claim(base, mixed, report, dtype) if mixed else ([], False)
+    steps = len(base.step_times)
+    accuracy = ", ".join(
+        f"{n} {r.final_metric:.1%}" for n, r in results.items() if r.final_metric is not None
+    )
+    lines.append(f"Accuracy after {steps} steps each, same batches: {accuracy}.")
+    lines.append(_memory_claim(base, others))
+    for n, r in others.items():
+        if r.mode == STORAGE:
+            lines += _storage_claim(n, r, base, mixed, dtype)
+    if not faster and not report.is_fast(dtype):
+        lines.append(
+            "On a GPU (tensor cores) or a CPU with AVX512_BF16/AMX expect 16-bit steps to be "
+            "faster than fp32."
+        )
+    return "\n".join(lines)
+
+
+def _speed_claim(
+    base: ModeResult, mixed: dict[str, ModeResult], report: Any, dtype: torch.dtype
+) -> tuple[list[str], bool]:
+    """The speed line of the fastest mixed mode, and the modes this run cannot tell from it;
+    with whether that mode was faster than fp32."""
     ratio = {n: base.median_step / r.median_step for n, r in mixed.items()}
     fast = max(ratio, key=ratio.__getitem__)
     per_round = round_ratios(base.step_times, mixed[fast].step_times)
@@ -230,18 +263,7 @@ def verdict(results: dict[str, ModeResult], report: Any, dtype: torch.dtype) -> 
             lines.append(
                 f"{n} ({what}) is within that spread: this run does not tell it apart from {fast}."
             )
-    steps = len(base.step_times)
-    accuracy = ", ".join(
-        f"{n} {r.final_metric:.1%}" for n, r in results.items() if r.final_metric is not None
-    )
-    lines.append(f"Accuracy after {steps} steps each, same batches: {accuracy}.")
-    lines.append(_memory_claim(base, mixed))
-    if not faster and not report.is_fast(dtype):
-        lines.append(
-            "On a GPU (tensor cores) or a CPU with AVX512_BF16/AMX expect 16-bit steps to be "
-            "faster than fp32."
-        )
-    return "\n".join(lines)
+    return lines, faster
 
 
 def _memory_claim(base: ModeResult, mixed: dict[str, ModeResult]) -> str:
@@ -256,3 +278,89 @@ def _memory_claim(base: ModeResult, mixed: dict[str, ModeResult]) -> str:
         f"Memory: {leanest} uses {saved:.0%} less peak memory than fp32 "
         f"({_mb(measured[leanest])} vs {_mb(base)})."
     )
+
+
+def _storage_claim(
+    name: str, so: ModeResult, base: ModeResult, mixed: dict[str, ModeResult], dtype: torch.dtype
+) -> list[str]:
+    """The storage-only row's step and memory against fp32's, with its table's bytes per
+    parameter, and which mode to pick by this run's numbers."""
+    per_round = round_ratios(so.step_times, base.step_times)  # its step / fp32's, per round
+    low, _, high = quartiles(per_round)
+    cost = so.median_step / base.median_step
+    saved = None
+    if so.peak_bytes is not None and base.peak_bytes:
+        saved = 1 - so.peak_bytes / base.peak_bytes
+    if saved is None:
+        memory = "peak memory not measured on this device"
+    else:
+        less = f"{saved:.0%} less" if saved > 0 else "no less"
+        memory = f"{less} peak memory than fp32 ({_mb(so)} vs {_mb(base)})"
+    table = mixprec.Recipe("lean", dtype, compute="fp32").loop_bytes()["plain"]
+    fp32 = mixprec.Recipe("O0").loop_bytes()["plain"]
+    claim = (
+        f"Storage-only: {name} (Recipe('lean', {dtype}, compute='fp32'): "
+        f"{_SHORT.get(dtype, str(dtype))} weights and 8-bit optimizer states, every matmul in "
+        f"fp32; by its table {table:.1f} B/param of training state with AdamW against fp32's "
+        f"{fp32:.1f}) takes {cost:.2f}x fp32's median step (median step "
+        f"{_ms(so.median_step)} vs fp32's {_ms(base.median_step)}; per-round ratio "
+        f"{low:.2f}–{high:.2f}x in the middle half of the {len(per_round)} rounds after the "
+        f"first) and uses {memory}."
+    )
+    return [claim, _pick(name, so, base, mixed, low, saved)]
+
+
+def _pick(
+    name: str,
+    so: ModeResult,
+    base: ModeResult,
+    mixed: dict[str, ModeResult],
+    low: float,
+    saved: float | None,
+) -> str:
+    """Which mode this run's numbers favour: storage-only where it saved memory at fp32's step
+    (``low``, the 25th percentile of its per-round step ratio to fp32, at most 1) and no 16-bit
+    level stepped faster; where it was slower than fp32, storage-only for memory and fp32 for
+    time; otherwise what the numbers say instead."""
+    cost = so.median_step / base.median_step
+    if saved is None:
+        return (
+            f"Pick: this run cannot say: peak memory was not measured, and {name} takes "
+            f"{cost:.2f}x fp32's median step."
+        )
+    if saved <= 0:
+        return (
+            f"Pick: fp32: {name} used no less peak memory than fp32 on this run, so its 16-bit "
+            "storage bought nothing here."
+        )
+    best = min(mixed, key=lambda n: mixed[n].median_step) if mixed else None
+    if best is not None and mixed[best].median_step < so.median_step:
+        return (
+            f"Pick: {best} rather than {name}: its median step was shorter on this run "
+            f"({mixed[best].median_step / base.median_step:.2f}x fp32's against {cost:.2f}x); "
+            "the Memory line compares their memory."
+        )
+    levels = "" if best is None else _levels_cost(so, base, mixed, best)
+    if low <= 1.0:
+        return (
+            f"Pick: {name}: it used {saved:.0%} less peak memory than fp32, and this run does "
+            f"not tell its step from fp32's (a quarter of its rounds or more were as fast){levels}."
+        )
+    return (
+        f"Pick: {name} where memory is the aim ({saved:.0%} less peak memory than fp32 for "
+        f"{cost:.2f}x its median step), fp32 where step time is{levels}."
+    )
+
+
+def _levels_cost(so: ModeResult, base: ModeResult, mixed: dict[str, ModeResult], best: str) -> str:
+    """What the 16-bit-compute levels would cost instead: their best step against fp32's, and
+    the leanest of them where it used less peak memory than storage-only."""
+    text = (
+        f"; the 16-bit-compute levels took {mixed[best].median_step / base.median_step:.1f}x "
+        "fp32's median step at best"
+    )
+    measured = {n: r for n, r in mixed.items() if r.peak_bytes is not None}
+    lean = min(measured, key=lambda n: measured[n].peak_bytes) if measured else None
+    if lean is not None and so.peak_bytes is not None and measured[lean].peak_bytes < so.peak_bytes:
+        text += f" (the leanest, {lean}, {_mb(measured[lean])} against its {_mb(so)})"
+    return text

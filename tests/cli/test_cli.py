@@ -169,6 +169,10 @@ class _Recorder:
 
 
 def test_demo_interleaves_its_modes_round_by_round(monkeypatch):
+    import mixprec
+
+    # a fast-bf16 host's rows on any host (a slow one adds storage-only: test_demo_storage.py)
+    monkeypatch.setattr(mixprec, "check", lambda *a, **k: _fast_bf16_cpu())
     recorder = _Recorder()
     monkeypatch.setattr(demo, "make_progress", lambda enabled=True: recorder)
     results = demo.run_demo(

@@ -113,9 +113,18 @@ def test_slow_host_warning_names_storage_only(monkeypatch):
     slow = hw.HardwareReport("cpu", "fake AVX2 CPU", ("avx2",), hw._cpu_support(frozenset()))
     monkeypatch.setattr(hw, "_report", lambda device: slow)
     hw._reset_warnings()
-    with pytest.warns(hw.MixprecPerformanceWarning, match=r"compute='fp32'"):
+    # the bytes per parameter are the recipe table's, not a sentence's own
+    table = LEAN32.loop_bytes()  # 8-bit codes and their block scales: 4.03 and 6.03
+    said = (
+        f"{table['plain']:.1f} B/param of training state with AdamW ({table['clip']:.1f} where "
+        "the loop clips or accumulates)"
+    )
+    assert said.startswith("4.0 B/param") and "(6.0 where" in said
+    with pytest.warns(hw.MixprecPerformanceWarning, match=r"compute='fp32'") as caught:
         _init(Recipe("lean", torch.bfloat16))
-    assert "compute='fp32'" in str(slow)
+    assert f"{said} against fp32's 16.0" in str(caught[0].message)
+    assert "compute='fp32'" in str(slow) and said in str(slow)
+    assert "6.0 B/param" in hw.storage_only(torch.float16)  # fp16 holds its scaled gradients
     hw._reset_warnings()
     with warnings.catch_warnings():
         warnings.simplefilter("error", hw.MixprecPerformanceWarning)
