@@ -30,6 +30,11 @@ What it cannot carry (another model, other parameter counts or shapes) is refuse
 checks that follow, as for a checkpoint of the same recipe. The report goes out as one
 :class:`~mixprec._core._warnings.MixprecWarning` and stays on the optimizer as
 ``last_load_report`` (a list of lines). ``docs/training.md``, "Checkpoints across recipes".
+
+Each rule is elementwise, so the functions that compute it (:func:`nearest_weight`,
+:func:`remainder`, :func:`master_value`, :func:`folded`) and the report's lines (``said_*``)
+serve whole tensors here and one rank's shards alike: an FSDP2 checkpoint of another recipe
+(:mod:`mixprec.distributed._dcp_cross`) is carried by the same functions.
 """
 
 from __future__ import annotations
@@ -43,11 +48,73 @@ from torch import Tensor
 from mixprec._core._warnings import MixprecWarning
 from mixprec._core.update.state_codes import QuantizedState, fp32_optimizer_state_dict
 
-__all__ = ["adapt", "announce", "carried_value"]
+__all__ = [
+    "adapt",
+    "announce",
+    "carried_value",
+    "folded",
+    "master_value",
+    "nearest_weight",
+    "remainder",
+    "said_codes_decoded",
+    "said_masters_into_weights",
+    "said_mode_into_mode",
+    "said_weights_into_masters",
+]
 
 _LOW = (torch.float16, torch.bfloat16)
 
 
+# --------------------------------------------------------------------------- the rules
+def nearest_weight(master: Tensor, dtype: torch.dtype) -> Tensor:
+    """A 16-bit weight from its fp32 master: rounded to nearest."""
+    return master.to(dtype)
+
+
+def remainder(master: Tensor, weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """Kahan compensation from a master and its rounded weight: ``master - weight``."""
+    return (master.float() - weight.float()).to(dtype)
+
+
+def master_value(weight: Tensor, comp: Tensor | None = None) -> Tensor:
+    """An fp32 master from a weight and its saved compensation (or none): widened exactly."""
+    value = weight.detach().float()
+    return value if comp is None else value + comp.to(value.device).float()
+
+
+def folded(weight: Tensor, comp: Tensor) -> Tensor:
+    """A weight with a compensation the loader keeps no buffer for folded in (nearest)."""
+    return (weight.detach().float() + comp.to(weight.device).float()).to(weight.dtype)
+
+
+def said_masters_into_weights(low: torch.dtype, update: str | None, comps: bool) -> list[str]:
+    """The report's lines for fp32 masters carried into ``low`` weights stepped by ``update``
+    (None: no update mode), with Kahan compensation from their remainders where ``comps``."""
+    lines = [f"weights: fp32 masters -> {low} weights (nearest)"]
+    if update is None:
+        return lines
+    if comps:
+        lines.append("Kahan compensation: the masters' remainder (master - weight)")
+    return [*lines, f"update: fp32 masters -> update={update!r}, rounding count from 0"]
+
+
+def said_weights_into_masters(comps: bool) -> list[str]:
+    how = " + compensation" if comps else ""
+    return [f"weights: 16-bit weights{how} -> fp32 masters (exact)"]
+
+
+def said_codes_decoded(keys: set[str]) -> list[str]:
+    return [f"{k}: codes -> fp32 (their decoded values)" for k in sorted(keys)]
+
+
+def said_mode_into_mode(saved: str | None, target: str | None, folds: bool) -> list[str]:
+    lines = [f"update: {saved!r} -> {target!r}"]
+    if folds:
+        lines.append("Kahan compensation: folded into the weights (weight + compensation, nearest)")
+    return lines
+
+
+# --------------------------------------------------------------------------- one process
 def adapt(opt: Any, inner: dict[str, Any], own: dict[str, Any]) -> tuple[dict, dict, list, list]:
     """``(inner, own, writes, report)``: the saved state in ``opt``'s layout, the weight writes
     to make once it is loaded (``(param, fp32 value)`` pairs, rounded into the parameter) and
@@ -65,15 +132,16 @@ def adapt(opt: Any, inner: dict[str, Any], own: dict[str, Any]) -> tuple[dict, d
     return inner, _scalers(opt, own, report), writes, report
 
 
-def announce(opt: Any, report: list[str]) -> None:
-    """Keep ``report`` on ``opt`` and say it once, as one warning."""
+def announce(opt: Any, report: list[str], stacklevel: int = 4) -> None:
+    """Keep ``report`` on ``opt`` and say it once, as one warning (``stacklevel`` as
+    ``warnings.warn`` takes it, counted from this function)."""
     opt.last_load_report = report
     if report:
         warnings.warn(
             "This checkpoint was saved under another recipe; its state was carried over:\n  "
             + "\n  ".join(report),
             MixprecWarning,
-            stacklevel=4,
+            stacklevel=stacklevel,
         )
 
 
@@ -96,8 +164,8 @@ def _masters_into_weights(opt: Any, own: dict, report: list[str]) -> tuple[dict,
     updater = opt.updater
     writes = list(zip(params, masters))
     low = params[0].dtype
-    report.append(f"weights: fp32 masters -> {low} weights (nearest)")
     if updater is None:
+        report += said_masters_into_weights(low, None, False)
         return {**own, "masters": []}, writes
     comps, by_param = [], {id(q): m for q, m in writes}
     for p in updater.params():
@@ -105,12 +173,9 @@ def _masters_into_weights(opt: Any, own: dict, report: list[str]) -> tuple[dict,
         if mine is None or master is None:  # no buffer; or a weight the model's load sets
             comps.append(None if mine is None else mine.clone())  # (and its remainder)
             continue
-        rounded = master.to(p.dtype).float()
-        comps.append((master.float() - rounded).to(mine.dtype))
-    if any(c is not None for c in comps):
-        report.append("Kahan compensation: the masters' remainder (master - weight)")
+        comps.append(remainder(master, nearest_weight(master, p.dtype), mine.dtype))
+    report += said_masters_into_weights(low, updater.update, any(c is not None for c in comps))
     mode = {"update": updater.update, "seed": updater.seed, "compensation": comps, "steps": 0}
-    report.append(f"update: fp32 masters -> update={updater.update!r}, rounding count from 0")
     return {**own, "masters": [], "lean": mode}, writes
 
 
@@ -127,17 +192,15 @@ def _weights_into_masters(opt: Any, inner: dict, own: dict, report: list[str]) -
         p = by_master.get(id(q))
         if p is None:
             continue
-        value = p.detach().float()
         comp = saved_comps[pos] if saved_comps else None
-        masters.append(value if comp is None else value + comp.to(value.device).float())
+        masters.append(master_value(p, comp))
         if comp is not None:
             _pend(opt, p, comp)
-    how = " + compensation" if any(c is not None for c in saved_comps) else ""
-    report.append(f"weights: 16-bit weights{how} -> fp32 masters (exact)")
+    report += said_weights_into_masters(any(c is not None for c in saved_comps))
     decoded = {
         k for st in inner["state"].values() for k, v in st.items() if QuantizedState.is_dict(v)
     }
-    report += [f"{k}: codes -> fp32 (their decoded values)" for k in sorted(decoded)]
+    report += said_codes_decoded(decoded)
     own = {k: v for k, v in own.items() if k != "lean"}
     return fp32_optimizer_state_dict(inner), {**own, "masters": masters}
 
@@ -155,14 +218,10 @@ def _mode_into_mode(opt: Any, own: dict, report: list[str]) -> tuple[dict, list]
     for p, c in zip(params, comps):
         mine = None if updater is None else updater.compensation.get(p)
         if c is not None and mine is None:  # folded into the weight
-            writes.append((p, p.detach().float() + c.to(p.device).float()))
+            writes.append((p, folded(p, c)))
             _pend(opt, p, c)
         new.append(None if mine is None else (c if c is not None else torch.zeros_like(mine)))
-    report.append(f"update: {saved.get('update')!r} -> {target!r}")
-    if writes:
-        report.append(
-            "Kahan compensation: folded into the weights (weight + compensation, nearest)"
-        )
+    report += said_mode_into_mode(saved.get("update"), target, bool(writes))
     if updater is None:
         return {k: v for k, v in own.items() if k != "lean"}, writes
     return {**own, "lean": {**saved, "update": target, "compensation": new}}, writes
@@ -181,7 +240,7 @@ def carried_value(opt: Any, p: Tensor, src: Tensor) -> Tensor | None:
     comp = opt.__dict__.get("_carry_pending", {}).pop(id(p), None)
     if comp is None or src.dtype != p.dtype or src.dtype not in _LOW:
         return None
-    return src.to(p.device).float() + comp.to(p.device).float()
+    return master_value(src.to(p.device), comp)
 
 
 def _scalers(opt: Any, own: dict, report: list[str]) -> dict:

@@ -6,7 +6,9 @@ once). A load reads DCP's index first -- a missing ``.metadata`` or a data file 
 index says is a save that did not finish -- then compares the description and the model's
 parameters (names, shapes, dtypes) with the checkpoint's, and refuses with what differs; the
 refusal is raised before the model or optimizer is written, on every rank alike (the checks
-read the same files and descriptions everywhere).
+read the same files and descriptions everywhere). Another recipe's checkpoint (another layout,
+update mode or state storage) is not refused but carried over (:mod:`._dcp_cross`); another
+16-bit dtype, FP8 setting or number of losses is.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import Tensor, nn
 META_KEY = "mixprec_meta"
 FORMAT = "mixprec-dcp/1"
 RECIPE_ATTR = "_mixprec_fsdp_recipe"  # (recipe, 16-bit dtype), set by initialize_fsdp
-#: recipe fields that decide what a checkpoint holds: loading across them is refused
+#: recipe fields that decide what a checkpoint holds: compared on load
 STATE_FIELDS = (
     "name",
     "compute",
@@ -67,32 +69,48 @@ def _word(v: Any) -> str:
     return repr(v) if isinstance(v, str) else str(v)
 
 
-def check_description(saved: dict[str, Any], here: dict[str, Any], path: Path) -> None:
-    """Refuse another format, recipe, dtype or update mode (another world size loads)."""
+#: recipe fields a checkpoint is not carried across (with the 16-bit dtype; the rounding seed
+#: where the saved update mode is this one): every other difference is another recipe's layout
+#: that :mod:`mixprec.distributed._dcp_cross` carries over
+FIXED_FIELDS = ("fp8", "num_losses")
+
+
+def check_description(saved: dict[str, Any], here: dict[str, Any], path: Path) -> bool:
+    """Refuse another format, dtype, FP8 setting, number of losses, or rounding seed under the
+    same update mode; return whether the checkpoint is another recipe's (its layout, update
+    mode, state storage or other recipe fields differ: carried over). Another world size
+    loads."""
     if saved.get("format") != FORMAT:
         raise ValueError(
             f"{path} holds a {saved.get('format')!r} checkpoint; this version reads {FORMAT!r}."
         )
-    diffs = []
+    carried, fixed = [], []
     fields_s, fields_h = saved.get("fields") or {}, here.get("fields") or {}
     # with both recipes known their fields name what differs; else what the optimizer shows
     keys = ["layout", "dtype"] + ([] if fields_s and fields_h else ["update", "state_dtype"])
     for key in keys:
         if saved.get(key) != here.get(key) and None not in (saved.get(key), here.get(key)):
-            diffs.append(f"{key}: saved {saved.get(key)}, here {here.get(key)}")
+            diff = f"{key}: saved {saved.get(key)}, here {here.get(key)}"
+            (fixed if key == "dtype" else carried).append(diff)
+    same_update = saved.get("update") == here.get("update")
     for f in STATE_FIELDS:
         if f in fields_s and f in fields_h and fields_s[f] != fields_h[f]:
-            diffs.append(f"recipe.{f}: saved {fields_s[f]}, here {fields_h[f]}")
-    if diffs:
+            diff = f"recipe.{f}: saved {fields_s[f]}, here {fields_h[f]}"
+            fix = f in FIXED_FIELDS or (f == "update_seed" and same_update)
+            (fixed if fix else carried).append(diff)
+    if fixed:
         raise ValueError(
             f"The checkpoint {path} was saved with recipe {saved.get('recipe')!r} "
             f"({saved.get('dtype')}); this model was prepared with {here.get('recipe')!r} "
-            f"({here.get('dtype')}). They differ in: {'; '.join(diffs)}. Prepare the model "
-            "with initialize_fsdp and the recipe and dtype it was saved with. Nothing was "
-            "loaded."
+            f"({here.get('dtype')}). They differ in: {'; '.join(fixed)}. A checkpoint is "
+            "carried into another recipe's masters, update mode and state storage, but not "
+            "into another 16-bit dtype, FP8 setting, number of losses, or rounding seed of the "
+            "same update mode. Prepare the model with initialize_fsdp and those saved values "
+            "(the rest of the recipe may differ). Nothing was loaded."
         )
     # another world size is allowed: every per-shard state is keyed by name and sharded by
     # rows, so DCP hands each rank its new rows (docs/distributed.md, "Resharding")
+    return bool(carried)
 
 
 # --------------------------------------------------------------------------- the index

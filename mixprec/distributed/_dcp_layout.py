@@ -233,27 +233,36 @@ def sharded_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- update modes: load
-def _fresh(v: Any) -> Any:
+def _fresh(v: Any, dtype: torch.dtype | None = None) -> Any:
+    """An empty tensor like ``v`` (a DTensor: sharded like it), in ``dtype`` if given."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(v, DTensor):
         return DTensor.from_local(
-            torch.empty_like(v.to_local()),
+            torch.empty_like(v.to_local(), dtype=dtype),
             v.device_mesh,
             v.placements,
             run_check=False,
             shape=v.shape,
             stride=v.stride(),
         )
-    return torch.empty_like(v) if isinstance(v, Tensor) else v
+    return torch.empty_like(v, dtype=dtype) if isinstance(v, Tensor) else v
 
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
 
-def sharded_template(model: nn.Module, optimizer: Any, info: dict[str, Any]) -> dict[str, Any]:
-    """Fresh tensors, shaped like this model's shards, for what ``info`` says was saved."""
+def sharded_template(
+    model: nn.Module,
+    optimizer: Any,
+    info: dict[str, Any],
+    dtypes: dict[str, torch.dtype] | None = None,
+) -> dict[str, Any]:
+    """Fresh tensors, shaped like this model's shards, for what ``info`` says was saved; the
+    weights, buffers and compensation in this model's dtypes, or as ``dtypes`` (DCP keys, e.g.
+    ``model.0.weight``) says they were saved (a checkpoint of another recipe)."""
+    dtypes = dtypes or {}
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     params = dict(model.named_parameters())
@@ -287,14 +296,33 @@ def sharded_template(model: nn.Module, optimizer: Any, info: dict[str, Any]) -> 
             else:
                 out[k] = _like_param(torch.empty_like(loc, dtype=_dtype(d["dtype"])), p)
         states[fqn] = out
-    buffers = optimizer.updater.compensation
+    buffers = optimizer.updater.compensation if optimizer.updater is not None else {}
     comps = {
-        fqn: _like_param(torch.empty_like(buffers.get(params[fqn], _local(params[fqn]))), p)
+        fqn: _like_param(
+            torch.empty_like(buffers.get(p, _local(p)), dtype=dtypes.get(f"compensation.{fqn}")),
+            p,
+        )
         for fqn in info["compensation"]
         for p in [params[fqn]]
     }
-    model_sd = {k: _fresh(v) for k, v in get_model_state_dict(model).items()}
+    model_sd = {
+        k: _fresh(v, dtypes.get(f"model.{k}")) for k, v in get_model_state_dict(model).items()
+    }
     return {"model": model_sd, "optimizer": {"state": states}, "compensation": comps}
+
+
+def quantized_from_rows(v: dict[str, Any], shape: torch.Size, d: dict[str, Any]) -> QuantizedState:
+    """The coded state of a local shard of ``shape`` from its loaded ``codes`` and ``scale``
+    (DTensors by rows) and its layout entry ``d``."""
+    q = QuantizedState(
+        codes_from_rows(v["codes"].to_local(), shape, d["fmt"]),
+        v["scale"].to_local().reshape(-1).clone(),
+        torch.Size(shape),
+        d["fmt"],
+        d["code_kind"],
+    )
+    assert q.scale.numel() == _row_shape(shape)[0] * _code_widths(shape, d["fmt"])[1]
+    return q
 
 
 @torch.no_grad()
@@ -317,15 +345,7 @@ def commit_sharded(
             v = loaded["optimizer"]["state"][fqn][k]
             if d["kind"] == "codes":
                 shape = _local(p).shape
-                rows = _row_shape(shape)[0]
-                q = QuantizedState(
-                    codes_from_rows(v["codes"].to_local(), shape, d["fmt"]),
-                    v["scale"].to_local().reshape(-1).clone(),
-                    torch.Size(shape),
-                    d["fmt"],
-                    d["code_kind"],
-                )
-                assert q.scale.numel() == rows * _code_widths(shape, d["fmt"])[1]
+                q = quantized_from_rows(v, shape, d)
                 st[k] = q if quantizable(torch.empty(shape, device="meta")) else q.dequantize()
             elif d["kind"] == "scalar":
                 st[k] = v

@@ -28,7 +28,11 @@ one):
   - Both record the recipe and dtype. ``load_checkpoint`` checks the directory against DCP's
     index (a file shorter than the index says: a save cut off mid-write), the recipe, the dtype
     and the parameters (names, shapes, dtypes) before it reads anything into the model, and
-    refuses with what differs.
+    refuses with what differs. A checkpoint of another recipe (fp32 master shards into an
+    update mode's 16-bit shards, one update mode or state storage into another, and back) is
+    carried over by the one-process rules, shard by shard, and reported
+    (:mod:`mixprec.distributed._dcp_cross`); another dtype, FP8 setting or number of losses is
+    refused.
 * :func:`fp32_full_state_dict` gathers a plain fp32 state dict (FSDP: all-gathered, on CPU) that
   loads into the unwrapped fp32 model, the distributed form of :func:`mixprec.fp32_state_dict`.
 * **Offline, without ranks or mixprec's model:** :func:`fp32_state_dict_from_checkpoint` reads
@@ -52,8 +56,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mixprec._core.fp32_values import fp32_state_dict
 from mixprec._core.optimizer import MixedPrecisionOptimizer
+from mixprec._core.recipe_change import announce
 from mixprec._core.resume import MIXPREC_KEY, kahan_fp32, pack_state_dict
 from mixprec.distributed import _dcp_checks as checks
+from mixprec.distributed import _dcp_cross as cross
 from mixprec.distributed import _dcp_layout as layout
 
 __all__ = [
@@ -145,8 +151,9 @@ def _load_sharded(path: Path, model: nn.Module, optimizer: MixedPrecisionOptimiz
     index = checks.read_index(path)
     info = checks.read_meta(path, index)  # None: written before the description existed
     here = checks.describe(model, optimizer)
-    if info is not None:
-        checks.check_description(info, here, path)
+    if info is not None and checks.check_description(info, here, path):
+        cross.load(path, index, info, model, optimizer)  # another recipe's: carried over
+        return
     if optimizer.updater is not None:
         if info is None or "layout_of" not in info:
             raise ValueError(
@@ -163,13 +170,8 @@ def _load_sharded(path: Path, model: nn.Module, optimizer: MixedPrecisionOptimiz
         checks.check_against_index(template, index, path)
         dcp.load(template, checkpoint_id=str(path))  # fresh tensors: the model is untouched
         layout.commit_sharded(model, optimizer, info, template)
+        announce(optimizer, [])  # the same recipe: nothing to report
         return
-    if info is not None and "layout_of" in info:
-        raise ValueError(
-            f"{path} holds 16-bit shards stepped by update={info.get('update')!r}; this model "
-            "keeps fp32 master shards (no update mode). Prepare it with the recipe it was "
-            f"saved with ({info.get('recipe')!r}). Nothing was loaded."
-        )
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
         set_optimizer_state_dict,

@@ -321,11 +321,11 @@ def test_fsdp2_checkpoint_of_every_recipe_resumes_bit_for_bit(ranks, case):
 @pytest.mark.parametrize(
     ("case", "words"),
     [
-        ("other_recipe", ["recipe.update: saved 'stochastic', here 'kahan'"]),
+        ("other_seed", ["recipe.update_seed: saved None, here 1", "rounding seed"]),
         ("other_dtype", ["dtype: saved torch.bfloat16, here torch.float16"]),
+        ("o2_other_dtype", ["dtype: saved torch.bfloat16, here torch.float16"]),
         ("other_depth", ["['6.bias', '6.weight'] are not in it", "number of layers"]),
-        ("o2_into_lean", ["layout: saved fp32 master shards, here 16-bit shards"]),
-        ("lean_into_o2", ["layout: saved 16-bit shards, here fp32 master shards"]),
+        ("o2_other_depth", ["['6.bias', '6.weight'] are not in it", "number of layers"]),
         ("cut_off", ["is incomplete: __1_0.distcp has", "cut off mid-write"]),
         ("no_index", ["has no .metadata", "cut off"]),
         ("overwrite_cut_off", ["has no .metadata", "cut off"]),  # not old + new shards
