@@ -221,7 +221,7 @@ def loop_bytes(r: Any, states: int, low: torch.dtype) -> dict[str, float]:
     backward, step), ``clip`` (a global-norm clip before the step), ``accumulate`` (several
     backward passes per step) and ``fsdp2`` (per rank, per parameter of its shard); and
     ``first_step``, the plain loop's first step (``gradients="auto"`` holds them while it
-    decides).
+    decides, before the step makes the states).
 
     Gradients released in backward are held where the loop clips or accumulates. Under FSDP2
     an update mode the recipe names (``"lean"``; not ``update="auto"``) shards the 16-bit
@@ -236,7 +236,11 @@ def loop_bytes(r: Any, states: int, low: torch.dtype) -> dict[str, float]:
     codes = 1 + 4 / BLOCK if r.gradients == "coded" else 0.0  # FSDP2 holds them 16-bit
     held_fsdp = held - codes + (_bytes(weight) if codes else 0.0)
     fsdp = held_fsdp if named else 4.0 + 4.0 + 4.0 * states  # fp32 shards unless one is named
-    first = held if released and r.gradients == "auto" else plain  # "auto" holds while deciding
+    # "auto" holds the first step's gradients while it decides; the states are made by that
+    # step, each parameter's as its gradient is freed: the larger of the two at a time
+    state_b = next((b for name, _, b in rows if name == "optimizer states"), 0.0)
+    deciding = released and r.gradients == "auto"
+    first = plain - state_b + max(state_b, _bytes(weight)) if deciding else plain
     return dict(plain=plain, first_step=first, clip=held, accumulate=held, fsdp2=fsdp)
 
 
