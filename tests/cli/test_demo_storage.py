@@ -13,6 +13,7 @@ from mixprec import cli
 from mixprec._core import hardware
 from mixprec.bench import runner, workloads
 from mixprec.cli import demo
+from tests.cli.test_cli import _Recorder
 
 ROW = "storage-only bf16"
 
@@ -65,25 +66,11 @@ def test_a_slow_host_gets_a_storage_only_row_and_a_pick(monkeypatch, capsys):
 @pytest.mark.parametrize("report", [SLOW, FAST], ids=["slow", "fast"])
 def test_the_storage_only_row_takes_its_turn_in_every_round(monkeypatch, report):
     _report_as(monkeypatch, report)
-    order = []
-
-    class Recorder:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-        def add(self, name, total):
-            return name
-
-        def advance(self, task):
-            order.append(task)
-
-    monkeypatch.setattr(demo, "make_progress", lambda enabled=True: Recorder())
+    recorder = _Recorder()
+    monkeypatch.setattr(demo, "make_progress", lambda enabled=True: recorder)
     results = demo.run_demo(steps=3, levels=("O0", "O2"), batch=8, width=32)
     names = ["fp32", "O2 bf16"] + ([ROW] if report is SLOW else [])
-    assert list(results) == names and order == names * 3
+    assert list(results) == names and recorder.order == names * 3
     if report is SLOW:
         r = results[ROW]
         assert r.mode == demo.STORAGE and r.peak_bytes is not None and r.median_step > 0
