@@ -105,12 +105,6 @@ class GradientChecks:
     _grad_buffers: dict[int, Tensor]  # id(master) -> persistent fp32 gradient (CPU)
     _checked: dict[int, tuple[Any, int]]  # id(param) -> (weakref to grad, its version)
 
-    def _found_for(self, device: torch.device) -> Tensor:
-        flag = self._found.get(device)
-        if flag is None:
-            flag = self._found[device] = torch.zeros(1, device=device)
-        return flag
-
     def _stash_grads(self) -> None:
         """Before a backward: move already-unscaled grads of fp32 parameters out of the way."""
         for p in self._own_params():
@@ -156,7 +150,7 @@ class GradientChecks:
                 unscale_and_check_(grads, 1.0 / scale, _flag(flags, device))
             self._accumulate(targets)
         for device, flag in flags.items():
-            self._found_for(device).add_(flag)
+            _flag(self._found, device).add_(flag)
         if len(flags) <= 1:
             return next(iter(flags.values()), None)
         return torch.tensor([sum(read_flags(list(flags.values())))])  # one sync per device
@@ -269,7 +263,7 @@ class GradientChecks:
 
     def share_verdict(self, flag: Tensor) -> None:
         """Also skip the next step on ``flag``: another optimizer's verdict for the same loss."""
-        self._found_for(flag.device).add_(flag)
+        _flag(self._found, flag.device).add_(flag)
 
     def _restore_stash(self) -> None:
         """Give back stashed grads of parameters the last backward did not reach."""

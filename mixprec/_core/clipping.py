@@ -21,13 +21,15 @@ from torch import Tensor
 
 from mixprec._core._warnings import MixprecWarning
 
-__all__ = ["refuse_released", "register_masters", "register_released"]
+__all__ = ["TORCH_CLIPPING", "refuse_released", "register_masters", "register_released"]
 
 # id(model parameter) -> (weak ref to it, weak ref to its master); by id, since tensors compare
 # element-wise (no WeakKeyDictionary)
 _master_of: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 # id(parameter) -> (weak ref to it, weak ref to the ModeUpdater that may release its gradient)
 _released: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+#: torch's own functions by name, as they were before the wrappers replaced them
+TORCH_CLIPPING: dict[str, Any] = {}
 
 
 def register_released(params: list[Tensor], owner: Any) -> None:
@@ -82,10 +84,11 @@ def _wrap(original: Any) -> Any:
     def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         if _master_of or _released:
             params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-            refuse_released(params)
-            owners = _coded_owners(params) if original.__name__ == "clip_grad_norm_" else {}
-            if owners:
-                return _clip_coded(params, owners, *args, **kwargs)
+            if _released:
+                refuse_released(params)
+                owners = _coded_owners(params) if original.__name__ == "clip_grad_norm_" else {}
+                if owners:
+                    return _clip_coded(params, owners, *args, **kwargs)
             parameters = [_swap(p) for p in params]
         return original(parameters, *args, **kwargs)
 
@@ -149,6 +152,7 @@ def _install() -> None:
     originals = (utils.clip_grad_norm_, utils.clip_grad_value_)
     if getattr(originals[0], "_mixprec_wrapped", False):
         return
+    TORCH_CLIPPING.update((f.__name__, f) for f in originals)
     utils.clip_grad_norm_, utils.clip_grad_value_ = (_wrap(f) for f in originals)
     _warn_if_bound(originals)
 

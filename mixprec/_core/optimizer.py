@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from mixprec._core import _frames, regions
 from mixprec._core._gradients import SETTLE_HOOKS, GradientChecks, LossSlot
 from mixprec._core._optimizer_state import CheckpointState
-from mixprec._core.clipping import refuse_released, register_masters
+from mixprec._core.clipping import TORCH_CLIPPING, refuse_released, register_masters
 from mixprec._core.update.choice import UpdatePlan
 from mixprec._core.update.modes import ModeUpdater
 from mixprec._core.update.step import inner_step, make_updater
@@ -232,12 +232,16 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the *unscaled* master gradients to ``max_norm``; return their total norm."""
-        refuse_released(self.master_params())
+        if self.updater is not None:
+            refuse_released(self.master_params())
         if self._has_raw_grads():
             self._check_late()
-        coded = getattr(self.updater, "release_mode", None) == "coded"  # gradients as codes
-        grads = [p for p in self.master_params() if p.grad is not None or coded]
-        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type, foreach=True)
+        if getattr(self.updater, "release_mode", None) == "coded":  # mixprec's clip of codes
+            clip, grads = torch.nn.utils.clip_grad_norm_, self.master_params()
+        else:  # torch's own function: these are the tensors the step reads
+            clip = TORCH_CLIPPING.get("clip_grad_norm_", torch.nn.utils.clip_grad_norm_)
+            grads = [p for p in self.master_params() if p.grad is not None]
+        return clip(grads, max_norm, norm_type=norm_type, foreach=True)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -429,6 +433,11 @@ def _scaled(loss: Tensor, opts: list[MixedPrecisionOptimizer], loss_id: int) -> 
 
 def _check_loss(loss: Any) -> None:
     """A clear error for a loss backward cannot take (instead of autograd's)."""
+    if not (isinstance(loss, Tensor) and loss.requires_grad and loss.numel() == 1):
+        _refuse_loss(loss)
+
+
+def _refuse_loss(loss: Any) -> None:
     if not isinstance(loss, Tensor):
         raise TypeError(f"scale_loss expects a loss tensor, received {type(loss).__name__}.")
     if not (loss.is_floating_point() or loss.is_complex()):
