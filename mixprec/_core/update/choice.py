@@ -150,43 +150,30 @@ def _mode_plans(
     recipe: Any, optimizers: list[Optimizer], models: list[nn.Module], dtype: torch.dtype
 ) -> list[UpdatePlan]:
     """:func:`update_plans` where an update mode can run (16-bit weights, no masters)."""
-    released = recipe.releases_gradients(dtype)
-    coded = recipe.gradients == "coded"
+    if recipe.update == "auto":
+        sparse = _sparse_grad_params(models)
+        updates = [_default_update(o, dtype, sparse) for o in optimizers]
+    else:
+        updates = [recipe.update for _ in optimizers]
     given = dict(
         optimizer_states=_resolved_states(recipe.optimizer_states, dtype),
         update_seed=recipe.update_seed or 0,
         kernels=recipe.kernels,
-        gradients="coded"
-        if coded
-        else ("released" if recipe.gradients == "released" else "auto")
-        if released
-        else "held",
+        gradients=_gradients(recipe, dtype),
     )
-    fields = [  # the update-mode fields the recipe sets, by name
-        name
-        for name, on in (
-            ("gradients", released or coded),
-            ("optimizer_states", recipe.optimizer_states != "auto"),
-            ("update_seed", recipe.update_seed is not None),
-        )
-        if on
+    plans = [  # states, seed and gradients go where a mode runs
+        UpdatePlan(masters=False, update=u, **(given if u is not None else {})) for u in updates
     ]
-    if recipe.update != "auto":
-        plans = [_plan(recipe.update, given) for _ in optimizers]
-        return _checked(plans, optimizers, fields, dtype)
-    sparse = _sparse_grad_params(models)
-    plans = []
-    for o in optimizers:
-        update = _default_update(o, dtype, sparse)
-        if update is None and recipe.gradients in ("released", "coded"):  # "auto" holds them
-            raise ValueError(
-                f"Recipe(gradients={recipe.gradients!r}): such gradients are stepped by an update "
-                f"mode, but {type(o).__name__} here steps with its own 16-bit update "
-                "(sparse gradients, or fp16 without Adam's eps). Set update="
-                "'stochastic' or 'kahan', or gradients='held'."
-            )
-        plans.append(_plan(update, given))  # states and seed go where a mode runs
-    return _checked(plans, optimizers, fields, dtype)
+    if None in updates:
+        _check_own_steps(recipe, optimizers, plans, dtype)
+    return plans
+
+
+def _gradients(recipe: Any, dtype: torch.dtype) -> str:
+    """The plan's ``gradients``: ``"auto"`` where the first step may release them."""
+    if recipe.gradients in ("released", "coded"):
+        return recipe.gradients
+    return "auto" if recipe.releases_gradients(dtype) else "held"
 
 
 def _resolved_states(states: Any, dtype: torch.dtype) -> Any:
@@ -213,15 +200,29 @@ def resolved_for(recipe: Any, plan: UpdatePlan) -> Any:
     )
 
 
-def _plan(update: str | None, given: dict[str, Any]) -> UpdatePlan:
-    return UpdatePlan(masters=False, update=update, **(given if update is not None else {}))
-
-
-def _checked(
-    plans: list[UpdatePlan], optimizers: list[Optimizer], fields: list[str], dtype: torch.dtype
-) -> list[UpdatePlan]:
-    """``plans``, refused where the recipe's update-mode ``fields`` apply to no optimizer;
-    warned where an optimizer's own 16-bit arithmetic loses its eps."""
+def _check_own_steps(
+    recipe: Any, optimizers: list[Optimizer], plans: list[UpdatePlan], dtype: torch.dtype
+) -> None:
+    """Where some optimizer steps with its own 16-bit update (``update`` None): refused where
+    the recipe's update-mode fields then apply to none, warned where 16-bit arithmetic loses
+    its eps."""
+    for o, plan in zip(optimizers, plans):
+        if plan.update is None and recipe.gradients in ("released", "coded"):  # "auto" holds
+            raise ValueError(
+                f"Recipe(gradients={recipe.gradients!r}): such gradients are stepped by an update "
+                f"mode, but {type(o).__name__} here steps with its own 16-bit update "
+                "(sparse gradients, or fp16 without Adam's eps). Set update="
+                "'stochastic' or 'kahan', or gradients='held'."
+            )
+    fields = [  # the update-mode fields the recipe sets, by name
+        name
+        for name, on in (
+            ("gradients", _gradients(recipe, dtype) != "held"),
+            ("optimizer_states", recipe.optimizer_states != "auto"),
+            ("update_seed", recipe.update_seed is not None),
+        )
+        if on
+    ]
     if fields and all(p.update is None for p in plans):
         raise ValueError(
             f"Recipe fields {fields} apply to an update mode, and every optimizer here steps "
@@ -229,7 +230,5 @@ def _checked(
             "eps); set update='nearest', 'kahan' or 'stochastic', or drop them."
         )
     # an update mode does its arithmetic in fp32; 16-bit arithmetic may lose eps
-    if any(p.update is None for p in plans):
-        own = [o if p.update is None else None for o, p in zip(optimizers, plans)]
-        _warn_vanishing_eps(own, dtype)
-    return plans
+    own = [o if p.update is None else None for o, p in zip(optimizers, plans)]
+    _warn_vanishing_eps(own, dtype)
