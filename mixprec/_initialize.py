@@ -163,11 +163,14 @@ def _check_fresh(model_list: list[nn.Module], opt_list: list[Optimizer]) -> None
             tuple(p.shape) for g in o.param_groups for p in g["params"] if id(p) not in owned
         ]
         if foreign:
-            raise ValueError(
-                f"Optimizer {i} holds {len(foreign)} parameter(s) that none of the "
-                f"given models own (shapes {foreign[:4]}...): pass every model whose "
-                "parameters it optimizes."
-            )
+            _refuse_foreign(i, foreign)
+
+
+def _refuse_foreign(i: int, foreign: list[tuple[int, ...]]) -> None:
+    raise ValueError(
+        f"Optimizer {i} holds {len(foreign)} parameter(s) that none of the given models own "
+        f"(shapes {foreign[:4]}...): pass every model whose parameters it optimizes."
+    )
 
 
 def _device_of(model_list: list[nn.Module]) -> torch.device:
@@ -271,10 +274,8 @@ def _wrap_optimizers(
             for o, plan in zip(opt_list, plans)
         ]
         for w in wrapped:
-            for p, comp in w.updater.compensation.items() if w.updater is not None else ():
-                given = fp32_values.get(id(p))
-                if given is not None and given.shape == p.shape:
-                    comp.copy_((given.float() - p.detach().float()).to(comp.dtype))
+            if w.updater is not None and w.updater.compensation:
+                _start_compensation(w.updater.compensation, fp32_values)
         for w, sd in zip(wrapped, carried):
             if sd is not None:  # state loaded (or stepped) before initialize: onto the masters
                 resume_carried(w, sd, fp32_values, scale_given)
@@ -285,6 +286,14 @@ def _wrap_optimizers(
         raise
     fp32_values.clear()
     return wrapped
+
+
+def _start_compensation(compensation: dict[Tensor, Tensor], fp32_values: dict[int, Tensor]) -> None:
+    """Kahan's compensation starts as what the cast dropped: the fp32 value less the 16-bit one."""
+    for p, comp in compensation.items():
+        given = fp32_values.get(id(p))
+        if given is not None and given.shape == p.shape:
+            comp.copy_((given.float() - p.detach().float()).to(comp.dtype))
 
 
 def _install_guards(

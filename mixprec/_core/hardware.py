@@ -294,6 +294,19 @@ def _usable_flags(flags: frozenset[str], max_isa: str) -> frozenset[str]:
 
 def _resolve_device(device: str | torch.device | None) -> str:
     """Normalises ``device`` to a cache key: ``"cpu"``, ``"cuda:<index>"`` or ``str(device)``."""
+    if not isinstance(device, torch.device):
+        device = _as_device(device)
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{str(device)!r} requested but torch.cuda.is_available() is False")
+        return f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"
+    return str(device)
+
+
+def _as_device(device: object) -> torch.device:
+    """A device given as None (CUDA where available, else the CPU) or a string, checked."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if isinstance(device, str):
@@ -303,13 +316,7 @@ def _resolve_device(device: str | torch.device | None) -> str:
             raise ValueError(f"unknown device {device!r}; expected {_DEVICE_HELP}") from e
     if not isinstance(device, torch.device):
         raise TypeError(f"device must be {_DEVICE_HELP}; got {type(device).__name__} {device!r}")
-    if device.type == "cpu":
-        return "cpu"
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"{str(device)!r} requested but torch.cuda.is_available() is False")
-        return f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"
-    return str(device)
+    return device
 
 
 @functools.cache
