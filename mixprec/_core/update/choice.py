@@ -1,16 +1,11 @@
 """How each optimizer's step writes the weights: one :class:`UpdatePlan` per optimizer.
 
-Design: the machinery below ``initialize`` reads the :class:`~mixprec.Recipe` itself where one
-field decides (``recipe.weights``, ``recipe.keep_fp32``, ``recipe.outputs``...), and where the
-decision is per optimizer it reads an :class:`UpdatePlan`: a small frozen value named in the
-Recipe's words (``masters``, ``update``, ``optimizer_states``, ``update_seed``,
-``gradients``), one per optimizer, built here by :func:`update_plans` and taken whole by
-:class:`~mixprec._core.optimizer.MixedPrecisionOptimizer`. There is no second vocabulary
-between the Recipe and the step. A recipe's ``update="auto"`` is decided per optimizer,
-because the right choice depends on the optimizer (Adam's eps and second moment) and on the
-gradients it sees (sparse ones need the optimizer's own step). The reasons are in
-:mod:`mixprec._initialize`'s docstring. The core imports nothing above it, so the recipe is
-read by its fields (typed ``Any`` here), not imported.
+Design: where a decision is per optimizer the machinery reads an :class:`UpdatePlan`, a small
+frozen value in the Recipe's own words (``masters``, ``update``, ``optimizer_states``,
+``update_seed``, ``gradients``) built by :func:`update_plans`; every other decision reads the
+:class:`~mixprec.Recipe` itself. ``update="auto"`` is decided here per optimizer, because the
+right choice depends on the optimizer (Adam's eps) and its gradients (sparse ones need the
+optimizer's own step). The core imports nothing above it: the recipe is read by its fields.
 """
 
 from __future__ import annotations
