@@ -147,16 +147,9 @@ def _check_fresh(model_list: list[nn.Module], opt_list: list[Optimizer]) -> None
     for m in model_list:
         _refuse_wrapped(m)
         if m.__dict__.get(_MARK):
-            raise RuntimeError(
-                f"initialize was already called on this {type(m).__name__}; call it "
-                "once per model (build a fresh model to change the recipe)."
-            )
-    for o in opt_list:
-        if isinstance(o, MixedPrecisionOptimizer):
-            raise RuntimeError(  # noqa: TRY004 - right type, used twice: a state error
-                "This optimizer was already returned by initialize; pass the "
-                "original torch optimizer once."
-            )
+            _refuse_twice(m)
+    if any(isinstance(o, MixedPrecisionOptimizer) for o in opt_list):
+        _refuse_twice(None)
     owned = {id(p) for m in model_list for p in m.parameters()}
     for i, o in enumerate(opt_list):
         foreign = [
@@ -164,6 +157,18 @@ def _check_fresh(model_list: list[nn.Module], opt_list: list[Optimizer]) -> None
         ]
         if foreign:
             _refuse_foreign(i, foreign)
+
+
+def _refuse_twice(model: nn.Module | None) -> None:
+    """A model (or, for None, an optimizer) that initialize already prepared."""
+    if model is not None:
+        raise RuntimeError(
+            f"initialize was already called on this {type(model).__name__}; call it "
+            "once per model (build a fresh model to change the recipe)."
+        )
+    raise RuntimeError(
+        "This optimizer was already returned by initialize; pass the original torch optimizer once."
+    )
 
 
 def _refuse_foreign(i: int, foreign: list[tuple[int, ...]]) -> None:
@@ -177,15 +182,19 @@ def _device_of(model_list: list[nn.Module]) -> torch.device:
     for m in model_list:  # all of the model on meta, or part of it (a lazily built submodule)
         for name, t in (*m.named_parameters(), *m.named_buffers()):
             if t.device.type == "meta":
-                raise ValueError(
-                    f"initialize received a model on the 'meta' device ({name!r} is "
-                    "a meta tensor): its parameters have no data to cast or copy into "
-                    "fp32 masters. Materialize it first (model.to_empty(device=...) then "
-                    "load or initialize the weights), then call initialize; under FSDP2, "
-                    "mixprec.distributed.initialize_fsdp takes the meta model itself."
-                )
+                _refuse_meta(name)
     first = next((p for m in model_list for p in m.parameters()), None)
     return first.device if first is not None else torch.device("cpu")
+
+
+def _refuse_meta(name: str) -> None:
+    raise ValueError(
+        f"initialize received a model on the 'meta' device ({name!r} is a meta tensor): its "
+        "parameters have no data to cast or copy into fp32 masters. Materialize it first "
+        "(model.to_empty(device=...) then load or initialize the weights), then call "
+        "initialize; under FSDP2, mixprec.distributed.initialize_fsdp takes the meta model "
+        "itself."
+    )
 
 
 def _prepare_models(
@@ -319,15 +328,20 @@ def _refuse_wrapped(m: nn.Module) -> None:
     """initialize must see the bare model: DDP/FSDP register buckets and shards on the
     parameters that initialize may re-cast, and would then all-reduce stale tensors."""
     names = {c.__name__ for c in type(m).__mro__}
-    if "DistributedDataParallel" in names:
+    sharded = names & {"FSDPModule", "FullyShardedDataParallel"}
+    if "DistributedDataParallel" in names or (sharded and not m.__dict__.get("_mixprec_fsdp")):
+        _refuse_distributed(m, "DistributedDataParallel" in names)
+
+
+def _refuse_distributed(m: nn.Module, ddp: bool) -> None:
+    if ddp:
         raise TypeError(
             "initialize received a DistributedDataParallel model. Call "
             "mixprec.initialize(model, optimizer, recipe) on the bare model, "
             "then mixprec.distributed.wrap_ddp(model, optimizer)."
         )
-    if names & {"FSDPModule", "FullyShardedDataParallel"} and not m.__dict__.get("_mixprec_fsdp"):
-        raise TypeError(
-            f"initialize received an FSDP-sharded model ({type(m).__name__}). Use "
-            "mixprec.distributed.initialize_fsdp(model, optimizer_fn, recipe), "
-            "which shards with a matching MixedPrecisionPolicy."
-        )
+    raise TypeError(
+        f"initialize received an FSDP-sharded model ({type(m).__name__}). Use "
+        "mixprec.distributed.initialize_fsdp(model, optimizer_fn, recipe), "
+        "which shards with a matching MixedPrecisionPolicy."
+    )

@@ -71,23 +71,25 @@ def _check_states(states: Any) -> None:
 
 
 def _check_dtype(r: Any) -> None:
-    if r.dtype is None:
-        return
-    if r.compute == "fp32" and r.weights == "fp32":
-        if r.dtype != torch.float32:
-            _fail(
-                "dtype",
-                r.dtype,
-                f"recipe {r.name!r} trains in float32, so the dtype would be ignored: drop it, "
-                "or choose O1, O2 or O3 to train in it.",
-            )
-    elif r.dtype not in _LOW:
+    fp32 = r.compute == "fp32" and r.weights == "fp32"
+    if r.dtype is not None and r.dtype not in ((torch.float32,) if fp32 else _LOW):
+        _refuse_dtype(r, fp32)
+
+
+def _refuse_dtype(r: Any, fp32: bool) -> None:
+    if fp32:
         _fail(
             "dtype",
             r.dtype,
-            f"recipe {r.name!r} needs a 16-bit dtype (torch.bfloat16 or torch.float16). Use "
-            "Recipe('O0') for float32 training.",
+            f"recipe {r.name!r} trains in float32, so the dtype would be ignored: drop it, "
+            "or choose O1, O2 or O3 to train in it.",
         )
+    _fail(
+        "dtype",
+        r.dtype,
+        f"recipe {r.name!r} needs a 16-bit dtype (torch.bfloat16 or torch.float16). Use "
+        "Recipe('O0') for float32 training.",
+    )
 
 
 def _check_storage(r: Any) -> None:
