@@ -110,16 +110,21 @@ def _check_storage(r: Any) -> None:
     if r.frozen_masters and not cast:
         _fail("frozen_masters", True, "applies to 16-bit weights; these weights are fp32.")
     if r.compute == "fp32":
-        for field, value in (("fp8", r.fp8), ("fp32_inside", r.fp32_inside or None)):
-            if value is not None:
-                _fail(field, value, "applies inside 16-bit compute; this recipe computes in fp32.")
-        if getattr(r.activations, "storage", None) == "16-bit":
-            _fail(
-                "activations",
-                r.activations,
-                "'16-bit' stores float32 saved tensors in the 16-bit dtype; this recipe "
-                "computes in fp32. Use 'fp8', or a 16-bit recipe.",
-            )
+        _check_fp32_compute(r)
+
+
+def _check_fp32_compute(r: Any) -> None:
+    """What applies only inside 16-bit compute, refused in a recipe that computes in fp32."""
+    for field, value in (("fp8", r.fp8), ("fp32_inside", r.fp32_inside or None)):
+        if value is not None:
+            _fail(field, value, "applies inside 16-bit compute; this recipe computes in fp32.")
+    if getattr(r.activations, "storage", None) == "16-bit":
+        _fail(
+            "activations",
+            r.activations,
+            "'16-bit' stores float32 saved tensors in the 16-bit dtype; this recipe "
+            "computes in fp32. Use 'fp8', or a 16-bit recipe.",
+        )
 
 
 def _check_update(r: Any) -> None:
