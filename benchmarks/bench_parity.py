@@ -15,10 +15,12 @@ fp32, the steps to the workload's target (first evaluation that reaches it; mean
 that did) and the skipped steps. Modes: fp32, torch.autocast bf16, mixprec O1/O2/O3 bf16 and O3
 with FP8 activations (``ActivationConfig("fp8", min_numel=1024)``: the CNN's saved tensors are
 all below the default 65536 elements); with ``--modes``, also ``lean`` (O3, stochastic rounding,
-8-bit optimizer states), ``lean`` with 4-bit states and O3 with 8-bit states (``--code-all-states``
+8-bit optimizer states), ``lean`` with 4-bit states, O3 with 8-bit states and ``lean, fp32
+compute`` (storage-only precision: lean's storage, the forward and backward in fp32, each layer's
+weights widened for its own use; ``Recipe("lean", dtype, compute="fp32")``; ``--code-all-states``
 codes the states of tensors below 4096 elements too: all of the CNN's are); ``--dtype fp16`` runs
-them in fp16 (torch.autocast with a
-GradScaler), which on a CPU without AVX512_FP16 is about 100x slower.
+them in fp16 (torch.autocast with a GradScaler), which on a CPU without AVX512_FP16 is about 100x
+slower.
 """
 
 from __future__ import annotations
@@ -53,6 +55,18 @@ MODES: dict[str, tuple[str, dict[str, Any]]] = {
         {"update": "stochastic", "optimizer_states": "4-bit", "gradients": "auto"},
     ),
     "O3, 8-bit states": ("O3", {"update": "kahan", "optimizer_states": "8-bit"}),
+    # storage-only precision: lean's storage (bf16 weights, 8-bit states, stochastic rounding)
+    # with the forward and backward in fp32, each layer's weights widened for its own use;
+    # it equals Recipe("lean", dtype, compute="fp32")
+    "lean, fp32 compute": (
+        "O3",
+        {
+            "update": "stochastic",
+            "optimizer_states": "8-bit",
+            "gradients": "auto",
+            "compute": "fp32",
+        },
+    ),
 }
 DEFAULT_MODES = list(MODES)[:6]
 

@@ -20,7 +20,8 @@ reports each update's bandwidth against a copy and its first step's extra time (
 optimizer's own bf16 step; ``O3-kahan-8bit``; ``lean``, ``lean`` with its gradients held until
 the step or released from the first step on, ``lean-clip``: ``lean`` in a loop that clips by
 global norm before every step, which holds them, ``lean-accum``: two backward passes per step,
-likewise, and ``lean`` with 4-bit states); and
+likewise, ``lean`` with 4-bit states, and ``lean-fp32-compute``, storage-only precision:
+``lean``'s tensors with the forward and backward in fp32); and
 ``torchao-adamw8bit`` (bf16 weights, torchao's 8-bit AdamW) when torchao is installed. The
 header names the machine and torch. Any mode with ``+fused`` appended (``fp32+fused``,
 ``O3+fused``) is that mode with the user's ``AdamW(params, lr, fused=True)`` instead of the
@@ -80,6 +81,9 @@ RECIPES = {
     "lean-4bit-nearest": "lean optimizer_states=4-bit update=nearest",
     "lean-coded": "lean gradients=coded",  # gradients as 8-bit codes from backward to step
     "lean-4bit-coded": "lean optimizer_states=4-bit gradients=coded",
+    # storage-only precision: lean's tensors, the forward and backward in fp32 (each layer's
+    # bf16 weights widened for its own forward and again for its backward, one at a time)
+    "lean-fp32-compute": "lean compute=fp32",
 }
 MODES = ("fp32", "torch-autocast", *RECIPES, "torchao-adamw8bit")
 #: modes accepted but not run by default: the model cast to bf16, torch's optimizer, no mixprec
@@ -104,12 +108,13 @@ UPDATE_BYTES = {
     "O3-kahan-8bit": 2 * (2 + 2 + 2 * 1.016) + 2,
     "lean": 2 * (2 + 2 * 1.016) + 2,  # bf16 weight (stochastic), 8-bit m and v
     "lean-held": 2 * (2 + 2 * 1.016) + 2,
+    "lean-fp32-compute": 2 * (2 + 2 * 1.016) + 2,
     "lean-4bit": 2 * (2 + 2 * 0.516) + 2,
     "lean-4bit-nearest": 2 * (2 + 2 * 0.516) + 2,
 }
 #: modes whose update runs inside the backward (released gradients): their update time is
 #: backward + step, an upper bound (the gradient's computation is in it)
-RELEASED = ("lean", "lean-4bit", "lean-4bit-nearest")
+RELEASED = ("lean", "lean-4bit", "lean-4bit-nearest", "lean-fp32-compute")
 BF16 = torch.bfloat16
 
 

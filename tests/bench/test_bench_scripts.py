@@ -105,7 +105,13 @@ def test_bench_state_trains_each_mode_and_counts_bytes_per_parameter(mode):
 
 
 @pytest.mark.parametrize(
-    ("mode", "loop"), [("lean", "clip-accum"), ("bf16-weights+fused", "clip"), ("O3", "plain")]
+    ("mode", "loop"),
+    [
+        ("lean", "clip-accum"),
+        ("bf16-weights+fused", "clip"),
+        ("O3", "plain"),
+        ("lean-fp32-compute", "plain"),
+    ],
 )
 def test_bench_state_loops_report_each_step_and_the_recipe_table(mode, loop):
     """``--loops``' code path in tiny shapes: a peak per step, the summary and the table row."""
@@ -118,7 +124,7 @@ def test_bench_state_loops_report_each_step_and_the_recipe_table(mode, loop):
     if mode == "bf16-weights+fused":
         assert row["table"] is None and row["gap"] is None
     else:
-        assert row["table"] == {"lean": 4.0, "O3": 12.0}[mode]
+        assert row["table"] == {"lean": 4.0, "O3": 12.0, "lean-fp32-compute": 4.0}[mode]
         assert row["gap"] == round(row["max_1_4"] - row["table"], 2)
     assert f"| mlp | {mode} | {loop} |" in bench_state.loop_table([row], steps=2)
 
