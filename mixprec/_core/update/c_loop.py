@@ -227,25 +227,22 @@ def _ptr(t: Any) -> int | None:
 
 def run(
     key: Any,
-    rows: int,
-    cols: int,
     tensors: tuple[Tensor, Tensor | None, Tensor],
     states: list[Any],
     scalars: Tensor,
     base: int,
     mix: int,
 ) -> None:
-    """One step of ``rows`` x ``cols`` elements: ``tensors`` = (weight, compensation or None,
-    gradient), ``states`` = up to two states (a tensor, (codes, scales), or (fp32 values read
-    this once, codes, scales)), ``scalars`` = :func:`.spec.scalars` of this kind; on torch's
-    intra-op threads, each taking at least :data:`PER_THREAD` elements."""
+    """One step: ``tensors`` = (weight, compensation or None, gradient), 2-D (rows of blocks)
+    where a state is coded, ``states`` = up to two states (a tensor, (codes, scales), or (fp32
+    values read this once, codes, scales)), ``scalars`` = :func:`.spec.scalars` of this kind;
+    on torch's intra-op threads, each taking at least :data:`PER_THREAD` elements."""
     fn = kernel(key)
-    coded = any(isinstance(st, tuple) for st in states)
-    if not coded:
-        rows, cols = 1, rows * cols
-    threads = max(1, min(torch.get_num_threads(), rows * cols // PER_THREAD, rows if coded else
-                         rows * cols))  # fmt: skip
     w, c, g = tensors
+    coded = any(isinstance(st, tuple) for st in states)
+    rows, cols = w.shape if coded else (1, w.numel())
+    most = rows if coded else cols  # threads split rows of codes, or one run of elements
+    threads = max(1, min(torch.get_num_threads(), rows * cols // PER_THREAD, most))
     ptrs: list[int | None] = [_ptr(w), _ptr(c), _ptr(g)]
     for st in (*states, None, None)[:2]:
         if isinstance(st, tuple):

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.optim.optimizer import _get_scalar_dtype
 
 from mixprec._core._warnings import MixprecPerformanceWarning, user_stacklevel
-from mixprec._core.update import spec
+from mixprec._core.update import c_loop, spec
 from mixprec._core.update.compiled_step import OPTIONS, build
 from mixprec._core.update.heap import trim_heap
 from mixprec._core.update.release import all_finite
@@ -96,8 +96,6 @@ class FusedUpdates:
         """Whether every element of gradient ``g`` is finite: one C pass where a CPU parameter
         is stepped by the C loop, torch ops otherwise."""
         if self.kernels != "torch" and spec.CPU_BACKEND == "c":
-            from mixprec._core.update import c_loop
-
             done = c_loop.all_finite(g)
             if done is not None:
                 return done
@@ -105,7 +103,7 @@ class FusedUpdates:
 
     @torch.no_grad()
     def step(self, updater: Any, group: dict, params: list[Tensor], drop: bool = False) -> list:
-        """Step what a backend takes of ``params`` (of ``group`` of ``lean``, the
+        """Step what a backend takes of ``params`` (of ``group`` of ``updater``, the
         :class:`~mixprec._core.update.modes.ModeUpdater`), freeing each one's gradient where
         ``drop``; return those left to the reference."""
         rest = []
@@ -123,24 +121,14 @@ class FusedUpdates:
         return rest
 
     def _run(self, choice: Choice, updater: Any, group: dict, p: Tensor, local: Tensor) -> bool:
+        """``p``'s step in one pass on ``choice``'s backend, its first states made here; False
+        where the backend cannot be built (the reference makes them)."""
         kind, state = choice.kind, updater.optimizer.state[p]
         first = not state and bool(kind.states)
         if first:
             _first_state(kind, state, local)
-        if not self._pass(kind, choice.backend, updater, group, p, local, state):
-            if first:
-                state.clear()  # the reference's first step makes it
-            return False
-        self.fused_steps += 1
-        return True
-
-    def _pass(
-        self, kind: StepKind, backend: str, updater: Any, group: dict, p: Tensor, local: Tensor,
-        state: dict,
-    ) -> bool:  # fmt: skip
         if kind.optimizer == "adam" and state["step"].device.type != "cpu":
-            # torch's fused kernel keeps the count on the parameter's device (a GPU): the host
-            # reads it every step, so it moves to the host once
+            # torch's fused kernel keeps the count on a GPU: the host reads it, so it moves once
             state["step"] = state["step"].to("cpu", torch.float32)
         view = (local.shape[0], local.numel() // local.shape[0]) if kind.coded else (-1,)
         g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
@@ -150,26 +138,24 @@ class FusedUpdates:
         keys = (0, 0)
         if kind.update == "stochastic":
             key, mix = round_keys(updater.seed, updater.steps, updater._ordinal[id(p)])
-            keys = ((shard_offset(p) + key) & _MASK, mix & _MASK)
+            keys = ((shard_offset(p) + key) & _MASK, mix)
         comp = updater.compensation.get(p)
         tensors = (local.view(view), None if comp is None else comp.view(view), g.view(view))
-        states = [x for x, _ in operands]
-        run = self._run_c if backend == "c" else self._run_compiled
-        if not run(kind, tensors, states, sc, keys):
+        run = self._run_c if choice.backend == "c" else self._run_compiled
+        if not run(kind, tensors, [x for x, _ in operands], sc, keys):
+            if first:
+                state.clear()
             return False
         for k, (_, coded_now) in zip(kind.names, operands):
             if coded_now is not None:
                 state[k] = coded_now
         if kind.optimizer == "adam":
-            from mixprec._core.update.c_loop import count_step
-
-            count_step(state["step"])
+            c_loop.count_step(state["step"])
+        self.fused_steps += 1
         return True
 
     def _run_c(self, kind: StepKind, tensors: tuple, states: list, sc: Tensor, keys: tuple) -> bool:
         """The step through :mod:`.c_loop` (a C loop); False where it cannot be built."""
-        from mixprec._core.update import c_loop
-
         first = kind not in c_loop._STEPS  # its library is built (or loaded) now
         t0 = time.perf_counter()
         try:
@@ -178,9 +164,7 @@ class FusedUpdates:
             return self._failed(kind, exc)
         if first:
             self.compile_seconds += time.perf_counter() - t0
-        w = tensors[0]
-        rows, cols = (w.shape[0], w.shape[1]) if kind.coded else (1, w.numel())
-        c_loop.run(kind, rows, cols, tensors, states, sc, *keys)
+        c_loop.run(kind, tensors, states, sc, *keys)
         return True
 
     def _run_compiled(
