@@ -49,6 +49,7 @@ _FALLBACKS = (("-fopenmp",), ("-fopenmp", "-march=native"))
 _LOADED: dict[tuple, ctypes.CDLL] = {}
 _STEPS: dict[tuple, Callable[..., None]] = {}
 _LOCK = threading.Lock()
+_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 def _compiler() -> str:
@@ -98,14 +99,20 @@ def _cache() -> Path:
 
 
 def _build(defines: list[str]) -> Path:
+    """The library of ``defines``: from the cache, or compiled into it on first use."""
     cc = _compiler()
-    source = _SOURCE.read_bytes()
-    parts = [source, *(" ".join(x).encode() for x in (defines, _FLAGS)), cc.encode(),
-             _cpu_flags().encode()]  # fmt: skip
+    parts = [_SOURCE.read_bytes(), *(" ".join(x).encode() for x in (defines, _FLAGS)),
+             cc.encode(), _cpu_flags().encode()]  # fmt: skip
     digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:24]
     lib = _cache() / f"step-{digest}.so"
-    if lib.exists():
-        return lib
+    if not lib.exists():
+        _compile(cc, defines, lib)
+    return lib
+
+
+def _compile(cc: str, defines: list[str], lib: Path) -> None:
+    """Compile ``lib`` with the full flags, else with fewer (:data:`_FALLBACKS`); raises where
+    none builds."""
     tmp = lib.with_suffix(f".{os.getpid()}.tmp")
     errors = []
     for flags in (_FLAGS, *(tuple(f for f in _FLAGS if f not in out) for out in _FALLBACKS)):
@@ -113,22 +120,19 @@ def _build(defines: list[str]) -> Path:
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if not done.returncode:
             os.replace(tmp, lib)  # atomic: a concurrent process sees the whole library or none
-            return lib
+            return
         errors.append(f"{' '.join(cmd)}: {done.stderr.strip()[:300]}")
     raise RuntimeError("building the fused update failed: " + " | ".join(errors))
 
 
 def _library(key: Any) -> ctypes.CDLL:
     """The library of a :class:`.spec.StepKind` (``("finite",)``: the finite check alone),
-    built on first use (raises if it cannot be)."""
-    lib = _LOADED.get(key)
-    if lib is None:
-        with _LOCK:
-            lib = _LOADED.get(key)
-            if lib is None:
-                defines = ["-DFINITE_ONLY"] if key == ("finite",) else key.defines()
-                lib = _LOADED[key] = ctypes.CDLL(str(_build(defines)))
-    return lib
+    built on first use (raises if it cannot be); its functions are kept, so this runs once."""
+    with _LOCK:
+        if key not in _LOADED:
+            defines = ["-DFINITE_ONLY"] if key == ("finite",) else key.defines()
+            _LOADED[key] = ctypes.CDLL(str(_build(defines)))
+        return _LOADED[key]
 
 
 def kernel(key: Any) -> Callable[..., None]:
@@ -137,8 +141,7 @@ def kernel(key: Any) -> Callable[..., None]:
     if fn is None:
         fn = _library(key).mixprec_step
         fn.restype = None
-        fn.argtypes = [ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 10,
-                       ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int]  # fmt: skip
+        fn.argtypes = [_I64, _I64, *[_P] * 10, ctypes.c_uint32, ctypes.c_uint32, _I]
         _STEPS[key] = fn
     return fn
 
@@ -152,16 +155,8 @@ def all_finite(g: Tensor) -> bool | None:
     kind = _FINITE_KINDS.get(g.dtype)
     if kind is None or g.device.type != "cpu" or not g.is_contiguous():
         return None
-    fn = _STEPS.get(("finite",))
-    if fn is None:
-        try:
-            fn = _library(("finite",)).mixprec_finite
-        except Exception:  # noqa: BLE001 -- no compiler: the caller checks with torch ops
-            return None
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-        _STEPS["finite",] = fn
-    return bool(fn(g.numel(), g.data_ptr(), kind))
+    fn = _finite_lib_fn("mixprec_finite", ctypes.c_int, [_I64, _P, _I])
+    return None if fn is None else bool(fn(g.numel(), g.data_ptr(), kind))
 
 
 def _finite_lib_fn(name: str, restype: Any, argtypes: list) -> Callable[..., Any] | None:
@@ -175,9 +170,6 @@ def _finite_lib_fn(name: str, restype: Any, argtypes: list) -> Callable[..., Any
         fn.restype, fn.argtypes = restype, argtypes
         _STEPS[name,] = fn
     return fn
-
-
-_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 def code_grad(g: Tensor, codes: Tensor, scales: Tensor) -> bool | None:
@@ -214,11 +206,11 @@ _SCALAR = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
 def count_step(step: Tensor) -> None:
     """``step += 1`` for an optimizer's step count held in a CPU float tensor, without a torch
     op (a dispatch per parameter costs more than the C loop of a small one)."""
-    kind = _SCALAR.get(step.dtype)
-    if kind is None or step.device.type != "cpu" or step.numel() != 1:
+    kind = _SCALAR.get(step.dtype) if step.device.type == "cpu" else None
+    if kind is None:
         step.add_(1)
-        return
-    kind.from_address(step.data_ptr()).value += 1
+    else:
+        kind.from_address(step.data_ptr()).value += 1
 
 
 def _ptr(t: Any) -> int | None:
