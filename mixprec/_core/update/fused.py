@@ -29,7 +29,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from mixprec._core._warnings import MixprecPerformanceWarning, user_stacklevel
 from mixprec._core.update import c_loop, spec
 from mixprec._core.update.compiled_step import OPTIONS, build
-from mixprec._core.update.heap import trim_heap
+from mixprec._core.update.heap import first_on_cpu, trim_heap
 from mixprec._core.update.release import all_finite
 from mixprec._core.update.rounding import round_keys, shard_offset
 from mixprec._core.update.spec import Choice, StepKind
@@ -111,7 +111,7 @@ class FusedUpdates:
             local = p.to_local() if hasattr(p, "to_local") else p
             choice = spec.choose(updater, group, p, local, _FAILED)
             self.choices[id(p)] = choice
-            fresh = drop and local.device.type == "cpu" and not updater.optimizer.state.get(p)
+            fresh = drop and first_on_cpu(updater.optimizer.state, [p])
             if choice.kind is None or not self._run(choice, updater, group, p, local):
                 rest.append(p)
             elif drop:

@@ -10,7 +10,7 @@ import ctypes
 import functools
 from typing import Any
 
-__all__ = ["trim_heap"]
+__all__ = ["first_on_cpu", "trim_heap"]
 
 
 @functools.cache
@@ -34,3 +34,9 @@ def trim_heap() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def first_on_cpu(state: dict, params: list[Any]) -> bool:
+    """Whether some of ``params`` (on one device) take their first step on a CPU: the blocks it
+    frees beside their new states stay resident unless the heap is trimmed."""
+    return bool(params) and params[0].device.type == "cpu" and not all(map(state.get, params))

@@ -13,14 +13,21 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from mixprec._core._warnings import MixprecNumericsWarning, MixprecWarning, user_stacklevel
-from mixprec._core.update.heap import trim_heap
+from mixprec._core.update.heap import first_on_cpu, trim_heap
 
-__all__ = ["RELEASED", "ReleasedGradients"]
+__all__ = ["RELEASED", "SPARSE", "ReleasedGradients"]
+
+#: why an update mode refuses a sparse gradient
+SPARSE = (
+    "update modes need dense gradients; a parameter has a sparse gradient (use update=None "
+    "for this optimizer)."
+)
 
 #: why a clip of released gradients is refused (``gradients="released"``)
 RELEASED = (
@@ -67,10 +74,11 @@ def all_finite(g: Tensor) -> bool:
 
 class ReleasedGradients:
     """The release half of :class:`~mixprec._core.update.modes.ModeUpdater` (a mixin: it reads the
-    updater's ``optimizer``, ``_step_params``, ``_free_scratch``, ``nonfinite``, ``_released``,
-    ``release``, ``_ordinal`` and ``add_params``)."""
+    updater's ``optimizer``, ``fused``, ``_step_params``, ``_free_scratch``, ``_ordinal`` and
+    ``add_params``)."""
 
     optimizer: torch.optim.Optimizer
+    fused: Any  # the updater's .fused.FusedUpdates
     release: bool
     _ordinal: dict[int, int]  # id(param) -> its position, a key of the stochastic rounding
 
@@ -138,21 +146,13 @@ class ReleasedGradients:
         if p.grad is None:
             return
         if p.grad.is_sparse:
-            raise RuntimeError("update modes need dense gradients; use update=None.")
-        fused = self.__dict__.get("fused")  # the updater's kernels check it fastest
-        if not (fused.finite(p.grad) if fused is not None else all_finite(p.grad)):
+            raise RuntimeError(SPARSE)
+        if not self.fused.finite(p.grad):
             self.nonfinite += 1
             p.grad = None
             return
-        groups = self.optimizer.param_groups
-        index = self._group_of(groups, p)
-        saved = [g["params"] for g in groups]
-        fresh = p.device.type == "cpu" and not self.optimizer.state.get(p)
-        try:
-            self._step_params(groups, index, [p], False)
-        finally:
-            for g, plist in zip(groups, saved):
-                g["params"] = plist
+        fresh = first_on_cpu(self.optimizer.state, [p])
+        self._step_params(self._group_of(p), [p], False)
         p.grad = None
         if fresh:  # its first state was made, narrowed and freed: holes that stay resident
             trim_heap()  # (see trim_heap); later steps reuse their own holes, and trimming
@@ -171,10 +171,11 @@ class ReleasedGradients:
             "gradients='auto' or 'held' (e.g. Recipe('lean', gradients='held')) to accumulate."
         )
 
-    def _group_of(self, groups: list[dict], p: Tensor) -> int:
+    def _group_of(self, p: Tensor) -> int:
         """The index of ``p``'s group, from a table of each parameter's (group, position) made
         again when ``p`` is not where it says (a scan per parameter would cost the square of
         their number in host time each step)."""
+        groups = self.optimizer.param_groups
         table = self.__dict__.get("_groups_table", {})
         i, k = table.get(id(p), (len(groups), 0))
         plist = groups[i]["params"] if i < len(groups) else ()
