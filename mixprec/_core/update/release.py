@@ -1,12 +1,11 @@
 """Gradients released in backward: each 16-bit parameter stepped in its post-accumulate-grad
-hook and its gradient freed (``Recipe(gradients="released")``), so the gradients never exist
-all at once.
+hook and its gradient freed (``Recipe(gradients="released")``), so they never exist all at once.
 
 What needs every gradient -- a whole-step skip, clipping, accumulation, DDP -- is refused with
 the fix, not done wrong; a non-finite gradient leaves its own parameter unchanged and the step
-warns. ``gradients="auto"`` lets the loop decide: its first step holds the gradients and
-watches for a clip or a second gradient, and releases them from the next backward on if it sees
-neither. ``docs/design.md``, "Optimizer states in fewer bits", its subsection on released gradients.
+warns. ``gradients="auto"``'s first step holds the gradients and watches for a clip or a second
+gradient; seeing neither, it releases them from the next backward on. ``docs/design.md``,
+"Optimizer states in fewer bits", its subsection on released gradients.
 """
 
 from __future__ import annotations
@@ -102,15 +101,14 @@ class ReleasedGradients:
         return new
 
     def _init_release(self, release: bool | str) -> None:
-        """``release``: False (held), True (``gradients="released"``) or ``"auto"`` (held or
-        released as the first step shows; see the module docstring)."""
-        if release not in (False, True, "auto", "coded"):
+        """``release``: False (held), True (``gradients="released"``), ``"auto"`` (held or
+        released as the first step shows; see the module docstring) or ``"coded"``."""
+        mode = {False: "held", True: "released", "auto": "auto", "coded": "coded"}.get(release)
+        if mode is None:
             raise ValueError(
                 f"release must be False, True, 'auto' or 'coded', received {release!r}."
             )
-        self.release_mode = (
-            release if release in ("auto", "coded") else "released" if release else "held"
-        )
+        self.release_mode = mode
         self.release = release is True  # whether gradients are released in backward now
         self.deciding = release == "auto"  # "auto" before the end of its first step
         self.held_for: str | None = None  # what "auto"'s first step did that needs them held
@@ -196,9 +194,8 @@ class ReleasedGradients:
 
     def _settle_release(self) -> bool:
         """End "auto"'s first step (one with a backward): hold the gradients for good if it
-        clipped or accumulated (and say so once), else release them from the next backward.
-        Returns whether this step is that first one and releases: it frees each 16-bit
-        gradient as soon as its chunk is stepped, which keeps its peak the released one."""
+        clipped or accumulated (and say so once), else release them from the next backward and
+        return True: this step frees each gradient once stepped (its peak the released one)."""
         if not self.deciding or not self._released:
             return False
         self.deciding = False
@@ -230,13 +227,17 @@ class ReleasedGradients:
         if self.release_mode == "coded":
             self._drop_codes()  # stepped, or skipped with the step
         if self.nonfinite:
-            count, self.nonfinite = self.nonfinite, 0
-            warnings.warn(
-                f"{count} parameter(s) received a non-finite gradient with gradients="
-                "'released': those parameters and their optimizer states were left unchanged, "
-                "but the others had already been stepped in backward (a step cannot be skipped "
-                "as a whole once gradients are released). Use gradients='held' to skip whole "
-                "steps.",
-                MixprecNumericsWarning,
-                stacklevel=user_stacklevel(),
-            )
+            self._warn_nonfinite()
+
+    def _warn_nonfinite(self) -> None:
+        """Say how many released parameters a non-finite gradient left unchanged this step."""
+        count, self.nonfinite = self.nonfinite, 0
+        warnings.warn(
+            f"{count} parameter(s) received a non-finite gradient with gradients="
+            "'released': those parameters and their optimizer states were left unchanged, "
+            "but the others had already been stepped in backward (a step cannot be skipped "
+            "as a whole once gradients are released). Use gradients='held' to skip whole "
+            "steps.",
+            MixprecNumericsWarning,
+            stacklevel=user_stacklevel(),
+        )
