@@ -1,14 +1,13 @@
 """The one-pass update on a CPU: ``c_loop.c``, built per kind of step by the machine's C
 compiler and called through :mod:`ctypes` (which releases the GIL).
 
-One source, specialised by the defines of a :class:`.spec.StepKind` and compiled with
-``-O3 -march=native -ffp-contract=off`` (no FMA: each fp32 operation rounds on its own, as the
-compiled loop's do) into a private per-user cache, keyed by everything the library depends on:
-the source, the defines, the flags, the compiler and the CPU's feature flags. A large
-parameter's step runs on torch's intra-op threads through the libgomp torch already loaded,
-splitting rows (codes) or runs of elements without changing a bit. Without a C compiler
-:func:`kernel` raises, and :mod:`.fused` leaves the step to the reference with one warning.
-Why a C loop and not inductor's C++: ``docs/design.md``, "Lean 16-bit updates".
+One source, specialised by a :class:`.spec.StepKind`'s defines, compiled with ``-O3
+-march=native -ffp-contract=off`` (no FMA: each fp32 operation rounds on its own, as the
+compiled loop's do) into a private per-user cache keyed by all the library depends on: source,
+defines, flags, compiler, the CPU's feature flags. A large parameter runs on torch's intra-op
+threads (libgomp, which torch loaded), split by rows (codes) or runs of elements, bit for bit.
+Without a C compiler :func:`kernel` raises, and :mod:`.fused` leaves the step to the
+reference. Why a C loop and not inductor's C++: ``docs/design.md``, "Lean 16-bit updates".
 """
 
 from __future__ import annotations
@@ -217,18 +216,11 @@ def _ptr(t: Any) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def run(
-    key: Any,
-    tensors: tuple[Tensor, Tensor | None, Tensor],
-    states: list[Any],
-    scalars: Tensor,
-    base: int,
-    mix: int,
-) -> None:
-    """One step: ``tensors`` = (weight, compensation or None, gradient), 2-D (rows of blocks)
-    where a state is coded, ``states`` = up to two states (a tensor, (codes, scales), or (fp32
-    values read this once, codes, scales)), ``scalars`` = :func:`.spec.scalars` of this kind;
-    on torch's intra-op threads, each taking at least :data:`PER_THREAD` elements."""
+def run(key: Any, tensors: tuple, states: list, scalars: Tensor, base: int, mix: int) -> None:
+    """One step of ``key``: ``tensors`` = (weight, compensation or None, gradient), 2-D (rows
+    of blocks) where a state is coded, ``states`` = up to two states (a tensor, (codes, scales),
+    or (fp32 values read this once, codes, scales)), ``scalars`` = :func:`.spec.scalars`; on
+    torch's intra-op threads, each taking at least :data:`PER_THREAD` elements."""
     fn = kernel(key)
     w, c, g = tensors
     coded = any(isinstance(st, tuple) for st in states)

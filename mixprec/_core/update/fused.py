@@ -1,17 +1,13 @@
 """The one-pass update: each parameter's step in one loop over its memory, no temporaries.
 
-For torch's ``Adam``, ``AdamW`` and ``SGD`` under an update mode, the step of one 16-bit
-parameter -- widen ``w (+ c)``, the optimizer's fp32 math, the write-back (nearest, Kahan or
-stochastic), states decoded and re-coded in the same pass -- is one kind of step
-(:class:`.spec.StepKind`), and :func:`.spec.choose` says which backend runs it: the C loop on a
-CPU (:mod:`.c_loop`), :func:`torch.compile` of :mod:`.compiled_step` elsewhere (Triton on a
-GPU), or the reference (:mod:`.modes`'s chunk path) for what neither supports. Hyperparameters
-and the step count are tensor inputs, so a schedule never recompiles; every size is one shape
-class (1-D views, or (rows, row length) where codes keep blocks in a row). Numerics: the
-reference's formula on the same fp32 operands, each operation rounded on its own; a skipped
-step never reaches the updater. A build that fails (no C compiler, a dtype the backend lacks)
-leaves that kind to the reference and says so once. The measurements that chose each
-backend: ``docs/design.md``, "Lean 16-bit updates".
+For torch's ``Adam``, ``AdamW`` and ``SGD`` under an update mode, one 16-bit parameter's step
+-- widen ``w (+ c)``, the optimizer's fp32 math, the write-back (nearest, Kahan or stochastic),
+states decoded and re-coded -- is one pass of the backend :func:`.spec.choose` picks.
+Hyperparameters and the step count are inputs, so a schedule never recompiles; every size is
+one shape class (1-D views, or rows where codes keep blocks in a row). Numerics: the
+reference's formula on the same fp32 operands, each operation rounded on its own. A build that
+fails (no C compiler, a dtype the backend lacks) leaves that kind to the reference and says so
+once. The measurements that chose each backend: ``docs/design.md``, "Lean 16-bit updates".
 """
 
 from __future__ import annotations
@@ -58,16 +54,12 @@ def _operand(st: Any, held: spec.Held, view: tuple[int, ...]) -> tuple[Any, Any]
 
 def _first_state(kind: StepKind, state: dict, local: Tensor) -> None:
     """The state torch's optimizer makes on a first step, in the recipe's storage: zeros (codes
-    with zero block scales: no fp32 temporaries, whose freed blocks the C heap would keep
-    resident through the first step), and Adam's step count."""
+    of zero, not fp32 zeros coded: the C heap would keep their freed blocks), Adam's count."""
     if kind.optimizer == "adam":
         state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
     for k, held in zip(kind.names, kind.states):
         if held.fmt is not None:
-            q = QuantizedState.empty(local.shape, held.fmt, held.kind, local.device)
-            q.codes.zero_()
-            q.scale.zero_()
-            state[k] = q
+            state[k] = QuantizedState.zeros(local.shape, held.fmt, held.kind, local.device)
         else:
             state[k] = torch.zeros(local.shape, dtype=held.dtype, device=local.device)
 
