@@ -25,11 +25,9 @@ def _malloc_trim() -> Any:
 def trim_heap() -> None:
     """Give the C heap's free pages back to the system (nothing where there is no glibc).
 
-    A chunk that gets its first state frees fp32 temporaries (the optimizer's fresh fp32 first
-    moment, its scratch) between the state it keeps. glibc, whose mmap threshold has by then
-    risen to a parameter's size, keeps them as holes in its heap, which small allocations split
-    and the next chunks then only partly reuse: they stayed resident, ~2 bytes per parameter of
-    an AdamW model above its state. Called after such chunks only (a first step).
+    A first step frees temporaries beside the states it keeps; glibc, its mmap threshold risen
+    to a parameter's size by then, keeps them as holes that small allocations split and later
+    steps only partly reuse: ~2 resident bytes per parameter of an AdamW model above its state.
     """
     trim = _malloc_trim()
     if trim is not None:

@@ -2,12 +2,11 @@
 nearest rounding, Kahan compensation or stochastic rounding (Zamirai et al. 2020, Collage 2024).
 
 :class:`ModeUpdater` steps each 16-bit parameter in one pass where a backend takes it
-(:mod:`.fused`); the rest -- any per-parameter optimizer -- are the reference: widened with
-their gradients and states into fp32 temporaries a chunk at a time, stepped by the wrapped
-optimizer's own ``step()``, then narrowed and rounded back. States are stored per key as the
-recipe says (first moments 16-bit and second moments fp32 by default, or 8/4-bit codes); the
-stochastic rounding's bits hash (seed, step, parameter, element index), so every layout
-rounds alike and a resume is bit-exact. ``docs/design.md``, "Lean 16-bit updates".
+(:mod:`.fused`); the rest, of any per-parameter optimizer, are the reference: widened with their
+gradients and states into fp32 temporaries a chunk at a time, stepped by the optimizer's own
+``step()``, narrowed and rounded back. States are stored per key as the recipe says; the
+stochastic rounding's bits hash (seed, step, parameter, element index), so every layout rounds
+alike and a resume is bit-exact. ``docs/design.md``, "Lean 16-bit updates".
 """
 
 from __future__ import annotations
@@ -86,6 +85,7 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
         their release hook when gradients are released in backward (registered with the
         clipping guard, which refuses a clip of gradients that are gone)."""
         params = list(params)
+        hooks = self.release_mode != "held"  # released, or "auto" until its first step decides
         for p in params:
             self._ordinal.setdefault(id(p), len(self._ordinal))
             if p.dtype not in _LOW:
@@ -94,9 +94,9 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
                 self.compensation[p] = torch.zeros_like(
                     _local(p), memory_format=torch.contiguous_format
                 )
-            if self.hooks and p.requires_grad:
+            if hooks and p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._step_released)
-        if self.hooks:  # released, or "auto" until its first step decides
+        if hooks:
             register_released(params, self)
 
     def explain(self) -> str:
@@ -126,8 +126,6 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
     def step(self) -> Any:
         """One optimizer step over every parameter with a gradient; returns the last result."""
         result = None
-        # fp32 scratch reused by every chunk of this step (fresh CPU buffers fault pages)
-        self._scratch = {}
         drop = self._settle_release()  # "auto"'s first step, releasing: free grads as used
         try:
             for gi, group in enumerate(self.optimizer.param_groups):
@@ -174,10 +172,9 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
             trim_heap()
 
     def gradients_freed(self) -> None:
-        """``zero_grad`` freed held 16-bit gradients: on a CPU, hand their pages back (see
-        trim_heap). The next backward's gradients, allocated between the step's own small
-        tensors, would otherwise land in fresh pages while these stay resident -- a little
-        more each step (measured: 6.8 -> 8.2 B/param and growing in a clipping loop)."""
+        """``zero_grad`` freed held 16-bit gradients: on a CPU, hand their pages back, or the
+        next backward's land in fresh pages between the step's small tensors while these stay
+        resident (measured: 6.8 -> 8.2 B/param and growing in a clipping loop)."""
         groups = self.optimizer.param_groups  # the first parameter's device, not a list of all
         first = next((g["params"][0] for g in groups if g["params"]), None)
         if not self.release and first is not None and first.device.type == "cpu":  # held

@@ -115,11 +115,6 @@ class ReleasedGradients:
         self.nonfinite = 0  # released parameters left unchanged for a non-finite gradient
         self._released: set[int] = set()  # ids of the parameters with a gradient in this step
 
-    @property
-    def hooks(self) -> bool:
-        """Whether 16-bit parameters get the release hook (released now, or maybe later)."""
-        return self.release_mode != "held"
-
     @torch.no_grad()
     def _step_released(self, p: Tensor) -> None:
         """Step ``p`` alone as soon as its gradient is complete, then free the gradient (a

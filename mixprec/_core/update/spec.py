@@ -117,7 +117,7 @@ class StepKind(NamedTuple):
                 f"-DG={_CODE[self.grad]}"]  # fmt: skip
         for i, held in enumerate(self.states):
             out += held.defines(f"S{i + 1}")
-        return out + [f"-DSC_{k.upper()}={i}" for k, i in index(self.optimizer).items()]
+        return out + [f"-DSC_{k.upper()}={i}" for i, k in enumerate(SCALARS[self.optimizer])]
 
 
 def scalars(kind: StepKind, group: dict, state: dict) -> list[float]:
