@@ -165,8 +165,7 @@ def _stored(key: str, want: Any, local: Tensor) -> Held | str:
 
 def _held(t: Any, want: Held, local: Tensor) -> Held | str:
     """How state ``t`` is held where the recipe stores it as ``want``, or why only the reference
-    steps it. fp32 values where codes are wanted (a checkpoint that saved them decoded) are
-    read as fp32 this once and written as codes."""
+    steps it; fp32 values where codes are wanted (saved decoded) are coded by this step."""
     if isinstance(t, QuantizedState):
         if (t.fmt, t.kind, t.shape, t.device) != (want.fmt, want.kind, local.shape, local.device):
             return f"a state held as {t.fmt} codes of another shape, device or format"
@@ -185,8 +184,6 @@ def _states(optimizer: Any, group: dict, state: dict, policy: Any, local: Tensor
     """The states' :class:`Held` (a first step's as the recipe stores them: zeros, as torch's
     optimizers start them), or why only the reference steps them."""
     adam = isinstance(optimizer, Adam)
-    if adam and group.get("amsgrad"):
-        return "amsgrad (its running maximum is a third state)"
     names = _NAMES["adam"] if adam else _NAMES["sgd"] if group.get("momentum") else ()
     if not state and names and group.get("dampening"):
         return "its first step with dampening (torch's buffer starts as the gradient itself)"
@@ -207,21 +204,13 @@ def _states(optimizer: Any, group: dict, state: dict, policy: Any, local: Tensor
     return tuple(held)
 
 
-def _gradient(p: Tensor, local: Tensor) -> Tensor | str:
-    """``p``'s gradient as this rank holds it (dense: the updater refuses a sparse one), or why
-    only the reference steps it."""
-    g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-    if g.dtype not in _FLOATS:
-        return f"a {g.dtype} gradient"
-    if not g.is_contiguous() or g.shape != local.shape or g.device != local.device:
-        return "a gradient of another layout, shape or device than its weight"
-    return g
-
-
-def _refusal(optimizer: Any, group: dict, local: Tensor, update: str) -> str | None:
-    """Why no backend but the reference steps this optimizer's 16-bit parameter, or None."""
+def _refusal(optimizer: Any, group: dict, local: Tensor, g: Tensor, update: str) -> str | None:
+    """Why no backend but the reference steps this optimizer's 16-bit parameter (``local`` and
+    its dense gradient ``g`` as this rank holds them), or None."""
     if type(optimizer) not in (Adam, AdamW, SGD):
         return f"{type(optimizer).__name__} has no one-pass step (Adam, AdamW and SGD have)"
+    if group.get("amsgrad"):
+        return "amsgrad (its running maximum is a third state)"
     if group.get("differentiable") or group.get("capturable"):
         return "a differentiable or capturable group"
     if group.get("fused") is False or group.get("foreach") is False:
@@ -230,13 +219,17 @@ def _refusal(optimizer: Any, group: dict, local: Tensor, update: str) -> str | N
         return "stochastic rounding of a float16 weight"
     if not local.is_contiguous() or local.numel() < 2:
         return "a non-contiguous weight, or one of fewer than 2 elements"
+    if g.dtype not in _FLOATS:
+        return f"a {g.dtype} gradient"
+    if not g.is_contiguous() or g.shape != local.shape or g.device != local.device:
+        return "a gradient of another layout, shape or device than its weight"
     return None
 
 
 def choose(updater: Any, group: dict, p: Tensor, local: Tensor, failed: set) -> Choice:
-    """Which backend steps ``p`` (a 16-bit parameter of ``group`` of ``updater``, a
+    """Which backend steps ``p`` (a 16-bit parameter of ``group`` of ``updater``, the
     :class:`~mixprec._core.update.modes.ModeUpdater`; ``local``: its tensor on this rank) this
-    step, and why. ``failed``: the kinds whose build failed here."""
+    step, and why; ``failed``: the kinds whose build failed here."""
     optimizer, kernels = updater.optimizer, updater.fused.kernels
     if kernels == "torch":
         return _chunk("the recipe's kernels='torch'")
@@ -245,10 +238,10 @@ def choose(updater: Any, group: dict, p: Tensor, local: Tensor, failed: set) -> 
         return _chunk("mixprec._core.update.spec.CPU_BACKEND is 'chunk'")
     if backend == "compiled" and local.numel() < MIN_NUMEL:
         return _chunk(f"{local.numel()} elements: below the {MIN_NUMEL} a compile is worth")
-    why = _refusal(optimizer, group, local, updater.update)
-    g = _gradient(p, local) if why is None else why
-    if isinstance(g, str):
-        return _chunk(g)
+    g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+    why = _refusal(optimizer, group, local, g, updater.update)
+    if why is not None:
+        return _chunk(why)
     states = _states(optimizer, group, optimizer.state.get(p) or {}, updater._dtype_for, local)
     if isinstance(states, str):
         return _chunk(states)
