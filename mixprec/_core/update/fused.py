@@ -76,8 +76,7 @@ class FusedUpdates:
     """Steps the parameters a backend takes in one pass each; :meth:`step` returns the ones
     left to the reference. ``choices``: each parameter's last :class:`.spec.Choice`."""
 
-    def __init__(self, update: str, kernels: str = "auto") -> None:
-        self.update = update
+    def __init__(self, kernels: str = "auto") -> None:
         self.kernels = kernels  # the recipe's: "torch" leaves every parameter to the chunks
         self.broken: str | None = None  # why a build failed
         self.compile_seconds = 0.0  # first calls of each kind (builds), for benchmarks

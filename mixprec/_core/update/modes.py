@@ -77,7 +77,7 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
         self._init_release(release)  # False, True, "auto" or "coded" (.release)
         if release == "coded":
             self._init_codes()  # (.coded)
-        self.fused = FusedUpdates(update, kernels)  # one compiled pass per parameter
+        self.fused = FusedUpdates(kernels)  # one compiled pass per parameter
         self.add_params(p for g in optimizer.param_groups for p in g["params"])
 
     def add_params(self, params: Iterable[Tensor]) -> None:
