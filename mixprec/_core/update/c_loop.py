@@ -69,8 +69,7 @@ def available() -> bool:
 
 
 def _cpu_flags() -> str:
-    """What ``-march=native`` depends on: the CPU's feature flags (the model where the kernel
-    does not list them)."""
+    """What ``-march=native`` depends on: the CPU's feature flags (else its model)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -217,10 +216,9 @@ def _ptr(t: Any) -> int | None:
 
 
 def run(key: Any, tensors: tuple, states: list, scalars: Tensor, base: int, mix: int) -> None:
-    """One step of ``key``: ``tensors`` = (weight, compensation or None, gradient), 2-D (rows
-    of blocks) where a state is coded, ``states`` = up to two states (a tensor, (codes, scales),
-    or (fp32 values read this once, codes, scales)), ``scalars`` = :func:`.spec.scalars`; on
-    torch's intra-op threads, each taking at least :data:`PER_THREAD` elements."""
+    """One step of ``key`` on torch's intra-op threads (:data:`PER_THREAD` elements each at
+    least): ``tensors``, ``states`` and ``scalars`` as :meth:`.fused.FusedUpdates._run` makes
+    them (a state: a tensor, (codes, scales), or (fp32 values read this once, codes, scales))."""
     fn = kernel(key)
     w, c, g = tensors
     coded = any(isinstance(st, tuple) for st in states)

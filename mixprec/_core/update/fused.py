@@ -41,9 +41,8 @@ _FAILED: set[StepKind] = set()
 
 
 def _operand(st: Any, held: spec.Held, view: tuple[int, ...]) -> tuple[Any, Any]:
-    """A state as the backends take it, and the state to keep after the step (None: ``st``):
-    a tensor viewed as ``view``; (codes, scale) of codes; (fp32 values, codes, scale) where an
-    fp32 state becomes codes this step."""
+    """A state as the backends take it -- viewed as ``view``, (codes, scale), or (fp32 values,
+    codes, scale) where it becomes codes now -- and the state to keep (None: ``st``)."""
     if isinstance(st, QuantizedState):
         return (st.codes, st.scale), None
     if held.from_fp32:
@@ -94,9 +93,8 @@ class FusedUpdates:
 
     @torch.no_grad()
     def step(self, updater: Any, group: dict, params: list[Tensor], drop: bool = False) -> list:
-        """Step what a backend takes of ``params`` (of ``group`` of ``updater``, the
-        :class:`~mixprec._core.update.modes.ModeUpdater`), freeing each one's gradient where
-        ``drop``; return those left to the reference."""
+        """Step what a backend takes of ``params`` (of ``group`` of the ModeUpdater ``updater``),
+        freeing each one's gradient where ``drop``; return those left to the reference."""
         rest = []
         for p in params:
             local = p.to_local() if hasattr(p, "to_local") else p

@@ -81,9 +81,8 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
         self.add_params(p for g in optimizer.param_groups for p in g["params"])
 
     def add_params(self, params: Iterable[Tensor]) -> None:
-        """Give new 16-bit parameters their (zero) compensation buffers in ``"kahan"`` mode, and
-        their release hook when gradients are released in backward (registered with the
-        clipping guard, which refuses a clip of gradients that are gone)."""
+        """Give new 16-bit parameters their zero Kahan compensation, and their release hook
+        where gradients may be released (and to the clipping guard, which refuses their clip)."""
         params = list(params)
         hooks = self.release_mode != "held"  # released, or "auto" until its first step decides
         for p in params:
@@ -133,9 +132,8 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
                 if any(p.grad.is_sparse for p in ready):
                     raise RuntimeError(SPARSE)
                 own = [p for p in ready if p.dtype not in _LOW]
-                if own:
-                    result = self._inner_step(gi, own)
                 low = [p for p in ready if p.dtype in _LOW]
+                result = self._inner_step(gi, own) if own else result
                 result = self._step_params(gi, low, drop) if low else result
                 if self.release_mode == "coded":
                     result = self._step_coded(gi, group["params"], result)
@@ -225,8 +223,7 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
 
     def _step_params(self, index: int, params: list[Tensor], drop: bool) -> Any:
         """Step 16-bit ``params`` of group ``index``: in one pass each where a backend takes
-        them (:mod:`.fused`), the rest on fp32 temporaries (the reference); ``drop``: free each
-        gradient once its parameter is stepped."""
+        them (:mod:`.fused`), the rest by the reference; ``drop``: free each gradient once used."""
         fresh = first_on_cpu(self.optimizer.state, params)
         rest = self.fused.step(self, self.optimizer.param_groups[index], params, drop)
         if fresh and len(rest) < len(params):  # first states made: the blocks freed beside

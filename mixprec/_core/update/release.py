@@ -117,9 +117,8 @@ class ReleasedGradients:
 
     @torch.no_grad()
     def _step_released(self, p: Tensor) -> None:
-        """Step ``p`` alone as soon as its gradient is complete, then free the gradient (a
-        ``register_post_accumulate_grad_hook``; see the module docstring). While "auto"
-        decides, only watch: a second gradient before the step is an accumulation."""
+        """The post-accumulate-grad hook: step ``p`` alone and free its gradient, or code it;
+        while "auto" decides, only watch (a second gradient before the step accumulates)."""
         if self.release:
             self._step_one(p)
         elif self.release_mode == "coded":
@@ -189,8 +188,7 @@ class ReleasedGradients:
 
     def _settle_release(self) -> bool:
         """End "auto"'s first step (one with a backward): hold the gradients for good if it
-        clipped or accumulated (and say so once), else release them from the next backward and
-        return True: this step frees each gradient once stepped (its peak the released one)."""
+        clipped or accumulated (saying so), else release them and return True (freed as used)."""
         if not self.deciding or not self._released:
             return False
         self.deciding = False

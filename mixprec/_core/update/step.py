@@ -36,8 +36,7 @@ def make_updater(optimizer: Optimizer, plan: UpdatePlan) -> ModeUpdater | None:
 
 def inner_step(optimizer: Optimizer, plan: UpdatePlan, updater: ModeUpdater | None) -> Any:
     """One step of the wrapped optimizer on a finite gradient: the lean update's, torch's fused
-    kernel over O2's fp32 masters (by default, see :mod:`~mixprec._core.update.fp32_step`),
-    or the optimizer's own."""
+    kernel over O2's fp32 masters (by default, :mod:`.fp32_step`), or the optimizer's own."""
     if updater is not None:
         return updater.step()
     if plan.masters:
