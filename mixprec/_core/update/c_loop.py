@@ -6,12 +6,12 @@ One source, specialised by a :class:`.spec.StepKind`'s defines, compiled with ``
 compiled loop's do) into a private per-user cache keyed by all the library depends on: source,
 defines, flags, compiler, the CPU's feature flags. A large parameter runs on torch's intra-op
 threads (libgomp, which torch loaded), split by rows (codes) or runs of elements, bit for bit.
-Without a C compiler :func:`kernel` raises, and :mod:`.fused` leaves the step to the
-reference. Why a C loop and not inductor's C++: ``docs/design.md``, "Lean 16-bit updates".
+Why a C loop and not inductor's C++: ``docs/design.md``, "Lean 16-bit updates".
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -70,12 +70,10 @@ def available() -> bool:
 
 def _cpu_flags() -> str:
     """What ``-march=native`` depends on: the CPU's feature flags (else its model)."""
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
                 return line
-    except OSError:
-        pass
     return platform.processor() + platform.machine()
 
 

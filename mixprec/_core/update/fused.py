@@ -1,13 +1,12 @@
 """The one-pass update: each parameter's step in one loop over its memory, no temporaries.
 
-For torch's ``Adam``, ``AdamW`` and ``SGD`` under an update mode, one 16-bit parameter's step
--- widen ``w (+ c)``, the optimizer's fp32 math, the write-back (nearest, Kahan or stochastic),
-states decoded and re-coded -- is one pass of the backend :func:`.spec.choose` picks.
-Hyperparameters and the step count are inputs, so a schedule never recompiles; every size is
-one shape class (1-D views, or rows where codes keep blocks in a row). Numerics: the
-reference's formula on the same fp32 operands, each operation rounded on its own. A build that
-fails (no C compiler, a dtype the backend lacks) leaves that kind to the reference and says so
-once. The measurements that chose each backend: ``docs/design.md``, "Lean 16-bit updates".
+For torch's ``Adam``, ``AdamW`` and ``SGD``, one 16-bit parameter's step -- widen ``w (+ c)``,
+the fp32 math, the write-back (nearest, Kahan or stochastic), states decoded and re-coded -- is
+one pass of the backend :func:`.spec.choose` picks. Hyperparameters and the step count are
+inputs, so a schedule never recompiles; every size is one shape class (1-D, or rows of blocks
+for codes). Numerics: the reference's formula on the same fp32 operands, each operation rounded
+on its own. A failed build (no C compiler, a dtype the backend lacks) leaves that kind to the
+reference, saying so once. Why each backend: ``docs/design.md``, "Lean 16-bit updates".
 """
 
 from __future__ import annotations
@@ -98,8 +97,7 @@ class FusedUpdates:
         rest = []
         for p in params:
             local = p.to_local() if hasattr(p, "to_local") else p
-            choice = spec.choose(updater, group, p, local, _FAILED)
-            self.choices[id(p)] = choice
+            choice = self.choices[id(p)] = spec.choose(updater, group, p, local, _FAILED)
             fresh = drop and first_on_cpu(updater.optimizer.state, [p])
             if choice.kind is None or not self._run(choice, updater, group, p, local):
                 rest.append(p)
@@ -145,13 +143,12 @@ class FusedUpdates:
 
     def _run_c(self, kind: StepKind, tensors: tuple, states: list, sc: Tensor, keys: tuple) -> bool:
         """The step through :mod:`.c_loop` (a C loop); False where it cannot be built."""
-        first = kind not in c_loop._STEPS  # its library is built (or loaded) now
-        t0 = time.perf_counter()
-        try:
-            c_loop.kernel(kind)
-        except Exception as exc:  # noqa: BLE001 -- no C compiler, a failed build, ...
-            return self._failed(kind, exc)
-        if first:
+        if kind not in c_loop._STEPS:  # its library is built (or loaded) now
+            t0 = time.perf_counter()
+            try:
+                c_loop.kernel(kind)
+            except Exception as exc:  # noqa: BLE001 -- no C compiler, a failed build, ...
+                return self._failed(kind, exc)
             self.compile_seconds += time.perf_counter() - t0
         c_loop.run(kind, tensors, states, sc, *keys)
         return True

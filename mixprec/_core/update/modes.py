@@ -3,10 +3,9 @@ nearest rounding, Kahan compensation or stochastic rounding (Zamirai et al. 2020
 
 :class:`ModeUpdater` steps each 16-bit parameter in one pass where a backend takes it
 (:mod:`.fused`); the rest, of any per-parameter optimizer, are the reference: widened with their
-gradients and states into fp32 temporaries a chunk at a time, stepped by the optimizer's own
-``step()``, narrowed and rounded back. States are stored per key as the recipe says; the
-stochastic rounding's bits hash (seed, step, parameter, element index), so every layout rounds
-alike and a resume is bit-exact. ``docs/design.md``, "Lean 16-bit updates".
+gradients and states (stored per key as the recipe says) into fp32 temporaries a chunk at a
+time, stepped by the optimizer's own ``step()``, narrowed and rounded back (keyed: every layout
+rounds alike, a resume is bit-exact). ``docs/design.md``, "Lean 16-bit updates".
 """
 
 from __future__ import annotations
@@ -173,8 +172,7 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
         """``zero_grad`` freed held 16-bit gradients: on a CPU, hand their pages back, or the
         next backward's land in fresh pages between the step's small tensors while these stay
         resident (measured: 6.8 -> 8.2 B/param and growing in a clipping loop)."""
-        groups = self.optimizer.param_groups  # the first parameter's device, not a list of all
-        first = next((g["params"][0] for g in groups if g["params"]), None)
+        first = next((p for g in self.optimizer.param_groups for p in g["params"]), None)
         if not self.release and first is not None and first.device.type == "cpu":  # held
             trim_heap()
 

@@ -3,11 +3,10 @@
 A parameter's step is a :class:`StepKind` -- the optimizer and the flags that change its code,
 the update mode, the weight's and gradient's dtypes, how each state is held (:class:`Held`) --
 and every backend derives from it: the C loop's defines, the compiled function
-(:mod:`.compiled_step`) and the scalars, named once in :data:`SCALARS`. It is hashable: the
+(:mod:`.compiled_step`), the scalars (named once in :data:`SCALARS`); hashable, it is the
 compile key. :func:`choose` says which backend steps a parameter, and why: ``"c"`` (the C loop,
 on a CPU), ``"compiled"`` (:func:`torch.compile`: Triton on a GPU) or ``"chunk"`` (the
-reference, :mod:`.modes`: the optimizer's own step on fp32 temporaries, for what no backend
-supports). ``docs/design.md``, "Lean 16-bit updates".
+reference, :mod:`.modes`, for what no backend supports). ``docs/design.md``, "Lean 16-bit updates".
 """
 
 from __future__ import annotations
