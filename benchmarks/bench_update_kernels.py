@@ -83,10 +83,9 @@ def _scalars(key: StepKind) -> torch.Tensor:
 
 def c_step(key: StepKind, rows: int, cols: int):
     w, comp, grad, states = operands(key, rows, cols)
-    shape = (rows, cols) if key.coded else (1, rows * cols)
     c_loop.kernel(key)  # built before the clock starts
     sc = _scalars(key)
-    return lambda: c_loop.run(key, *shape, (w, comp, grad), states, sc, 12345, 678)
+    return lambda: c_loop.run(key, (w, comp, grad), states, sc, 12345, 678)
 
 
 def inductor_step(key: StepKind, rows: int, cols: int):

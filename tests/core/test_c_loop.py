@@ -55,7 +55,7 @@ def test_codes_are_state_codes_bit_for_bit(fmt):
     m = QuantizedState.quantize(torch.randn(rows, cols), fmt, "signed")
     v = QuantizedState.quantize(torch.rand(rows, cols), fmt, "sqrt")
     states = [(m.codes, m.scale), (v.codes, v.scale)]
-    c_loop.run(key, rows, cols, (w, None, g), states, _scalars(0.0, 0.0), 0, 0)
+    c_loop.run(key, (w, None, g), states, _scalars(0.0, 0.0), 0, 0)
     want_m = QuantizedState.quantize(g.clone(), fmt, "signed")
     want_v = QuantizedState.quantize(g * g, fmt, "sqrt")
     for got, want in ((m, want_m), (v, want_v)):
@@ -64,7 +64,7 @@ def test_codes_are_state_codes_bit_for_bit(fmt):
     assert not w.any()  # lr 0
 
     before = [QuantizedState.quantize(s.dequantize(), fmt, s.kind) for s in (m, v)]
-    c_loop.run(key, rows, cols, (w, None, g), states, _scalars(1.0, 1.0), 0, 0)
+    c_loop.run(key, (w, None, g), states, _scalars(1.0, 1.0), 0, 0)
     for got, want in zip((m, v), before):
         assert torch.equal(got.codes, want.codes)
         assert torch.equal(got.scale, want.scale)
@@ -94,7 +94,7 @@ def test_threads_split_the_step_without_changing_a_bit(fmt, monkeypatch):
         for n in (1, 3):
             torch.set_num_threads(n)
             w, states = w0.clone(), copy.deepcopy(states0)
-            c_loop.run(key, rows, cols, (w, None, g), states, sc, 123, 456)
+            c_loop.run(key, (w, None, g), states, sc, 123, 456)
             flat = [t for s in states for t in (s if isinstance(s, tuple) else (s,))]
             outs.append([w, *flat])
     finally:
@@ -181,14 +181,14 @@ def test_16_bit_rounding_is_torchs_bit_for_bit(dtype):
     key = StepKind("sgd", "nearest", dtype, torch.float32, ())
     sc = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])  # +g, no decay, -lr = 1
     w = torch.zeros(g.numel(), dtype=dtype)
-    c_loop.run(key, 1, g.numel(), (w, None, g), [], sc, 0, 0)
+    c_loop.run(key, (w, None, g), [], sc, 0, 0)
     want = (torch.zeros_like(g) + g).to(dtype)  # the step's w + g: -0.0 becomes +0.0
     same = (w.view(torch.int16) == want.view(torch.int16)) | (w.isnan() & want.isnan())
     assert same.all(), (g[~same][:5], w[~same][:5], want[~same][:5])
 
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     w = every.clone()
-    c_loop.run(key, 1, w.numel(), (w, None, torch.zeros(w.numel())), [], sc, 0, 0)
+    c_loop.run(key, (w, None, torch.zeros(w.numel())), [], sc, 0, 0)
     want = (every.float() + torch.zeros(w.numel())).to(dtype)  # -0.0 + 0 is +0.0
     kept = (w.view(torch.int16) == want.view(torch.int16)) | (w.isnan() & want.isnan())
     assert kept.all()

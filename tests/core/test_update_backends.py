@@ -455,7 +455,7 @@ def test_the_fused_finite_check_sees_one_inf_or_nan_anywhere(dtype, monkeypatch)
     if not c_loop.available():
         pytest.skip("no C compiler on this machine")
     monkeypatch.setattr(spec, "CPU_BACKEND", "c")
-    check = fused.FusedUpdates("stochastic")
+    check = fused.FusedUpdates()
     info = torch.finfo(dtype)
     for n in (1, 31, 64, 257, 4099):
         g = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)

@@ -1,18 +1,17 @@
 """The one-pass update on a CPU: ``c_loop.c``, built per kind of step by the machine's C
 compiler and called through :mod:`ctypes` (which releases the GIL).
 
-One source, specialised by the defines of a :class:`.spec.StepKind` and compiled with
-``-O3 -march=native -ffp-contract=off`` (no FMA: each fp32 operation rounds on its own, as the
-compiled loop's do) into a private per-user cache, keyed by everything the library depends on:
-the source, the defines, the flags, the compiler and the CPU's feature flags. A large
-parameter's step runs on torch's intra-op threads through the libgomp torch already loaded,
-splitting rows (codes) or runs of elements without changing a bit. Without a C compiler
-:func:`kernel` raises, and :mod:`.fused` leaves the step to the reference with one warning.
+One source, specialised by a :class:`.spec.StepKind`'s defines, compiled with ``-O3
+-march=native -ffp-contract=off`` (no FMA: each fp32 operation rounds on its own, as the
+compiled loop's do) into a private per-user cache keyed by all the library depends on: source,
+defines, flags, compiler, the CPU's feature flags. A large parameter runs on torch's intra-op
+threads (libgomp, which torch loaded), split by rows (codes) or runs of elements, bit for bit.
 Why a C loop and not inductor's C++: ``docs/design.md``, "Lean 16-bit updates".
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -49,6 +48,7 @@ _FALLBACKS = (("-fopenmp",), ("-fopenmp", "-march=native"))
 _LOADED: dict[tuple, ctypes.CDLL] = {}
 _STEPS: dict[tuple, Callable[..., None]] = {}
 _LOCK = threading.Lock()
+_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 def _compiler() -> str:
@@ -69,14 +69,11 @@ def available() -> bool:
 
 
 def _cpu_flags() -> str:
-    """What ``-march=native`` depends on: the CPU's feature flags (the model where the kernel
-    does not list them)."""
-    try:
+    """What ``-march=native`` depends on: the CPU's feature flags (else its model)."""
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
                 return line
-    except OSError:
-        pass
     return platform.processor() + platform.machine()
 
 
@@ -98,14 +95,20 @@ def _cache() -> Path:
 
 
 def _build(defines: list[str]) -> Path:
+    """The library of ``defines``: from the cache, or compiled into it on first use."""
     cc = _compiler()
-    source = _SOURCE.read_bytes()
-    parts = [source, *(" ".join(x).encode() for x in (defines, _FLAGS)), cc.encode(),
-             _cpu_flags().encode()]  # fmt: skip
+    parts = [_SOURCE.read_bytes(), *(" ".join(x).encode() for x in (defines, _FLAGS)),
+             cc.encode(), _cpu_flags().encode()]  # fmt: skip
     digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:24]
     lib = _cache() / f"step-{digest}.so"
-    if lib.exists():
-        return lib
+    if not lib.exists():
+        _compile(cc, defines, lib)
+    return lib
+
+
+def _compile(cc: str, defines: list[str], lib: Path) -> None:
+    """Compile ``lib`` with the full flags, else with fewer (:data:`_FALLBACKS`); raises where
+    none builds."""
     tmp = lib.with_suffix(f".{os.getpid()}.tmp")
     errors = []
     for flags in (_FLAGS, *(tuple(f for f in _FLAGS if f not in out) for out in _FALLBACKS)):
@@ -113,22 +116,19 @@ def _build(defines: list[str]) -> Path:
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if not done.returncode:
             os.replace(tmp, lib)  # atomic: a concurrent process sees the whole library or none
-            return lib
+            return
         errors.append(f"{' '.join(cmd)}: {done.stderr.strip()[:300]}")
     raise RuntimeError("building the fused update failed: " + " | ".join(errors))
 
 
 def _library(key: Any) -> ctypes.CDLL:
     """The library of a :class:`.spec.StepKind` (``("finite",)``: the finite check alone),
-    built on first use (raises if it cannot be)."""
-    lib = _LOADED.get(key)
-    if lib is None:
-        with _LOCK:
-            lib = _LOADED.get(key)
-            if lib is None:
-                defines = ["-DFINITE_ONLY"] if key == ("finite",) else key.defines()
-                lib = _LOADED[key] = ctypes.CDLL(str(_build(defines)))
-    return lib
+    built on first use (raises if it cannot be); its functions are kept, so this runs once."""
+    with _LOCK:
+        if key not in _LOADED:
+            defines = ["-DFINITE_ONLY"] if key == ("finite",) else key.defines()
+            _LOADED[key] = ctypes.CDLL(str(_build(defines)))
+        return _LOADED[key]
 
 
 def kernel(key: Any) -> Callable[..., None]:
@@ -137,8 +137,7 @@ def kernel(key: Any) -> Callable[..., None]:
     if fn is None:
         fn = _library(key).mixprec_step
         fn.restype = None
-        fn.argtypes = [ctypes.c_int64, ctypes.c_int64, *[ctypes.c_void_p] * 10,
-                       ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int]  # fmt: skip
+        fn.argtypes = [_I64, _I64, *[_P] * 10, ctypes.c_uint32, ctypes.c_uint32, _I]
         _STEPS[key] = fn
     return fn
 
@@ -152,16 +151,8 @@ def all_finite(g: Tensor) -> bool | None:
     kind = _FINITE_KINDS.get(g.dtype)
     if kind is None or g.device.type != "cpu" or not g.is_contiguous():
         return None
-    fn = _STEPS.get(("finite",))
-    if fn is None:
-        try:
-            fn = _library(("finite",)).mixprec_finite
-        except Exception:  # noqa: BLE001 -- no compiler: the caller checks with torch ops
-            return None
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-        _STEPS["finite",] = fn
-    return bool(fn(g.numel(), g.data_ptr(), kind))
+    fn = _finite_lib_fn("mixprec_finite", ctypes.c_int, [_I64, _P, _I])
+    return None if fn is None else bool(fn(g.numel(), g.data_ptr(), kind))
 
 
 def _finite_lib_fn(name: str, restype: Any, argtypes: list) -> Callable[..., Any] | None:
@@ -175,9 +166,6 @@ def _finite_lib_fn(name: str, restype: Any, argtypes: list) -> Callable[..., Any
         fn.restype, fn.argtypes = restype, argtypes
         _STEPS[name,] = fn
     return fn
-
-
-_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 def code_grad(g: Tensor, codes: Tensor, scales: Tensor) -> bool | None:
@@ -214,38 +202,27 @@ _SCALAR = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
 def count_step(step: Tensor) -> None:
     """``step += 1`` for an optimizer's step count held in a CPU float tensor, without a torch
     op (a dispatch per parameter costs more than the C loop of a small one)."""
-    kind = _SCALAR.get(step.dtype)
-    if kind is None or step.device.type != "cpu" or step.numel() != 1:
+    kind = _SCALAR.get(step.dtype) if step.device.type == "cpu" else None
+    if kind is None:
         step.add_(1)
-        return
-    kind.from_address(step.data_ptr()).value += 1
+    else:
+        kind.from_address(step.data_ptr()).value += 1
 
 
 def _ptr(t: Any) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def run(
-    key: Any,
-    rows: int,
-    cols: int,
-    tensors: tuple[Tensor, Tensor | None, Tensor],
-    states: list[Any],
-    scalars: Tensor,
-    base: int,
-    mix: int,
-) -> None:
-    """One step of ``rows`` x ``cols`` elements: ``tensors`` = (weight, compensation or None,
-    gradient), ``states`` = up to two states (a tensor, (codes, scales), or (fp32 values read
-    this once, codes, scales)), ``scalars`` = :func:`.spec.scalars` of this kind; on torch's
-    intra-op threads, each taking at least :data:`PER_THREAD` elements."""
+def run(key: Any, tensors: tuple, states: list, scalars: Tensor, base: int, mix: int) -> None:
+    """One step of ``key`` on torch's intra-op threads (:data:`PER_THREAD` elements each at
+    least): ``tensors``, ``states`` and ``scalars`` as :meth:`.fused.FusedUpdates._run` makes
+    them (a state: a tensor, (codes, scales), or (fp32 values read this once, codes, scales))."""
     fn = kernel(key)
-    coded = any(isinstance(st, tuple) for st in states)
-    if not coded:
-        rows, cols = 1, rows * cols
-    threads = max(1, min(torch.get_num_threads(), rows * cols // PER_THREAD, rows if coded else
-                         rows * cols))  # fmt: skip
     w, c, g = tensors
+    coded = any(isinstance(st, tuple) for st in states)
+    rows, cols = w.shape if coded else (1, w.numel())
+    most = rows if coded else cols  # threads split rows of codes, or one run of elements
+    threads = max(1, min(torch.get_num_threads(), rows * cols // PER_THREAD, most))
     ptrs: list[int | None] = [_ptr(w), _ptr(c), _ptr(g)]
     for st in (*states, None, None)[:2]:
         if isinstance(st, tuple):

@@ -1,17 +1,12 @@
 """The one-pass update: each parameter's step in one loop over its memory, no temporaries.
 
-For torch's ``Adam``, ``AdamW`` and ``SGD`` under an update mode, the step of one 16-bit
-parameter -- widen ``w (+ c)``, the optimizer's fp32 math, the write-back (nearest, Kahan or
-stochastic), states decoded and re-coded in the same pass -- is one kind of step
-(:class:`.spec.StepKind`), and :func:`.spec.choose` says which backend runs it: the C loop on a
-CPU (:mod:`.c_loop`), :func:`torch.compile` of :mod:`.compiled_step` elsewhere (Triton on a
-GPU), or the reference (:mod:`.modes`'s chunk path) for what neither supports. Hyperparameters
-and the step count are tensor inputs, so a schedule never recompiles; every size is one shape
-class (1-D views, or (rows, row length) where codes keep blocks in a row). Numerics: the
-reference's formula on the same fp32 operands, each operation rounded on its own; a skipped
-step never reaches the updater. A build that fails (no C compiler, a dtype the backend lacks)
-leaves that kind to the reference and says so once. The measurements that chose each
-backend: ``docs/design.md``, "Lean 16-bit updates".
+For torch's ``Adam``, ``AdamW`` and ``SGD``, one 16-bit parameter's step -- widen ``w (+ c)``,
+the fp32 math, the write-back (nearest, Kahan or stochastic), states decoded and re-coded -- is
+one pass of the backend :func:`.spec.choose` picks. Hyperparameters and the step count are
+inputs, so a schedule never recompiles; every size is one shape class (1-D, or rows of blocks
+for codes). Numerics: the reference's formula on the same fp32 operands, each operation rounded
+on its own. A failed build (no C compiler, a dtype the backend lacks) leaves that kind to the
+reference, saying so once. Why each backend: ``docs/design.md``, "Lean 16-bit updates".
 """
 
 from __future__ import annotations
@@ -27,9 +22,9 @@ from torch import Tensor
 from torch.optim.optimizer import _get_scalar_dtype
 
 from mixprec._core._warnings import MixprecPerformanceWarning, user_stacklevel
-from mixprec._core.update import spec
+from mixprec._core.update import c_loop, spec
 from mixprec._core.update.compiled_step import OPTIONS, build
-from mixprec._core.update.heap import trim_heap
+from mixprec._core.update.heap import first_on_cpu, trim_heap
 from mixprec._core.update.release import all_finite
 from mixprec._core.update.rounding import round_keys, shard_offset
 from mixprec._core.update.spec import Choice, StepKind
@@ -45,9 +40,8 @@ _FAILED: set[StepKind] = set()
 
 
 def _operand(st: Any, held: spec.Held, view: tuple[int, ...]) -> tuple[Any, Any]:
-    """A state as the backends take it, and the state to keep after the step (None: ``st``):
-    a tensor viewed as ``view``; (codes, scale) of codes; (fp32 values, codes, scale) where an
-    fp32 state becomes codes this step."""
+    """A state as the backends take it -- viewed as ``view``, (codes, scale), or (fp32 values,
+    codes, scale) where it becomes codes now -- and the state to keep (None: ``st``)."""
     if isinstance(st, QuantizedState):
         return (st.codes, st.scale), None
     if held.from_fp32:
@@ -58,16 +52,12 @@ def _operand(st: Any, held: spec.Held, view: tuple[int, ...]) -> tuple[Any, Any]
 
 def _first_state(kind: StepKind, state: dict, local: Tensor) -> None:
     """The state torch's optimizer makes on a first step, in the recipe's storage: zeros (codes
-    with zero block scales: no fp32 temporaries, whose freed blocks the C heap would keep
-    resident through the first step), and Adam's step count."""
+    of zero, not fp32 zeros coded: the C heap would keep their freed blocks), Adam's count."""
     if kind.optimizer == "adam":
         state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
     for k, held in zip(kind.names, kind.states):
         if held.fmt is not None:
-            q = QuantizedState.empty(local.shape, held.fmt, held.kind, local.device)
-            q.codes.zero_()
-            q.scale.zero_()
-            state[k] = q
+            state[k] = QuantizedState.zeros(local.shape, held.fmt, held.kind, local.device)
         else:
             state[k] = torch.zeros(local.shape, dtype=held.dtype, device=local.device)
 
@@ -84,8 +74,7 @@ class FusedUpdates:
     """Steps the parameters a backend takes in one pass each; :meth:`step` returns the ones
     left to the reference. ``choices``: each parameter's last :class:`.spec.Choice`."""
 
-    def __init__(self, update: str, kernels: str = "auto") -> None:
-        self.update = update
+    def __init__(self, kernels: str = "auto") -> None:
         self.kernels = kernels  # the recipe's: "torch" leaves every parameter to the chunks
         self.broken: str | None = None  # why a build failed
         self.compile_seconds = 0.0  # first calls of each kind (builds), for benchmarks
@@ -96,8 +85,6 @@ class FusedUpdates:
         """Whether every element of gradient ``g`` is finite: one C pass where a CPU parameter
         is stepped by the C loop, torch ops otherwise."""
         if self.kernels != "torch" and spec.CPU_BACKEND == "c":
-            from mixprec._core.update import c_loop
-
             done = c_loop.all_finite(g)
             if done is not None:
                 return done
@@ -105,15 +92,13 @@ class FusedUpdates:
 
     @torch.no_grad()
     def step(self, updater: Any, group: dict, params: list[Tensor], drop: bool = False) -> list:
-        """Step what a backend takes of ``params`` (of ``group`` of ``lean``, the
-        :class:`~mixprec._core.update.modes.ModeUpdater`), freeing each one's gradient where
-        ``drop``; return those left to the reference."""
+        """Step what a backend takes of ``params`` (of ``group`` of the ModeUpdater ``updater``),
+        freeing each one's gradient where ``drop``; return those left to the reference."""
         rest = []
         for p in params:
             local = p.to_local() if hasattr(p, "to_local") else p
-            choice = spec.choose(updater, group, p, local, _FAILED)
-            self.choices[id(p)] = choice
-            fresh = drop and local.device.type == "cpu" and not updater.optimizer.state.get(p)
+            choice = self.choices[id(p)] = spec.choose(updater, group, p, local, _FAILED)
+            fresh = drop and first_on_cpu(updater.optimizer.state, [p])
             if choice.kind is None or not self._run(choice, updater, group, p, local):
                 rest.append(p)
             elif drop:
@@ -123,24 +108,14 @@ class FusedUpdates:
         return rest
 
     def _run(self, choice: Choice, updater: Any, group: dict, p: Tensor, local: Tensor) -> bool:
+        """``p``'s step in one pass on ``choice``'s backend, its first states made here; False
+        where the backend cannot be built (the reference makes them)."""
         kind, state = choice.kind, updater.optimizer.state[p]
         first = not state and bool(kind.states)
         if first:
             _first_state(kind, state, local)
-        if not self._pass(kind, choice.backend, updater, group, p, local, state):
-            if first:
-                state.clear()  # the reference's first step makes it
-            return False
-        self.fused_steps += 1
-        return True
-
-    def _pass(
-        self, kind: StepKind, backend: str, updater: Any, group: dict, p: Tensor, local: Tensor,
-        state: dict,
-    ) -> bool:  # fmt: skip
         if kind.optimizer == "adam" and state["step"].device.type != "cpu":
-            # torch's fused kernel keeps the count on the parameter's device (a GPU): the host
-            # reads it every step, so it moves to the host once
+            # torch's fused kernel keeps the count on a GPU: the host reads it, so it moves once
             state["step"] = state["step"].to("cpu", torch.float32)
         view = (local.shape[0], local.numel() // local.shape[0]) if kind.coded else (-1,)
         g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
@@ -150,37 +125,32 @@ class FusedUpdates:
         keys = (0, 0)
         if kind.update == "stochastic":
             key, mix = round_keys(updater.seed, updater.steps, updater._ordinal[id(p)])
-            keys = ((shard_offset(p) + key) & _MASK, mix & _MASK)
+            keys = ((shard_offset(p) + key) & _MASK, mix)
         comp = updater.compensation.get(p)
         tensors = (local.view(view), None if comp is None else comp.view(view), g.view(view))
-        states = [x for x, _ in operands]
-        run = self._run_c if backend == "c" else self._run_compiled
-        if not run(kind, tensors, states, sc, keys):
+        run = self._run_c if choice.backend == "c" else self._run_compiled
+        if not run(kind, tensors, [x for x, _ in operands], sc, keys):
+            if first:
+                state.clear()
             return False
         for k, (_, coded_now) in zip(kind.names, operands):
             if coded_now is not None:
                 state[k] = coded_now
         if kind.optimizer == "adam":
-            from mixprec._core.update.c_loop import count_step
-
-            count_step(state["step"])
+            c_loop.count_step(state["step"])
+        self.fused_steps += 1
         return True
 
     def _run_c(self, kind: StepKind, tensors: tuple, states: list, sc: Tensor, keys: tuple) -> bool:
         """The step through :mod:`.c_loop` (a C loop); False where it cannot be built."""
-        from mixprec._core.update import c_loop
-
-        first = kind not in c_loop._STEPS  # its library is built (or loaded) now
-        t0 = time.perf_counter()
-        try:
-            c_loop.kernel(kind)
-        except Exception as exc:  # noqa: BLE001 -- no C compiler, a failed build, ...
-            return self._failed(kind, exc)
-        if first:
+        if kind not in c_loop._STEPS:  # its library is built (or loaded) now
+            t0 = time.perf_counter()
+            try:
+                c_loop.kernel(kind)
+            except Exception as exc:  # noqa: BLE001 -- no C compiler, a failed build, ...
+                return self._failed(kind, exc)
             self.compile_seconds += time.perf_counter() - t0
-        w = tensors[0]
-        rows, cols = (w.shape[0], w.shape[1]) if kind.coded else (1, w.numel())
-        c_loop.run(kind, rows, cols, tensors, states, sc, *keys)
+        c_loop.run(kind, tensors, states, sc, *keys)
         return True
 
     def _run_compiled(

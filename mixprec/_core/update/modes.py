@@ -2,12 +2,10 @@
 nearest rounding, Kahan compensation or stochastic rounding (Zamirai et al. 2020, Collage 2024).
 
 :class:`ModeUpdater` steps each 16-bit parameter in one pass where a backend takes it
-(:mod:`.fused`); the rest -- any per-parameter optimizer -- are the reference: widened with
-their gradients and states into fp32 temporaries a chunk at a time, stepped by the wrapped
-optimizer's own ``step()``, then narrowed and rounded back. States are stored per key as the
-recipe says (first moments 16-bit and second moments fp32 by default, or 8/4-bit codes); the
-stochastic rounding's bits hash (seed, step, parameter, element index), so every layout
-rounds alike and a resume is bit-exact. ``docs/design.md``, "Lean 16-bit updates".
+(:mod:`.fused`); the rest, of any per-parameter optimizer, are the reference: widened with their
+gradients and states (stored per key as the recipe says) into fp32 temporaries a chunk at a
+time, stepped by the optimizer's own ``step()``, narrowed and rounded back (keyed: every layout
+rounds alike, a resume is bit-exact). ``docs/design.md``, "Lean 16-bit updates".
 """
 
 from __future__ import annotations
@@ -23,8 +21,8 @@ from mixprec._core.clipping import register_released
 from mixprec._core.update.coded import CodedGradients
 from mixprec._core.update.fp32_step import fused_by_default
 from mixprec._core.update.fused import FusedUpdates
-from mixprec._core.update.heap import trim_heap
-from mixprec._core.update.release import ReleasedGradients
+from mixprec._core.update.heap import first_on_cpu, trim_heap
+from mixprec._core.update.release import SPARSE, ReleasedGradients
 from mixprec._core.update.rounding import keyed_round_, round_keys, shard_offset
 from mixprec._core.update.state_codes import (
     QuantizedState,
@@ -78,14 +76,14 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
         self._init_release(release)  # False, True, "auto" or "coded" (.release)
         if release == "coded":
             self._init_codes()  # (.coded)
-        self.fused = FusedUpdates(update, kernels)  # one compiled pass per parameter
+        self.fused = FusedUpdates(kernels)  # one compiled pass per parameter
         self.add_params(p for g in optimizer.param_groups for p in g["params"])
 
     def add_params(self, params: Iterable[Tensor]) -> None:
-        """Give new 16-bit parameters their (zero) compensation buffers in ``"kahan"`` mode, and
-        their release hook when gradients are released in backward (registered with the
-        clipping guard, which refuses a clip of gradients that are gone)."""
+        """Give new 16-bit parameters their zero Kahan compensation, and their release hook
+        where gradients may be released (and to the clipping guard, which refuses their clip)."""
         params = list(params)
+        hooks = self.release_mode != "held"  # released, or "auto" until its first step decides
         for p in params:
             self._ordinal.setdefault(id(p), len(self._ordinal))
             if p.dtype not in _LOW:
@@ -94,9 +92,9 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
                 self.compensation[p] = torch.zeros_like(
                     _local(p), memory_format=torch.contiguous_format
                 )
-            if self.hooks and p.requires_grad:
+            if hooks and p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._step_released)
-        if self.hooks:  # released, or "auto" until its first step decides
+        if hooks:
             register_released(params, self)
 
     def explain(self) -> str:
@@ -125,41 +123,31 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
     @torch.no_grad()
     def step(self) -> Any:
         """One optimizer step over every parameter with a gradient; returns the last result."""
-        groups = self.optimizer.param_groups
-        saved = [g["params"] for g in groups]
         result = None
-        # fp32 scratch reused by every chunk of this step (fresh CPU buffers fault pages)
-        self._scratch = {}
         drop = self._settle_release()  # "auto"'s first step, releasing: free grads as used
         try:
-            for gi, plist in enumerate(saved):
-                ready = [p for p in plist if p.grad is not None]
+            for gi, group in enumerate(self.optimizer.param_groups):
+                ready = [p for p in group["params"] if p.grad is not None]
                 if any(p.grad.is_sparse for p in ready):
-                    raise RuntimeError(
-                        "update modes need dense gradients; a parameter has a "
-                        "sparse gradient (use update=None for this optimizer)."
-                    )
+                    raise RuntimeError(SPARSE)
                 own = [p for p in ready if p.dtype not in _LOW]
-                if own:
-                    result = self._inner_step(groups, gi, own)
                 low = [p for p in ready if p.dtype in _LOW]
-                result = self._step_params(groups, gi, low, drop) if low else result
+                result = self._inner_step(gi, own) if own else result
+                result = self._step_params(gi, low, drop) if low else result
                 if self.release_mode == "coded":
-                    result = self._step_coded(groups, gi, plist, result)
+                    result = self._step_coded(gi, group["params"], result)
             self.steps += 1
         finally:
-            for g, plist in zip(groups, saved):
-                g["params"] = plist
             self._free_scratch()
             self._end_released()
         return result
 
-    def _step_coded(self, groups: list[dict], index: int, plist: list[Tensor], result: Any) -> Any:
+    def _step_coded(self, index: int, plist: list[Tensor], result: Any) -> Any:
         """Step the parameters of group ``index`` whose gradients are codes: one at a time,
         decoded (and clipped) into a kept buffer, stepped, and freed."""
         for p in [p for p in plist if self.has_codes(p)]:
             p.grad = self.coded_grad(p)
-            result = self._step_params(groups, index, [p], True)
+            result = self._step_params(index, [p], True)
         return result
 
     def _buffer(self, name: str, numel: int, device: torch.device) -> Tensor:
@@ -181,12 +169,10 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
             trim_heap()
 
     def gradients_freed(self) -> None:
-        """``zero_grad`` freed held 16-bit gradients: on a CPU, hand their pages back (see
-        trim_heap). The next backward's gradients, allocated between the step's own small
-        tensors, would otherwise land in fresh pages while these stay resident -- a little
-        more each step (measured: 6.8 -> 8.2 B/param and growing in a clipping loop)."""
-        groups = self.optimizer.param_groups  # the first parameter's device, not a list of all
-        first = next((g["params"][0] for g in groups if g["params"]), None)
+        """``zero_grad`` freed held 16-bit gradients: on a CPU, hand their pages back, or the
+        next backward's land in fresh pages between the step's small tensors while these stay
+        resident (measured: 6.8 -> 8.2 B/param and growing in a clipping loop)."""
+        first = next((p for g in self.optimizer.param_groups for p in g["params"]), None)
         if not self.release and first is not None and first.device.type == "cpu":  # held
             trim_heap()
 
@@ -197,11 +183,18 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
                 return buf[:numel]
         return self._buffer("bits", numel, device)
 
-    def _inner_step(self, groups: list[dict], index: int, params: list[Tensor]) -> Any:
+    def _inner_step(self, index: int, params: list[Tensor]) -> Any:
+        """The wrapped optimizer's own step of ``params`` alone, as group ``index``'s."""
+        groups = self.optimizer.param_groups
+        saved = [g["params"] for g in groups]
         for j, g in enumerate(groups):
             g["params"] = params if j == index else []
-        with fused_by_default(self.optimizer):  # the fp32 temporaries: torch's fused kernel
-            return self.optimizer.step()
+        try:
+            with fused_by_default(self.optimizer):  # the fp32 temporaries: torch's fused kernel
+                return self.optimizer.step()
+        finally:
+            for g, plist in zip(groups, saved):
+                g["params"] = plist
 
     def _chunk_size(self, device: torch.device) -> int:
         """Elements per fp32 temporary chunk (a larger parameter is a chunk of its own)."""
@@ -226,32 +219,28 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
                 chunks.append(current)
         return chunks
 
-    def _step_params(self, groups: list[dict], index: int, params: list[Tensor], drop: bool) -> Any:
+    def _step_params(self, index: int, params: list[Tensor], drop: bool) -> Any:
         """Step 16-bit ``params`` of group ``index``: in one pass each where a backend takes
-        them (:mod:`.fused`), the rest chunk by chunk on fp32 temporaries (the reference);
-        ``drop``: free each gradient once its parameter is stepped."""
-        fresh = bool(params) and params[0].device.type == "cpu"
-        fresh = fresh and not all(self.optimizer.state.get(p) for p in params)
-        rest = (
-            self.fused.step(self, groups[index], params, drop)
-            if "fused" in self.__dict__
-            else params
-        )
-        if fresh and len(rest) < len(params):  # first states made in fp32 and coded: freed
-            trim_heap()  # blocks would stay resident (see trim_heap)
+        them (:mod:`.fused`), the rest by the reference; ``drop``: free each gradient once used."""
+        fresh = first_on_cpu(self.optimizer.state, params)
+        rest = self.fused.step(self, self.optimizer.param_groups[index], params, drop)
+        if fresh and len(rest) < len(params):  # first states made: the blocks freed beside
+            trim_heap()  # them would stay resident (see trim_heap)
+        return self._step_reference(index, rest, drop) if rest else None
+
+    def _step_reference(self, index: int, params: list[Tensor], drop: bool) -> Any:
+        """The reference step of ``params``: chunk by chunk on fp32 temporaries."""
         result = None
-        for chunk in self._chunks(rest) if rest else ():
-            fresh = chunk[0].device.type == "cpu" and not all(
-                self.optimizer.state.get(p) for p in chunk
-            )
-            result = self._step_chunk(groups, index, chunk)
+        for chunk in self._chunks(params):
+            fresh = first_on_cpu(self.optimizer.state, chunk)
+            result = self._step_chunk(index, chunk)
             for p in chunk if drop else ():
                 p.grad = None
             if fresh:  # its fp32 state was made, narrowed and freed: see trim_heap
                 trim_heap()
         return result
 
-    def _step_chunk(self, groups: list[dict], index: int, chunk: list[Tensor]) -> Any:
+    def _step_chunk(self, index: int, chunk: list[Tensor]) -> Any:
         device, low = chunk[0].device, chunk[0].dtype
         locs = [_local(p) for p in chunk]  # the weights this rank steps (its shard under FSDP)
         numels = [p.numel() for p in locs]
@@ -274,7 +263,7 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
             for t, st in zip(w32, self._widen_states(originals, device)):
                 if st is not None:
                     state[t] = st
-            result = self._inner_step(groups, index, w32)
+            result = self._inner_step(index, w32)
         except BaseException:
             for t, p, st in zip(w32, chunk, originals):
                 state.pop(t, None)

@@ -1,26 +1,32 @@
 """Gradients released in backward: each 16-bit parameter stepped in its post-accumulate-grad
-hook and its gradient freed (``Recipe(gradients="released")``), so the gradients never exist
-all at once.
+hook and its gradient freed (``Recipe(gradients="released")``), so they never exist all at once.
 
 What needs every gradient -- a whole-step skip, clipping, accumulation, DDP -- is refused with
 the fix, not done wrong; a non-finite gradient leaves its own parameter unchanged and the step
-warns. ``gradients="auto"`` lets the loop decide: its first step holds the gradients and
-watches for a clip or a second gradient, and releases them from the next backward on if it sees
-neither. ``docs/design.md``, "Optimizer states in fewer bits", its subsection on released gradients.
+warns. ``gradients="auto"``'s first step holds the gradients and watches for a clip or a second
+gradient; seeing neither, it releases them from the next backward on. ``docs/design.md``,
+"Optimizer states in fewer bits", its subsection on released gradients.
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from mixprec._core._warnings import MixprecNumericsWarning, MixprecWarning, user_stacklevel
-from mixprec._core.update.heap import trim_heap
+from mixprec._core.update.heap import first_on_cpu, trim_heap
 
-__all__ = ["RELEASED", "ReleasedGradients"]
+__all__ = ["RELEASED", "SPARSE", "ReleasedGradients"]
+
+#: why an update mode refuses a sparse gradient
+SPARSE = (
+    "update modes need dense gradients; a parameter has a sparse gradient (use update=None "
+    "for this optimizer)."
+)
 
 #: why a clip of released gradients is refused (``gradients="released"``)
 RELEASED = (
@@ -67,10 +73,11 @@ def all_finite(g: Tensor) -> bool:
 
 class ReleasedGradients:
     """The release half of :class:`~mixprec._core.update.modes.ModeUpdater` (a mixin: it reads the
-    updater's ``optimizer``, ``_step_params``, ``_free_scratch``, ``nonfinite``, ``_released``,
-    ``release``, ``_ordinal`` and ``add_params``)."""
+    updater's ``optimizer``, ``fused``, ``_step_params``, ``_free_scratch``, ``_ordinal`` and
+    ``add_params``)."""
 
     optimizer: torch.optim.Optimizer
+    fused: Any  # the updater's .fused.FusedUpdates
     release: bool
     _ordinal: dict[int, int]  # id(param) -> its position, a key of the stochastic rounding
 
@@ -94,31 +101,24 @@ class ReleasedGradients:
         return new
 
     def _init_release(self, release: bool | str) -> None:
-        """``release``: False (held), True (``gradients="released"``) or ``"auto"`` (held or
-        released as the first step shows; see the module docstring)."""
-        if release not in (False, True, "auto", "coded"):
+        """``release``: False (held), True (``gradients="released"``), ``"auto"`` (held or
+        released as the first step shows; see the module docstring) or ``"coded"``."""
+        mode = {False: "held", True: "released", "auto": "auto", "coded": "coded"}.get(release)
+        if mode is None:
             raise ValueError(
                 f"release must be False, True, 'auto' or 'coded', received {release!r}."
             )
-        self.release_mode = (
-            release if release in ("auto", "coded") else "released" if release else "held"
-        )
+        self.release_mode = mode
         self.release = release is True  # whether gradients are released in backward now
         self.deciding = release == "auto"  # "auto" before the end of its first step
         self.held_for: str | None = None  # what "auto"'s first step did that needs them held
         self.nonfinite = 0  # released parameters left unchanged for a non-finite gradient
         self._released: set[int] = set()  # ids of the parameters with a gradient in this step
 
-    @property
-    def hooks(self) -> bool:
-        """Whether 16-bit parameters get the release hook (released now, or maybe later)."""
-        return self.release_mode != "held"
-
     @torch.no_grad()
     def _step_released(self, p: Tensor) -> None:
-        """Step ``p`` alone as soon as its gradient is complete, then free the gradient (a
-        ``register_post_accumulate_grad_hook``; see the module docstring). While "auto"
-        decides, only watch: a second gradient before the step is an accumulation."""
+        """The post-accumulate-grad hook: step ``p`` alone and free its gradient, or code it;
+        while "auto" decides, only watch (a second gradient before the step accumulates)."""
         if self.release:
             self._step_one(p)
         elif self.release_mode == "coded":
@@ -138,21 +138,13 @@ class ReleasedGradients:
         if p.grad is None:
             return
         if p.grad.is_sparse:
-            raise RuntimeError("update modes need dense gradients; use update=None.")
-        fused = self.__dict__.get("fused")  # the updater's kernels check it fastest
-        if not (fused.finite(p.grad) if fused is not None else all_finite(p.grad)):
+            raise RuntimeError(SPARSE)
+        if not self.fused.finite(p.grad):
             self.nonfinite += 1
             p.grad = None
             return
-        groups = self.optimizer.param_groups
-        index = self._group_of(groups, p)
-        saved = [g["params"] for g in groups]
-        fresh = p.device.type == "cpu" and not self.optimizer.state.get(p)
-        try:
-            self._step_params(groups, index, [p], False)
-        finally:
-            for g, plist in zip(groups, saved):
-                g["params"] = plist
+        fresh = first_on_cpu(self.optimizer.state, [p])
+        self._step_params(self._group_of(p), [p], False)
         p.grad = None
         if fresh:  # its first state was made, narrowed and freed: holes that stay resident
             trim_heap()  # (see trim_heap); later steps reuse their own holes, and trimming
@@ -171,10 +163,11 @@ class ReleasedGradients:
             "gradients='auto' or 'held' (e.g. Recipe('lean', gradients='held')) to accumulate."
         )
 
-    def _group_of(self, groups: list[dict], p: Tensor) -> int:
+    def _group_of(self, p: Tensor) -> int:
         """The index of ``p``'s group, from a table of each parameter's (group, position) made
         again when ``p`` is not where it says (a scan per parameter would cost the square of
         their number in host time each step)."""
+        groups = self.optimizer.param_groups
         table = self.__dict__.get("_groups_table", {})
         i, k = table.get(id(p), (len(groups), 0))
         plist = groups[i]["params"] if i < len(groups) else ()
@@ -195,9 +188,7 @@ class ReleasedGradients:
 
     def _settle_release(self) -> bool:
         """End "auto"'s first step (one with a backward): hold the gradients for good if it
-        clipped or accumulated (and say so once), else release them from the next backward.
-        Returns whether this step is that first one and releases: it frees each 16-bit
-        gradient as soon as its chunk is stepped, which keeps its peak the released one."""
+        clipped or accumulated (saying so), else release them and return True (freed as used)."""
         if not self.deciding or not self._released:
             return False
         self.deciding = False
@@ -229,13 +220,17 @@ class ReleasedGradients:
         if self.release_mode == "coded":
             self._drop_codes()  # stepped, or skipped with the step
         if self.nonfinite:
-            count, self.nonfinite = self.nonfinite, 0
-            warnings.warn(
-                f"{count} parameter(s) received a non-finite gradient with gradients="
-                "'released': those parameters and their optimizer states were left unchanged, "
-                "but the others had already been stepped in backward (a step cannot be skipped "
-                "as a whole once gradients are released). Use gradients='held' to skip whole "
-                "steps.",
-                MixprecNumericsWarning,
-                stacklevel=user_stacklevel(),
-            )
+            self._warn_nonfinite()
+
+    def _warn_nonfinite(self) -> None:
+        """Say how many released parameters a non-finite gradient left unchanged this step."""
+        count, self.nonfinite = self.nonfinite, 0
+        warnings.warn(
+            f"{count} parameter(s) received a non-finite gradient with gradients="
+            "'released': those parameters and their optimizer states were left unchanged, "
+            "but the others had already been stepped in backward (a step cannot be skipped "
+            "as a whole once gradients are released). Use gradients='held' to skip whole "
+            "steps.",
+            MixprecNumericsWarning,
+            stacklevel=user_stacklevel(),
+        )

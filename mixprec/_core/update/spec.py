@@ -1,16 +1,12 @@
 """One kind of one-pass step, stated once, and the one choice of what runs it.
 
-A parameter's step under an update mode is a :class:`StepKind`: the optimizer and the flags
-that change its code, the update mode, the weight's and gradient's dtypes, and how each state
-is held (:class:`Held`). Every backend is derived from it: the C loop's defines
-(:meth:`StepKind.defines`), the compiled function (:mod:`.compiled_step`, built from its fields)
-and the step's scalars, named once in :data:`SCALARS`, filled by name (:func:`scalars`) and
-read by name (:func:`index`). A kind is hashable: it is the compile key.
-
-:func:`choose` decides for one parameter which backend steps it -- ``"c"`` (the C loop, on a
-CPU), ``"compiled"`` (:func:`torch.compile`: Triton on a GPU) or ``"chunk"`` (the reference:
-the optimizer's own step on fp32 temporaries, :mod:`.modes`) -- and says why. What a backend
-does not support runs on the reference. ``docs/design.md``, "Lean 16-bit updates".
+A parameter's step is a :class:`StepKind` -- the optimizer and the flags that change its code,
+the update mode, the weight's and gradient's dtypes, how each state is held (:class:`Held`) --
+and every backend derives from it: the C loop's defines, the compiled function
+(:mod:`.compiled_step`), the scalars (named once in :data:`SCALARS`); hashable, it is the
+compile key. :func:`choose` says which backend steps a parameter, and why: ``"c"`` (the C loop,
+on a CPU), ``"compiled"`` (:func:`torch.compile`: Triton on a GPU) or ``"chunk"`` (the
+reference, :mod:`.modes`, for what no backend supports). ``docs/design.md``, "Lean 16-bit updates".
 """
 
 from __future__ import annotations
@@ -50,6 +46,8 @@ _LOW = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float32, *_LOW)
 _CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _UPDATE = {"nearest": 0, "kahan": 1, "stochastic": 2}
+#: each optimizer's states, in the order the backends take them
+_NAMES = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
 def index(optimizer: str) -> dict[str, int]:
@@ -103,11 +101,7 @@ class StepKind(NamedTuple):
     @property
     def names(self) -> tuple[str, ...]:
         """The optimizer's state names, in the order of :attr:`states`."""
-        return (
-            ("exp_avg", "exp_avg_sq")
-            if self.optimizer == "adam"
-            else ("momentum_buffer",)[: len(self.states)]
-        )
+        return _NAMES[self.optimizer][: len(self.states)]
 
     @property
     def coded(self) -> bool:
@@ -122,7 +116,7 @@ class StepKind(NamedTuple):
                 f"-DG={_CODE[self.grad]}"]  # fmt: skip
         for i, held in enumerate(self.states):
             out += held.defines(f"S{i + 1}")
-        return out + [f"-DSC_{k.upper()}={i}" for k, i in index(self.optimizer).items()]
+        return out + [f"-DSC_{k.upper()}={i}" for i, k in enumerate(SCALARS[self.optimizer])]
 
 
 def scalars(kind: StepKind, group: dict, state: dict) -> list[float]:
@@ -156,138 +150,109 @@ def _chunk(reason: str) -> Choice:
     return Choice("chunk", None, reason)
 
 
-def _held(key: str, t: Any, want: Any, local: Tensor) -> Held | str:
-    """How state ``key`` (``t``) is held where ``want`` (a dtype or a code format) is asked
-    for, or why only the reference steps it."""
-    odd = want == "4-bit" and (local.numel() // local.shape[0]) % 2
+def _stored(key: str, want: Any, local: Tensor) -> Held | str:
+    """How the recipe stores state ``key`` of weight ``local`` (``want``: the policy's dtype or
+    code format), or why only the reference steps it."""
+    if not isinstance(want, str):
+        return Held(dtype=want)
+    if not quantizable(local):
+        return Held(dtype=torch.float32)  # too small for codes: kept in fp32
+    if want == "4-bit" and (local.numel() // local.shape[0]) % 2:
+        return "4-bit codes of an odd row length"
+    return Held(fmt=want, kind=kind_of(key))
+
+
+def _held(t: Any, want: Held, local: Tensor) -> Held | str:
+    """How state ``t`` is held where the recipe stores it as ``want``, or why only the reference
+    steps it; fp32 values where codes are wanted (saved decoded) are coded by this step."""
     if isinstance(t, QuantizedState):
-        if t.fmt != want or t.shape != local.shape or t.device != local.device or odd:
+        if (t.fmt, t.kind, t.shape, t.device) != (want.fmt, want.kind, local.shape, local.device):
             return f"a state held as {t.fmt} codes of another shape, device or format"
-        return Held(fmt=t.fmt, kind=t.kind)
-    if isinstance(want, str) and not quantizable(t):
-        want = torch.float32  # too small for codes: kept in fp32
-    if (
-        not isinstance(t, Tensor)
-        or t.shape != local.shape
-        or t.device != local.device
-        or not t.is_contiguous()
-    ):
+        return want
+    same = isinstance(t, Tensor) and (t.shape, t.device) == (local.shape, local.device)
+    if not same or not t.is_contiguous():
         return "a state of another shape, device or layout"
-    if isinstance(want, str) and t.dtype == torch.float32 and not odd:
-        return Held(fmt=want, kind=kind_of(key), from_fp32=True)
-    if t.dtype != want:
-        return f"a state held in {t.dtype} where the recipe stores {want}"
-    return Held(dtype=t.dtype)
-
-
-def _fresh(names: tuple[str, ...], group: dict, policy: Any, local: Tensor) -> Any:
-    """The states a first step makes (zeros, as torch's optimizers start them), held as the
-    recipe stores them: codes of zero (zero block scales), never fp32 zeros coded."""
-    if "momentum_buffer" in names and group.get("dampening"):
-        return "its first step with dampening (torch's buffer starts as the gradient itself)"
-    held = []
-    for k in names:
-        want = policy(k, local.dtype)
-        if isinstance(want, str) and quantizable(local):
-            if want == "4-bit" and (local.numel() // local.shape[0]) % 2:
-                return "4-bit codes of an odd row length"
-            held.append(Held(fmt=want, kind=kind_of(k)))
-        elif isinstance(want, str):
-            held.append(Held(dtype=torch.float32))  # too small for codes: kept in fp32
-        else:
-            held.append(Held(dtype=want))
-    return tuple(held)
+    if want.fmt is not None and t.dtype == torch.float32:
+        return want._replace(from_fp32=True)
+    if t.dtype != want.dtype:
+        return f"a state held in {t.dtype} where the recipe stores {want.fmt or want.dtype}"
+    return want
 
 
 def _states(optimizer: Any, group: dict, state: dict, policy: Any, local: Tensor) -> Any:
-    """The states' :class:`Held`, or why only the reference steps them."""
-    if isinstance(optimizer, Adam):
-        names = ("exp_avg", "exp_avg_sq")
-        if group.get("amsgrad"):
-            return "amsgrad (its running maximum is a third state)"
-    else:
-        names = ("momentum_buffer",) if group.get("momentum") else ()
-    if names and not state:
-        return _fresh(names, group, policy, local)
-    extra = set(state) - {*names, "step"} if isinstance(optimizer, Adam) else set(state) - {*names}
-    if extra or not all(k in state for k in names):
-        return f"optimizer state keys {sorted(state)}"
-    if isinstance(optimizer, Adam):
-        s = state.get("step")
-        if not isinstance(s, Tensor) or s.numel() != 1:
+    """The states' :class:`Held` (a first step's as the recipe stores them: zeros, as torch's
+    optimizers start them), or why only the reference steps them."""
+    adam = isinstance(optimizer, Adam)
+    names = _NAMES["adam"] if adam else _NAMES["sgd"] if group.get("momentum") else ()
+    if not state and names and group.get("dampening"):
+        return "its first step with dampening (torch's buffer starts as the gradient itself)"
+    if state:
+        keys = set(state) - {"step"} if adam else set(state)
+        if keys != set(names):
+            return f"optimizer state keys {sorted(state)}"
+        step = state.get("step")
+        if adam and not (isinstance(step, Tensor) and step.numel() == 1):
             return "a step count that is not a one-element tensor"
     held = []
     for k in names:
-        h = _held(k, state[k], policy(k, local.dtype), local)
+        h = _stored(k, policy(k, local.dtype), local)
+        h = _held(state[k], h, local) if state and isinstance(h, Held) else h
         if isinstance(h, str):
             return f"{k}: {h}"
         held.append(h)
     return tuple(held)
 
 
-def _gradient(p: Tensor, local: Tensor) -> Tensor | str:
-    """``p``'s gradient as this rank holds it, or why only the reference steps it."""
-    g = p.grad
-    if g is None:
-        return "no gradient"
-    if g.is_sparse or g.dtype not in _FLOATS:
-        return f"a {'sparse' if g.is_sparse else g.dtype} gradient"
-    g = g.to_local() if hasattr(g, "to_local") else g
-    if not g.is_contiguous() or g.shape != local.shape or g.device != local.device:
-        return "a gradient of another layout, shape or device than its weight"
-    return g
-
-
-def _backend(local: Tensor, kernels: str) -> str:
-    """What one pass would run on ``local``'s device, before the parameter is looked at."""
-    if kernels == "torch":
-        return "chunk"
-    return CPU_BACKEND if local.device.type == "cpu" else "compiled"
-
-
-def _refusal(optimizer: Any, group: dict, local: Tensor, update: str) -> str | None:
-    """Why no backend but the reference steps this optimizer's parameter, or None."""
+def _refusal(optimizer: Any, group: dict, local: Tensor, g: Tensor, update: str) -> str | None:
+    """Why no backend but the reference steps this optimizer's 16-bit parameter (``local`` and
+    its dense gradient ``g`` as this rank holds them), or None."""
     if type(optimizer) not in (Adam, AdamW, SGD):
         return f"{type(optimizer).__name__} has no one-pass step (Adam, AdamW and SGD have)"
+    if group.get("amsgrad"):
+        return "amsgrad (its running maximum is a third state)"
     if group.get("differentiable") or group.get("capturable"):
         return "a differentiable or capturable group"
     if group.get("fused") is False or group.get("foreach") is False:
         return "the group asks for torch's for-loop (fused=False or foreach=False)"
-    if local.dtype not in _LOW:
-        return f"a {local.dtype} weight"
     if update == "stochastic" and local.dtype != torch.bfloat16:
         return "stochastic rounding of a float16 weight"
     if not local.is_contiguous() or local.numel() < 2:
         return "a non-contiguous weight, or one of fewer than 2 elements"
+    if g.dtype not in _FLOATS:
+        return f"a {g.dtype} gradient"
+    if not g.is_contiguous() or g.shape != local.shape or g.device != local.device:
+        return "a gradient of another layout, shape or device than its weight"
     return None
 
 
 def choose(updater: Any, group: dict, p: Tensor, local: Tensor, failed: set) -> Choice:
-    """Which backend steps ``p`` (of ``group`` of ``updater``, a
+    """Which backend steps ``p`` (a 16-bit parameter of ``group`` of ``updater``, the
     :class:`~mixprec._core.update.modes.ModeUpdater`; ``local``: its tensor on this rank) this
-    step, and why. ``failed``: the kinds whose build failed here."""
-    optimizer = updater.optimizer
-    backend = _backend(local, updater.fused.kernels)
+    step, and why; ``failed``: the kinds whose build failed here."""
+    optimizer, kernels = updater.optimizer, updater.fused.kernels
+    if kernels == "torch":
+        return _chunk("the recipe's kernels='torch'")
+    backend = CPU_BACKEND if local.device.type == "cpu" else "compiled"
     if backend == "chunk":
-        return _chunk("the recipe's kernels='torch'" if updater.fused.kernels == "torch" else
-                      "mixprec._core.update.spec.CPU_BACKEND is 'chunk'")  # fmt: skip
+        return _chunk("mixprec._core.update.spec.CPU_BACKEND is 'chunk'")
     if backend == "compiled" and local.numel() < MIN_NUMEL:
         return _chunk(f"{local.numel()} elements: below the {MIN_NUMEL} a compile is worth")
-    why = _refusal(optimizer, group, local, updater.update)
-    g = _gradient(p, local) if why is None else why
-    if isinstance(g, str):
-        return _chunk(g)
+    g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+    why = _refusal(optimizer, group, local, g, updater.update)
+    if why is not None:
+        return _chunk(why)
     states = _states(optimizer, group, optimizer.state.get(p) or {}, updater._dtype_for, local)
     if isinstance(states, str):
         return _chunk(states)
+    adam = isinstance(optimizer, Adam)
     kind = StepKind(
-        "adam" if isinstance(optimizer, Adam) else "sgd",
+        "adam" if adam else "sgd",
         updater.update,
         local.dtype,
         g.dtype,
         states,
         decoupled=bool(group.get("decoupled_weight_decay", isinstance(optimizer, AdamW))),
-        momentum=bool(states) and not isinstance(optimizer, Adam),
+        momentum=bool(states) and not adam,
         nesterov=bool(group.get("nesterov")),
     )
     if kind in failed:

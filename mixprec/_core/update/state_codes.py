@@ -126,6 +126,16 @@ class QuantizedState:
         scale = torch.empty(blocks, dtype=torch.float32, device=device)
         return cls(codes, scale, torch.Size(shape), fmt, kind)
 
+    @classmethod
+    def zeros(
+        cls, shape: torch.Size | tuple[int, ...], fmt: str, kind: str, device: torch.device
+    ) -> QuantizedState:
+        """A state of ``shape`` in ``fmt`` holding zeros: zero codes, zero block scales."""
+        q = cls.empty(shape, fmt, kind, device)
+        q.codes.zero_()
+        q.scale.zero_()
+        return q
+
     @property
     def device(self) -> torch.device:
         return self.codes.device

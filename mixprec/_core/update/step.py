@@ -1,10 +1,9 @@
 """Where the optimizer wrapper hands over to the update path: the updater a plan asks for, and
 the inner optimizer's step.
 
-:class:`~mixprec._core.optimizer.MixedPrecisionOptimizer` settles the verdict, skips or not,
-and copies fp32 masters back; what runs in between -- the lean chunked or fused fp32 math, or
-torch's fused kernel over O2's fp32 masters, or the inner optimizer's own step -- is chosen
-here from its :class:`~mixprec._core.update.choice.UpdatePlan`.
+:class:`~mixprec._core.optimizer.MixedPrecisionOptimizer` settles the verdict and copies fp32
+masters back; what runs in between -- the lean update, torch's fused kernel over O2's fp32
+masters, or the optimizer's own step -- is chosen here from its :class:`.choice.UpdatePlan`.
 """
 
 from __future__ import annotations
@@ -22,9 +21,7 @@ __all__ = ["inner_step", "make_updater"]
 
 def make_updater(optimizer: Optimizer, plan: UpdatePlan) -> ModeUpdater | None:
     """The :class:`ModeUpdater` that steps ``optimizer``'s 16-bit parameters, or None where the
-    plan keeps fp32 masters or lets the optimizer step the 16-bit weights itself. It registers
-    its parameters, and those of groups added later, as released unless the plan holds their
-    gradients ("auto" until its first step)."""
+    plan keeps fp32 masters or lets the optimizer step the 16-bit weights itself."""
     if plan.update is None:
         return None
     return ModeUpdater(
@@ -39,8 +36,7 @@ def make_updater(optimizer: Optimizer, plan: UpdatePlan) -> ModeUpdater | None:
 
 def inner_step(optimizer: Optimizer, plan: UpdatePlan, updater: ModeUpdater | None) -> Any:
     """One step of the wrapped optimizer on a finite gradient: the lean update's, torch's fused
-    kernel over O2's fp32 masters (by default, see :mod:`~mixprec._core.update.fp32_step`),
-    or the optimizer's own."""
+    kernel over O2's fp32 masters (by default, :mod:`.fp32_step`), or the optimizer's own."""
     if updater is not None:
         return updater.step()
     if plan.masters:
