@@ -61,8 +61,10 @@ class ClipAccumTrainer(Trainer):
         return 0.0, total
 
 
-def train(seed: int, steps: int, micro: int, log: Any = print) -> dict[str, list]:
-    wl = WORKLOADS["char-gpt"]
+def train(
+    seed: int, steps: int, micro: int, log: Any = print, workload: str = "char-gpt"
+) -> dict[str, list]:
+    wl = WORKLOADS[workload]
     data = wl.prepare(False, seed)
     ClipAccumTrainer.micro = micro
     trainers = {
@@ -93,17 +95,18 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="default: the workload's own")
     p.add_argument("--micro", type=int, default=2, help="micro-batches per step")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--workload", default="char-gpt", choices=["char-gpt", "char-gpt-small"])
     p.add_argument("--json")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    steps = args.steps or WORKLOADS["char-gpt"].steps
-    runs = {s: train(s, steps, args.micro) for s in args.seeds}
+    steps = args.steps or WORKLOADS[args.workload].steps
+    runs = {s: train(s, steps, args.micro, workload=args.workload) for s in args.seeds}
     from bench_overhead import machine
 
     header = (
-        f"{datetime.date.today()} · {machine('cpu')} · torch {torch.__version__} · char-gpt, "
-        f"{steps} steps, {args.micro} micro-batches, clip 1.0"
+        f"{datetime.date.today()} · {machine('cpu')} · torch {torch.__version__} · "
+        f"{args.workload}, {steps} steps, {args.micro} micro-batches, clip 1.0"
     )
     print(f"\n{header}\n\n{table(runs)}")
     if args.json:

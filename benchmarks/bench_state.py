@@ -396,6 +396,20 @@ def recipe_total(mode: str) -> float | None:
     return float(found.group(1))
 
 
+def recipe_loop_total(mode: str, loop: str) -> float | None:
+    """What ``mixprec.Recipe(line, bf16).loop_bytes()`` states for ``loop`` (:data:`LOOPS`;
+    the plain loop's first step included), rounded as the table prints it; None for modes that
+    are not mixprec's."""
+    import mixprec
+
+    if not _is_mixprec(mode):
+        return None
+    stated = mixprec.Recipe(RECIPES[mode.removesuffix(FUSED)], BF16).loop_bytes()
+    key = {"plain": "plain", "clip": "clip", "clip-accum": "accumulate"}[loop]
+    value = max(stated["plain"], stated["first_step"]) if key == "plain" else stated[key]
+    return round(value, 1)
+
+
 def child_loop(name: str, mode: str, loop: str, steps: int, scale: float) -> dict[str, Any]:
     """``mode`` in the loop shape ``loop`` (:data:`LOOPS`) in this process: per step, the peak
     resident set during that step (the mark reset before it) minus the runtime, and the resident
@@ -458,11 +472,11 @@ def child_loop(name: str, mode: str, loop: str, steps: int, scale: float) -> dic
 
 def _loop_row(raw: dict[str, Any]) -> dict[str, Any]:
     """The summary of one :func:`child_loop`: bytes per parameter (2 decimals) of step 1, the
-    max of the later steps and the max of the first four; the recipe table's total and the
-    gap (max_1_4 - table) for mixprec modes."""
+    max of the later steps and the max of the first four; what the recipe's table states for
+    that loop and the gap (max_1_4 - table) for mixprec modes."""
     bpp = [b / raw["params"] for b in raw["peak_bytes"]]
     max_1_4 = round(max(bpp[:4]), 2)
-    total = recipe_total(raw["mode"])
+    total = recipe_loop_total(raw["mode"], raw["loop"])
     return dict(
         model=raw["model"],
         mode=raw["mode"],

@@ -170,7 +170,8 @@ def _rows(r: Any, states: int, low: torch.dtype) -> list[tuple[str, str, float]]
         rows.append(("gradients", "8-bit codes (E4M3, a scale per 256) from backward to step",
                      1 + 4 / BLOCK))  # fmt: skip
     elif r.releases_gradients(low):  # one parameter's at a time
-        held = "; held (+2 B) where the loop clips or accumulates" if r.gradients == "auto" else ""
+        auto = r.gradients == "auto"
+        held = "; 8-bit codes (+1 B) where the loop clips or accumulates" if auto else ""
         rows.append(("gradients", f"{word(weight)}, released in backward{held}", 0))
     else:
         rows.append(("gradients", word(weight), _bytes(weight)))
@@ -220,27 +221,28 @@ def loop_bytes(r: Any, states: int, low: torch.dtype) -> dict[str, float]:
     """Bytes per parameter of the training state in each loop shape: ``plain`` (forward,
     backward, step), ``clip`` (a global-norm clip before the step), ``accumulate`` (several
     backward passes per step) and ``fsdp2`` (per rank, per parameter of its shard); and
-    ``first_step``, the plain loop's first step (``gradients="auto"`` holds them while it
+    ``first_step``, the plain loop's first step (``gradients="auto"`` codes them while it
     decides, before the step makes the states).
 
-    Gradients released in backward are held where the loop clips or accumulates. Under FSDP2
-    an update mode the recipe names (``"lean"``; not ``update="auto"``) shards the 16-bit
-    weights, their states and the held gradients; otherwise the fp32 shards are the master
-    weights, stepped by the optimizer's own fp32 step."""
+    Gradients released in backward are coded in 8 bits where the loop clips or accumulates.
+    Under FSDP2 an update mode the recipe names (``"lean"``; not ``update="auto"``) shards the
+    16-bit weights, their states and the held gradients; otherwise the fp32 shards are the
+    master weights, stepped by the optimizer's own fp32 step."""
     rows = _rows(r, states, low)
     plain = float(sum(b for _, _, b in rows))
     weight = low if r.weights == "16-bit" else torch.float32
     released = not r.masters and r.releases_gradients(low)
-    held = plain + (_bytes(weight) if released else 0.0)
+    auto = released and r.gradients == "auto"  # coded where the loop clips or accumulates
+    codes = 1 + 4 / BLOCK
+    held = plain + (codes if auto else _bytes(weight) if released else 0.0)
     named = r.weights == "16-bit" and not r.masters and r.update not in ("auto", None)
-    codes = 1 + 4 / BLOCK if r.gradients == "coded" else 0.0  # FSDP2 holds them 16-bit
-    held_fsdp = held - codes + (_bytes(weight) if codes else 0.0)
+    bare = plain - (codes if r.gradients == "coded" else 0.0)  # FSDP2 holds them 16-bit
+    held_fsdp = bare + (_bytes(weight) if released or r.gradients == "coded" else 0.0)
     fsdp = held_fsdp if named else 4.0 + 4.0 + 4.0 * states  # fp32 shards unless one is named
-    # "auto" holds the first step's gradients while it decides; the states are made by that
-    # step, each parameter's as its gradient is freed: the larger of the two at a time
+    # "auto" codes the first step's gradients while it decides; the states are made by that
+    # step, each parameter's as its codes are freed: the larger of the two at a time
     state_b = next((b for name, _, b in rows if name == "optimizer states"), 0.0)
-    deciding = released and r.gradients == "auto"
-    first = plain - state_b + max(state_b, _bytes(weight)) if deciding else plain
+    first = plain - state_b + max(state_b, codes) if auto else plain
     return dict(plain=plain, first_step=first, clip=held, accumulate=held, fsdp2=fsdp)
 
 

@@ -136,8 +136,8 @@ class Recipe:
             gradient memory, but no clipping, no accumulation over several backward passes, and
             a non-finite gradient leaves only its own parameter unchanged; update modes without
             loss scaling) or ``"auto"`` (released where that holds, held with loss scaling,
-            and held where the training loop clips or accumulates: seen in the first step,
-            which holds them, or told up front by an integration; see
+            and coded where the training loop clips or accumulates: seen in the first step,
+            which codes them, or told up front by an integration; see
             :mod:`mixprec._core.update.release`), or ``"coded"`` (each gradient coded in 8 bits,
             FP8 E4M3 with a scale per 256 elements, as its backward completes it, and the
             16-bit one freed: 1 byte per parameter where clipping and accumulation work, the

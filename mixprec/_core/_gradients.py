@@ -313,7 +313,7 @@ class GradientChecks:
             hook(self)
         slots = [self.slots[i] for i in sorted(self._touched)]
         flags = list(self._found.values())
-        if self.updater is not None and self.updater.release_mode == "coded":
+        if self.updater is not None:
             flags += self.updater.coded_flags()  # checked as they were coded
         late = list(self._late.values())
         if self.reduce_flags is not None:  # the same number of flags on every rank

@@ -43,16 +43,17 @@ def register_released(params: list[Tensor], owner: Any) -> None:
         _released[id(p)] = (weakref.ref(p), weakref.ref(owner))
 
 
-def refuse_released(params: list[Tensor]) -> None:
+def refuse_released(params: list[Tensor], coded_clip: bool = True) -> None:
     """Raise where a gradient in ``params`` is released (gone before any clip could see them
-    all); under ``"auto"``'s first step a clip keeps them held instead."""
+    all); under ``"auto"``'s first step a clip keeps them held or coded instead.
+    ``coded_clip``: whether the clip can read coded gradients (a 2-norm clip)."""
     owners = {}
     for p in params:
         hit = _released.get(id(p))
         if hit is not None and hit[0]() is p and (owner := hit[1]()) is not None:
             owners[id(owner)] = owner
     for owner in owners.values():
-        why = owner._clip_refusal()
+        why = owner._clip_refusal(coded_clip)
         if why:
             raise RuntimeError(why)
 
@@ -85,8 +86,10 @@ def _wrap(original: Any) -> Any:
         if _master_of or _released:
             params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
             if _released:
-                refuse_released(params)
-                owners = _coded_owners(params) if original.__name__ == "clip_grad_norm_" else {}
+                by_norm = original.__name__ == "clip_grad_norm_"
+                norm = kwargs.get("norm_type", args[1] if len(args) > 1 else 2.0)
+                refuse_released(params, by_norm and float(norm) == 2.0)
+                owners = _coded_owners(params) if by_norm else {}
                 if owners:
                     return _clip_coded(params, owners, *args, **kwargs)
             parameters = [_swap(p) for p in params]
@@ -102,9 +105,17 @@ def _coded_owners(params: list[Tensor]) -> dict[int, Any]:
     for p in params:
         hit = _released.get(id(p))
         owner = hit[1]() if hit is not None and hit[0]() is p else None
-        if owner is not None and owner.release_mode == "coded" and owner.has_codes(p):
+        if owner is not None and owner.has_codes(p):
             out[id(p)] = owner
     return out
+
+
+#: torch's words for a non-finite total norm under ``error_if_nonfinite``
+_NONFINITE = (
+    "The total norm of order {} for gradients from `parameters` is non-finite, so it cannot be "
+    "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+    "`error_if_nonfinite=False`"
+)
 
 
 @torch.no_grad()
@@ -116,28 +127,19 @@ def _clip_coded(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
 ) -> Tensor:
-    """``clip_grad_norm_`` over parameters some of whose gradients are codes: the total norm
-    from each coded gradient's norm (taken from its 16-bit values as torch takes it) and the
-    others' (torch's way), stacked in the order torch stacks them; the coefficient scales the
-    held gradients now and the coded ones as the step decodes them."""
-    groups: dict[tuple, list[Tensor]] = {}  # torch's grouping: by device and dtype, in order
-    for p in params:
-        g = p.grad
-        if id(p) in owners:
-            norm = owners[id(p)].coded_norms([p], float(norm_type))[0]
-            groups.setdefault((norm.device, p.dtype), []).append(norm)
-        elif g is not None:
-            norm = torch.linalg.vector_norm(g, norm_type)
-            groups.setdefault((g.device, g.dtype), []).append(norm)
-    norms = [n for group in groups.values() for n in group]
-    first = norms[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+    """``clip_grad_norm_`` over parameters some of whose gradients are codes: each coded one's
+    norm (taken from its 16-bit values), the others' as torch takes them, stacked in torch's
+    order (by device and dtype); the coefficient scales held gradients now, coded ones as the
+    step decodes them."""
+    groups: dict[tuple, list[Tensor]] = {}
+    for p in [p for p in params if id(p) in owners or p.grad is not None]:
+        coded = id(p) in owners
+        norm = owners[id(p)].coded_norm(p) if coded else torch.linalg.vector_norm(p.grad, norm_type)
+        groups.setdefault((norm.device, p.dtype), []).append(norm)
+    norms = [n.to(params[0].device) for group in groups.values() for n in group]
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from `parameters` is "
-            "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
-            "by the non-finite norm anyway, set `error_if_nonfinite=False`"
-        )
+        raise RuntimeError(_NONFINITE.format(norm_type))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         if id(p) not in owners and p.grad is not None:

@@ -66,6 +66,23 @@ def _nbytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
     return total
 
 
+def _gradient_bytes(params: list[Tensor], updater: Any, seen: set[int]) -> int:
+    """Every trainable weight holds a gradient of its own dtype at the end of backward, but
+    where an update mode releases them in backward (none held) or codes them (their codes)."""
+    low = (torch.bfloat16, torch.float16)
+    released = bool(getattr(updater, "release", False))
+    coded = bool(getattr(updater, "coding", False))
+    total = sum(
+        p.numel() * p.element_size()
+        for p in params
+        if p.requires_grad and not ((released or coded) and p.dtype in low)
+    )
+    if coded:
+        kept = updater._code_buffers.values()
+        total += _nbytes([t for (codes, scales), norm in kept for t in (codes, scales, norm)], seen)
+    return total
+
+
 def _state_tensors(opt: Optimizer) -> list[Tensor]:
     out = []
     for st in opt.state.values():
@@ -121,14 +138,13 @@ def footprint(
     seen: set[int] = set()
     counts = dict.fromkeys(CATEGORIES, 0)
     counts["weights"] = _nbytes(params, seen)
-    # every trainable weight holds a gradient of its own dtype at the end of backward
-    counts["grads"] = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    updater = getattr(optimizer, "updater", None)
+    counts["grads"] = _gradient_bytes(params, updater, seen)
     inner = getattr(optimizer, "optimizer", optimizer)
     pairs = getattr(optimizer, "_pairs", [])
     if pairs:
         counts["masters"] = _nbytes([m for _, m in pairs], seen)
         counts["grads"] += _nbytes(getattr(optimizer, "_grad_buffers", {}).values(), seen)
-    updater = getattr(optimizer, "updater", None)
     if updater is not None:
         counts["compensation"] = _nbytes(updater.compensation.values(), seen)
     if inner is not None:

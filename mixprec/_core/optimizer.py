@@ -118,7 +118,9 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         recipe, updater = self._recipe, self.updater
         if recipe is None or updater is None or recipe.gradients != "auto" or updater.deciding:
             return recipe
-        return recipe.replace(gradients="released" if updater.release else "held")
+        return recipe.replace(
+            gradients="released" if updater.release else "coded" if updater.coding else "held"
+        )
 
     # -- delegation: schedulers and user code see the inner optimizer's groups and state -------
     param_groups = property(
@@ -233,10 +235,10 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the *unscaled* master gradients to ``max_norm``; return their total norm."""
         if self.updater is not None:
-            refuse_released(self.master_params())
+            refuse_released(self.master_params(), float(norm_type) == 2.0)
         if self._has_raw_grads():
             self._check_late()
-        if getattr(self.updater, "release_mode", None) == "coded":  # mixprec's clip of codes
+        if getattr(self.updater, "coding", False):  # mixprec's clip of codes
             clip, grads = torch.nn.utils.clip_grad_norm_, self.master_params()
         else:  # torch's own function: these are the tensors the step reads
             clip = TORCH_CLIPPING.get("clip_grad_norm_", torch.nn.utils.clip_grad_norm_)

@@ -9,11 +9,11 @@ and accelerate accept it). The backward is wrapped in :func:`mixprec.scale_loss`
 clipping and the logged grad norm use the unscaled fp32 masters. Leave ``fp16``/``bf16`` off in
 ``TrainingArguments``: mixprec does the mixed precision, and the two would stack.
 
-With ``gradients="auto"`` (the "lean" recipe in bf16) the gradients are held where Trainer
-needs them whole -- clipping (``max_grad_norm > 0``, Trainer's default 1.0) or accumulation
-(``gradient_accumulation_steps > 1``) -- and the choice is said in a warning
-(:mod:`mixprec.integrations._loop`); without either they are released, and Trainer's logs
-leave ``grad_norm`` out (nothing is left to measure).
+With ``gradients="auto"`` (the "lean" recipe in bf16) the gradients are coded in 8 bits where
+Trainer needs them all at once (held on several ranks) -- clipping (``max_grad_norm > 0``,
+Trainer's default 1.0) or accumulation (``gradient_accumulation_steps > 1``) -- and the choice
+is said in a warning (:mod:`mixprec.integrations._loop`); without either they are released,
+and Trainer's logs leave ``grad_norm`` out (nothing is left to measure).
 
 Limits: a skipped step (fp16 overflow) still advances Trainer's LR scheduler (accelerate's
 skip flag comes from its own GradScaler); DeepSpeed/FSDP are not supported.
@@ -29,7 +29,7 @@ from transformers import Trainer
 
 import mixprec
 from mixprec._core.optimizer import MixedPrecisionOptimizer
-from mixprec.integrations._loop import hold_for_loop
+from mixprec.integrations._loop import gradients_for_loop
 from mixprec.recipe import Recipe, as_recipe
 
 __all__ = ["MixprecTrainer"]
@@ -91,7 +91,9 @@ class MixprecTrainer(Trainer):
             if self.args.gradient_accumulation_steps > 1:
                 steps = self.args.gradient_accumulation_steps
                 needs.append(f"accumulates (gradient_accumulation_steps={steps})")
-            recipe = hold_for_loop(self.mixprec_recipe, needs, "MixprecTrainer", self.args.device)
+            recipe = gradients_for_loop(
+                self.mixprec_recipe, needs, "MixprecTrainer", self.args.device
+            )
             _, wrapped = mixprec.initialize(target, optimizer, recipe)
             self.optimizer = self.mixprec_optimizer = wrapped
         return self.optimizer

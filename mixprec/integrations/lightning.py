@@ -12,9 +12,10 @@ torch.autocast + GradScaler. This plugin swaps in mixprec at the four seams Ligh
 * ``optimizer_step`` -- run the closure, then the mixprec step (skipped on inf/NaN). Clipping
   needs nothing: Lightning clips ``optimizer.param_groups``, the already-unscaled fp32 masters.
 
-With ``gradients="auto"`` (the "lean" recipe in bf16), ``connect`` holds the gradients where the
-Trainer needs them whole -- ``gradient_clip_val`` or ``accumulate_grad_batches > 1`` -- and says
-so in a warning (:mod:`mixprec.integrations._loop`); without either they are released.
+With ``gradients="auto"`` (the "lean" recipe in bf16), ``connect`` codes the gradients in 8
+bits where the Trainer needs them all at once -- ``gradient_clip_val`` or
+``accumulate_grad_batches > 1`` -- holds them where it clips by value, and says so in a warning
+(:mod:`mixprec.integrations._loop`); without either they are released.
 
 Works with ``lightning`` (``lightning.pytorch``) or ``pytorch_lightning``, whichever is installed.
 """
@@ -30,7 +31,7 @@ from torch import Tensor
 
 import mixprec
 from mixprec._core.optimizer import MixedPrecisionOptimizer
-from mixprec.integrations._loop import hold_for_loop
+from mixprec.integrations._loop import gradients_for_loop
 from mixprec.recipe import Recipe, as_recipe
 
 try:  # the unified package first, then the standalone one
@@ -73,7 +74,8 @@ class MixprecPrecision(_Precision):
                 batches = trainer.accumulate_grad_batches
                 needs.append(f"accumulates (accumulate_grad_batches={batches})")
             device = next((p.device for p in model.parameters()), None)
-            recipe = hold_for_loop(recipe, needs, "MixprecPrecision", device)
+            by_value = trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value"
+            recipe = gradients_for_loop(recipe, needs, "MixprecPrecision", device, by_value)
         if optimizers:
             model, wrapped = mixprec.initialize(model, list(optimizers), recipe)
         else:

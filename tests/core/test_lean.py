@@ -429,6 +429,8 @@ def _retained_bytes(opt, model) -> int:
     that are none of what a training state keeps: weights, optimizer state, compensation."""
     kept = {t.untyped_storage().data_ptr() for t in model.parameters()}
     kept |= {c.untyped_storage().data_ptr() for c in opt.updater.compensation.values()}
+    for c in opt.updater._codes.values():  # this step's gradients, coded ("auto"'s first step)
+        kept |= {t.untyped_storage().data_ptr() for t in (c.codes, c.scales, c.norm)}
     for st in opt.state.values():
         for v in st.values():
             parts = (v.codes, v.scale) if hasattr(v, "codes") else (v,)

@@ -9,6 +9,9 @@ torch export, and the recipe's text and table.
 from __future__ import annotations
 
 import copy
+import math
+import warnings
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -245,22 +248,33 @@ def test_released_gradients_refuse_clipping_and_accumulation():
         mixprec.Recipe("O2", gradients="released")
 
 
-def test_auto_releases_after_a_first_step_without_clipping_bit_for_bit_as_held():
-    """'lean' ("auto", bf16) in a loop that neither clips nor accumulates: the first step holds
-    the gradients (and frees each once its chunk is stepped), the next ones release them in
-    backward; the weights and states are the held run's, bit for bit."""
+def test_auto_releases_after_a_first_step_without_clipping_bit_for_bit():
+    """'lean' ("auto", bf16) in a loop that neither clips nor accumulates: the first step codes
+    the gradients (the coded run's first step, bit for bit; each one's codes freed as it is
+    stepped), the next ones release them in backward: the held run's steps from that state,
+    bit for bit."""
     x, y = _batch()
-    held, held_opt = _lean(gradients="held")
+    coded, coded_opt = _lean(gradients="coded")
     model, opt = _lean()
     assert opt.updater.release_mode == "auto" and not opt.updater.release  # the first step watches
-    for step in range(4):
+    opt.backward((model(x).float() - y).pow(2).mean())
+    assert all(p.grad is None and opt.updater.has_codes(p) for p in model.parameters())
+    opt.step()
+    opt.zero_grad()
+    _step(coded, coded_opt, x, y)
+    assert opt.updater.release and not opt.updater.coding
+    assert not opt.updater._code_buffers  # nothing kept for coding once released
+    for p, q in zip(model.parameters(), coded.parameters()):
+        assert_bitwise(p.detach(), q.detach())
+    held, held_opt = _lean(gradients="held")
+    held.load_state_dict(copy.deepcopy(model.state_dict()))
+    held_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch's load aliases tensors
+    for _ in range(3):
         _step(held, held_opt, x, y)
         opt.backward((model(x).float() - y).pow(2).mean())
-        assert all((p.grad is None) == (step > 0) for p in model.parameters())
+        assert all(p.grad is None for p in model.parameters())
         opt.step()
-        assert all(p.grad is None for p in model.parameters())  # the first step freed them too
         opt.zero_grad()
-        assert opt.updater.release
         for p, q in zip(model.parameters(), held.parameters()):
             assert_bitwise(p.detach(), q.detach())
     assert_tree_bitwise(opt.fp32_state_dict(), held_opt.fp32_state_dict())
@@ -275,23 +289,91 @@ def _loop_step(model, opt, x, y, how):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
     elif how == "opt.clip":
         opt.clip_grad_norm_(0.1)
-    assert all(p.grad is not None for p in model.parameters())
+    assert all(p.grad is None and opt.updater.has_codes(p) for p in model.parameters())
     opt.step()
     opt.zero_grad()
 
 
 @pytest.mark.parametrize("how", ["clip", "opt.clip", "accumulate"])
-def test_auto_holds_once_the_first_step_clips_or_accumulates_and_says_so(how):
+def test_auto_codes_once_the_first_step_clips_or_accumulates_and_says_so(how):
+    """The loop's first step clips or accumulates: the gradients stay coded, bit for bit the
+    explicitly coded run, and the warning says so once."""
     model, opt = _lean()
+    coded, coded_opt = _lean(gradients="coded")
     x, y = _batch()
-    with pytest.warns(UserWarning, match="gradients='auto' holds the gradients"):
+    with pytest.warns(UserWarning, match="gradients='auto' codes the gradients"):
         _loop_step(model, opt, x, y, how)
     for _ in range(2):
-        _loop_step(model, opt, x, y, how)  # held for good
-    assert not opt.updater.release
+        _loop_step(model, opt, x, y, how)  # coded for good
+    for _ in range(3):
+        _loop_step(coded, coded_opt, x, y, how)
+    assert not opt.updater.release and opt.updater.coding
     assert opt.updater.held_for == ("accumulation" if how == "accumulate" else "clipping")
+    assert str(opt.recipe) == str(coded_opt.recipe)
+    for p, q in zip(model.parameters(), coded.parameters()):
+        assert_bitwise(p.detach(), q.detach())
     with pytest.raises(ValueError, match="release must be"):
         opt.updater._init_release("sometimes")
+
+
+@pytest.mark.parametrize("how", ["clip", "accumulate", "plain"])
+def test_a_resumed_auto_run_goes_on_as_decided(how):
+    """The first step's decision (coded, released) is saved with the optimizer: the resumed
+    run goes on as the saved one, bit for bit, rather than deciding again with a coded step."""
+    x, y = _batch()
+    model, opt = _lean()
+
+    def step(m, o):
+        if how == "plain":
+            _step(m, o, x, y)
+        else:
+            _loop_step(m, o, x, y, how)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "auto" says what it chose
+        for _ in range(2):
+            step(model, opt)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    fresh, fresh_opt = _lean()
+    fresh.load_state_dict(saved[0])
+    fresh_opt.load_state_dict(saved[1])
+    assert not fresh_opt.updater.deciding and str(fresh_opt.recipe) == str(opt.recipe)
+    for _ in range(2):
+        step(model, opt)
+        step(fresh, fresh_opt)
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert_bitwise(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize("how", ["value", "inf-norm"])
+def test_auto_holds_where_the_first_step_clips_what_codes_cannot_give(how):
+    """A clip by value, or by a norm other than 2, needs the gradients themselves: "auto"'s
+    first step decodes its codes into held gradients (said), and holds them from then on;
+    an explicit gradients='coded' refuses such a clip with the fix."""
+    model, opt = _lean()
+    x, y = _batch()
+
+    def clip(m):
+        if how == "value":
+            torch.nn.utils.clip_grad_value_(m.parameters(), 1e-3)
+        else:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3, norm_type=math.inf)
+
+    for step in range(3):
+        opt.backward((model(x).float() - y).pow(2).mean())
+        with pytest.warns(UserWarning, match="decoded into held") if step == 0 else nullcontext():
+            clip(model)
+        assert all(p.grad is not None for p in model.parameters())
+        if how == "value":
+            assert all(p.grad.abs().max() <= 1e-3 for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+    assert not opt.updater.coding and not opt.updater.release
+    assert "gradients=held" in str(opt.recipe)
+    coded, coded_opt = _lean(gradients="coded")
+    coded_opt.backward((coded(x).float() - y).pow(2).mean())
+    with pytest.raises(RuntimeError, match="gradients='coded'.*gradients='held'"):
+        clip(coded)
 
 
 def test_a_plain_torch_optimizer_loads_the_dequantized_states():
@@ -346,7 +428,8 @@ def test_lean_recipe_text_table_and_rules():
 @pytest.mark.parametrize("gradients", ["auto", "held"])
 def test_lean_trains_a_compiled_model(gradients):
     """torch.compile of the model (aot_eager: the graph as the compiler sees it, without a C++
-    toolchain): gradients still reach the release hooks, or are held for the step."""
+    toolchain): gradients still reach the release hooks (released, or coded in the first
+    step), or are held for the step."""
     model, opt = _lean(gradients=gradients)
     compiled = torch.compile(model, backend="aot_eager")
     x, y = _batch()
@@ -354,7 +437,8 @@ def test_lean_trains_a_compiled_model(gradients):
     for _ in range(15):
         loss = (compiled(x).float() - y).pow(2).mean()
         opt.backward(loss)
-        assert all((p.grad is None) == opt.updater.release for p in model.parameters())
+        held = not (opt.updater.release or opt.updater.coding)  # else released or coded
+        assert all((p.grad is None) != held for p in model.parameters())
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))

@@ -2,8 +2,9 @@
 (clipping at 1.0 and accumulation over micro-batches), Hugging Face's Trainer through
 ``MixprecTrainer`` (``max_grad_norm=1.0`` by default) and Lightning's plugin
 (``gradient_clip_val``, ``accumulate_grad_batches``). Where the loop needs every gradient at
-once the gradients are held -- the held path, bit for bit -- and the choice is said in a
-warning; where it does not they are released after the first step."""
+once the gradients are coded in 8 bits -- the coded path, bit for bit; held where the loop
+clips by value -- and the choice is said in a warning; where it does not they are released
+after the first step."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import mixprec
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 BF16 = torch.bfloat16
-HOLDS = "holds the gradients|runs with gradients='held'"
+CODES = "codes the gradients|runs with gradients='coded'"
 
 
 class GPT(TinyGPT):
@@ -73,25 +74,33 @@ def _weights(model):
 
 
 @pytest.mark.parametrize(("grad_accum", "grad_clip"), [(2, 1.0), (1, 1.0), (2, 0.0), (1, 0.0)])
-def test_nanogpt_loop_runs_lean_as_held_bit_for_bit(grad_accum, grad_clip):
-    """Clip every step, accumulate over micro-batches, both, neither: "lean" trains, and its
-    trajectory is the explicitly held one, bit for bit. A loop that clips or accumulates holds
-    the gradients (said once); one that does neither releases them after the first step."""
+def test_nanogpt_loop_runs_lean_as_coded_bit_for_bit(grad_accum, grad_clip):
+    """Clip every step, accumulate over micro-batches, both, neither: "lean" trains. Its first
+    step codes the gradients as they complete; a loop that clips or accumulates keeps them
+    coded (said once), and its trajectory is the explicitly coded one, bit for bit; one that
+    does neither releases them after that first step, which is the coded one's."""
     needs = grad_clip != 0.0 or grad_accum > 1
-    with pytest.warns(UserWarning, match=HOLDS) if needs else contextlib.nullcontext():
+    with pytest.warns(UserWarning, match=CODES) if needs else contextlib.nullcontext():
         model, opt, losses, norms = nanogpt("lean", grad_accum, grad_clip)
-    held, _, held_losses, held_norms = nanogpt(
-        mixprec.Recipe("lean", gradients="held"), grad_accum, grad_clip
+    steps = 6 if needs else 1
+    coded, _, coded_losses, coded_norms = nanogpt(
+        mixprec.Recipe("lean", gradients="coded"), grad_accum, grad_clip, iters=steps
     )
     assert opt.updater.release == (not needs) and opt.updater.release_mode == "auto"
+    assert opt.updater.coding == needs
     assert all(p.dtype == BF16 for p in model.parameters())
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
-    assert losses == held_losses and norms == held_norms
-    for p, q in zip(_weights(model), _weights(held)):
-        assert_bitwise(p, q)
+    assert losses[:steps] == coded_losses and norms[:steps] == coded_norms
+    if needs:
+        for p, q in zip(_weights(model), _weights(coded)):
+            assert_bitwise(p, q)
+    else:
+        first, _, _, _ = nanogpt("lean", grad_accum, grad_clip, iters=1)
+        for p, q in zip(_weights(first), _weights(coded)):
+            assert_bitwise(p, q)
     if grad_clip:
         assert max(norms) > grad_clip  # the clip had work to do
-        _, _, unclipped, _ = nanogpt(mixprec.Recipe("lean", gradients="held"), grad_accum, 0.0)
+        _, _, unclipped, _ = nanogpt(mixprec.Recipe("lean", gradients="coded"), grad_accum, 0.0)
         assert unclipped != losses  # and it changed the trajectory
 
 
@@ -149,16 +158,16 @@ def hf_example(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_mixprec_trainer_runs_lean_with_its_default_clipping(hf_example, tmp_path):
-    """Trainer's default max_grad_norm=1.0 with mixprec_recipe="lean": the gradients are held
-    (said up front), the run is the explicitly held one bit for bit, and the logged norm is the
+    """Trainer's default max_grad_norm=1.0 with mixprec_recipe="lean": the gradients are coded
+    (said up front), the run is the explicitly coded one bit for bit, and the logged norm is the
     pre-clip one. With max_grad_norm=0 they are released and no norm is logged."""
-    with pytest.warns(UserWarning, match="MixprecTrainer.*max_grad_norm=1.0"):
+    with pytest.warns(UserWarning, match="MixprecTrainer.*gradients='coded'.*max_grad_norm=1.0"):
         trainer, losses, norms = _hf("lean", output_dir=str(tmp_path / "a"))
     held, held_losses, held_norms = _hf(
-        mixprec.Recipe("lean", gradients="held"), output_dir=str(tmp_path / "b")
+        mixprec.Recipe("lean", gradients="coded"), output_dir=str(tmp_path / "b")
     )
     opt = trainer.mixprec_optimizer
-    assert opt.updater.release_mode == "held" and not opt.updater.release
+    assert opt.updater.release_mode == "coded" and not opt.updater.release
     layer = trainer.model.bert.encoder.layer[0].attention.self.query.weight
     assert layer.dtype == BF16
     assert all(math.isfinite(v) for v in losses) and min(losses[1:]) < losses[0]
@@ -219,20 +228,26 @@ def _lightning(recipe, **trainer_args):
 @pytest.mark.filterwarnings("ignore::UserWarning:lightning")
 @pytest.mark.filterwarnings("ignore::UserWarning:pytorch_lightning")
 def test_lightning_plugin_runs_lean_with_clipping_and_accumulation():
-    """gradient_clip_val=1.0 and accumulate_grad_batches=2 with "lean": held (said up front),
-    bit for bit the explicitly held run; Lightning's default (no clipping) releases them."""
+    """gradient_clip_val=1.0 and accumulate_grad_batches=2 with "lean": coded (said up front),
+    bit for bit the explicitly coded run; a clip by value holds them, bit for bit the held run;
+    Lightning's default (no clipping) releases them."""
     loop = {"gradient_clip_val": 1.0, "accumulate_grad_batches": 2}
-    with pytest.warns(UserWarning, match="MixprecPrecision.*gradient_clip_val=1.0.*accumulate"):
+    with pytest.warns(UserWarning, match="MixprecPrecision.*'coded'.*gradient_clip_val=1.0.*accu"):
         model, opt = _lightning("lean", **loop)
-    held, _ = _lightning(mixprec.Recipe("lean", gradients="held"), **loop)
-    assert opt.updater.release_mode == "held"
+    held, _ = _lightning(mixprec.Recipe("lean", gradients="coded"), **loop)
+    assert opt.updater.release_mode == "coded"
     assert all(p.dtype == BF16 for p in model.parameters())  # O3: norms in bf16 as well
     assert len(model.losses) == 12 and all(map(math.isfinite, model.losses))
     assert sum(model.losses[-3:]) < sum(model.losses[:3])
     assert model.losses == held.losses
     for p, q in zip(model.parameters(), held.parameters()):
         assert_bitwise(p.detach(), q.detach())
-    unclipped, _ = _lightning(mixprec.Recipe("lean", gradients="held"), accumulate_grad_batches=2)
+    unclipped, _ = _lightning(mixprec.Recipe("lean", gradients="coded"), accumulate_grad_batches=2)
     assert unclipped.losses != model.losses  # the clip changed the trajectory
+    by_value = {**loop, "gradient_clip_algorithm": "value"}
+    with pytest.warns(UserWarning, match="MixprecPrecision.*gradients='held'"):
+        value, value_opt = _lightning("lean", **by_value)
+    held, _ = _lightning(mixprec.Recipe("lean", gradients="held"), **by_value)
+    assert value_opt.updater.release_mode == "held" and value.losses == held.losses
     plain, plain_opt = _lightning("lean")  # Lightning's default: no clipping, no accumulation
     assert plain_opt.updater.release and all(map(math.isfinite, plain.losses))

@@ -116,11 +116,11 @@ def test_lean_gradients_auto_resolves_at_the_end_of_the_first_step():
     model = _model()
     model, opt = mixprec.initialize(model, torch.optim.AdamW(model.parameters()), "lean", BF16)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "auto" says once that it holds them
+        warnings.simplefilter("ignore")  # "auto" says once that it codes them
         opt.backward(model(torch.randn(3, 4)).float().square().mean())
         opt.clip_grad_norm_(1.0)
         opt.step()
-    assert opt.recipe.gradients == "held"
+    assert opt.recipe.gradients == "coded"
 
 
 def test_the_wrapper_takes_a_plan_not_a_dict_of_keywords():

@@ -20,8 +20,9 @@ scale; ``p`` large enough that its states are coded, see :data:`.state_codes.MIN
 1. ``initialize`` asks :func:`.choice.update_plans` for the plan; the optimizer wrapper's
    constructor calls :func:`.step.make_updater`, which builds a :class:`.modes.ModeUpdater` and
    registers ``p`` with :mod:`mixprec._core.clipping` as released (the plan does not hold it).
-2. The backward's gradient of ``p`` is bf16. On the first step ``"auto"`` holds it until
-   ``step()`` and watches for a clip or a second backward (:mod:`.release`); seeing neither, from
+2. The backward's gradient of ``p`` is bf16. On the first step ``"auto"`` codes it in 8 bits
+   (:mod:`.coded`) until ``step()`` and watches for a clip or a second backward
+   (:mod:`.release`); seeing either, it keeps coding them; seeing neither, from
    the next backward on ``p``'s post-accumulate-grad hook (:class:`.release.ReleasedGradients`,
    the base of ``ModeUpdater``) steps ``p`` alone and frees the gradient at once, so the
    gradients never exist all at once.

@@ -1,32 +1,12 @@
-"""Gradients coded in 8 bits as they complete (``Recipe(gradients="coded")``): clipping and
-accumulation at a byte per parameter instead of the 16-bit gradient's two.
+"""Gradients coded in 8 bits as they complete (``Recipe(gradients="coded")``, and "auto" where
+the loop clips or accumulates): a byte per parameter where clipping and accumulation work.
 
-Design. A held 16-bit gradient costs 2 bytes per parameter from its backward to the step; a
-released one costs nothing but allows neither a global-norm clip (the norm needs every
-gradient) nor accumulation over micro-batches. Here each 16-bit parameter's gradient, as its
-backward completes it (a post-accumulate-grad hook), is
-
-1. checked for inf/NaN, and its norm taken from the 16-bit values as torch's
-   ``clip_grad_norm_`` takes it (``_foreach_norm`` where torch uses it, else ``vector_norm``),
-   so a clip over coded gradients sees the global norm torch would compute;
-2. coded as FP8 E4M3 with a float32 scale per block of 256 elements (the block's largest
-   magnitude maps to 448, E4M3's largest): 1 + 4/256 bytes per element, a relative error of
-   at most 2**-4 for a value within the block's normal range, and the 16-bit gradient freed.
-
-A second gradient of the same parameter before the step (accumulation) is added to the decoded
-codes in fp32 and coded again with stochastic rounding (uniform noise of one code step added
-before rounding to nearest), so the sum of many micro-batches carries no rounding bias; its
-norm is then the norm of that sum in the gradient's dtype. ``torch.nn.utils.clip_grad_norm_``
-over the model's parameters (and ``opt.clip_grad_norm_``) returns the total norm and records
-the clip coefficient; the step decodes each parameter's codes, multiplies by the coefficient,
-rounds to the weight's dtype and steps it alone, then frees it: the fp32 gradient exists for
-one parameter at a time. A non-finite gradient skips the whole step (weights, states and the
-loss scaler's rules as with held gradients); its codes are dropped with the others.
-
-What it changes in the numerics against held 16-bit gradients: one extra rounding of each
-gradient (E4M3 within its block's scale: at most 2**-4 relative where bf16 has 2**-8), and under
-accumulation the stochastic rounding of each partial sum. Loss scaling is not taken (the codes
-would hold scaled values across the scaler's decision): an fp16 recipe keeps its gradients held.
+Each 16-bit gradient, in its post-accumulate-grad hook, is checked for inf/NaN, its norm taken
+from the 16-bit values as ``clip_grad_norm_`` takes it, coded as FP8 E4M3 with a float32 scale
+per 256 elements (at most 2**-4 relative error; a second gradient adds into the codes,
+stochastically rounded) and freed; a clip records its coefficient and the step decodes, clips
+and steps one parameter at a time. Design and numerics:
+``docs/design.md``, "Optimizer states in fewer bits", its subsection on gradients as codes.
 """
 
 from __future__ import annotations
@@ -45,21 +25,14 @@ _E4M3_MAX = 448.0
 _MANTISSA = 3  # E4M3's mantissa bits
 
 
-class CodedGradient:
+class CodedGradient(NamedTuple):
     """One parameter's gradient as FP8 E4M3 codes with a float32 scale per :data:`BLOCK`."""
 
-    __slots__ = ("codes", "dtype", "norm", "scales", "shape")
-
-    def __init__(
-        self, codes: Tensor, scales: Tensor, shape: torch.Size, dtype: torch.dtype, norm: Tensor
-    ):
-        self.codes, self.scales, self.shape, self.dtype, self.norm = (
-            codes,
-            scales,
-            shape,
-            dtype,
-            norm,
-        )
+    codes: Tensor
+    scales: Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    norm: Tensor
 
     def nbytes(self) -> int:
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 4
@@ -77,13 +50,16 @@ def empty_codes(numel: int, device: torch.device) -> tuple[Tensor, Tensor]:
     return codes, torch.empty(blocks, dtype=torch.float32, device=device)
 
 
-class Scratch(NamedTuple):
+class Scratch:
     """Buffers kept for coding and decoding on one device: a float32 chunk, its int32 code
-    indices, and E4M3's 256 values (a table: the dtype's own conversion is 5x slower on a CPU)."""
+    indices, E4M3's 256 values (a table: the dtype's own conversion is 5x slower on a CPU) and,
+    once an accumulation needs it, a float32 chunk of noise for its stochastic rounding."""
 
-    values: Tensor
-    index: Tensor
-    table: Tensor
+    __slots__ = ("index", "noise", "table", "values")
+
+    def __init__(self, values: Tensor, index: Tensor, table: Tensor):
+        self.values, self.index, self.table = values, index, table
+        self.noise: Tensor | None = None
 
     @classmethod
     def on(cls, device: torch.device, numel: int = CHUNK, table: Tensor | None = None) -> Scratch:
@@ -96,6 +72,12 @@ class Scratch(NamedTuple):
             torch.empty(numel, dtype=torch.int32, device=device),
             table,
         )
+
+    def noise_for(self, y: Tensor) -> Tensor:
+        """The noise buffer, as ``y`` (a chunk of :attr:`values`), made on first use."""
+        if self.noise is None:
+            self.noise = torch.empty_like(self.values)
+        return self.noise[: y.numel()].view_as(y)
 
     def decode_(self, codes: Tensor, out: Tensor) -> Tensor:
         """``codes`` (E4M3, flat) as float32 values written into ``out``."""
@@ -113,23 +95,32 @@ def code(
     c_loop: bool = False,
 ) -> bool | None:
     """Write ``g`` (any float dtype) into ``out`` = (E4M3 codes, float32 block scales); with
-    ``add``, ``g`` plus what ``out`` holds; with ``generator``, stochastically rounded (noise of
-    one code step, see the module docstring). A chunk at a time, in place, through ``scratch``
-    (made here when not given); ``c_loop``: in one C pass on a CPU where it can (the same
-    arithmetic, op for op: nearest rounding, nothing added), which also says whether every
-    value was finite (returned; None where the torch ops ran)."""
-    codes, scales = out
+    ``add``, ``g`` plus what ``out`` holds; with ``generator``, stochastically rounded.
+    ``c_loop``: in one C pass on a CPU where it can (the torch ops' arithmetic, nearest, not
+    added), which also says whether every value was finite (None where the torch ops ran)."""
     flat = g.detach().reshape(-1)
-    n = flat.numel()
     if c_loop and not add and generator is None:
         from mixprec._core.update.c_loop import code_grad
 
-        finite = code_grad(flat, codes.view(torch.uint8), scales)
+        finite = code_grad(flat, out[0].view(torch.uint8), out[1])
         if finite is not None:
             return finite
-    if scratch is None:
-        scratch = Scratch.on(g.device, min(CHUNK, -(-n // BLOCK) * BLOCK))
-    step = scratch.values.numel()  # a multiple of BLOCK
+    n = flat.numel()
+    _code_chunks(flat, out, generator, add, scratch or Scratch.on(g.device, _rounded(n)))
+    return None
+
+
+def _rounded(n: int) -> int:
+    """``n`` elements in whole blocks, at most a :data:`CHUNK`."""
+    return min(CHUNK, -(-n // BLOCK) * BLOCK)
+
+
+def _code_chunks(
+    flat: Tensor, out: tuple[Tensor, Tensor], generator: Any, add: bool, scratch: Scratch
+) -> None:
+    """:func:`code` with torch's ops, a chunk of ``scratch`` at a time, in place."""
+    codes, scales = out
+    n, step = flat.numel(), scratch.values.numel()  # a multiple of BLOCK
     for start in range(0, n, step):
         m = min(step, n - start)
         size = -(-m // BLOCK) * BLOCK
@@ -146,18 +137,19 @@ def code(
         torch.maximum(s, y.amin(dim=1).neg_(), out=s)  # the block's largest magnitude
         s.div_(_E4M3_MAX).masked_fill_(s == 0, 1.0)
         y.div_(s.unsqueeze(1))
-        if generator is not None:
-            _dither_(y, generator)
+        if generator is not None:  # the code indices' buffer is free once decoded
+            unit = scratch.index[: y.numel()].view(torch.float32).view_as(y)
+            _dither_(y, generator, unit, scratch.noise_for(y))
         c.view(-1, BLOCK).copy_(y)
-    return None
 
 
-def _dither_(y: Tensor, generator: torch.Generator) -> None:
+def _dither_(y: Tensor, generator: torch.Generator, step: Tensor, noise: Tensor) -> None:
     """Add uniform noise of one E4M3 code step at each value (2**(exponent - 3); the subnormal
-    step below 2**-6): rounding to nearest after it rounds stochastically."""
-    step = torch.exp2(torch.floor(torch.log2(y.abs().clamp_(min=2.0**-6))) - _MANTISSA)
-    noise = torch.rand(y.shape, generator=generator, device=y.device).sub_(0.5)
-    y.add_(noise.mul_(step)).clamp_(-_E4M3_MAX, _E4M3_MAX)
+    step below 2**-6): rounding to nearest after it rounds stochastically. ``step`` and
+    ``noise``: buffers of ``y``'s size (nothing chunk-sized is made in backward)."""
+    torch.abs(y, out=step).clamp_(min=2.0**-6).log2_().floor_().sub_(_MANTISSA).exp2_()
+    torch.rand(y.shape, generator=generator, device=y.device, out=noise)
+    y.addcmul_(noise.sub_(0.5), step).clamp_(-_E4M3_MAX, _E4M3_MAX)
 
 
 def decode(codes: Tensor, scales: Tensor, shape: torch.Size) -> Tensor:
@@ -179,6 +171,7 @@ class CodedGradients:
     the updater's ``seed``, ``steps``, ``_ordinal`` and ``fused``)."""
 
     fused: Any
+    coding: bool
     seed: int
     steps: int
     _ordinal: dict[int, int]
@@ -190,51 +183,41 @@ class CodedGradients:
         self._grad_buffer: dict[tuple, Tensor] = {}  # the decoded gradient, one at a time
         self._coded_found: dict[torch.device, Tensor] = {}  # non-finite flags, per device
         self.clip_coef: Tensor | None = None  # set by a clip of the coded gradients
-        self.norm_type = 2.0
 
     @torch.no_grad()
     def _code_grad(self, p: Tensor) -> None:
-        """The post-accumulate-grad hook: code ``p``'s fresh gradient (added to its codes when
-        it has some: an accumulation) and free it."""
+        """The post-accumulate-grad hook: code ``p``'s fresh gradient (added to its codes in
+        an accumulation: the fp32 sum, stochastically rounded; its norm the sum's) and free it."""
         g = p.grad
-        if g is None:
-            return
         if g.is_sparse:
             raise RuntimeError("gradients='coded' needs dense gradients; use gradients='held'.")
         buf, norm = self._buffers_for(p, g)
-        scratch = self._scratch_for(g.device, g.numel())
         if id(p) not in self._codes:
-            torch_norm(g, self.norm_type, norm)
-            finite = code(g, buf, scratch=scratch, c_loop=self._c_loop(g.device))
-        else:  # accumulation: the fp32 sum, stochastically rounded; its norm in g's dtype
+            torch_norm(g, 2.0, norm)
+            c = self._c_loop(g.device)  # its pass checks g too; else the scratch is kept
+            finite = code(g, buf, None, False, None if c else self._scratch_for(g), c)
+        else:
             finite = None
-            code(g, buf, self._generator(p, g.device), True, scratch)
-            torch_norm(self._decoded(buf, p.shape, g.dtype), self.norm_type, norm)
-        self._check(g, finite)  # the C pass that coded it said; else one pass of its own
+            code(g, buf, self._generator(p, g.device), True, self._scratch_for(g))
+            torch_norm(self._decoded(buf, p.shape, g.dtype), 2.0, norm)
+        self._check(g, finite)
         self._codes[id(p)] = CodedGradient(*buf, p.shape, g.dtype, norm)
         p.grad = None
 
-    def _check(self, g: Tensor, finite: bool | None = None) -> None:
-        """Record whether ``g`` holds an inf/NaN (``finite``: already known, from the C pass
-        that coded it): on a CPU one pass with no temporary (the C loop's check; a
-        gradient-sized temporary per parameter would leave heap holes), on other devices a flag
-        on the device (no host sync in backward)."""
+    def _check(self, g: Tensor, finite: bool | None) -> None:
+        """Record whether ``g`` holds an inf/NaN (``finite``: known from the C pass that coded
+        it): on a CPU the C loop's pass (no temporary), elsewhere a flag on the device."""
         flag = self._coded_found.get(g.device)
         if flag is None:
             flag = self._coded_found[g.device] = torch.zeros((), device=g.device)
-        if finite is not None:
-            if not finite:
-                flag.fill_(1.0)
-        elif g.device.type == "cpu":
-            if not self.fused.finite(g):
-                flag.fill_(1.0)
-        else:
+        if g.device.type != "cpu":
             flag.add_((~torch.isfinite(g)).any())
+        elif not (self.fused.finite(g) if finite is None else finite):
+            flag.fill_(1.0)
 
     def _buffers_for(self, p: Tensor, g: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
-        """``p``'s codes and the 0-d tensor its norm goes to, kept from step to step: made
-        once, so the backward allocates nothing that outlives it between autograd's own tensors
-        (a small tensor left in a freed gradient's place splits it, and the C heap grows)."""
+        """``p``'s codes and its norm's 0-d tensor, kept from step to step (a small tensor
+        made in backward between autograd's gradients pins their freed blocks)."""
         buf = self._code_buffers.get(id(p))
         if buf is None or buf[0][0].numel() < g.numel() or buf[0][0].device != g.device:
             norm = torch.zeros((), dtype=g.dtype, device=g.device)
@@ -255,20 +238,18 @@ class CodedGradients:
     def has_codes(self, p: Tensor) -> bool:
         return id(p) in self._codes
 
-    def coded_norms(self, params: list[Tensor], norm_type: float) -> list[Tensor]:
-        """The norms of the coded gradients among ``params``, as torch would take them."""
-        if norm_type != self.norm_type:
-            raise ValueError(
-                f"gradients='coded' keeps each gradient's {self.norm_type:g}-norm; a clip with "
-                f"norm_type={norm_type:g} needs gradients='held'."
-            )
-        return [self._codes[id(p)].norm for p in params if id(p) in self._codes]
+    def coded_norm(self, p: Tensor) -> Tensor:
+        """The 2-norm of ``p``'s coded gradient, as torch would take it (another clip is
+        refused or decoded first: :meth:`.release.ReleasedGradients._clip_refusal`)."""
+        return self._codes[id(p)].norm
 
     def coded_grad(self, p: Tensor) -> Tensor:
         """``p``'s gradient decoded, clipped by the recorded coefficient, in its dtype (a view
         of a buffer kept for the next parameter: the step allocates nothing per parameter);
         the codes are dropped."""
         c = self._codes.pop(id(p))
+        if not self.coding:  # "auto" released them after this first step: freed as used
+            self._code_buffers.pop(id(p), None)
         coef = None if self.clip_coef is None else self.clip_coef.to(c.codes.device, torch.float32)
         return self._decoded((c.codes, c.scales), c.shape, c.dtype, coef)
 
@@ -276,20 +257,24 @@ class CodedGradients:
         self, buf: tuple[Tensor, Tensor], shape: torch.Size, dtype: torch.dtype, coef: Any = None
     ) -> Tensor:
         """The codes ``buf`` of a gradient of ``shape``, decoded (times ``coef``) into the kept
-        ``dtype`` buffer, a chunk at a time."""
+        ``dtype`` buffer: in one C pass on a CPU, else a chunk at a time."""
         codes, scales = buf
         n = shape.numel()
         out = self._grad_buffer.get((codes.device, dtype))
         if out is None or out.numel() < n:
-            out = torch.empty(n, dtype=dtype, device=codes.device)
-            self._grad_buffer[codes.device, dtype] = out
-        scratch = self._scratch_for(codes.device, n)
+            out = self._grad_buffer[codes.device, dtype] = codes.new_empty(n, dtype=dtype)
         if self._c_loop(codes.device):
             from mixprec._core.update.c_loop import decode_grad
 
             c = None if coef is None else float(coef)
             if decode_grad(codes.view(torch.uint8), scales, c, out[:n]):
                 return out[:n].view(shape)
+        return self._decode_chunks(codes, scales, coef, out[:n]).view(shape)
+
+    def _decode_chunks(self, codes: Tensor, scales: Tensor, coef: Any, out: Tensor) -> Tensor:
+        """:meth:`_decoded` with torch's ops, through the scratch, into ``out``."""
+        n = out.numel()
+        scratch = self._scratch_for(out)
         step = scratch.values.numel()
         for start in range(0, n, step):
             m = min(step, n - start)
@@ -300,7 +285,7 @@ class CodedGradients:
             if coef is not None:
                 part.mul_(coef)
             out[start : start + m].copy_(part[:m])
-        return out[:n].view(shape)
+        return out
 
     def _c_loop(self, device: torch.device) -> bool:
         """Whether codes are made and read by the C loop here: a CPU, the recipe's kernels
@@ -309,19 +294,24 @@ class CodedGradients:
 
         return device.type == "cpu" and self.fused.kernels != "torch" and spec.CPU_BACKEND == "c"
 
-    def _scratch_for(self, device: torch.device, numel: int) -> Scratch:
-        """The :class:`Scratch` for coding and decoding ``numel`` elements on ``device``: a
-        :data:`CHUNK` kept on a CPU (whose heap keeps freed holes), the whole gradient at once
-        elsewhere (a caching allocator reuses it; fewer kernel launches)."""
+    def _scratch_for(self, g: Tensor) -> Scratch:
+        """The :class:`Scratch` for coding or decoding ``g``: at most a :data:`CHUNK`, kept, on
+        a CPU (whose heap keeps freed holes), the whole gradient at once elsewhere (a caching
+        allocator reuses it; fewer kernel launches)."""
+        device, numel = g.device, g.numel()
         buf = self._chunk_scratch.get(device)
         if device.type != "cpu":  # buffers per gradient; the table kept (a size-0 Scratch)
             buf = self._chunk_scratch[device] = buf or Scratch.on(device, 0)
             return Scratch.on(device, -(-numel // BLOCK) * BLOCK, buf.table)
-        if buf is None:
-            buf = self._chunk_scratch[device] = Scratch.on(device)
+        need = _rounded(numel)
+        if buf is None or buf.values.numel() < need:  # grown to the largest gradient's chunk
+            table = None if buf is None else buf.table
+            buf = self._chunk_scratch[device] = Scratch.on(device, need, table)
         return buf
 
     def _drop_codes(self) -> None:
-        self._codes.clear()
-        self._coded_found.clear()
+        """The step's codes gone; the buffers too where gradients are no longer coded."""
+        self._codes.clear(), self._coded_found.clear()
         self.clip_coef = None
+        if not self.coding:
+            self._code_buffers.clear(), self._chunk_scratch.clear(), self._grad_buffer.clear()

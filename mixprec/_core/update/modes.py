@@ -74,8 +74,7 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
         self._ordinal: dict[int, int] = {}  # id(param) -> its position, a rounding key
         self._scratch: dict[tuple[str, torch.device], Tensor] = {}
         self._init_release(release)  # False, True, "auto" or "coded" (.release)
-        if release == "coded":
-            self._init_codes()  # (.coded)
+        self._init_codes()  # (.coded)
         self.fused = FusedUpdates(kernels)  # one compiled pass per parameter
         self.add_params(p for g in optimizer.param_groups for p in g["params"])
 
@@ -134,7 +133,7 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
                 low = [p for p in ready if p.dtype in _LOW]
                 result = self._inner_step(gi, own) if own else result
                 result = self._step_params(gi, low, drop) if low else result
-                if self.release_mode == "coded":
+                if self._codes:
                     result = self._step_coded(gi, group["params"], result)
             self.steps += 1
         finally:
@@ -392,7 +391,7 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Compensation buffers (in parameter order) and the step count."""
+        """Compensation buffers (in parameter order), the step count and what "auto" decided."""
         return {
             "update": self.update,
             "seed": self.seed,
@@ -401,6 +400,7 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
                 for p in self.params()
             ],
             "steps": self.steps,
+            "gradients": self.release_state(),
         }
 
     @torch.no_grad()
@@ -435,6 +435,7 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
                 mine.copy_(saved)
         self.seed = int(sd.get("seed", self.seed))
         self.steps = int(sd["steps"])
+        self.load_release_state(sd.get("gradients"))
 
     def export_states(self, sd: dict[str, Any]) -> dict[str, Any]:
         """``sd`` (the inner optimizer's state dict) with each quantized state as plain tensors

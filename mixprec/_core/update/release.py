@@ -3,9 +3,12 @@ hook and its gradient freed (``Recipe(gradients="released")``), so they never ex
 
 What needs every gradient -- a whole-step skip, clipping, accumulation, DDP -- is refused with
 the fix, not done wrong; a non-finite gradient leaves its own parameter unchanged and the step
-warns. ``gradients="auto"``'s first step holds the gradients and watches for a clip or a second
-gradient; seeing neither, it releases them from the next backward on. ``docs/design.md``,
-"Optimizer states in fewer bits", its subsection on released gradients.
+warns. ``gradients="auto"``'s first step codes the gradients in 8 bits as they complete
+(:mod:`.coded`: a byte per parameter, where holding them would cost two) and watches for a clip
+or a second gradient; seeing either, it keeps coding them (held in 16 bits where the clip needs
+the values themselves: by value, or another norm than 2), seeing neither, it releases them
+from the next backward on. ``docs/design.md``, "Optimizer states in fewer bits", its
+subsection on released gradients.
 """
 
 from __future__ import annotations
@@ -43,6 +46,21 @@ _AUTO_RELEASED = (
     "accumulates from its first step keeps them held; one that starts later must say so: use "
     "gradients='held', e.g. Recipe('lean', gradients='held')."
 )
+_CODED_CLIP = (
+    "gradients='coded' keeps each gradient's 2-norm as it codes it: a clip by value or by "
+    "another norm needs the gradients themselves. Use gradients='held' (e.g. "
+    "Recipe('lean', gradients='held')) for such a clip."
+)
+#: what "auto" says where its first step keeps the gradients: how, why, the setting
+_KEPT = (
+    "Recipe gradients='auto' {}: {}. Pass gradients='{}' to say so; gradients='released' saves "
+    "those bytes in a loop that neither clips nor accumulates."
+)
+_HOW = {
+    "coded": "codes the gradients in 8 bits as they complete (1 byte per parameter until the "
+    "step, see gradients='coded')",
+    "held": "holds the gradients until zero_grad (16 bits, 2 bytes per parameter)",
+}
 _NEEDS = {
     "clipping": "this training loop clips them (a global norm needs every gradient at once)",
     "accumulation": "this training loop accumulates them over several backward passes",
@@ -101,16 +119,14 @@ class ReleasedGradients:
         return new
 
     def _init_release(self, release: bool | str) -> None:
-        """``release``: False (held), True (``gradients="released"``), ``"auto"`` (held or
-        released as the first step shows; see the module docstring) or ``"coded"``."""
+        """``release``: False (held), True (released), ``"auto"`` or ``"coded"``."""
         mode = {False: "held", True: "released", "auto": "auto", "coded": "coded"}.get(release)
         if mode is None:
-            raise ValueError(
-                f"release must be False, True, 'auto' or 'coded', received {release!r}."
-            )
+            raise ValueError(f"release must be False, True, 'auto' or 'coded', not {release!r}.")
         self.release_mode = mode
         self.release = release is True  # whether gradients are released in backward now
         self.deciding = release == "auto"  # "auto" before the end of its first step
+        self.coding = mode in ("auto", "coded")  # whether backward codes them now (.coded)
         self.held_for: str | None = None  # what "auto"'s first step did that needs them held
         self.nonfinite = 0  # released parameters left unchanged for a non-finite gradient
         self._released: set[int] = set()  # ids of the parameters with a gradient in this step
@@ -121,12 +137,13 @@ class ReleasedGradients:
         while "auto" decides, only watch (a second gradient before the step accumulates)."""
         if self.release:
             self._step_one(p)
-        elif self.release_mode == "coded":
-            self._code_grad(p)  # mixprec._core.update.coded
-        elif self.deciding:
+            return
+        if self.deciding:
             if id(p) in self._released:
                 self.held_for = self.held_for or "accumulation"
             self._released.add(id(p))
+        if self.coding and p.grad is not None and not (self.deciding and p.grad.is_sparse):
+            self._code_grad(p)  # mixprec._core.update.coded (a sparse one "auto" leaves held)
 
     def _step_one(self, p: Tensor) -> None:
         """:meth:`_step_released` once gradients are released."""
@@ -177,14 +194,38 @@ class ReleasedGradients:
             i = table[id(p)][0]
         return i
 
-    def _clip_refusal(self) -> str | None:
-        """Why a clip of these parameters' gradients cannot be done, or None: they are held
-        (during "auto"'s first step, the clip keeps them held)."""
-        if not self.release:
-            if self.deciding:
-                self.held_for = self.held_for or "clipping"
-            return None  # held, or coded (clipped through their codes)
-        return _AUTO_RELEASED.format(what="clip") if self.release_mode == "auto" else RELEASED
+    def _clip_refusal(self, coded_clip: bool = True) -> str | None:
+        """Why a clip of these gradients cannot be done, or None (held, or coded and
+        ``coded_clip``: a 2-norm clip). "auto"'s first step keeps them; for a clip that cannot
+        read codes it decodes them into held ones, ``gradients="coded"`` refuses it."""
+        if self.release:
+            return _AUTO_RELEASED.format(what="clip") if self.release_mode == "auto" else RELEASED
+        self.held_for = self.held_for or ("clipping" if self.deciding else None)
+        if self.coding and not coded_clip:
+            if not self.deciding:
+                return _CODED_CLIP
+            self._hold_decoded()
+        return None
+
+    def _hold_decoded(self) -> None:
+        """ "auto"'s first step met a clip that needs the gradients themselves: each coded one
+        decoded into a held gradient of its dtype (its coding's error stays in it, said once),
+        and the gradients held from here on."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if self.has_codes(p)]
+        for p in params:
+            p.grad = self.coded_grad(p).clone()
+        self._drop_codes()
+        self.coding = False
+        if params:
+            warnings.warn(
+                "Recipe gradients='auto' coded this first step's gradients in 8 bits as they "
+                "completed; this clip needs them whole (by value, or a norm other than 2), so "
+                "they are decoded into held gradients (each within 2**-4 of its value, this "
+                "step only) and held from now on. Pass gradients='held' for exact gradients "
+                "from the first step.",
+                MixprecNumericsWarning,
+                stacklevel=user_stacklevel(),
+            )
 
     def _settle_release(self) -> bool:
         """End "auto"'s first step (one with a backward): hold the gradients for good if it
@@ -193,32 +234,45 @@ class ReleasedGradients:
             return False
         self.deciding = False
         if self.held_for is None:
-            self.release = True
+            self.release, self.coding = True, False
             return True
-        warnings.warn(
-            f"Recipe gradients='auto' holds the gradients until zero_grad (16 bits, 2 bytes per "
-            f"parameter): {_NEEDS[self.held_for]}. Pass gradients='held' to say so; "
-            "gradients='released' saves those bytes in a loop that neither clips nor "
-            "accumulates.",
-            MixprecWarning,
-            stacklevel=user_stacklevel(),
-        )
+        kind = "coded" if self.coding else "held"
+        warnings.warn(_KEPT.format(_HOW[kind], _NEEDS[self.held_for], kind), MixprecWarning,
+                      stacklevel=user_stacklevel())  # fmt: skip
         return False
+
+    def release_state(self) -> dict[str, Any]:
+        """What "auto"'s first step decided, for a checkpoint: a resumed run goes on as the
+        saved one did, instead of deciding again (its first step would code the gradients)."""
+        decided = None
+        if self.release_mode == "auto" and not self.deciding:
+            decided = "released" if self.release else "coded" if self.coding else "held"
+        return {"mode": self.release_mode, "decided": decided, "held_for": self.held_for}
+
+    def load_release_state(self, saved: dict[str, Any] | None) -> None:
+        """Take the saved run's decision where both this recipe and the saved one are "auto"."""
+        if not saved or saved.get("decided") is None or self.release_mode != "auto":
+            return
+        if saved.get("mode") != "auto":
+            return
+        self.deciding = False
+        self.held_for = saved.get("held_for")
+        self.release = saved["decided"] == "released"
+        self.coding = saved["decided"] == "coded"
+        self._drop_codes()  # no buffers kept where they are no longer coded
 
     def _zero_released(self) -> None:
         """``zero_grad`` while "auto" decides: the next backward starts a new step, not an
         accumulation."""
         if self.deciding:
             self._released.clear()
-        if self.release_mode == "coded":
-            self._drop_codes()
+        self._drop_codes()
 
     def _end_released(self) -> None:
         """Close a step whose gradients were released: say what a non-finite gradient left."""
         self._settle_release()  # a skipped first step of "auto" decides as well
         self._released.clear()
-        if self.release_mode == "coded":
-            self._drop_codes()  # stepped, or skipped with the step
+        self._drop_codes()  # stepped, or skipped with the step
         if self.nonfinite:
             self._warn_nonfinite()
 
