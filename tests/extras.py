@@ -18,6 +18,9 @@ EXTRA = {
     "accelerate": "integrations",
     "lightning": "integrations",
     "pytorch_lightning": "integrations",
+    "trl": "integrations",
+    "datasets": "integrations",  # trl's
+    "tokenizers": "integrations",  # transformers'
     "onnx": "inference",
     "onnxruntime": "inference",
     "onnxscript": "inference",

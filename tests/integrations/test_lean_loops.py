@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from extras import has, install_hint
+from extras import has, install_hint, need
 from torch import nn
 from training_helpers import TinyGPT, assert_bitwise
 
@@ -180,6 +180,64 @@ def test_mixprec_trainer_runs_lean_with_its_default_clipping(hf_example, tmp_pat
     )
     assert released.mixprec_optimizer.updater.release
     assert free_norms == [] and len(free_losses) == 4 and all(map(math.isfinite, free_losses))
+
+
+def _sft(recipe, output_dir):
+    """TRL's SFTTrainer with MixprecTrainer in front (SFTConfig's own bf16=True turned off: mixprec
+    does the precision), a 2-layer GPT-2 and a character tokenizer made here (nothing
+    downloaded), Trainer's default clip (1.0) and 2 micro-batches."""
+    need("trl")
+    datasets, tokenizers = need("datasets"), need("tokenizers")
+    import transformers
+    from trl import SFTConfig, SFTTrainer
+
+    from mixprec.integrations.huggingface import MixprecTrainer
+
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyz .,"))
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>"
+    )
+    texts = ["the quick brown fox jumps over the lazy dog. " * 3, "pack my box with jugs. " * 5]
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=len(vocab), n_positions=160, n_embd=64, n_layer=2, n_head=2,
+        bos_token_id=1, eos_token_id=1, pad_token_id=0,
+    ))  # fmt: skip
+    args = SFTConfig(
+        output_dir=output_dir, max_steps=8, per_device_train_batch_size=8, learning_rate=3e-3,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+        max_length=160, gradient_accumulation_steps=2, bf16=False,
+    )  # fmt: skip
+
+    class LeanSFT(MixprecTrainer, SFTTrainer):
+        pass
+
+    trainer = LeanSFT(
+        model=model, args=args, train_dataset=datasets.Dataset.from_dict({"text": texts * 32}),
+        processing_class=tokenizer, mixprec_recipe=recipe, mixprec_dtype=BF16,
+    )  # fmt: skip
+    trainer.train()
+    return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_trl_sft_trainer_composed_with_mixprec_trainer_trains_lean(tmp_path):
+    """SFTTrainer's loop (its tokenizing, masking and loss) under "lean": bf16 weights,
+    gradients coded for the clip and the accumulation (said up front), losses falling; bit for
+    bit the explicitly coded run."""
+    with pytest.warns(UserWarning, match="MixprecTrainer.*gradients='coded'"):
+        trainer, losses = _sft("lean", str(tmp_path / "a"))
+    coded, coded_losses = _sft(mixprec.Recipe("lean", gradients="coded"), str(tmp_path / "b"))
+    assert trainer.mixprec_optimizer.updater.coding
+    assert {p.dtype for p in trainer.model.parameters()} == {BF16}
+    assert len(losses) == 8 and all(map(math.isfinite, losses)) and losses[-1] < 0.8 * losses[0]
+    assert losses == coded_losses
+    for p, q in zip(trainer.model.parameters(), coded.model.parameters()):
+        assert_bitwise(p.detach(), q.detach())
 
 
 # -- Lightning ---------------------------------------------------------------------------------
