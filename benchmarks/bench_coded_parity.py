@@ -2,9 +2,11 @@
 
     python benchmarks/bench_coded_parity.py                      # char-gpt, seed 0, its steps
     python benchmarks/bench_coded_parity.py --seeds 0 1 2 --steps 2000 --json out.json
+    python benchmarks/bench_coded_parity.py --workload char-gpt-small --seeds 0   # 2,000 steps
 
 The character-level GPT of ``mixprec.bench.workloads`` (4 x 384, context 256, Python's standard
-library as the corpus), trained as nanoGPT's ``train.py`` trains: ``--micro`` micro-batches
+library as the corpus; ``--workload char-gpt-small``: 2 x 128, its 2,000 steps in about an hour
+of one core for the four modes), trained as nanoGPT's ``train.py`` trains: ``--micro`` micro-batches
 per step, each loss divided by their number and ``loss.backward()``, then
 ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` and the step. Modes, taking turns
 step by step from the same seed on the same batches: fp32 (torch's AdamW), ``"lean"`` with its
