@@ -194,8 +194,7 @@ class CodedGradients:
         buf, norm = self._buffers_for(p, g)
         if id(p) not in self._codes:
             torch_norm(g, 2.0, norm)
-            c = self._c_loop(g.device)  # its pass checks g too; else the scratch is kept
-            finite = code(g, buf, None, False, None if c else self._scratch_for(g), c)
+            finite = code(g, buf, scratch=self._scratch_for(g), c_loop=self._c_loop(g.device))
         else:
             finite = None
             code(g, buf, self._generator(p, g.device), True, self._scratch_for(g))
@@ -311,7 +310,10 @@ class CodedGradients:
 
     def _drop_codes(self) -> None:
         """The step's codes gone; the buffers too where gradients are no longer coded."""
-        self._codes.clear(), self._coded_found.clear()
+        self._codes.clear()
+        self._coded_found.clear()
         self.clip_coef = None
         if not self.coding:
-            self._code_buffers.clear(), self._chunk_scratch.clear(), self._grad_buffer.clear()
+            self._code_buffers.clear()
+            self._chunk_scratch.clear()
+            self._grad_buffer.clear()

@@ -200,7 +200,8 @@ class ReleasedGradients:
         read codes it decodes them into held ones, ``gradients="coded"`` refuses it."""
         if self.release:
             return _AUTO_RELEASED.format(what="clip") if self.release_mode == "auto" else RELEASED
-        self.held_for = self.held_for or ("clipping" if self.deciding else None)
+        if self.deciding:
+            self.held_for = self.held_for or "clipping"
         if self.coding and not coded_clip:
             if not self.deciding:
                 return _CODED_CLIP
