@@ -71,7 +71,7 @@ def _gradient_bytes(params: list[Tensor], updater: Any, seen: set[int]) -> int:
     where an update mode releases them in backward (none held) or codes them (their codes)."""
     low = (torch.bfloat16, torch.float16)
     released = bool(getattr(updater, "release", False))
-    coded = bool(getattr(updater, "coding", False))
+    coded = getattr(updater, "gradients", None) == "coded"
     total = sum(
         p.numel() * p.element_size()
         for p in params

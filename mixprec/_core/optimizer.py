@@ -118,9 +118,7 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         recipe, updater = self._recipe, self.updater
         if recipe is None or updater is None or recipe.gradients != "auto" or updater.deciding:
             return recipe
-        return recipe.replace(
-            gradients="released" if updater.release else "coded" if updater.coding else "held"
-        )
+        return recipe.replace(gradients=updater.gradients)
 
     # -- delegation: schedulers and user code see the inner optimizer's groups and state -------
     param_groups = property(
@@ -238,7 +236,7 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
             refuse_released(self.master_params(), float(norm_type) == 2.0)
         if self._has_raw_grads():
             self._check_late()
-        if getattr(self.updater, "coding", False):  # mixprec's clip of codes
+        if getattr(self.updater, "gradients", None) == "coded":  # mixprec's clip of codes
             clip, grads = torch.nn.utils.clip_grad_norm_, self.master_params()
         else:  # torch's own function: these are the tensors the step reads
             clip = TORCH_CLIPPING.get("clip_grad_norm_", torch.nn.utils.clip_grad_norm_)

@@ -104,7 +104,7 @@ class MixprecTrainer(Trainer):
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> float | None:
         if grad_norm is None:
             updater = self.mixprec_optimizer.updater
-            if updater is not None and updater.release_mode != "held":  # released (or "auto"
+            if updater is not None and updater.asked != "held":  # released (or "auto"
                 return None  # deciding): nothing to measure; Trainer leaves grad_norm out
             grad_norm = self.mixprec_optimizer.clip_grad_norm_(math.inf)
         return float(grad_norm)

@@ -131,7 +131,7 @@ def test_lean_with_8bit_codes_and_released_gradients(monkeypatch, backend):
             )
         _train(*runs[mode], 2)
     (a, aopt), (b, bopt) = runs["off"], runs["on"]
-    assert bopt.updater.release and bopt.updater.fused.fused_steps == 2 * 4
+    assert bopt.updater.gradients == "released" and bopt.updater.fused.fused_steps == 2 * 4
     diff = torch.cat([ulps(p, q).flatten() for p, q in zip(a.parameters(), b.parameters())])
     # a code that rounds the other way (its fp32 value an ulp apart) moves an element's step by
     # up to an eighth of itself: 2 ulps of the weight at most here

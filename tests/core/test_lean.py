@@ -21,6 +21,7 @@ from training_helpers import assert_bitwise, batch, make_model, mse, poisoned, t
 import mixprec
 from mixprec import initialize
 from mixprec._core.update import spec, state_codes
+from mixprec._core.update.choice import UpdatePlan
 from mixprec.numerics import stochastic_round
 
 pytestmark = pytest.mark.filterwarnings("ignore::mixprec._core.hardware.MixprecPerformanceWarning")
@@ -269,7 +270,8 @@ def test_bf16_second_moment_stops_decaying_which_is_why_auto_keeps_it_fp32():
     for state_dtype in ("auto", BF16):
         p = nn.Parameter(torch.ones(4, dtype=BF16))
         opt = torch.optim.Adam([p], lr=1e-3, betas=(0.9, 0.999))
-        updater = mixprec._core.update.modes.ModeUpdater(opt, "kahan", state_dtype=state_dtype)
+        plan = UpdatePlan(masters=False, update="kahan", optimizer_states=state_dtype)
+        updater = mixprec._core.update.modes.ModeUpdater(opt, plan)
         p.grad = torch.ones_like(p)
         updater.step()
         for _ in range(200):
@@ -417,7 +419,7 @@ def test_released_and_held_gradients_round_alike():
         model = make_model(0)
         recipe = mixprec.Recipe("lean", BF16, gradients=gradients)
         model, opt = initialize(model, adamw(model.parameters()), recipe)
-        assert opt.updater.release == (gradients == "released")
+        assert (opt.updater.gradients == "released") == (gradients == "released")
         train(model, opt, 4)
         runs.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*runs):
@@ -505,7 +507,7 @@ def test_a_deep_copy_of_model_and_optimizer_trains_on_alike(recipe):
         for p, before in zip(twin.parameters(), at_copy):
             assert_bitwise(p.detach(), before)
         train(twin, twin_opt, 2, seed=4)
-    if opt.updater.release:  # the copy steps in backward too, and refuses clipping
+    if opt.updater.gradients == "released":  # the copy steps in backward too, and refuses clipping
         twin_opt.backward(mse(twin, *batch()))
         assert all(p.grad is None for p in twin.parameters())
         with pytest.raises(RuntimeError, match="released in backward"):

@@ -187,7 +187,7 @@ def test_lean_codes_the_large_states_and_keeps_the_rest_fp32():
 def test_a_non_finite_gradient_leaves_weights_and_codes_bit_identical(dtype, gradients):
     """Held gradients (fp16's loss scaling holds them under "auto"): the whole step is skipped."""
     model, opt = _lean(dtype, gradients=gradients)
-    assert not opt.updater.release
+    assert opt.updater.gradients != "released"
     x, y = _batch()
     for _ in range(3):
         _step(model, opt, x, y)
@@ -209,7 +209,7 @@ def test_released_gradients_step_in_backward_and_a_non_finite_one_leaves_its_par
     """Each kind of non-finite value: a check that loses a sign (max instead of max of |g|)
     lets -inf through, and the weight becomes NaN with no warning."""
     model, opt = _lean(BF16, gradients="released")
-    assert opt.updater.release
+    assert opt.updater.gradients == "released"
     x, y = _batch()
     before = [p.detach().clone() for p in model.parameters()]
     (model(x).float() - y).pow(2).mean().backward()
@@ -256,13 +256,13 @@ def test_auto_releases_after_a_first_step_without_clipping_bit_for_bit():
     x, y = _batch()
     coded, coded_opt = _lean(gradients="coded")
     model, opt = _lean()
-    assert opt.updater.release_mode == "auto" and not opt.updater.release  # the first step watches
+    assert opt.updater.asked == "auto" and opt.updater.deciding  # the first step watches
     opt.backward((model(x).float() - y).pow(2).mean())
     assert all(p.grad is None and opt.updater.has_codes(p) for p in model.parameters())
     opt.step()
     opt.zero_grad()
     _step(coded, coded_opt, x, y)
-    assert opt.updater.release and not opt.updater.coding
+    assert opt.updater.gradients == "released"
     assert not opt.updater._code_buffers  # nothing kept for coding once released
     for p, q in zip(model.parameters(), coded.parameters()):
         assert_bitwise(p.detach(), q.detach())
@@ -307,13 +307,13 @@ def test_auto_codes_once_the_first_step_clips_or_accumulates_and_says_so(how):
         _loop_step(model, opt, x, y, how)  # coded for good
     for _ in range(3):
         _loop_step(coded, coded_opt, x, y, how)
-    assert not opt.updater.release and opt.updater.coding
+    assert opt.updater.gradients == "coded"
     assert opt.updater.held_for == ("accumulation" if how == "accumulate" else "clipping")
     assert str(opt.recipe) == str(coded_opt.recipe)
     for p, q in zip(model.parameters(), coded.parameters()):
         assert_bitwise(p.detach(), q.detach())
-    with pytest.raises(ValueError, match="release must be"):
-        opt.updater._init_release("sometimes")
+    with pytest.raises(ValueError, match="gradients='sometimes'.*expected one of"):
+        mixprec.Recipe("lean", gradients="sometimes")  # the recipe checks what the updater reads
 
 
 @pytest.mark.parametrize("how", ["clip", "accumulate", "plain"])
@@ -368,7 +368,7 @@ def test_auto_holds_where_the_first_step_clips_what_codes_cannot_give(how):
             assert all(p.grad.abs().max() <= 1e-3 for p in model.parameters())
         opt.step()
         opt.zero_grad()
-    assert not opt.updater.coding and not opt.updater.release
+    assert opt.updater.gradients == "held"
     assert "gradients=held" in str(opt.recipe)
     coded, coded_opt = _lean(gradients="coded")
     coded_opt.backward((coded(x).float() - y).pow(2).mean())
@@ -437,7 +437,7 @@ def test_lean_trains_a_compiled_model(gradients):
     for _ in range(15):
         loss = (compiled(x).float() - y).pow(2).mean()
         opt.backward(loss)
-        held = not (opt.updater.release or opt.updater.coding)  # else released or coded
+        held = opt.updater.gradients == "held"  # else released or coded
         assert all((p.grad is None) != held for p in model.parameters())
         opt.step()
         opt.zero_grad()

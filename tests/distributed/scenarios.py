@@ -783,7 +783,7 @@ def _train_updates(recipe: Recipe, steps: int, how: str) -> dict:
             for k, p in params.items()
         },
         "dtypes": sorted({str(p.dtype) for p in params.values()}),
-        "released": bool(opt.updater is not None and opt.updater.release),
+        "released": bool(opt.updater is not None and opt.updater.gradients == "released"),
         "skipped": opt.skipped_steps,
     }
     if how == "fsdp":

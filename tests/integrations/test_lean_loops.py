@@ -86,8 +86,8 @@ def test_nanogpt_loop_runs_lean_as_coded_bit_for_bit(grad_accum, grad_clip):
     coded, _, coded_losses, coded_norms = nanogpt(
         mixprec.Recipe("lean", gradients="coded"), grad_accum, grad_clip, iters=steps
     )
-    assert opt.updater.release == (not needs) and opt.updater.release_mode == "auto"
-    assert opt.updater.coding == needs
+    assert (opt.updater.gradients == "released") == (not needs) and opt.updater.asked == "auto"
+    assert (opt.updater.gradients == "coded") == needs
     assert all(p.dtype == BF16 for p in model.parameters())
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
     assert losses[:steps] == coded_losses and norms[:steps] == coded_norms
@@ -167,7 +167,7 @@ def test_mixprec_trainer_runs_lean_with_its_default_clipping(hf_example, tmp_pat
         mixprec.Recipe("lean", gradients="coded"), output_dir=str(tmp_path / "b")
     )
     opt = trainer.mixprec_optimizer
-    assert opt.updater.release_mode == "coded" and not opt.updater.release
+    assert opt.updater.asked == "coded" and opt.updater.gradients == "coded"
     layer = trainer.model.bert.encoder.layer[0].attention.self.query.weight
     assert layer.dtype == BF16
     assert all(math.isfinite(v) for v in losses) and min(losses[1:]) < losses[0]
@@ -178,7 +178,7 @@ def test_mixprec_trainer_runs_lean_with_its_default_clipping(hf_example, tmp_pat
     released, free_losses, free_norms = _hf(
         "lean", output_dir=str(tmp_path / "c"), max_grad_norm=0.0
     )
-    assert released.mixprec_optimizer.updater.release
+    assert released.mixprec_optimizer.updater.gradients == "released"
     assert free_norms == [] and len(free_losses) == 4 and all(map(math.isfinite, free_losses))
 
 
@@ -232,7 +232,7 @@ def test_trl_sft_trainer_composed_with_mixprec_trainer_trains_lean(tmp_path):
     with pytest.warns(UserWarning, match="MixprecTrainer.*gradients='coded'"):
         trainer, losses = _sft("lean", str(tmp_path / "a"))
     coded, coded_losses = _sft(mixprec.Recipe("lean", gradients="coded"), str(tmp_path / "b"))
-    assert trainer.mixprec_optimizer.updater.coding
+    assert trainer.mixprec_optimizer.updater.gradients == "coded"
     assert {p.dtype for p in trainer.model.parameters()} == {BF16}
     assert len(losses) == 8 and all(map(math.isfinite, losses)) and losses[-1] < 0.8 * losses[0]
     assert losses == coded_losses
@@ -293,7 +293,7 @@ def test_lightning_plugin_runs_lean_with_clipping_and_accumulation():
     with pytest.warns(UserWarning, match="MixprecPrecision.*'coded'.*gradient_clip_val=1.0.*accu"):
         model, opt = _lightning("lean", **loop)
     held, _ = _lightning(mixprec.Recipe("lean", gradients="coded"), **loop)
-    assert opt.updater.release_mode == "coded"
+    assert opt.updater.asked == "coded"
     assert all(p.dtype == BF16 for p in model.parameters())  # O3: norms in bf16 as well
     assert len(model.losses) == 12 and all(map(math.isfinite, model.losses))
     assert sum(model.losses[-3:]) < sum(model.losses[:3])
@@ -306,6 +306,6 @@ def test_lightning_plugin_runs_lean_with_clipping_and_accumulation():
     with pytest.warns(UserWarning, match="MixprecPrecision.*gradients='held'"):
         value, value_opt = _lightning("lean", **by_value)
     held, _ = _lightning(mixprec.Recipe("lean", gradients="held"), **by_value)
-    assert value_opt.updater.release_mode == "held" and value.losses == held.losses
+    assert value_opt.updater.asked == "held" and value.losses == held.losses
     plain, plain_opt = _lightning("lean")  # Lightning's default: no clipping, no accumulation
-    assert plain_opt.updater.release and all(map(math.isfinite, plain.losses))
+    assert plain_opt.updater.gradients == "released" and all(map(math.isfinite, plain.losses))

@@ -51,18 +51,6 @@ class UpdatePlan:
     gradients: str = "held"
     kernels: str = "auto"
 
-    @property
-    def release(self) -> bool | str:
-        """``gradients`` as the updater takes it: True, False, ``"auto"`` or ``"coded"``."""
-        if self.gradients in ("auto", "coded"):
-            return self.gradients
-        return self.gradients == "released"
-
-    @property
-    def states(self) -> Any:
-        """``optimizer_states`` as the updater reads it: a map where the recipe has items."""
-        states = self.optimizer_states
-        return dict(states) if isinstance(states, tuple) else states
 
 
 def _sparse_grad_params(models: list[nn.Module]) -> set[int]:

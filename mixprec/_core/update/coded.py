@@ -171,7 +171,7 @@ class CodedGradients:
     the updater's ``seed``, ``steps``, ``_ordinal`` and ``fused``)."""
 
     fused: Any
-    coding: bool
+    gradients: str
     seed: int
     steps: int
     _ordinal: dict[int, int]
@@ -247,7 +247,7 @@ class CodedGradients:
         of a buffer kept for the next parameter: the step allocates nothing per parameter);
         the codes are dropped."""
         c = self._codes.pop(id(p))
-        if not self.coding:  # "auto" released them after this first step: freed as used
+        if self.gradients != "coded":  # "auto" released them after this first step: freed as used
             self._code_buffers.pop(id(p), None)
         coef = None if self.clip_coef is None else self.clip_coef.to(c.codes.device, torch.float32)
         return self._decoded((c.codes, c.scales), c.shape, c.dtype, coef)
@@ -313,7 +313,7 @@ class CodedGradients:
         self._codes.clear()
         self._coded_found.clear()
         self.clip_coef = None
-        if not self.coding:
+        if self.gradients != "coded":
             self._code_buffers.clear()
             self._chunk_scratch.clear()
             self._grad_buffer.clear()

@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from mixprec._core.clipping import register_released
+from mixprec._core.update.choice import UpdatePlan
 from mixprec._core.update.coded import CodedGradients
 from mixprec._core.update.fp32_step import fused_by_default
 from mixprec._core.update.fused import FusedUpdates
@@ -48,41 +49,29 @@ def _local(t: Tensor) -> Tensor:
 
 class ModeUpdater(ReleasedGradients, CodedGradients):
     """Steps ``optimizer``'s 16-bit parameters (its ``param_groups`` hold the model's own, no
-    fp32 masters; fp32 ones are stepped as they are) with ``update`` (``"nearest"``,
-    ``"kahan"`` or ``"stochastic"``, seeded by ``seed``), states held as ``state_dtype`` says
-    (:class:`.state_codes.StatePolicy`), gradients ``release``-d in backward (True, False or
-    ``"auto"``) and one-pass ``kernels`` (the recipe's). Built from an
-    :class:`.choice.UpdatePlan`, whose recipe checked every field."""
+    fp32 masters; fp32 ones are stepped as they are) as ``plan`` says, an
+    :class:`.choice.UpdatePlan` whose recipe checked every field: its ``update``
+    (``"nearest"``, ``"kahan"`` or ``"stochastic"``, seeded by ``update_seed``), states held as
+    ``optimizer_states`` says (:class:`.state_codes.StatePolicy`), ``gradients`` and ``kernels``."""
 
-    def __init__(
-        self,
-        optimizer: Optimizer,
-        update: str,
-        *,
-        state_dtype: StateDtype = "auto",
-        seed: int = 0,
-        release: bool | str = False,
-        kernels: str = "auto",
-    ):
+    def __init__(self, optimizer: Optimizer, plan: UpdatePlan):
         self.optimizer = optimizer
-        self.update = update
-        self.state_dtype = state_dtype
-        self._dtype_for = StatePolicy(state_dtype)
-        self.seed = seed
+        self.update, self.seed = plan.update, plan.update_seed
+        self._dtype_for = StatePolicy(plan.optimizer_states)
         self.compensation: dict[Tensor, Tensor] = {}
         self.steps = 0  # steps taken (not skipped): a key of the stochastic rounding
         self._ordinal: dict[int, int] = {}  # id(param) -> its position, a rounding key
         self._scratch: dict[tuple[str, torch.device], Tensor] = {}
-        self._init_release(release)  # False, True, "auto" or "coded" (.release)
+        self._init_release(plan.gradients)  # (.release)
         self._init_codes()  # (.coded)
-        self.fused = FusedUpdates(kernels)  # one compiled pass per parameter
+        self.fused = FusedUpdates(plan.kernels)  # one compiled pass per parameter
         self.add_params(p for g in optimizer.param_groups for p in g["params"])
 
     def add_params(self, params: Iterable[Tensor]) -> None:
         """Give new 16-bit parameters their zero Kahan compensation, and their release hook
         where gradients may be released (and to the clipping guard, which refuses their clip)."""
         params = list(params)
-        hooks = self.release_mode != "held"  # released, or "auto" until its first step decides
+        hooks = self.asked != "held"  # released, or "auto" until its first step decides
         for p in params:
             self._ordinal.setdefault(id(p), len(self._ordinal))
             if p.dtype not in _LOW:
@@ -172,7 +161,7 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
         next backward's land in fresh pages between the step's small tensors while these stay
         resident (measured: 6.8 -> 8.2 B/param and growing in a clipping loop)."""
         first = next((p for g in self.optimizer.param_groups for p in g["params"]), None)
-        if not self.release and first is not None and first.device.type == "cpu":  # held
+        if self.gradients == "held" and first is not None and first.device.type == "cpu":  # held
             trim_heap()
 
     def _free_buffer(self, numel: int, device: torch.device) -> Tensor:

@@ -96,7 +96,7 @@ class ReleasedGradients:
 
     optimizer: torch.optim.Optimizer
     fused: Any  # the updater's .fused.FusedUpdates
-    release: bool
+    gradients: str  # how they are kept now: held, released or coded
     _ordinal: dict[int, int]  # id(param) -> its position, a key of the stochastic rounding
 
     def __deepcopy__(self, memo: dict) -> ReleasedGradients:
@@ -118,15 +118,13 @@ class ReleasedGradients:
         new.add_params([p for g in new.optimizer.param_groups for p in g["params"]])
         return new
 
-    def _init_release(self, release: bool | str) -> None:
-        """``release``: False (held), True (released), ``"auto"`` or ``"coded"``."""
-        mode = {False: "held", True: "released", "auto": "auto", "coded": "coded"}.get(release)
-        if mode is None:
-            raise ValueError(f"release must be False, True, 'auto' or 'coded', not {release!r}.")
-        self.release_mode = mode
-        self.release = release is True  # whether gradients are released in backward now
-        self.deciding = release == "auto"  # "auto" before the end of its first step
-        self.coding = mode in ("auto", "coded")  # whether backward codes them now (.coded)
+    def _init_release(self, asked: str) -> None:
+        """``asked``: the recipe's ``gradients``, ``"held"``, ``"released"``, ``"auto"`` or
+        ``"coded"``. ``gradients`` is how they are kept now: ``"auto"`` codes them while its
+        first step decides (``deciding``), then holds, codes or releases them."""
+        self.asked = asked
+        self.gradients = "coded" if asked == "auto" else asked  # held, released or coded
+        self.deciding = asked == "auto"  # "auto" before the end of its first step
         self.held_for: str | None = None  # what "auto"'s first step did that needs them held
         self.nonfinite = 0  # released parameters left unchanged for a non-finite gradient
         self._released: set[int] = set()  # ids of the parameters with a gradient in this step
@@ -135,14 +133,16 @@ class ReleasedGradients:
     def _step_released(self, p: Tensor) -> None:
         """The post-accumulate-grad hook: step ``p`` alone and free its gradient, or code it;
         while "auto" decides, only watch (a second gradient before the step accumulates)."""
-        if self.release:
+        if self.gradients == "released":
             self._step_one(p)
             return
         if self.deciding:
             if id(p) in self._released:
                 self.held_for = self.held_for or "accumulation"
             self._released.add(id(p))
-        if self.coding and p.grad is not None and not (self.deciding and p.grad.is_sparse):
+        if self.gradients == "coded" and p.grad is not None and not (
+            self.deciding and p.grad.is_sparse
+        ):
             self._code_grad(p)  # mixprec._core.update.coded (a sparse one "auto" leaves held)
 
     def _step_one(self, p: Tensor) -> None:
@@ -169,7 +169,7 @@ class ReleasedGradients:
 
     def _second_gradient(self) -> str:
         """Why a second gradient of a released parameter before the step is refused."""
-        if self.release_mode == "auto":
+        if self.asked == "auto":
             return "A parameter received a second gradient before optimizer.step(). " + (
                 _AUTO_RELEASED.format(what="accumulate into")
             )
@@ -198,11 +198,11 @@ class ReleasedGradients:
         """Why a clip of these gradients cannot be done, or None (held, or coded and
         ``coded_clip``: a 2-norm clip). "auto"'s first step keeps them; for a clip that cannot
         read codes it decodes them into held ones, ``gradients="coded"`` refuses it."""
-        if self.release:
-            return _AUTO_RELEASED.format(what="clip") if self.release_mode == "auto" else RELEASED
+        if self.gradients == "released":
+            return _AUTO_RELEASED.format(what="clip") if self.asked == "auto" else RELEASED
         if self.deciding:
             self.held_for = self.held_for or "clipping"
-        if self.coding and not coded_clip:
+        if self.gradients == "coded" and not coded_clip:
             if not self.deciding:
                 return _CODED_CLIP
             self._hold_decoded()
@@ -216,7 +216,7 @@ class ReleasedGradients:
         for p in params:
             p.grad = self.coded_grad(p).clone()
         self._drop_codes()
-        self.coding = False
+        self.gradients = "held"
         if params:
             warnings.warn(
                 "Recipe gradients='auto' coded this first step's gradients in 8 bits as they "
@@ -235,9 +235,9 @@ class ReleasedGradients:
             return False
         self.deciding = False
         if self.held_for is None:
-            self.release, self.coding = True, False
+            self.gradients = "released"
             return True
-        kind = "coded" if self.coding else "held"
+        kind = self.gradients
         warnings.warn(_KEPT.format(_HOW[kind], _NEEDS[self.held_for], kind), MixprecWarning,
                       stacklevel=user_stacklevel())  # fmt: skip
         return False
@@ -245,21 +245,18 @@ class ReleasedGradients:
     def release_state(self) -> dict[str, Any]:
         """What "auto"'s first step decided, for a checkpoint: a resumed run goes on as the
         saved one did, instead of deciding again (its first step would code the gradients)."""
-        decided = None
-        if self.release_mode == "auto" and not self.deciding:
-            decided = "released" if self.release else "coded" if self.coding else "held"
-        return {"mode": self.release_mode, "decided": decided, "held_for": self.held_for}
+        decided = self.gradients if self.asked == "auto" and not self.deciding else None
+        return {"mode": self.asked, "decided": decided, "held_for": self.held_for}
 
     def load_release_state(self, saved: dict[str, Any] | None) -> None:
         """Take the saved run's decision where both this recipe and the saved one are "auto"."""
-        if not saved or saved.get("decided") is None or self.release_mode != "auto":
+        if not saved or saved.get("decided") is None or self.asked != "auto":
             return
         if saved.get("mode") != "auto":
             return
         self.deciding = False
         self.held_for = saved.get("held_for")
-        self.release = saved["decided"] == "released"
-        self.coding = saved["decided"] == "coded"
+        self.gradients = saved["decided"]
         self._drop_codes()  # no buffers kept where they are no longer coded
 
     def _zero_released(self) -> None:

@@ -301,7 +301,7 @@ def _load_codes(out: Tensor, codes: Tensor, bits: int) -> None:
         flat[-1:].copy_(codes[-1:]).bitwise_and_(15)
 
 
-StateDtype = str | torch.dtype | dict | None
+StateDtype = str | torch.dtype | dict | tuple | None
 FIRST_MOMENTS = ("exp_avg", "momentum_buffer")  # held in 16 bits by "auto"
 
 
@@ -310,13 +310,13 @@ class StatePolicy:
     dtype)``, it returns a dtype or a format of this module (``"8-bit"``, ``"4-bit"``).
 
     ``state_dtype``: ``"auto"`` / None (first moments in the parameter's 16-bit dtype, the rest
-    fp32), one kind for every state, or ``{state key: kind}`` (unlisted keys fp32). A class, not
-    a closure, so an optimizer holding it pickles (``copy.deepcopy``, ``torch.save``).
+    fp32), one kind for every state, or ``{state key: kind}`` or its items (unlisted keys
+    fp32). A class, not a closure, so an optimizer holding it pickles (``copy.deepcopy``).
     """
 
     def __init__(self, state_dtype: StateDtype) -> None:  # checked by the recipe's rules
         auto = state_dtype is None or state_dtype == "auto"
-        self.table = dict(state_dtype) if isinstance(state_dtype, dict) else None
+        self.table = dict(state_dtype) if isinstance(state_dtype, (dict, tuple)) else None
         self.every = None if auto or self.table is not None else state_dtype
 
     def __call__(self, key: str, low: torch.dtype) -> Any:

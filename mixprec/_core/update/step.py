@@ -22,16 +22,7 @@ __all__ = ["inner_step", "make_updater"]
 def make_updater(optimizer: Optimizer, plan: UpdatePlan) -> ModeUpdater | None:
     """The :class:`ModeUpdater` that steps ``optimizer``'s 16-bit parameters, or None where the
     plan keeps fp32 masters or lets the optimizer step the 16-bit weights itself."""
-    if plan.update is None:
-        return None
-    return ModeUpdater(
-        optimizer,
-        plan.update,
-        state_dtype=plan.states,
-        seed=plan.update_seed,
-        release=plan.release,
-        kernels=plan.kernels,
-    )
+    return None if plan.update is None else ModeUpdater(optimizer, plan)
 
 
 def inner_step(optimizer: Optimizer, plan: UpdatePlan, updater: ModeUpdater | None) -> Any:
