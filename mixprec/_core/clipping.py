@@ -21,7 +21,13 @@ from torch import Tensor
 
 from mixprec._core._warnings import MixprecWarning
 
-__all__ = ["TORCH_CLIPPING", "refuse_released", "register_masters", "register_released"]
+__all__ = [
+    "TORCH_CLIPPING",
+    "clip_coded",
+    "refuse_released",
+    "register_masters",
+    "register_released",
+]
 
 # id(model parameter) -> (weak ref to it, weak ref to its master); by id, since tensors compare
 # element-wise (no WeakKeyDictionary)
@@ -43,19 +49,21 @@ def register_released(params: list[Tensor], owner: Any) -> None:
         _released[id(p)] = (weakref.ref(p), weakref.ref(owner))
 
 
-def refuse_released(params: list[Tensor], coded_clip: bool = True) -> None:
+def refuse_released(params: list[Tensor], coded_clip: bool = True) -> dict[int, Any]:
     """Raise where a gradient in ``params`` is released (gone before any clip could see them
     all); under ``"auto"``'s first step a clip keeps them held or coded instead.
-    ``coded_clip``: whether the clip can read coded gradients (a 2-norm clip)."""
+    ``coded_clip``: whether the clip can read coded gradients (a 2-norm clip). Returns
+    id(parameter) -> the updater holding its gradient as codes (``gradients="coded"``)."""
     owners = {}
     for p in params:
         hit = _released.get(id(p))
         if hit is not None and hit[0]() is p and (owner := hit[1]()) is not None:
-            owners[id(owner)] = owner
-    for owner in owners.values():
+            owners[id(p)] = (p, owner)
+    for owner in {id(o): o for _, o in owners.values()}.values():
         why = owner._clip_refusal(coded_clip)
         if why:
             raise RuntimeError(why)
+    return {i: o for i, (p, o) in owners.items() if o.has_codes(p)}  # after: a clip may decode
 
 
 def register_masters(pairs: list[tuple[Tensor, Tensor]]) -> None:
@@ -88,26 +96,14 @@ def _wrap(original: Any) -> Any:
             if _released:
                 by_norm = original.__name__ == "clip_grad_norm_"
                 norm = kwargs.get("norm_type", args[1] if len(args) > 1 else 2.0)
-                refuse_released(params, by_norm and float(norm) == 2.0)
-                owners = _coded_owners(params) if by_norm else {}
-                if owners:
-                    return _clip_coded(params, owners, *args, **kwargs)
+                coded = refuse_released(params, by_norm and float(norm) == 2.0)
+                if coded and by_norm:
+                    return clip_coded(params, coded, *args, **kwargs)
             parameters = [_swap(p) for p in params]
         return original(parameters, *args, **kwargs)
 
     clip._mixprec_wrapped = True  # type: ignore[attr-defined]
     return clip
-
-
-def _coded_owners(params: list[Tensor]) -> dict[int, Any]:
-    """id(parameter) -> the updater holding its gradient as codes (``gradients="coded"``)."""
-    out = {}
-    for p in params:
-        hit = _released.get(id(p))
-        owner = hit[1]() if hit is not None and hit[0]() is p else None
-        if owner is not None and owner.has_codes(p):
-            out[id(p)] = owner
-    return out
 
 
 #: torch's words for a non-finite total norm under ``error_if_nonfinite``
@@ -119,7 +115,7 @@ _NONFINITE = (
 
 
 @torch.no_grad()
-def _clip_coded(
+def clip_coded(
     params: list[Tensor],
     owners: dict[int, Any],
     max_norm: float,

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from mixprec._core import _frames, regions
 from mixprec._core._gradients import SETTLE_HOOKS, GradientChecks, LossSlot
 from mixprec._core._optimizer_state import CheckpointState
-from mixprec._core.clipping import TORCH_CLIPPING, refuse_released, register_masters
+from mixprec._core.clipping import TORCH_CLIPPING, clip_coded, refuse_released, register_masters
 from mixprec._core.update.choice import UpdatePlan
 from mixprec._core.update.modes import ModeUpdater
 from mixprec._core.update.step import inner_step, make_updater
@@ -232,15 +232,14 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the *unscaled* master gradients to ``max_norm``; return their total norm."""
-        if self.updater is not None:
-            refuse_released(self.master_params(), float(norm_type) == 2.0)
+        params = self.master_params()
+        coded = {} if self.updater is None else refuse_released(params, float(norm_type) == 2.0)
         if self._has_raw_grads():
             self._check_late()
-        if getattr(self.updater, "gradients", None) == "coded":  # mixprec's clip of codes
-            clip, grads = torch.nn.utils.clip_grad_norm_, self.master_params()
-        else:  # torch's own function: these are the tensors the step reads
-            clip = TORCH_CLIPPING.get("clip_grad_norm_", torch.nn.utils.clip_grad_norm_)
-            grads = [p for p in self.master_params() if p.grad is not None]
+        if coded:  # mixprec's clip of codes
+            return clip_coded(params, coded, max_norm, norm_type, foreach=True)
+        clip = TORCH_CLIPPING.get("clip_grad_norm_", torch.nn.utils.clip_grad_norm_)
+        grads = [p for p in params if p.grad is not None]  # torch's own: what the step reads
         return clip(grads, max_norm, norm_type=norm_type, foreach=True)
 
     @torch.no_grad()

@@ -52,7 +52,6 @@ class UpdatePlan:
     kernels: str = "auto"
 
 
-
 def _sparse_grad_params(models: list[nn.Module]) -> set[int]:
     """ids of the weights that get sparse gradients: ``nn.Embedding(Bag)(sparse=True)``."""
     return {

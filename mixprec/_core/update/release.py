@@ -140,9 +140,8 @@ class ReleasedGradients:
             if id(p) in self._released:
                 self.held_for = self.held_for or "accumulation"
             self._released.add(id(p))
-        if self.gradients == "coded" and p.grad is not None and not (
-            self.deciding and p.grad.is_sparse
-        ):
+        g = p.grad
+        if self.gradients == "coded" and g is not None and not (self.deciding and g.is_sparse):
             self._code_grad(p)  # mixprec._core.update.coded (a sparse one "auto" leaves held)
 
     def _step_one(self, p: Tensor) -> None:
