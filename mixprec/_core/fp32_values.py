@@ -35,27 +35,32 @@ class LoadRefresh:
     """
 
     def __init__(self, optimizers: list[MixedPrecisionOptimizer], models: list[nn.Module]) -> None:
-        self.masters: dict[int, tuple[weakref.ref, Tensor]] = {}
-        for model in models:  # frozen_masters copies are masters without an optimizer
+        self.frozen: dict[int, tuple[weakref.ref, Tensor]] = {}  # frozen_masters copies:
+        for model in models:  # masters without an optimizer
             for m in model.modules():
                 for name, fp32 in m.__dict__.get(FROZEN_ATTR, {}).items():
                     p = m._parameters[name]
-                    self.masters[id(p)] = (weakref.ref(p), fp32)
-        self.updaters: dict[int, tuple[weakref.ref, Any]] = {}
-        for o in optimizers:
-            for p, master in o._pairs:
-                self.masters[id(p)] = (weakref.ref(p), master)
-            if o.updater is not None:
-                for g in o.param_groups:
-                    for p in g["params"]:
-                        self.updaters[id(p)] = (weakref.ref(p), o.updater)
-        self.pending: list[tuple[Tensor, Any, Tensor]] = []
+                    self.frozen[id(p)] = (weakref.ref(p), fp32)
+        self.pending: list[tuple[Tensor, Any, Tensor, bool]] = []
         self.optimizers = [weakref.ref(o) for o in optimizers]
 
     def __getstate__(self) -> dict[str, Any]:
         # weakrefs do not pickle, and a pickled model is a copy with other parameters: its
         # hooks refresh nothing (torch.save(model) must keep working after initialize)
-        return {"masters": {}, "updaters": {}, "pending": [], "optimizers": []}
+        return {"frozen": {}, "pending": [], "optimizers": []}
+
+    def _targets(self, p: Tensor) -> list[Any]:
+        """What a load into ``p`` refreshes: its fp32 master, or the updater stepping it (its
+        Kahan compensation; a checkpoint of another recipe it carries)."""
+        hit = self.frozen.get(id(p))
+        out = [hit[1]] if hit is not None and hit[0]() is p else []
+        for o in (ref() for ref in self.optimizers):
+            master = None if o is None else o._model_to_master.get(p)
+            if master is not None:
+                out.append(master)
+            elif o is not None and o.updater is not None and id(p) in o.updater._ordinal:
+                out.append(o.updater)
+        return out
 
     def before(
         self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *args: Any
@@ -64,11 +69,9 @@ class LoadRefresh:
             src = state_dict.get(prefix + name)
             if p is None or not isinstance(src, Tensor):
                 continue
-            for table in (self.masters, self.updaters):
-                hit = table.get(id(p))
-                if hit is not None and hit[0]() is p:
-                    same = src.dtype == p.dtype and torch.equal(src, p.detach())
-                    self.pending.append((p, hit[1], src, same))
+            for target in self._targets(p):
+                same = src.dtype == p.dtype and torch.equal(src, p.detach())
+                self.pending.append((p, target, src, same))
 
     @torch.no_grad()
     def after(self, module: nn.Module, incompatible: Any) -> None:
