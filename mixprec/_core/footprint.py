@@ -70,12 +70,12 @@ def _gradient_bytes(params: list[Tensor], updater: Any, seen: set[int]) -> int:
     """Every trainable weight holds a gradient of its own dtype at the end of backward, but
     where an update mode releases them in backward (none held) or codes them (their codes)."""
     low = (torch.bfloat16, torch.float16)
-    released = bool(getattr(updater, "release", False))
-    coded = getattr(updater, "gradients", None) == "coded"
+    how = getattr(updater, "gradients", "held")
+    coded = how == "coded"
     total = sum(
         p.numel() * p.element_size()
         for p in params
-        if p.requires_grad and not ((released or coded) and p.dtype in low)
+        if p.requires_grad and not (how != "held" and p.dtype in low)  # released or coded
     )
     if coded:
         kept = updater._code_buffers.values()

@@ -120,8 +120,8 @@ def _warn_vanishing_eps(optimizers: list[Optimizer | None], dtype: torch.dtype) 
 def update_plans(
     recipe: Any, optimizers: list[Optimizer], models: list[nn.Module], dtype: torch.dtype
 ) -> list[UpdatePlan]:
-    """One :class:`UpdatePlan` per optimizer for ``recipe`` (a :class:`mixprec.Recipe`) run in
-    ``dtype``: the recipe's ``update``, ``optimizer_states``, ``update_seed`` and ``gradients``,
+    """One :class:`UpdatePlan` per optimizer for ``recipe`` (a :class:`mixprec.Recipe`,
+    resolved: :meth:`~mixprec.Recipe.resolve`) run in ``dtype``: the recipe's ``update``, ``optimizer_states``, ``update_seed`` and ``gradients``,
     with ``update="auto"`` decided per optimizer where 16-bit weights have no masters."""
     if recipe.weights != "16-bit" or recipe.masters:  # the recipe's rules: no update mode here
         return [UpdatePlan(masters=recipe.masters) for _ in optimizers]
@@ -141,7 +141,7 @@ def _mode_plans(
         optimizer_states=_resolved_states(recipe.optimizer_states, dtype),
         update_seed=recipe.update_seed or 0,
         kernels=recipe.kernels,
-        gradients=_gradients(recipe, dtype),
+        gradients=recipe.gradients,  # resolved: "held" where they cannot be released
     )
     plans = [  # states, seed and gradients go where a mode runs
         UpdatePlan(masters=False, update=u, **(given if u is not None else {})) for u in updates
@@ -149,13 +149,6 @@ def _mode_plans(
     if None in updates:
         _check_own_steps(recipe, optimizers, plans, dtype)
     return plans
-
-
-def _gradients(recipe: Any, dtype: torch.dtype) -> str:
-    """The plan's ``gradients``: ``"auto"`` where the first step may release them."""
-    if recipe.gradients in ("released", "coded"):
-        return recipe.gradients
-    return "auto" if recipe.releases_gradients(dtype) else "held"
 
 
 def _resolved_states(states: Any, dtype: torch.dtype) -> Any:
@@ -199,7 +192,7 @@ def _check_own_steps(
     fields = [  # the update-mode fields the recipe sets, by name
         name
         for name, on in (
-            ("gradients", _gradients(recipe, dtype) != "held"),
+            ("gradients", recipe.gradients != "held"),
             ("optimizer_states", recipe.optimizer_states != "auto"),
             ("update_seed", recipe.update_seed is not None),
         )
