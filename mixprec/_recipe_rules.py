@@ -12,7 +12,7 @@ import torch
 from mixprec._core.names import FLAGS, GRADIENTS, UPDATE_MODES
 from mixprec._core.update.state_codes import FORMATS
 
-__all__ = ["check_fields"]
+__all__ = ["check_fields", "refuse_name"]
 
 _UPDATES = ("auto", None, *UPDATE_MODES)
 _LOW = (torch.float16, torch.bfloat16)
@@ -24,6 +24,26 @@ _CHOICES = {
     "gradients": GRADIENTS,
 }
 _STATE_KINDS = (torch.float32, torch.bfloat16, torch.float16, *FORMATS)
+
+# what a broken rule says (beside the field and its value), where it says more than a line
+_STATES = (
+    "expected 'auto', '8-bit' or '4-bit' (block-wise codes), torch.float32 / bfloat16 / "
+    "float16, or {state name: one of these} (e.g. {'exp_avg_sq': '8-bit'})."
+)
+_STORAGE_MASTERS = (
+    "16-bit weights with fp32 compute (storage-only precision) save memory only without fp32 "
+    "master weights, which this recipe keeps (masters=True). Allowed: compute='fp32' with an "
+    "update mode (Recipe('lean', torch.bfloat16, compute='fp32'), or 'O3'), O0 for plain "
+    "fp32, or compute='16-bit'."
+)
+_NO_MODE = (
+    "update modes write 16-bit weights without fp32 masters; this recipe has {}. Use "
+    "Recipe('O3', ...), or .replace(masters=False)."
+)
+_MODE_FIELD = (
+    "applies to an update mode; set update='nearest', 'kahan' or 'stochastic' (16-bit weights "
+    "without masters) as well."
+)
 
 
 def _fail(field: str, value: Any, why: str) -> None:
@@ -62,12 +82,7 @@ def _check_states(states: Any) -> None:
     else:
         ok = states == "auto" or states in _STATE_KINDS
     if not ok:
-        _fail(
-            "optimizer_states",
-            states,
-            "expected 'auto', '8-bit' or '4-bit' (block-wise codes), torch.float32 / bfloat16 / "
-            "float16, or {state name: one of these} (e.g. {'exp_avg_sq': '8-bit'}).",
-        )
+        _fail("optimizer_states", states, _STATES)
 
 
 def _check_dtype(r: Any) -> None:
@@ -95,14 +110,7 @@ def _refuse_dtype(r: Any, fp32: bool) -> None:
 def _check_storage(r: Any) -> None:
     cast = r.weights == "16-bit"
     if cast and r.compute == "fp32" and r.masters:
-        _fail(
-            "compute",
-            r.compute,
-            "16-bit weights with fp32 compute (storage-only precision) save memory only "
-            "without fp32 master weights, which this recipe keeps (masters=True). Allowed: "
-            "compute='fp32' with an update mode (Recipe('lean', torch.bfloat16, "
-            "compute='fp32'), or 'O3'), O0 for plain fp32, or compute='16-bit'.",
-        )
+        _fail("compute", r.compute, _STORAGE_MASTERS)
     if r.keep_fp32 == "none" and not cast:
         _fail("keep_fp32", r.keep_fp32, "modules stay float32 anyway: weights='fp32'.")
     if r.masters and not cast:
@@ -131,21 +139,11 @@ def _check_update(r: Any) -> None:
     modes = r.weights == "16-bit" and not r.masters  # where an update mode can run
     if r.update not in ("auto", None) and not modes:
         has = "master weights" if r.masters else "fp32 weights"
-        _fail(
-            "update",
-            r.update,
-            f"update modes write 16-bit weights without fp32 masters; this recipe has {has}. "
-            "Use Recipe('O3', ...), or .replace(masters=False).",
-        )
+        _fail("update", r.update, _NO_MODE.format(has))
     if r.update is None or (r.update == "auto" and not modes):  # no update mode runs
         for field, default in (("optimizer_states", "auto"), ("update_seed", None)):
             if getattr(r, field) != default:
-                _fail(
-                    field,
-                    getattr(r, field),
-                    "applies to an update mode; set update='nearest', 'kahan' or 'stochastic' "
-                    "(16-bit weights without masters) as well.",
-                )
+                _fail(field, getattr(r, field), _MODE_FIELD)
     if r.gradients in ("released", "coded"):
         _check_released(r, modes)
 
@@ -175,3 +173,17 @@ def check_fields(r: Any) -> None:
     _check_dtype(r)
     _check_storage(r)
     _check_update(r)
+
+
+def refuse_name(name: Any, names: list[str]) -> None:
+    """Raise for a recipe name that is none of ``names``, or no string."""
+    if not isinstance(name, str):
+        raise TypeError(
+            f"A recipe's name is one of {names} or a mixprec.Policy; received {name!r} "
+            f"(of type {type(name).__name__}). The dtype is the second argument: "
+            "Recipe('O2', torch.bfloat16); a dtype as a policy: Recipe(mixprec.Policy(dtype))."
+        )
+    raise ValueError(
+        f"Unknown recipe name {name!r}; expected one of {names} (levels: the letter "
+        "O, not zero), or a recipe string such as 'O2 bf16 update=kahan'."
+    )

@@ -20,7 +20,7 @@ from mixprec._core.activations import as_activation_config
 from mixprec._core.loss_scale import LossScaling
 from mixprec._core.names import LEVELS
 from mixprec._core.policy import Policy, _dtype, as_policy
-from mixprec._recipe_rules import check_fields
+from mixprec._recipe_rules import check_fields, refuse_name
 from mixprec._recipe_text import SHORT, loop_bytes, parse, render_table, word
 from mixprec.fp8.config import as_fp8_config
 
@@ -83,18 +83,9 @@ DEFAULTS: dict[str, Any] = dict(
 
 def _preset(name: Any) -> tuple[str, dict[str, Any]]:
     """The level a name starts from and the fields it sets (names fold case: "o2" is "O2")."""
-    if not isinstance(name, str):
-        raise TypeError(
-            f"A recipe's name is one of {list(NAMES)} or a mixprec.Policy; received {name!r} "
-            f"(of type {type(name).__name__}). The dtype is the second argument: "
-            "Recipe('O2', torch.bfloat16); a dtype as a policy: Recipe(mixprec.Policy(dtype))."
-        )
-    key = name.upper() if name.upper() in _LEVELS else name
-    if key not in NAMES:
-        raise ValueError(
-            f"Unknown recipe name {name!r}; expected one of {list(NAMES)} (levels: the letter "
-            "O, not zero), or a recipe string such as 'O2 bf16 update=kahan'."
-        )
+    key = name.upper() if isinstance(name, str) and name.upper() in _LEVELS else name
+    if not isinstance(name, str) or key not in NAMES:
+        refuse_name(name, list(NAMES))
     level, _, extra = NAMES[key]
     return key, {**_LEVELS[level], **extra}
 

@@ -72,15 +72,8 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
         fp32_values: dict[int, Tensor] | None = None,
         recipe: Any = None,
     ):
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(
-                "MixedPrecisionOptimizer wraps a torch.optim.Optimizer, received "
-                f"{type(optimizer).__name__}."
-            )
-        if not isinstance(plan, UpdatePlan):
-            raise TypeError(
-                f"MixedPrecisionOptimizer's plan is an UpdatePlan, received {type(plan).__name__}."
-            )
+        if not (isinstance(optimizer, Optimizer) and isinstance(plan, UpdatePlan)):
+            _refuse_arguments(optimizer, plan)
         self.optimizer = optimizer
         self.slots = slots
         self.plan = plan
@@ -309,6 +302,17 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
                 p.grad.detach_().requires_grad_(False).zero_()
         if set_to_none and self.updater is not None:
             self.updater.gradients_freed()
+
+
+def _refuse_arguments(optimizer: Any, plan: Any) -> None:
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            "MixedPrecisionOptimizer wraps a torch.optim.Optimizer, received "
+            f"{type(optimizer).__name__}."
+        )
+    raise TypeError(
+        f"MixedPrecisionOptimizer's plan is an UpdatePlan, received {type(plan).__name__}."
+    )
 
 
 class StepGuard:

@@ -120,9 +120,9 @@ def _warn_vanishing_eps(optimizers: list[Optimizer | None], dtype: torch.dtype) 
 def update_plans(
     recipe: Any, optimizers: list[Optimizer], models: list[nn.Module], dtype: torch.dtype
 ) -> list[UpdatePlan]:
-    """One :class:`UpdatePlan` per optimizer for ``recipe`` (a :class:`mixprec.Recipe`,
-    resolved: :meth:`~mixprec.Recipe.resolve`) run in ``dtype``: the recipe's ``update``, ``optimizer_states``, ``update_seed`` and ``gradients``,
-    with ``update="auto"`` decided per optimizer where 16-bit weights have no masters."""
+    """One :class:`UpdatePlan` per optimizer for ``recipe`` (a resolved :class:`mixprec.Recipe`)
+    run in ``dtype``: the recipe's ``update``, ``optimizer_states``, ``update_seed`` and
+    ``gradients``, ``update="auto"`` decided per optimizer where 16-bit weights have no masters."""
     if recipe.weights != "16-bit" or recipe.masters:  # the recipe's rules: no update mode here
         return [UpdatePlan(masters=recipe.masters) for _ in optimizers]
     return _mode_plans(recipe, optimizers, models, dtype)
