@@ -239,10 +239,7 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
     def step(self, closure: Any = None) -> Any:
         """Step the masters and copy them back, or skip the step on a non-finite gradient."""
         if closure is not None:
-            raise NotImplementedError(
-                "MixedPrecisionOptimizer.step does not take a closure: "
-                "compute the loss, call backward(loss), then step()."
-            )
+            raise NotImplementedError(_CLOSURE)
         self.__dict__.pop("_carry_pending", None)  # kept for a model load before this step
         self.step_skipped = self._settle()
         if self.step_skipped:
@@ -302,6 +299,12 @@ class MixedPrecisionOptimizer(GradientChecks, CheckpointState, Optimizer):
                 p.grad.detach_().requires_grad_(False).zero_()
         if set_to_none and self.updater is not None:
             self.updater.gradients_freed()
+
+
+_CLOSURE = (
+    "MixedPrecisionOptimizer.step does not take a closure: compute the loss, call "
+    "backward(loss), then step()."
+)
 
 
 def _refuse_arguments(optimizer: Any, plan: Any) -> None:

@@ -95,16 +95,20 @@ PolicyLike = Union["Policy", str, torch.dtype, int]
 
 
 def _dtype(value: Any, role: str) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        if value not in _CANONICAL:  # also float8 etc.: floating for torch, not a policy dtype
-            raise ValueError(
-                f"{role} must be a floating dtype (float32, bfloat16, float16 or "
-                f"float64), received {value}. {_HELP}"
-            )
+    if isinstance(value, torch.dtype) and value in _CANONICAL:
         return value
     if isinstance(value, str) and value.strip().lower() in _DTYPE_NAMES:
         return _DTYPE_NAMES[value.strip().lower()]
-    raise ValueError(
+    raise _not_a_dtype(value, role)
+
+
+def _not_a_dtype(value: Any, role: str) -> ValueError:
+    if isinstance(value, torch.dtype):  # also float8 etc.: floating for torch, not a policy dtype
+        return ValueError(
+            f"{role} must be a floating dtype (float32, bfloat16, float16 or "
+            f"float64), received {value}. {_HELP}"
+        )
+    return ValueError(
         f"Cannot read {role}={value!r} as a floating dtype. Use one of "
         f"{sorted(set(_DTYPE_NAMES) - {'16', '32', '64'})} or a torch dtype."
     )

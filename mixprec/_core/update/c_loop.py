@@ -77,6 +77,12 @@ def _cpu_flags() -> str:
     return platform.processor() + platform.machine()
 
 
+_NOT_PRIVATE = (
+    "{} belongs to another user or others may write into it; remove it (mixprec makes it "
+    "again, private) to build the fused update's kernels"
+)
+
+
 def _cache() -> Path:
     """This user's library folder: created private, and refused where another user could
     have written into it (a library loaded from there runs as this process)."""
@@ -87,10 +93,7 @@ def _cache() -> Path:
     for path in (root, folder):
         st = path.stat()
         if uid is not None and (st.st_uid != uid or st.st_mode & 0o022):
-            raise RuntimeError(
-                f"{path} belongs to another user or others may write into it; remove it "
-                "(mixprec makes it again, private) to build the fused update's kernels"
-            )
+            raise RuntimeError(_NOT_PRIVATE.format(path))
     return folder
 
 
