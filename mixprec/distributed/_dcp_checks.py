@@ -51,7 +51,7 @@ def describe(model: nn.Module, optimizer: Any) -> dict[str, Any]:
         "fields": {} if recipe is None else {f: _word(getattr(recipe, f)) for f in STATE_FIELDS},
         "dtype": None if low is None else str(low),
         "update": None if updater is None else updater.update,
-        "state_dtype": None if updater is None else _word(updater.state_dtype),
+        "state_dtype": None if updater is None else _states_word(updater.plan.optimizer_states),
         "world_size": _world_size(model),
     }
 
@@ -67,6 +67,11 @@ def _world_size(model: nn.Module) -> int:
 
 def _word(v: Any) -> str:
     return repr(v) if isinstance(v, str) else str(v)
+
+
+def _states_word(states: Any) -> str:
+    """The plan's ``optimizer_states`` as checkpoints spell it (a map where it has items)."""
+    return _word(dict(states) if isinstance(states, tuple) else states)
 
 
 #: recipe fields a checkpoint is not carried across (with the 16-bit dtype; the rounding seed

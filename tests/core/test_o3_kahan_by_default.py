@@ -55,7 +55,8 @@ def test_o3_bf16_defaults_to_kahan_with_auto_state(opt_fn):
     model, opt = build(opt_fn)
     assert opt.updater is not None and opt.updater.update == "kahan"
     auto = {"exp_avg": BF16, "momentum_buffer": BF16}  # "auto", resolved: first moments
-    assert opt.updater.state_dtype == auto and opt.master_params() == list(model.parameters())
+    states = dict(opt.updater.plan.optimizer_states)
+    assert states == auto and opt.master_params() == list(model.parameters())
     losses = train(model, opt, 20)
     assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.6 * losses[0]
     for p in model.parameters():
@@ -140,7 +141,9 @@ def test_sparse_gradients_keep_the_optimizers_own_step():
 def test_optimizer_states_and_seed_apply_to_the_default_update():
     _, opt = build(adamw, optimizer_states=BF16, update_seed=3)
     assert (
-        opt.updater.update == "kahan" and opt.updater.state_dtype == BF16 and opt.updater.seed == 3
+        opt.updater.update == "kahan"
+        and opt.updater.plan.optimizer_states == BF16
+        and opt.updater.seed == 3
     )
     with pytest.raises(ValueError, match=r"Recipe\(optimizer_states=.*\): applies to an update"):
         build(adamw, update=None, optimizer_states=BF16)  # explicitly no update mode

@@ -55,7 +55,7 @@ class ModeUpdater(ReleasedGradients, CodedGradients):
     ``optimizer_states`` says (:class:`.state_codes.StatePolicy`), ``gradients`` and ``kernels``."""
 
     def __init__(self, optimizer: Optimizer, plan: UpdatePlan):
-        self.optimizer = optimizer
+        self.optimizer, self.plan = optimizer, plan
         self.update, self.seed = plan.update, plan.update_seed
         self._dtype_for = StatePolicy(plan.optimizer_states)
         self.compensation: dict[Tensor, Tensor] = {}
