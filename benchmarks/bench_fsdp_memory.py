@@ -3,6 +3,7 @@
     python benchmarks/bench_fsdp_memory.py                       # fp32, O2, lean on 1, 2, 4 ranks
     python benchmarks/bench_fsdp_memory.py --modes lean --ranks 2 --json out.json
     python benchmarks/bench_fsdp_memory.py --meta     # the model built on the meta device
+    python benchmarks/bench_fsdp_memory.py --warm     # the runtime read after a tiny warm-up step
 
 For each (mode, ranks) a fresh ``torchrun --standalone --nproc_per_node=R`` (gloo, one thread per
 rank) runs :func:`rank_child` in every rank: imports and ``init_process_group`` (the runtime:
@@ -21,6 +22,11 @@ rank's share of the parameters (parameters / R):
 * ``train``: ``VmHWM`` reset (``/proc/self/clear_refs``) after ``initialize_fsdp``, read after
   the steps, minus the runtime: the training state alone (shards, gradients, optimizer states,
   one unit's gathered weights and the activations, < 1 %).
+
+``--warm`` reads the runtime after one step of a tiny model (2 x Linear(64, 64)) under the same
+recipe and ``initialize_fsdp``, freed before the real model is built: what any first step
+allocates once whatever the model's size (gloo's buffers, autograd's engine, kernels and the C
+update's library loaded, lazy registrations) then counts as runtime, not as training state.
 """
 
 from __future__ import annotations
@@ -57,7 +63,30 @@ def _reset_peak() -> bool:
         return False
 
 
-def rank_child(mode: str, steps: int = 3, scale: float = 1.0, meta: bool = False) -> dict:
+def _warm_up(mode: str) -> None:
+    """One step of a tiny model under ``mode`` and ``initialize_fsdp``, then freed."""
+    import gc
+
+    import mixprec.distributed as mpd
+
+    tiny = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    tiny, opt = mpd.initialize_fsdp(
+        tiny,
+        lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+        MODES[mode],
+        None if mode == "fp32" else torch.bfloat16,
+        units=nn.Linear,
+    )
+    opt.backward(tiny(torch.randn(2, 64)).float().pow(2).mean())
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    del tiny, opt
+    gc.collect()
+
+
+def rank_child(
+    mode: str, steps: int = 3, scale: float = 1.0, meta: bool = False, warm: bool = False
+) -> dict:
     """One rank: runtime, model, ``initialize_fsdp``, ``steps`` steps; its bytes per parameter.
 
     Joins the process group torchrun's environment names (``MASTER_ADDR``, ``RANK``, ...)."""
@@ -73,6 +102,8 @@ def rank_child(mode: str, steps: int = 3, scale: float = 1.0, meta: bool = False
         dist.init_process_group("gloo")
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
+        if warm:
+            _warm_up(mode)
         runtime = _rss("VmRSS")
         with torch.device("meta") if meta else contextlib.nullcontext():
             model, batch = make_model("mlp", scale)
@@ -99,6 +130,7 @@ def rank_child(mode: str, steps: int = 3, scale: float = 1.0, meta: bool = False
         return dict(
             mode=mode,
             meta=meta,
+            warm=warm,
             ranks=world,
             rank=rank,
             params=params,
@@ -126,6 +158,7 @@ def measure(
     scale: float,
     mmap: int | None = None,
     meta: bool = False,
+    warm: bool = False,
 ) -> list[dict]:
     """Every (mode, R) in a fresh torchrun; one row per (mode, R): the worst rank's figures."""
     rows = []
@@ -136,7 +169,7 @@ def measure(
                     sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc_per_node={r}", os.path.abspath(__file__), "--rank-child", mode,
                     "--steps", str(steps), "--scale", str(scale), "--out", tmp,
-                ] + (["--meta"] if meta else [])  # fmt: skip
+                ] + (["--meta"] if meta else []) + (["--warm"] if warm else [])  # fmt: skip
                 env = {**os.environ, "OMP_NUM_THREADS": "1"}
                 if mmap is not None:  # a fixed threshold: freed large blocks go back to the OS
                     env["MALLOC_MMAP_THRESHOLD_"] = str(mmap)
@@ -166,7 +199,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         train, mib = r["train_bytes_per_param"], r["train_mib"]
         lines.append(
-            f"| {r['mode']} | {'meta' if r.get('meta') else 'whole'} | {r['ranks']} | "
+            f"| {r['mode']} | {'meta' if r.get('meta') else 'whole'}"
+            f"{', warm' if r.get('warm') else ''} | {r['ranks']} | "
             f"{EXPECTED[r['mode']]:.1f} | "
             f"{'-' if train is None else f'{train:.1f}'} | "
             f"{'-' if mib is None else f'{mib:.0f}'} | "
@@ -184,16 +218,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mmap-threshold", type=int, metavar="BYTES",
                    help="glibc's MALLOC_MMAP_THRESHOLD_ for the ranks")  # fmt: skip
     p.add_argument("--meta", action="store_true", help="build the model on the meta device")
+    p.add_argument("--warm", action="store_true", help="read the runtime after a tiny step")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--rank-child", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.rank_child:
-        res = rank_child(args.rank_child, args.steps, args.scale, args.meta)
+        res = rank_child(args.rank_child, args.steps, args.scale, args.meta, args.warm)
         with open(os.path.join(args.out, f"rank{res['rank']}.json"), "w") as f:
             json.dump(res, f)
         return
-    rows = measure(args.modes, args.ranks, args.steps, args.scale, args.mmap_threshold, args.meta)
+    rows = measure(
+        args.modes, args.ranks, args.steps, args.scale, args.mmap_threshold, args.meta, args.warm
+    )
     mmap = "" if args.mmap_threshold is None else f" · MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}"
     print(
         f"\n{datetime.date.today()} · {machine('cpu')} · torch {torch.__version__} · gloo, "
