@@ -14,7 +14,7 @@ of the fused update built or loaded -- is on the path as a user's first step mee
   ``opt.backward(loss)``, ``opt.clip_grad_norm_(1.0)``, ``opt.step()``;
 * ``lean``: ``initialize`` with ``"lean"``, then three steps (forward, backward, clip, step,
   ``zero_grad``), so that the fused update and the first step's decision of ``gradients="auto"``
-  run (the clip keeps the gradients held); its C source
+  run (the clip keeps them coded in 8 bits); its C source
   (a ``.c`` file of the package that an entered module names) is reported beside it.
 
 Nothing in mixprec is switched: the default configuration a user gets (the test suite's
